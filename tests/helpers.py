@@ -1,0 +1,52 @@
+"""Test helpers: tiny Hugging Face models saved as model folders, and reference outputs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+import vecpool
+
+
+def save_hf_model(hf_model: Any, path: Path, **extra_config: Any) -> Path:
+    """Save a `transformers` model as a safetensors folder; merge `extra_config` into config.json."""
+    hf_model.save_pretrained(str(path), safe_serialization=True)
+    if extra_config:
+        cfg_path = path / "config.json"
+        cfg = json.loads(cfg_path.read_text())
+        cfg.update(extra_config)
+        cfg_path.write_text(json.dumps(cfg))
+    return path
+
+
+def random_prompts(vocab_size: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
+    """Token-id prompts of the given lengths (ids drawn from [1, vocab_size))."""
+    gen = np.random.default_rng(seed)
+    return [gen.integers(1, vocab_size, size=n).tolist() for n in lengths]
+
+
+@torch.no_grad()
+def hf_last_hidden(hf_model: Any, ids: list[int], **kwargs: Any) -> np.ndarray:
+    """`[n, hidden]` final hidden states of one unpadded prompt from a `transformers` model."""
+    out = hf_model(input_ids=torch.tensor([ids]), output_hidden_states=True, **kwargs)
+    hidden = getattr(out, "last_hidden_state", None)
+    if hidden is None:
+        hidden = out.hidden_states[-1]
+    return hidden[0].float().numpy()
+
+
+def engine_hidden(engine: vecpool.Engine, inputs: list[Any]) -> list[np.ndarray]:
+    """Un-normalized final hidden states per token, from one engine call (one flat batch)."""
+    return engine.encode(inputs, task="token_embed", normalize=False)
+
+
+def assert_rel_close(actual: np.ndarray, expected: np.ndarray, rtol: float = 1e-5) -> None:
+    """Max abs difference within `rtol` of the reference's largest magnitude."""
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    scale = float(np.abs(expected).max())
+    diff = float(np.abs(actual - expected).max())
+    assert diff <= rtol * scale, f"max abs diff {diff:.3e} > {rtol:g} * {scale:.3e}"

@@ -1,0 +1,28 @@
+"""vecpool: an inference engine for pooling models (embeddings, scores, token vectors)."""
+
+from vecpool.api import Engine, PoolingOutput
+from vecpool.errors import (
+    ConfigError,
+    EngineError,
+    InputError,
+    ModelLoadError,
+    RequestFailedError,
+    VecpoolError,
+)
+from vecpool.inputs import TextOptions
+from vecpool.tasks import TASKS, PoolingParams
+
+__all__ = [
+    "TASKS",
+    "ConfigError",
+    "Engine",
+    "EngineError",
+    "InputError",
+    "ModelLoadError",
+    "PoolingOutput",
+    "PoolingParams",
+    "RequestFailedError",
+    "TextOptions",
+    "VecpoolError",
+]
+__version__ = "0.1.0"

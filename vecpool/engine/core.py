@@ -1,0 +1,82 @@
+"""The engine loop: schedule, run, pool — and keep going whatever one request does."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+
+from vecpool.engine.request import Request
+from vecpool.engine.scheduler import Scheduler
+from vecpool.errors import EngineError
+from vecpool.runner.model_runner import ModelRunner
+from vecpool.runner.pooling_runner import PoolingRunner
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    """Owns the scheduler and runners. Thread-safe: any thread may add requests or step."""
+
+    def __init__(
+        self, scheduler: Scheduler, model_runner: ModelRunner, pooling_runner: PoolingRunner
+    ):
+        self.scheduler = scheduler
+        self.model_runner = model_runner
+        self.pooling_runner = pooling_runner
+        self._queue_lock = threading.Lock()  # guards the scheduler's queue
+        self._step_lock = threading.Lock()  # one step at a time on the device
+        self._ids = itertools.count()
+
+    def next_request_id(self) -> str:
+        return f"req-{next(self._ids)}"
+
+    def add_request(self, request: Request) -> None:
+        with self._queue_lock:
+            self.scheduler.add(request)
+
+    def has_work(self) -> bool:
+        with self._queue_lock:
+            return self.scheduler.has_work()
+
+    def step(self) -> int:
+        """Run one step; return how many requests it finished or failed."""
+        with self._step_lock:
+            with self._queue_lock:
+                sched = self.scheduler.schedule()
+            if sched.is_empty:
+                return 0
+            try:
+                hidden, batch = self.model_runner.execute(sched)
+                results = self.pooling_runner.pool(hidden, batch, sched)
+            except Exception as exc:  # an engine failure must not take the engine down
+                logger.exception("engine step failed for %d requests", len(sched.chunks))
+                error = EngineError(f"the engine step failed: {type(exc).__name__}: {exc}")
+                for chunk in sched.chunks:
+                    chunk.request.fail(error)
+                return len(sched.chunks)
+            for chunk, result in zip(sched.chunks, results, strict=True):
+                chunk.request.num_computed_tokens += chunk.num_tokens
+                if result.error is not None:
+                    chunk.request.fail(result.error)
+                else:
+                    assert result.output is not None
+                    chunk.request.finish(result.output)
+            return len(sched.chunks)
+
+    def run_until_done(
+        self, requests: list[Request], on_progress: Callable[[int], object] | None = None
+    ) -> None:
+        """Step until every one of `requests` is done; other callers' requests ride along."""
+        remaining = deque(requests)
+        while remaining:
+            if not remaining[0].is_done:
+                self.step()
+            finished = 0
+            while remaining and remaining[0].is_done:
+                remaining.popleft()
+                finished += 1
+            if finished and on_progress is not None:
+                on_progress(finished)

@@ -1,0 +1,322 @@
+"""Input forms -> `Prompt`: tokenization, truncation, instruction prompts, validation.
+
+An input is a string, a list of token ids, a 2-D prompt-embeds tensor wrapped as
+`{"prompt_embeds": tensor}`, or the dict forms `{"prompt": str}` / `{"prompt_token_ids": [...]}`.
+Every error names the input's index in the call and what was wrong with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from tokenizers import Encoding, Tokenizer
+
+from vecpool.errors import InputError
+
+TruncationSide = Literal["left", "right"]
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One validated input: token ids, or prompt embeds that replace the embedding lookup."""
+
+    token_ids: np.ndarray | None  # [num_tokens] int64; None for prompt embeds
+    prompt_embeds: torch.Tensor | None  # [num_tokens, hidden] in the model dtype, on the CPU
+    token_type_ids: np.ndarray | None = None  # [num_tokens] int64, segment ids of a text pair
+
+    @property
+    def num_tokens(self) -> int:
+        if self.token_ids is not None:
+            return int(self.token_ids.shape[0])
+        assert self.prompt_embeds is not None
+        return int(self.prompt_embeds.shape[0])
+
+
+@dataclass(frozen=True)
+class InputLimits:
+    """What the model accepts; set once by the engine."""
+
+    vocab_size: int
+    hidden_size: int
+    max_model_len: int
+    dtype: torch.dtype
+    enable_prompt_embeds: bool
+
+
+@dataclass(frozen=True)
+class TextOptions:
+    """Per-call options of tokenization."""
+
+    truncate_prompt_tokens: int | None = None  # keep this many tokens; -1: the model's limit
+    truncation_side: TruncationSide = "right"  # "right" keeps the start, "left" the end
+    prompt: str | None = None  # instruction prefix for text inputs
+
+
+class TextTokenizer:
+    """A `tokenizers` tokenizer with its file's padding and truncation switched off."""
+
+    def __init__(self, path: Path):
+        self._tok = Tokenizer.from_file(str(path))
+        self._tok.no_padding()
+        self._tok.no_truncation()
+        processor = self._tok.post_processor
+        self.num_special_tokens = processor.num_special_tokens_to_add(False) if processor else 0
+
+    def encode_batch(self, texts: list[str]) -> list[Encoding]:
+        return list(self._tok.encode_batch(texts, add_special_tokens=True))
+
+    def encode_truncated(self, text: str, max_tokens: int, side: TruncationSide) -> Encoding:
+        """Encode keeping the special tokens: only the text's own tokens are cut."""
+        room = max_tokens - self.num_special_tokens
+        if room < 1:
+            raise InputError(
+                f"truncation to {max_tokens} tokens leaves no room besides "
+                f"{self.num_special_tokens} special tokens"
+            )
+        enc = self._tok.encode(text, add_special_tokens=False)
+        enc.truncate(room, direction=side)
+        return self._tok.post_process(enc)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+
+class InputProcessor:
+    """Turns the inputs of one call into validated `Prompt`s (tokenizing texts in one batch)."""
+
+    def __init__(self, limits: InputLimits, tokenizer: TextTokenizer | None):
+        self.limits = limits
+        self.tokenizer = tokenizer
+
+    def process(self, inputs: Sequence[Any], options: TextOptions) -> list[Prompt]:
+        """Validate every input; raise `InputError` naming the first bad one."""
+        kinds: list[tuple[str, Any]] = [_classify(item, i) for i, item in enumerate(inputs)]
+        prompts: list[Prompt | None] = [None] * len(kinds)
+        text_indices = [i for i, (kind, _) in enumerate(kinds) if kind == "text"]
+        if text_indices:
+            for i, prompt in zip(
+                text_indices, self._texts(kinds, text_indices, options), strict=True
+            ):
+                prompts[i] = prompt
+        for i, (kind, value) in enumerate(kinds):
+            if kind == "token_ids":
+                prompts[i] = self._token_ids(value, i, options)
+            elif kind == "prompt_embeds":
+                prompts[i] = self._prompt_embeds(value, i, options)
+        return [p for p in prompts if p is not None]
+
+    def _limit(self, options: TextOptions, index: int) -> int | None:
+        """The truncation length asked for, or None for "do not truncate"."""
+        t = options.truncate_prompt_tokens
+        if t is None:
+            return None
+        if t == -1:
+            return self.limits.max_model_len
+        if t < 1:
+            raise InputError(
+                f"truncate_prompt_tokens must be -1 or a positive count, got {t}",
+                index=index,
+                field="truncate_prompt_tokens",
+            )
+        return min(t, self.limits.max_model_len)
+
+    def _check_length(self, n: int, index: int) -> None:
+        if n == 0:
+            raise InputError("the input is empty (no tokens)", index=index)
+        if n > self.limits.max_model_len:
+            raise InputError(
+                f"the input has {n} tokens, more than the model's limit of "
+                f"{self.limits.max_model_len}; pass truncate_prompt_tokens (-1 for the limit) "
+                "to truncate it",
+                index=index,
+            )
+
+    def _texts(
+        self, kinds: list[tuple[str, Any]], indices: list[int], options: TextOptions
+    ) -> list[Prompt]:
+        if self.tokenizer is None:
+            raise InputError(
+                "text input needs a tokenizer, and the model folder has no tokenizer.json; "
+                "pass token ids or prompt embeds instead",
+                index=indices[0],
+            )
+        texts = []
+        for i in indices:
+            text = kinds[i][1]
+            if not text:
+                raise InputError("the input is an empty string", index=i)
+            texts.append(text if options.prompt is None else options.prompt + text)
+        limit = self._limit(options, indices[0])
+        encodings = self.tokenizer.encode_batch(texts)
+        prompts = []
+        for i, text, enc in zip(indices, texts, encodings, strict=True):
+            if limit is not None and len(enc.ids) > limit:
+                try:
+                    enc = self.tokenizer.encode_truncated(text, limit, options.truncation_side)
+                except InputError as exc:
+                    raise exc.at(i) from None
+            self._check_length(len(enc.ids), i)
+            prompts.append(
+                Prompt(
+                    token_ids=np.asarray(enc.ids, dtype=np.int64),
+                    prompt_embeds=None,
+                    token_type_ids=np.asarray(enc.type_ids, dtype=np.int64),
+                )
+            )
+        return prompts
+
+    def _token_ids(self, value: Any, index: int, options: TextOptions) -> Prompt:
+        ids = _as_id_array(value, index)
+        ids = _truncate(ids, self._limit(options, index), options.truncation_side)
+        self._check_length(int(ids.shape[0]), index)
+        bad = np.flatnonzero((ids < 0) | (ids >= self.limits.vocab_size))
+        if bad.size:
+            pos = int(bad[0])
+            raise InputError(
+                f"token id {int(ids[pos])} at position {pos} is outside the vocabulary "
+                f"[0, {self.limits.vocab_size})",
+                index=index,
+                field="prompt_token_ids",
+            )
+        return Prompt(token_ids=ids, prompt_embeds=None)
+
+    def _prompt_embeds(self, value: Any, index: int, options: TextOptions) -> Prompt:
+        limits = self.limits
+        field = "prompt_embeds"
+        if not limits.enable_prompt_embeds:
+            raise InputError(
+                "prompt embeds are disabled on this engine (enable_prompt_embeds=False)",
+                index=index,
+                field=field,
+            )
+        if isinstance(value, np.ndarray):
+            if not np.issubdtype(value.dtype, np.floating):
+                raise InputError(
+                    f"expected a floating-point array, got dtype {value.dtype}",
+                    index=index,
+                    field=field,
+                )
+            value = torch.from_numpy(np.ascontiguousarray(value))
+        if not isinstance(value, torch.Tensor):
+            raise InputError(
+                f"expected a torch.Tensor or numpy array, got {type(value).__name__}",
+                index=index,
+                field=field,
+            )
+        if not value.is_floating_point():
+            raise InputError(
+                f"expected a floating-point tensor, got {value.dtype}", index=index, field=field
+            )
+        if value.dim() != 2:
+            raise InputError(
+                f"expected a 2-D tensor [num_tokens, {limits.hidden_size}], got shape "
+                f"{list(value.shape)}",
+                index=index,
+                field=field,
+            )
+        if value.shape[1] != limits.hidden_size:
+            raise InputError(
+                f"hidden size {value.shape[1]} does not match the model's {limits.hidden_size}",
+                index=index,
+                field=field,
+            )
+        value = _truncate(value, self._limit(options, index), options.truncation_side)
+        self._check_length(int(value.shape[0]), index)
+        embeds = value.detach().to(device="cpu", dtype=limits.dtype).contiguous()
+        if not bool(torch.isfinite(embeds).all()):
+            source_finite = bool(torch.isfinite(value).all())
+            why = "is not finite in the model dtype" if source_finite else "contains NaN or inf"
+            raise InputError(f"the tensor {why}", index=index, field=field)
+        return Prompt(token_ids=None, prompt_embeds=embeds)
+
+
+def _classify(item: Any, index: int) -> tuple[str, Any]:
+    """(kind, value) of one input: kind is "text", "token_ids" or "prompt_embeds"."""
+    if isinstance(item, str):
+        return "text", item
+    if isinstance(item, Mapping):
+        keys = set(item)
+        known = {"prompt", "prompt_token_ids", "prompt_embeds"}
+        if len(keys) != 1 or not keys <= known:
+            raise InputError(
+                f"a dict input needs exactly one of the keys {sorted(known)}, got {sorted(map(str, keys))}",
+                index=index,
+            )
+        (key,) = keys
+        value = item[key]
+        if key == "prompt":
+            if not isinstance(value, str):
+                raise InputError(
+                    f"'prompt' must be a string, got {type(value).__name__}", index=index
+                )
+            return "text", value
+        return ("token_ids" if key == "prompt_token_ids" else "prompt_embeds"), value
+    if isinstance(item, torch.Tensor | np.ndarray):
+        if item.ndim == 1 and not _is_float(item):
+            return "token_ids", item
+        raise InputError(
+            "a bare tensor is ambiguous; wrap prompt embeds as {'prompt_embeds': tensor}",
+            index=index,
+        )
+    if isinstance(item, Sequence):
+        return "token_ids", item
+    raise InputError(
+        f"unsupported input type {type(item).__name__}; expected a string, a list of token ids "
+        "or a dict with 'prompt', 'prompt_token_ids' or 'prompt_embeds'",
+        index=index,
+    )
+
+
+def _is_float(x: torch.Tensor | np.ndarray) -> bool:
+    if isinstance(x, torch.Tensor):
+        return x.is_floating_point()
+    return bool(np.issubdtype(x.dtype, np.floating))
+
+
+def _as_id_array(value: Any, index: int) -> np.ndarray:
+    field = "prompt_token_ids"
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu().numpy()
+    if isinstance(value, np.ndarray):
+        if value.ndim != 1 or not np.issubdtype(value.dtype, np.integer):
+            raise InputError(
+                f"token ids must be a 1-D integer array, got shape {list(value.shape)} dtype {value.dtype}",
+                index=index,
+                field=field,
+            )
+        return value.astype(np.int64)
+    if isinstance(value, str | bytes) or not isinstance(value, Sequence):
+        raise InputError(
+            f"token ids must be a list of ints, got {type(value).__name__}",
+            index=index,
+            field=field,
+        )
+    if len(value) == 0:
+        return np.zeros(0, dtype=np.int64)
+    try:
+        arr = np.asarray(value)
+    except (ValueError, OverflowError) as exc:
+        raise InputError(
+            f"token ids must be a flat list of ints ({exc})", index=index, field=field
+        ) from None
+    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+        raise InputError(
+            f"token ids must be a flat list of ints, got elements of type {arr.dtype}",
+            index=index,
+            field=field,
+        )
+    return arr.astype(np.int64)
+
+
+def _truncate(x: Any, limit: int | None, side: TruncationSide) -> Any:
+    if limit is None or x.shape[0] <= limit:
+        return x
+    return x[-limit:] if side == "left" else x[:limit]

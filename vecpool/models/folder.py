@@ -1,0 +1,144 @@
+"""Reading a Hugging Face style model folder, sentence-transformers files included."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vecpool.errors import ModelLoadError
+
+_ST_POOLING_MODES = {
+    "pooling_mode_cls_token": "CLS",
+    "pooling_mode_mean_tokens": "MEAN",
+    "pooling_mode_max_tokens": "MAX",
+    "pooling_mode_lasttoken": "LAST",
+}
+_ST_UNSUPPORTED_MODES = ("pooling_mode_mean_sqrt_len_tokens", "pooling_mode_weightedmean_tokens")
+
+
+@dataclass(frozen=True)
+class DenseSpec:
+    """One sentence-transformers `Dense` module: a linear projection after pooling."""
+
+    path: Path  # the module's folder
+    in_features: int
+    out_features: int
+    bias: bool
+    activation: str  # the torch class path ST stores, e.g. "torch.nn.modules.activation.Tanh"
+
+
+@dataclass(frozen=True)
+class ModelFolder:
+    """Everything vecpool reads from a model folder except the weights themselves."""
+
+    path: Path
+    hf_config: dict[str, Any]
+    architecture: str
+    tokenizer_file: Path | None
+    tokenizer_config: dict[str, Any] = field(default_factory=dict)
+    is_sentence_transformers: bool = False  # modules.json present
+    pooling: str | None = None  # "CLS" | "MEAN" | "LAST" | "MAX" from 1_Pooling, if any
+    dense: tuple[DenseSpec, ...] = ()
+    normalize: bool = False  # a Normalize module follows pooling
+    prompts: dict[str, str] = field(default_factory=dict)
+    default_prompt_name: str | None = None
+    max_seq_length: int | None = None  # sentence_bert_config.json
+
+    @classmethod
+    def load(cls, path: str | Path) -> ModelFolder:
+        root = Path(path)
+        if not root.is_dir():
+            raise ModelLoadError(f"model folder {str(root)!r} does not exist or is not a folder")
+        hf_config = _read_json(root / "config.json", required=True)
+        architectures = hf_config.get("architectures") or []
+        if not architectures:
+            raise ModelLoadError(f"{root / 'config.json'} has no 'architectures' entry")
+        tokenizer_file = root / "tokenizer.json"
+        folder: dict[str, Any] = {
+            "path": root,
+            "hf_config": hf_config,
+            "architecture": str(architectures[0]),
+            "tokenizer_file": tokenizer_file if tokenizer_file.is_file() else None,
+            "tokenizer_config": _read_json(root / "tokenizer_config.json"),
+        }
+        modules = _read_json(root / "modules.json", default=None)
+        if modules is not None:
+            folder.update(_read_sentence_transformers(root, modules))
+        return cls(**folder)
+
+
+def _read_json(path: Path, *, required: bool = False, default: Any = ...) -> Any:
+    if not path.is_file():
+        if required:
+            raise ModelLoadError(f"the model folder has no {path.name} (looked for {path})")
+        return {} if default is ... else default
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"cannot read {path}: {exc}") from None
+
+
+def _read_sentence_transformers(root: Path, modules: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {"is_sentence_transformers": True, "dense": (), "normalize": False}
+    dense: list[DenseSpec] = []
+    for module in modules:
+        kind = str(module.get("type", "")).rsplit(".", 1)[-1]
+        module_dir = root / str(module.get("path", ""))
+        if kind == "Transformer":
+            continue
+        if kind == "Pooling":
+            out["pooling"] = _read_pooling(module_dir)
+        elif kind == "Dense":
+            cfg = _read_json(module_dir / "config.json", required=True)
+            dense.append(
+                DenseSpec(
+                    path=module_dir,
+                    in_features=int(cfg["in_features"]),
+                    out_features=int(cfg["out_features"]),
+                    bias=bool(cfg.get("bias", True)),
+                    activation=str(
+                        cfg.get("activation_function", "torch.nn.modules.linear.Identity")
+                    ),
+                )
+            )
+        elif kind == "Normalize":
+            out["normalize"] = True
+        else:
+            raise ModelLoadError(
+                f"{root / 'modules.json'}: sentence-transformers module {kind!r} is not supported "
+                "(supported: Transformer, Pooling, Dense, Normalize)"
+            )
+    out["dense"] = tuple(dense)
+    st_config = _read_json(root / "config_sentence_transformers.json")
+    out["prompts"] = {str(k): str(v) for k, v in (st_config.get("prompts") or {}).items()}
+    default_prompt = st_config.get("default_prompt_name")
+    if default_prompt is not None and default_prompt not in out["prompts"]:
+        raise ModelLoadError(
+            f"default_prompt_name {default_prompt!r} is not one of the prompts "
+            f"{sorted(out['prompts'])} in config_sentence_transformers.json"
+        )
+    out["default_prompt_name"] = default_prompt
+    bert_config = _read_json(root / "sentence_bert_config.json")
+    if bert_config.get("max_seq_length") is not None:
+        out["max_seq_length"] = int(bert_config["max_seq_length"])
+    return out
+
+
+def _read_pooling(module_dir: Path) -> str:
+    cfg = _read_json(module_dir / "config.json", required=True)
+    for key in _ST_UNSUPPORTED_MODES:
+        if cfg.get(key):
+            raise ModelLoadError(f"{module_dir / 'config.json'}: {key} is not supported")
+    if cfg.get("include_prompt") is False:
+        raise ModelLoadError(
+            f"{module_dir / 'config.json'}: include_prompt=false (excluding instruction tokens "
+            "from pooling) is not supported"
+        )
+    modes = [mode for key, mode in _ST_POOLING_MODES.items() if cfg.get(key)]
+    if len(modes) != 1:
+        raise ModelLoadError(
+            f"{module_dir / 'config.json'}: expected exactly one pooling mode, found {modes or 'none'}"
+        )
+    return modes[0]

@@ -1,0 +1,121 @@
+"""Layers shared by the architectures: activations, norms, rotary embeddings, gated MLP."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vecpool.config import hf_get
+from vecpool.errors import ConfigError
+
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu": F.gelu,
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_fast": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+    "silu": F.silu,
+    "swish": F.silu,
+}
+
+
+def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The activation function a Hugging Face config names (`hidden_act`)."""
+    fn = _ACTIVATIONS.get(name)
+    if fn is None:
+        raise ConfigError(f"activation {name!r} is not supported; known: {sorted(_ACTIVATIONS)}")
+    return fn
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in float32. `unit_offset` scales by (1 + weight) (Gemma)."""
+
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.eps = eps
+        self.unit_offset = unit_offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (h * (1.0 + self.weight.float())).to(dtype)
+        return self.weight * h.to(dtype)
+
+
+class GatedMLP(nn.Module):
+    """`down(act(gate(x)) * up(x))`, the decoder MLP."""
+
+    def __init__(self, hidden: int, intermediate: int, act: str, bias: bool = False):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.act = activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Rotary:
+    """Rotary position embedding: inverse frequencies from the config, cos/sin per step."""
+
+    def __init__(self, head_dim: int, hf: dict[str, Any]):
+        params = dict(hf.get("rope_parameters") or {})
+        scaling = dict(hf.get("rope_scaling") or {})
+        params = {**scaling, **params}
+        base = float(
+            hf_get(params, "rope_theta", default=hf_get(hf, "rope_theta", default=10000.0))
+        )
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if float(hf.get("partial_rotary_factor", 1.0)) != 1.0:
+            raise ConfigError(
+                "partial rotary embeddings (partial_rotary_factor < 1) are not supported"
+            )
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        inv_freq = 1.0 / (base**exponents)  # [head_dim / 2] float32
+        if rope_type == "linear":
+            inv_freq = inv_freq / float(params["factor"])
+        elif rope_type == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, params)
+        elif rope_type != "default":
+            raise ConfigError(f"rope type {rope_type!r} is not supported (default, linear, llama3)")
+        self.inv_freq = inv_freq
+        self._device_inv_freq: torch.Tensor | None = None
+
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`[num_tokens, head_dim]` cos and sin for `positions` (`[num_tokens]`), in `dtype`."""
+        inv_freq = self._device_inv_freq
+        if inv_freq is None or inv_freq.device != positions.device:
+            inv_freq = self._device_inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, head_dim / 2] float32
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
+    factor = float(params["factor"])
+    low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])
+    old_len = float(params["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate `x` (`[num_tokens, heads, head_dim]`) by per-token `cos`/`sin` (`[num_tokens, head_dim]`)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]

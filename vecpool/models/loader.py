@@ -1,0 +1,97 @@
+"""Strict weight loading: build on the meta device, stream safetensors, name every mismatch."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from vecpool.errors import ModelLoadError
+from vecpool.models.base import PoolingModel
+from vecpool.models.folder import ModelFolder
+from vecpool.models.registry import model_class
+
+_MAX_NAMES = 10
+
+
+def load_model(folder: ModelFolder, device: torch.device, dtype: torch.dtype) -> PoolingModel:
+    """Build the folder's architecture and fill every parameter from its safetensors files."""
+    cls = model_class(folder.architecture)
+    with torch.device("meta"):
+        model = cls.from_hf_config(folder.hf_config)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    load_safetensors(model, safetensors_files(folder.path))
+    model.post_load()
+    return model.eval().requires_grad_(False)
+
+
+def safetensors_files(root: Path) -> list[Path]:
+    """The weight files of a folder: the index's shards if there is one, else every *.safetensors."""
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [root / shard for shard in shards]
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no *.safetensors weights in {root} (other formats are not read)")
+    return files
+
+
+def load_safetensors(model: PoolingModel, files: list[Path]) -> None:
+    """Copy every tensor of `files` into `model`; raise naming any missing, unexpected or
+    mis-shaped tensor."""
+    params = dict(model.named_parameters())
+    filled: set[str] = set()
+    unexpected: list[str] = []
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                name = _parameter_name(model, key, params)
+                if name is None:
+                    if not _is_unused(model, key):
+                        unexpected.append(f"{key} ({path.name})")
+                    continue
+                tensor = f.get_tensor(key)
+                param = params[name]
+                if tuple(tensor.shape) != tuple(param.shape):
+                    raise ModelLoadError(
+                        f"{path.name}: tensor {key!r} has shape {list(tensor.shape)}, but "
+                        f"{type(model).__name__} expects {list(param.shape)} for {name!r}"
+                    )
+                with torch.no_grad():
+                    param.copy_(tensor)
+                filled.add(name)
+    if unexpected:
+        raise ModelLoadError(f"unexpected tensors for {type(model).__name__}: {_names(unexpected)}")
+    for name, source in model.tied_weights.items():
+        if name in params and name not in filled and source in filled:
+            with torch.no_grad():
+                params[name].copy_(params[source])
+            filled.add(name)
+    missing = sorted(set(params) - filled)
+    if missing:
+        raise ModelLoadError(f"missing tensors for {type(model).__name__}: {_names(missing)}")
+
+
+def _parameter_name(
+    model: PoolingModel, key: str, params: dict[str, torch.nn.Parameter]
+) -> str | None:
+    if key in params:
+        return key
+    for prefix in model.checkpoint_prefixes:
+        if key.startswith(prefix) and key[len(prefix) :] in params:
+            return key[len(prefix) :]
+    return None
+
+
+def _is_unused(model: PoolingModel, key: str) -> bool:
+    stripped = [key] + [key[len(p) :] for p in model.checkpoint_prefixes if key.startswith(p)]
+    return any(s.startswith(u) for s in stripped for u in model.unused_checkpoint_keys)
+
+
+def _names(names: list[str]) -> str:
+    shown = ", ".join(names[:_MAX_NAMES])
+    more = len(names) - _MAX_NAMES
+    return f"{shown} (and {more} more)" if more > 0 else shown

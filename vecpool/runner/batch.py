@@ -1,0 +1,101 @@
+"""One flat, unpadded batch: every scheduled token of a step, concatenated."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from vecpool.engine.scheduler import SchedulerOutput
+from vecpool.models.attention import AttentionMetadata
+from vecpool.pooling.poolers import PoolingMetadata
+
+
+@dataclass
+class FlatBatch:
+    """The tensors of one step. Built by `build_flat_batch`; read by the model and poolers."""
+
+    input_ids: torch.Tensor  # [num_tokens] int64; 0 on rows that take prompt embeds
+    positions: torch.Tensor  # [num_tokens] int64: each token's position in its prompt
+    token_type_ids: torch.Tensor | None  # [num_tokens] int64, when the model reads them
+    embeds_rows: torch.Tensor | None  # [num_embeds_tokens] int64: rows that take prompt embeds
+    prompt_embeds: torch.Tensor | None  # [num_embeds_tokens, hidden] in the model dtype
+    attn: AttentionMetadata
+    pooling: PoolingMetadata
+    has_token_ids: list[bool]  # [num_seqs]: False where the prompt came as embeddings
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+def build_flat_batch(
+    sched: SchedulerOutput,
+    device: torch.device,
+    *,
+    use_varlen: bool,
+    with_token_types: bool,
+) -> FlatBatch:
+    """Concatenate the scheduled chunks into flat tensors on `device`."""
+    chunks = sched.chunks
+    lengths = np.fromiter((c.num_tokens for c in chunks), dtype=np.int64, count=len(chunks))
+    starts = np.fromiter((c.start for c in chunks), dtype=np.int64, count=len(chunks))
+    cu = np.zeros(len(chunks) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=cu[1:])
+    num_tokens = int(cu[-1])
+    seq_ids = np.repeat(np.arange(len(chunks)), lengths)
+    pos_in_seq = np.arange(num_tokens) - np.repeat(cu[:-1], lengths)
+    positions = pos_in_seq + np.repeat(starts, lengths)
+
+    ids_parts: list[np.ndarray] = []
+    type_parts: list[np.ndarray] = []
+    embeds_parts: list[torch.Tensor] = []
+    embeds_rows_parts: list[np.ndarray] = []
+    for c, offset in zip(chunks, cu[:-1], strict=True):
+        prompt = c.request.prompt
+        end = c.start + c.num_tokens
+        if prompt.token_ids is not None:
+            ids_parts.append(prompt.token_ids[c.start : end])
+        else:
+            assert prompt.prompt_embeds is not None
+            ids_parts.append(np.zeros(c.num_tokens, dtype=np.int64))
+            embeds_parts.append(prompt.prompt_embeds[c.start : end])
+            embeds_rows_parts.append(np.arange(offset, offset + c.num_tokens))
+        if with_token_types:
+            types = prompt.token_type_ids
+            type_parts.append(
+                types[c.start : end]
+                if types is not None
+                else np.zeros(c.num_tokens, dtype=np.int64)
+            )
+
+    def to_device(array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(device, non_blocking=True)
+
+    cu_device = to_device(cu)
+    seq_ids_device = to_device(seq_ids)
+    input_ids = to_device(np.concatenate(ids_parts))
+    return FlatBatch(
+        input_ids=input_ids,
+        positions=to_device(positions),
+        token_type_ids=to_device(np.concatenate(type_parts)) if with_token_types else None,
+        embeds_rows=to_device(np.concatenate(embeds_rows_parts)) if embeds_parts else None,
+        prompt_embeds=torch.cat(embeds_parts).to(device, non_blocking=True)
+        if embeds_parts
+        else None,
+        attn=AttentionMetadata(
+            cu_seqlens=cu_device.to(torch.int32),
+            max_seqlen=int(lengths.max()),
+            seq_ids=seq_ids_device,
+            pos_in_seq=to_device(pos_in_seq),
+            use_varlen=use_varlen,
+        ),
+        pooling=PoolingMetadata(
+            cu_seqlens=cu_device,
+            lengths=to_device(lengths),
+            seq_ids=seq_ids_device,
+            input_ids=input_ids,
+        ),
+        has_token_ids=[c.request.prompt.token_ids is not None for c in chunks],
+    )

@@ -1,0 +1,42 @@
+"""The model runner: owns the model and device, turns a schedule into hidden states.
+
+Only code common to every model belongs here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vecpool.engine.scheduler import SchedulerOutput
+from vecpool.models.attention import varlen_available
+from vecpool.models.base import PoolingModel
+from vecpool.runner.batch import FlatBatch, build_flat_batch
+
+
+class ModelRunner:
+    def __init__(self, model: PoolingModel, device: torch.device, dtype: torch.dtype):
+        self.model = model
+        self.device = device
+        self.dtype = dtype
+        self.use_varlen = varlen_available(device, dtype)
+
+    @torch.inference_mode()
+    def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """`[n]` ids -> `[n, hidden]`: the model's own input embeddings (model dtype)."""
+        return self.model.embed_input_ids(token_ids.to(self.device))
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor, FlatBatch]:
+        """Run one step: `[num_tokens, hidden]` final hidden states and the batch they came from."""
+        batch = build_flat_batch(
+            sched,
+            self.device,
+            use_varlen=self.use_varlen,
+            with_token_types=self.model.uses_token_type_ids,
+        )
+        x = self.model.embed_input_ids(batch.input_ids)
+        if batch.prompt_embeds is not None:
+            assert batch.embeds_rows is not None
+            x.index_copy_(0, batch.embeds_rows, batch.prompt_embeds)
+        hidden = self.model(x, batch.positions, batch.attn, batch.token_type_ids)
+        return hidden, batch

@@ -1,0 +1,97 @@
+"""Task declarations and per-request pooling parameters.
+
+Each task is declared once, here: what its output is, which request parameters it accepts,
+whether its requests need token ids, whether it may be chunked. Code that serves a task reads
+the declaration at the point of use; nothing else decides on a task's behalf.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from vecpool.errors import InputError
+
+
+@dataclass(frozen=True)
+class PoolingParams:
+    """What one request asks of the pooling stage. `None` means "as the model says"."""
+
+    task: str = "embed"
+    dimensions: int | None = None  # matryoshka truncation of the output vector(s)
+    normalize: bool | None = None  # L2-normalize the output vector(s)
+    step_tag_id: int | None = None  # token_embed: keep only positions holding this token id
+
+    def set_fields(self) -> list[str]:
+        """Names of the parameters this request sets (everything but `task`)."""
+        return [
+            f.name for f in fields(self) if f.name != "task" and getattr(self, f.name) is not None
+        ]
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """The declaration of one task."""
+
+    name: str
+    per_token: bool  # output is one row per (selected) token rather than one per sequence
+    accepted_params: frozenset[str]
+    requires_token_ids: bool  # every request of the task needs its token ids
+    # Parameters that, when set, make a request need its token ids (e.g. STEP selection).
+    token_id_params: frozenset[str]
+    chunkable: bool  # may a long prompt be split across engine steps
+    summary: str
+
+    def needs_token_ids(self, params: PoolingParams) -> bool:
+        """Whether a request with `params` can only be served from token ids."""
+        if self.requires_token_ids:
+            return True
+        return any(getattr(params, name) is not None for name in self.token_id_params)
+
+    def check_params(self, params: PoolingParams, index: int | None = None) -> None:
+        """Raise `InputError` for a parameter this task does not accept."""
+        for name in params.set_fields():
+            if name not in self.accepted_params:
+                accepted = ", ".join(sorted(self.accepted_params)) or "none"
+                raise InputError(
+                    f"task {self.name!r} does not accept parameter {name!r} "
+                    f"(it accepts: {accepted})",
+                    index=index,
+                    field=name,
+                )
+
+
+TASKS: dict[str, TaskSpec] = {
+    spec.name: spec
+    for spec in (
+        TaskSpec(
+            name="embed",
+            per_token=False,
+            accepted_params=frozenset({"dimensions", "normalize"}),
+            requires_token_ids=False,
+            token_id_params=frozenset(),
+            chunkable=True,
+            summary="one dense vector per input (the model's pooling, dense head, normalize)",
+        ),
+        TaskSpec(
+            name="token_embed",
+            per_token=True,
+            accepted_params=frozenset({"dimensions", "normalize", "step_tag_id"}),
+            requires_token_ids=False,
+            token_id_params=frozenset({"step_tag_id"}),
+            chunkable=True,
+            summary="one vector per token; with step_tag_id only at positions holding that id",
+        ),
+    )
+}
+
+
+def get_task(name: str, index: int | None = None) -> TaskSpec:
+    """The declaration of task `name`, or an `InputError` listing the known tasks."""
+    spec = TASKS.get(name)
+    if spec is None:
+        raise InputError(
+            f"unknown task {name!r}; known tasks: {', '.join(sorted(TASKS))}",
+            index=index,
+            field="task",
+        )
+    return spec
