@@ -24,9 +24,9 @@ def save_hf_model(hf_model: Any, path: Path, **extra_config: Any) -> Path:
 
 
 def random_prompts(vocab_size: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
-    """Token-id prompts of the given lengths (ids drawn from [1, vocab_size))."""
+    """Token-id prompts of the given lengths (ids drawn from [3, vocab_size): no pad or specials)."""
     gen = np.random.default_rng(seed)
-    return [gen.integers(1, vocab_size, size=n).tolist() for n in lengths]
+    return [gen.integers(3, vocab_size, size=n).tolist() for n in lengths]
 
 
 @torch.no_grad()

@@ -307,13 +307,17 @@ def _as_id_array(value: Any, index: int) -> np.ndarray:
         raise InputError(
             f"token ids must be a flat list of ints ({exc})", index=index, field=field
         ) from None
-    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer) or _has_bool(value):
         raise InputError(
             f"token ids must be a flat list of ints, got elements of type {arr.dtype}",
             index=index,
             field=field,
         )
     return arr.astype(np.int64)
+
+
+def _has_bool(values: Sequence[Any]) -> bool:
+    return any(isinstance(v, bool | np.bool_) for v in values)
 
 
 def _truncate(x: Any, limit: int | None, side: TruncationSide) -> Any:

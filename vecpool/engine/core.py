@@ -29,6 +29,7 @@ class EngineCore:
         self._queue_lock = threading.Lock()  # guards the scheduler's queue
         self._step_lock = threading.Lock()  # one step at a time on the device
         self._ids = itertools.count()
+        self.num_steps = 0  # steps that ran a batch
 
     def next_request_id(self) -> str:
         return f"req-{next(self._ids)}"
@@ -48,6 +49,7 @@ class EngineCore:
                 sched = self.scheduler.schedule()
             if sched.is_empty:
                 return 0
+            self.num_steps += 1
             try:
                 hidden, batch = self.model_runner.execute(sched)
                 results = self.pooling_runner.pool(hidden, batch, sched)

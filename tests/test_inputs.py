@@ -1,0 +1,169 @@
+"""Bad inputs give clear errors naming the input; the engine stays usable afterwards."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import vecpool
+from tests.helpers import random_prompts
+
+
+@pytest.fixture
+def engine(tiny_bert_engine: vecpool.Engine) -> vecpool.Engine:
+    yield tiny_bert_engine
+    # Whatever the test did, the same engine still serves a good call.
+    out = tiny_bert_engine.embed(random_prompts(99, [4, 8]))
+    assert out.shape == (2, 32) and np.isfinite(out).all()
+
+
+GOOD = [5, 6, 7]
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        (
+            {"prompt_embeds": torch.zeros(4, 16)},
+            r"input 1 \(prompt_embeds\): hidden size 16 does not match the model's 32",
+        ),
+        (
+            {"prompt_embeds": torch.zeros(32)},
+            r"input 1 \(prompt_embeds\): expected a 2-D tensor \[num_tokens, 32\], got shape \[32\]",
+        ),
+        (
+            {"prompt_embeds": torch.zeros(1, 4, 32)},
+            r"input 1 \(prompt_embeds\): expected a 2-D tensor .* got shape \[1, 4, 32\]",
+        ),
+        (
+            {"prompt_embeds": torch.full((3, 32), float("nan"))},
+            r"input 1 \(prompt_embeds\): the tensor contains NaN or inf",
+        ),
+        (
+            {"prompt_embeds": torch.tensor([[float("inf")] * 32])},
+            r"input 1 \(prompt_embeds\): the tensor contains NaN or inf",
+        ),
+        ({"prompt_embeds": torch.zeros(0, 32)}, r"input 1: the input is empty"),
+        (
+            {"prompt_embeds": torch.zeros(3, 32, dtype=torch.int64)},
+            r"input 1 \(prompt_embeds\): expected a floating-point tensor",
+        ),
+        (
+            {"prompt_embeds": [[0.0] * 32]},
+            r"input 1 \(prompt_embeds\): expected a torch.Tensor or numpy array, got list",
+        ),
+        ([], r"input 1: the input is empty"),
+        (
+            [5, 99],
+            r"input 1 \(prompt_token_ids\): token id 99 at position 1 is outside the vocabulary \[0, 99\)",
+        ),
+        ([-1], r"input 1 \(prompt_token_ids\): token id -1 at position 0"),
+        ([1.5, 2], r"input 1 \(prompt_token_ids\): token ids must be a flat list of ints"),
+        ([True, 2], r"input 1 \(prompt_token_ids\): token ids must be a flat list of ints"),
+        (
+            list(range(3, 3 + 65)),
+            r"input 1: the input has 65 tokens, more than the model's limit of 64; pass truncate_prompt_tokens",
+        ),
+        (
+            {"prompt": "a", "prompt_embeds": None},
+            r"input 1: a dict input needs exactly one of the keys",
+        ),
+        ({"text": "a"}, r"input 1: a dict input needs exactly one of the keys"),
+        (3.5, r"input 1: unsupported input type float"),
+        (torch.zeros(4, 32), r"input 1: a bare tensor is ambiguous"),
+    ],
+)
+def test_bad_input_names_its_index(engine: vecpool.Engine, bad, message: str) -> None:
+    with pytest.raises(vecpool.InputError, match=message) as info:
+        engine.embed([GOOD, bad, GOOD])
+    assert isinstance(info.value, ValueError)
+    assert info.value.index == 1
+
+
+def test_text_without_tokenizer_is_a_clear_error(engine: vecpool.Engine) -> None:
+    with pytest.raises(vecpool.InputError, match="input 0: text input needs a tokenizer"):
+        engine.embed(["hello", GOOD])
+
+
+def test_half_precision_overflow_is_caught(tmp_path, tiny_bert) -> None:
+    engine = vecpool.Engine(tiny_bert[0], device="cpu", dtype="float16")
+    with pytest.raises(vecpool.InputError, match="not finite in the model dtype"):
+        engine.embed([{"prompt_embeds": torch.full((2, 32), 1e6)}])
+
+
+def test_prompt_embeds_can_be_switched_off(tiny_bert) -> None:
+    engine = vecpool.Engine(tiny_bert[0], device="cpu", enable_prompt_embeds=False)
+    with pytest.raises(vecpool.InputError, match=r"input 0 .*prompt embeds are disabled"):
+        engine.embed([{"prompt_embeds": torch.zeros(2, 32)}])
+
+
+def test_prompt_embeds_accept_any_float_dtype(engine: vecpool.Engine) -> None:
+    ids = random_prompts(99, [6], seed=9)[0]
+    lookup = engine.embed_tokens(ids)
+    ref = engine.embed([ids])
+    for cast in (torch.float64, torch.float32):
+        out = engine.embed([{"prompt_embeds": lookup.to(cast)}])
+        assert np.array_equal(out, ref)
+    from_numpy = engine.embed([{"prompt_embeds": lookup.double().numpy()}])
+    assert np.array_equal(from_numpy, ref)
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_truncation_of_ids_and_embeds(engine: vecpool.Engine, side: str) -> None:
+    ids = random_prompts(99, [40], seed=10)[0]
+    kept = ids[:16] if side == "right" else ids[-16:]
+    expected = engine.embed([kept])
+    got_ids = engine.embed([ids], truncate_prompt_tokens=16, truncation_side=side)
+    got_embeds = engine.embed(
+        [{"prompt_embeds": engine.embed_tokens(ids)}],
+        truncate_prompt_tokens=16,
+        truncation_side=side,
+    )
+    assert np.array_equal(got_ids, expected)
+    assert np.array_equal(got_embeds, expected)
+
+
+def test_empty_text_is_an_error(minilm: vecpool.Engine) -> None:
+    with pytest.raises(vecpool.InputError, match="input 1: the input is an empty string"):
+        minilm.embed(["fine", "", "fine"])
+
+
+def test_text_truncation_keeps_special_tokens(minilm: vecpool.Engine) -> None:
+    text = "one two three four five six seven eight"
+    full = minilm.tokenize(text)
+    assert full[0] == 101 and full[-1] == 102  # [CLS] ... [SEP]
+    right = minilm.embed([text], truncate_prompt_tokens=5)
+    left = minilm.embed([text], truncate_prompt_tokens=5, truncation_side="left")
+    assert np.array_equal(right, minilm.embed([[101, *full[1:4], 102]]))
+    assert np.array_equal(left, minilm.embed([[101, *full[-4:-1], 102]]))
+    with pytest.raises(vecpool.InputError, match="input 0: truncation to 2 tokens leaves no room"):
+        minilm.embed([text], truncate_prompt_tokens=2)
+
+
+def test_parameters_are_checked_against_the_task(engine: vecpool.Engine) -> None:
+    with pytest.raises(
+        vecpool.InputError,
+        match=r"input 0 \(step_tag_id\): task 'embed' does not accept parameter 'step_tag_id'",
+    ):
+        engine.encode([GOOD], task="embed", step_tag_id=5)
+    with pytest.raises(
+        vecpool.InputError, match=r"task: unknown task 'frobnicate'; known tasks: .*embed"
+    ):
+        engine.encode([GOOD], task="frobnicate")
+    with pytest.raises(
+        vecpool.InputError,
+        match=r"input 0 \(dimensions\): dimensions=33 must be between 1 and the model's output size 32",
+    ):
+        engine.embed([GOOD], dimensions=33)
+    with pytest.raises(
+        vecpool.InputError, match=r"truncate_prompt_tokens must be -1 or a positive count"
+    ):
+        engine.embed([GOOD], truncate_prompt_tokens=0)
+
+
+def test_single_inputs_and_empty_calls(engine: vecpool.Engine) -> None:
+    assert engine.embed(GOOD).shape == (1, 32)
+    assert engine.embed({"prompt_token_ids": GOOD}).shape == (1, 32)
+    assert engine.embed(np.asarray(GOOD)).shape == (1, 32)
+    assert engine.embed([]).shape == (0, 32)

@@ -1,0 +1,89 @@
+"""The real default model (all-MiniLM-L6-v2) against sentence-transformers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from sentence_transformers import SentenceTransformer
+
+import vecpool
+
+SENTENCES = [
+    "A man is eating food.",
+    "A man is eating a piece of bread.",
+    "The girl is carrying a baby.",
+    "A man is riding a horse.",
+    "A woman is playing violin.",
+    "Two men pushed carts through the woods.",
+    "A man is riding a white horse on an enclosed ground.",
+    "A monkey is playing drums.",
+]
+
+
+@pytest.fixture(scope="module")
+def st_model(default_model_dir: Path) -> SentenceTransformer:
+    return SentenceTransformer(str(default_model_dir), device="cpu")
+
+
+def test_embed_matches_sentence_transformers(minilm: vecpool.Engine, st_model) -> None:
+    ours = minilm.embed(SENTENCES)
+    ref = st_model.encode(SENTENCES, convert_to_numpy=True)
+    assert ours.shape == (len(SENTENCES), 384)
+    assert ours.dtype == np.float32
+    assert np.abs(ours - ref).max() < 1e-5
+    np.testing.assert_allclose(np.linalg.norm(ours, axis=1), 1.0, atol=1e-6)
+
+
+def test_paraphrases_are_closer_than_unrelated(minilm: vecpool.Engine) -> None:
+    v = minilm.embed(
+        [
+            "How do I bake sourdough bread at home?",
+            "What is the way to make sourdough bread in my kitchen?",
+            "The stock market fell sharply on Tuesday.",
+        ]
+    )
+    sim = v @ v.T
+    assert sim[0, 1] > 0.7
+    assert sim[0, 1] > sim[0, 2] + 0.4
+
+
+def test_long_text_truncation_matches_sentence_transformers(
+    minilm: vecpool.Engine, st_model
+) -> None:
+    # sentence-transformers truncates at max_seq_length (256); so do we when asked to.
+    long_text = " ".join(["the quick brown fox jumps over the lazy dog"] * 60)
+    with pytest.raises(vecpool.InputError, match=r"input 1: .*more than the model's limit of 256"):
+        minilm.embed(["short", long_text])
+    ours = minilm.embed([long_text], truncate_prompt_tokens=-1)
+    ref = st_model.encode([long_text])
+    assert np.abs(ours - ref).max() < 1e-5
+
+
+def test_mixed_text_ids_and_embeds_are_bit_exact(minilm: vecpool.Engine) -> None:
+    ids = [minilm.tokenize(s) for s in SENTENCES[:4]]
+    as_text = minilm.embed(SENTENCES[:4])
+    as_ids = minilm.embed(ids)
+    mixed = minilm.embed(
+        [
+            SENTENCES[0],
+            ids[1],
+            {"prompt_embeds": minilm.embed_tokens(ids[2])},
+            {"prompt_token_ids": ids[3]},
+        ]
+    )
+    all_embeds = minilm.embed([{"prompt_embeds": minilm.embed_tokens(i)} for i in ids])
+    assert np.array_equal(as_text, as_ids)
+    assert np.array_equal(as_text, mixed)
+    assert np.array_equal(as_text, all_embeds)
+
+
+def test_dimensions_truncate_then_renormalize(minilm: vecpool.Engine) -> None:
+    full = minilm.embed(SENTENCES[:3], normalize=False)
+    short = minilm.embed(SENTENCES[:3], dimensions=64)
+    assert short.shape == (3, 64)
+    expected = full[:, :64] / np.linalg.norm(full[:, :64], axis=1, keepdims=True)
+    assert np.abs(short - expected).max() < 1e-6
+    raw = minilm.embed(SENTENCES[:3], dimensions=64, normalize=False)
+    assert np.abs(raw - full[:, :64]).max() == 0.0
