@@ -1,0 +1,188 @@
+"""The engine loop: token budget, request cap, threads, strict loading, ST model folders."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from sentence_transformers import SentenceTransformer
+
+import vecpool
+from tests.conftest import make_st_folder
+from tests.helpers import random_prompts
+from vecpool.config import SchedulerConfig
+from vecpool.engine.request import Request
+from vecpool.engine.scheduler import Scheduler
+from vecpool.inputs import Prompt
+from vecpool.tasks import TASKS, PoolingParams
+
+
+def _request(n: int) -> Request:
+    prompt = Prompt(token_ids=np.arange(n), prompt_embeds=None)
+    return Request(f"r{n}", prompt, PoolingParams(), TASKS["embed"])
+
+
+def test_scheduler_respects_budget_and_cap() -> None:
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=20, max_num_seqs=3))
+    for n in (8, 8, 5, 2, 2, 2, 9):
+        scheduler.add(_request(n))
+    steps = []
+    while scheduler.has_work():
+        out = scheduler.schedule()
+        steps.append([c.num_tokens for c in out.chunks])
+        assert out.num_batched_tokens <= 20 and len(out.chunks) <= 3
+        assert all(c.is_last and c.start == 0 for c in out.chunks)
+    assert steps == [[8, 8], [5, 2, 2], [2, 9]]
+
+
+def test_small_budget_gives_the_same_results(tiny_bert) -> None:
+    big = vecpool.Engine(tiny_bert[0], device="cpu")
+    small = vecpool.Engine(tiny_bert[0], device="cpu", max_num_batched_tokens=64, max_num_seqs=2)
+    prompts = random_prompts(99, [30, 5, 64, 17, 2, 41, 9], seed=11)
+    before = small.core.num_steps
+    a, b = big.embed(prompts), small.embed(prompts)
+    assert small.core.num_steps - before >= 4
+    assert np.abs(a - b).max() <= 1e-6
+
+
+def test_budget_below_model_length_is_rejected(tiny_bert) -> None:
+    with pytest.raises(
+        vecpool.ConfigError, match="max_num_batched_tokens=32 is below max_model_len=64"
+    ):
+        vecpool.Engine(tiny_bert[0], device="cpu", max_num_batched_tokens=32)
+
+
+def test_concurrent_callers_share_the_engine(tiny_bert_engine: vecpool.Engine) -> None:
+    engine = tiny_bert_engine
+    groups = [random_prompts(99, [3 + i, 20 - i, 7], seed=20 + i) for i in range(6)]
+    expected = [engine.embed(g) for g in groups]
+    results: dict[int, np.ndarray] = {}
+    errors: list[BaseException] = []
+
+    def call(i: int) -> None:
+        try:
+            if i == 5:  # one caller sends a bad input; nobody else notices
+                with pytest.raises(vecpool.InputError):
+                    engine.embed([[1, 2], {"prompt_embeds": torch.zeros(2, 5)}])
+            results[i] = engine.embed(groups[i])
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for i in range(6):
+        assert np.abs(results[i] - expected[i]).max() <= 1e-6
+
+
+def test_engine_failure_fails_the_step_not_the_engine(tiny_bert_engine, monkeypatch) -> None:
+    engine = tiny_bert_engine
+    prompts = random_prompts(99, [4, 6], seed=30)
+    expected = engine.embed(prompts)
+    original = engine.model_runner.execute
+
+    def broken(sched):
+        raise RuntimeError("device fell over")
+
+    monkeypatch.setattr(engine.model_runner, "execute", broken)
+    with pytest.raises(vecpool.EngineError, match="device fell over"):
+        engine.embed(prompts)
+    monkeypatch.setattr(engine.model_runner, "execute", original)
+    assert np.array_equal(engine.embed(prompts), expected)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        ("drop", r"missing tensors for BertModel: encoder.layer.1.output.dense.weight"),
+        (
+            "extra",
+            r"unexpected tensors for BertModel: encoder.layer.9.weight \(model.safetensors\)",
+        ),
+        (
+            "shape",
+            r"model.safetensors: tensor 'encoder.layer.0.intermediate.dense.bias' has shape \[5\], but BertModel expects \[37\]",
+        ),
+    ],
+)
+def test_loading_is_strict(tmp_path: Path, tiny_bert, edit: str, message: str) -> None:
+    src = tiny_bert[0]
+    for f in src.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    state = load_file(str(src / "model.safetensors"))
+    if edit == "drop":
+        del state["encoder.layer.1.output.dense.weight"]
+    elif edit == "extra":
+        state["encoder.layer.9.weight"] = torch.zeros(2)
+    else:
+        state["encoder.layer.0.intermediate.dense.bias"] = torch.zeros(5)
+    save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(vecpool.ModelLoadError, match=message):
+        vecpool.Engine(tmp_path, device="cpu")
+
+
+def test_unknown_architecture_and_missing_folder(tmp_path: Path) -> None:
+    with pytest.raises(vecpool.ModelLoadError, match="does not exist"):
+        vecpool.Engine(tmp_path / "nope", device="cpu")
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["T5Model"]}))
+    with pytest.raises(vecpool.ConfigError, match="architecture 'T5Model' is not supported"):
+        vecpool.Engine(tmp_path, device="cpu")
+
+
+SENTENCES = ["query: what is a pooling model?", "a cat sat on the mat", "vectors and scores"]
+
+
+@pytest.mark.parametrize(
+    ("pooling", "dense_out", "normalize"),
+    [
+        ("pooling_mode_cls_token", 24, False),
+        ("pooling_mode_mean_tokens", None, True),
+        ("pooling_mode_max_tokens", 16, True),
+        ("pooling_mode_lasttoken", None, False),
+    ],
+)
+def test_sentence_transformers_folder_matches_reference(
+    tmp_path: Path, default_model_dir: Path, pooling: str, dense_out, normalize: bool
+) -> None:
+    folder = make_st_folder(
+        tmp_path / "st",
+        default_model_dir,
+        pooling=pooling,
+        dense_out=dense_out,
+        normalize=normalize,
+    )
+    ours = vecpool.Engine(folder, device="cpu").embed(SENTENCES)
+    ref = SentenceTransformer(str(folder), device="cpu").encode(SENTENCES)
+    assert ours.shape == ref.shape == (3, dense_out or 32)
+    assert np.abs(ours - ref).max() < 1e-5
+    norms = np.linalg.norm(ours, axis=1)
+    assert np.allclose(norms, 1.0, atol=1e-6) == normalize
+
+
+def test_instruction_prompts_by_name(tmp_path: Path, default_model_dir: Path) -> None:
+    prompts = {"query": "query: ", "passage": "passage: "}
+    folder = make_st_folder(
+        tmp_path / "st", default_model_dir, prompts=prompts, default_prompt_name="query"
+    )
+    engine = vecpool.Engine(folder, device="cpu")
+    st = SentenceTransformer(str(folder), device="cpu")
+    texts = ["how do magnets work", "magnets attract iron"]
+    default = engine.embed(texts)
+    assert np.abs(default - st.encode(texts)).max() < 1e-5  # ST applies the default prompt too
+    passage = engine.embed(texts, prompt_name="passage")
+    assert np.abs(passage - st.encode(texts, prompt_name="passage")).max() < 1e-5
+    assert np.array_equal(engine.embed(texts, prompt="passage: "), passage)
+    assert engine.tokenize("x", prompt_name="passage") == engine.tokenize("passage: x", prompt="")
+    assert engine.tokenize("x") == engine.tokenize("query: x", prompt="")
+    with pytest.raises(
+        vecpool.InputError, match="unknown prompt name 'doc'; the model's prompts: passage, query"
+    ):
+        engine.embed(texts, prompt_name="doc")
