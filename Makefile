@@ -30,7 +30,7 @@ run: setup
 	$(VENV)/bin/vecpool embed
 
 lint: setup-test
-	$(VENV)/bin/ruff check vecpool tests
+	$(VENV)/bin/ruff check vecpool tests benchmarks
 	$(VENV)/bin/mypy
 
 test: lint

@@ -209,6 +209,20 @@ class Engine:
         Invalid inputs (bad shape, unknown parameter, ...) still raise `InputError` before
         anything runs, since nothing of the call can be trusted then.
         """
+        requests = self.make_requests(inputs, params, options)
+        # Longest first: steps of similar lengths waste less, and memory peaks early.
+        for request in sorted(requests, key=lambda r: -r.num_prompt_tokens):
+            self.core.add_request(request)
+        show = show_progress if show_progress is not None else len(requests) >= PROGRESS_THRESHOLD
+        with tqdm(total=len(requests), disable=not show, desc=params.task, unit="input") as bar:
+            self.core.run_until_done(requests, on_progress=bar.update)
+        return [outcome(r) for r in requests]
+
+    def make_requests(
+        self, inputs: Any, params: PoolingParams, options: TextOptions | None = None
+    ) -> list[Request]:
+        """Validate and tokenize `inputs` into requests (not yet submitted); `InputError` on
+        the first bad input. Safe to call from any thread."""
         items = _as_input_list(inputs)
         task = get_task(params.task)
         prompts = self.inputs.process(items, options or TextOptions())
@@ -225,21 +239,7 @@ class Engine:
                     user_data=index,
                 )
             )
-        # Longest first: steps of similar lengths waste less, and memory peaks early.
-        for request in sorted(requests, key=lambda r: -r.num_prompt_tokens):
-            self.core.add_request(request)
-        show = show_progress if show_progress is not None else len(requests) >= PROGRESS_THRESHOLD
-        with tqdm(total=len(requests), disable=not show, desc=params.task, unit="input") as bar:
-            self.core.run_until_done(requests, on_progress=bar.update)
-        return [
-            PoolingOutput(
-                index=i,
-                data=r.output,
-                error=r.error.at(i) if isinstance(r.error, InputError) else r.error,
-                num_prompt_tokens=r.num_prompt_tokens,
-            )
-            for i, r in enumerate(requests)
-        ]
+        return requests
 
     def embed_tokens(self, token_ids: Sequence[int] | torch.Tensor | np.ndarray) -> torch.Tensor:
         """`[n, hidden]` (CPU, model dtype): the model's own input embeddings of `token_ids`.
@@ -294,6 +294,17 @@ class Engine:
                 index=index,
                 field="dimensions",
             )
+
+
+def outcome(request: Request) -> PoolingOutput:
+    """The `PoolingOutput` of a done request whose `user_data` is its index in its call."""
+    index = int(request.user_data)
+    error = request.error
+    if isinstance(error, InputError):
+        error = error.at(index)
+    return PoolingOutput(
+        index=index, data=request.output, error=error, num_prompt_tokens=request.num_prompt_tokens
+    )
 
 
 def _as_input_list(inputs: Any) -> list[Any]:

@@ -1,0 +1,169 @@
+"""Throughput of `Engine.embed` against sentence-transformers, in one process, on the same data.
+
+    python benchmarks/bench_embed.py [--model DIR | --bert-base] [--device cuda] [--n 20000]
+
+Both sides embed the same texts on the same device and dtype; each is run `--repeats` times
+after a warm-up, and the report gives the median inputs/s of each, their ratio, the raw
+timings, and the largest difference between the two sides' vectors. `--bert-base` builds a
+BERT-base-sized sentence-transformers folder with random weights and the default model's
+tokenizer, to measure a model where the GPU has real work to do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+import vecpool
+from vecpool.api import default_model_path
+
+WORDS = (
+    "the a of to and in is that for on with as by at from this it be are was an or which "
+    "model vector pooling engine batch token attention layer score query document search "
+    "retrieval dense sparse embedding language neural network training inference latency "
+    "throughput memory device kernel sequence length budget request server client cache"
+).split()
+
+
+def make_texts(n: int, seed: int = 0, min_words: int = 4, max_words: int = 180) -> list[str]:
+    """`n` texts with word counts spread log-uniformly (many short, some long), as in real traffic."""
+    gen = np.random.default_rng(seed)
+    counts = np.exp(gen.uniform(np.log(min_words), np.log(max_words), size=n)).astype(int)
+    return [" ".join(gen.choice(WORDS, size=c)) for c in counts]
+
+
+def make_bert_base_folder(dest: Path, tokenizer_from: Path) -> Path:
+    """A BERT-base sized ST folder (random weights, mean pooling, normalize)."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(
+        hidden_size=768,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        intermediate_size=3072,
+        vocab_size=30522,
+    )
+    transformers.BertModel(cfg).save_pretrained(str(dest), safe_serialization=True)
+    src = tokenizer_from
+    for name in (
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "vocab.txt",
+        "special_tokens_map.json",
+        "modules.json",
+        "sentence_bert_config.json",
+        "config_sentence_transformers.json",
+    ):
+        shutil.copy(src / name, dest / name)
+    shutil.copytree(src / "1_Pooling", dest / "1_Pooling")
+    pooling = json.loads((dest / "1_Pooling" / "config.json").read_text())
+    pooling["word_embedding_dimension"] = 768
+    (dest / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+    return dest
+
+
+def timed(fn: Any, repeats: int, sync: bool) -> tuple[list[float], Any]:
+    fn()  # warm-up
+    times, out = [], None
+    for _ in range(repeats):
+        if sync:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = fn()
+        if sync:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return times, out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", type=Path, default=None)
+    parser.add_argument(
+        "--bert-base", action="store_true", help="random BERT-base with --model's tokenizer files"
+    )
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default=None, help="default: float16 on CUDA, float32 on CPU")
+    parser.add_argument("--n", type=int, default=2000)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--st-batch-size", type=int, default=128)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    parser.add_argument("--output", type=Path, default=None, help="write the raw report as JSON")
+    args = parser.parse_args()
+
+    from sentence_transformers import SentenceTransformer
+
+    tmp = None
+    if args.bert_base:
+        tmp = tempfile.mkdtemp()
+        model_dir = make_bert_base_folder(Path(tmp), args.model or default_model_path())
+    else:
+        model_dir = args.model or default_model_path()
+    dtype = args.dtype or ("float16" if args.device.startswith("cuda") else "float32")
+    torch_dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[
+        dtype
+    ]
+    texts = make_texts(args.n)
+    sync = args.device.startswith("cuda")
+
+    engine = vecpool.Engine(
+        model_dir,
+        device=args.device,
+        dtype=dtype,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
+    st = SentenceTransformer(str(model_dir), device=args.device)
+    st.to(torch_dtype)
+    num_tokens = sum(len(engine.tokenize(t, prompt="")) for t in texts[: min(len(texts), 2000)])
+    num_tokens = int(num_tokens * len(texts) / min(len(texts), 2000))
+
+    ours_t, ours = timed(
+        lambda: engine.embed(texts, truncate_prompt_tokens=-1, show_progress=False),
+        args.repeats,
+        sync,
+    )
+    ref_t, ref = timed(
+        lambda: st.encode(texts, batch_size=args.st_batch_size, convert_to_numpy=True),
+        args.repeats,
+        sync,
+    )
+    ours_med, ref_med = statistics.median(ours_t), statistics.median(ref_t)
+    cos = np.sum(ours * ref, axis=1) / (np.linalg.norm(ours, axis=1) * np.linalg.norm(ref, axis=1))
+    report = {
+        "model": "bert-base (random weights)"
+        if args.bert_base
+        else engine.folder.hf_config.get("_name_or_path", str(model_dir)),
+        "device": torch.cuda.get_device_name() if sync else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "dtype": dtype,
+        "num_inputs": len(texts),
+        "approx_tokens": num_tokens,
+        "vecpool_seconds": ours_t,
+        "sentence_transformers_seconds": ref_t,
+        "vecpool_inputs_per_s_median": len(texts) / ours_med,
+        "sentence_transformers_inputs_per_s_median": len(texts) / ref_med,
+        "speedup_median": ref_med / ours_med,
+        "max_abs_diff": float(np.abs(ours - ref).max()),
+        "min_cosine": float(cos.min()),
+    }
+    print(json.dumps(report, indent=2))
+    if args.output:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps(report, indent=2) + "\n")
+    if tmp:
+        shutil.rmtree(tmp)
+
+
+if __name__ == "__main__":
+    main()

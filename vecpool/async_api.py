@@ -1,0 +1,122 @@
+"""An asyncio front over `Engine`, for servers: the engine loop runs in its own thread; requests are futures.
+
+Tokenization and validation run in a thread pool, off the event loop; the loop thread steps the
+engine whenever work is queued; a finished request resolves its future on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from vecpool.api import Engine, PoolingOutput, outcome
+from vecpool.engine.request import Request
+from vecpool.errors import VecpoolError
+from vecpool.inputs import TextOptions
+from vecpool.tasks import PoolingParams
+
+logger = logging.getLogger(__name__)
+
+
+class QueueFullError(VecpoolError):
+    """The engine's queue holds `max_queued` requests already; try again later."""
+
+
+class AsyncEngine:
+    """Wraps an `Engine` for concurrent async callers. Call `start()` once, `shutdown()` at exit."""
+
+    def __init__(self, engine: Engine, *, max_queued: int = 4096, tokenizer_threads: int = 4):
+        self.engine = engine
+        self.max_queued = max_queued
+        self._executor = ThreadPoolExecutor(tokenizer_threads, thread_name_prefix="vecpool-inputs")
+        self._wake = threading.Condition()
+        self._queued = 0  # requests submitted and not yet done
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="vecpool-engine", daemon=True)
+
+    @property
+    def num_queued(self) -> int:
+        return self._queued
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        with self._wake:
+            self._stopping = True
+            self._wake.notify_all()
+        self._thread.join(timeout=30)
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def make_requests(
+        self, inputs: Any, params: PoolingParams, options: TextOptions | None = None
+    ) -> list[Request]:
+        """Validate and tokenize in the thread pool; raises `InputError` like `Engine`."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._executor, self.engine.make_requests, inputs, params, options
+        )
+
+    async def run(self, requests: list[Request]) -> list[PoolingOutput]:
+        """Queue `requests` and wait for all of them. Cancelling the caller (e.g. a client that
+        disconnected) cancels its requests: waiting ones never run."""
+        with self._wake:
+            if self._queued + len(requests) > self.max_queued:
+                raise QueueFullError(
+                    f"the queue is full ({self._queued} of {self.max_queued} requests waiting)"
+                )
+            self._queued += len(requests)
+        loop = asyncio.get_running_loop()
+        futures = []
+        for request in requests:
+            future: asyncio.Future[Request] = loop.create_future()
+            request.add_done_callback(_resolver(loop, future))
+            request.add_done_callback(self._on_done)
+            futures.append(future)
+        for request in sorted(requests, key=lambda r: -r.num_prompt_tokens):
+            self.engine.core.add_request(request)
+        with self._wake:
+            self._wake.notify()
+        try:
+            done = await asyncio.gather(*futures)
+        except asyncio.CancelledError:
+            for request in requests:
+                request.cancel()
+            raise
+        return [outcome(r) for r in done]
+
+    async def pool(
+        self, inputs: Any, params: PoolingParams, options: TextOptions | None = None
+    ) -> list[PoolingOutput]:
+        return await self.run(await self.make_requests(inputs, params, options))
+
+    def _on_done(self, request: Request) -> None:
+        with self._wake:
+            self._queued -= 1
+
+    def _loop(self) -> None:
+        core = self.engine.core
+        while True:
+            with self._wake:
+                while not self._stopping and not core.has_work():
+                    self._wake.wait()
+                if self._stopping:
+                    return
+            try:
+                core.step()
+            except Exception:  # the loop thread must outlive any one step
+                logger.exception("engine step raised outside the model; continuing")
+
+
+def _resolver(loop: asyncio.AbstractEventLoop, future: asyncio.Future[Request]) -> Any:
+    def resolve(request: Request) -> None:
+        def set_result() -> None:
+            if not future.done():
+                future.set_result(request)
+
+        loop.call_soon_threadsafe(set_result)
+
+    return resolve
