@@ -225,11 +225,12 @@ class Engine:
         the first bad input. Safe to call from any thread."""
         items = _as_input_list(inputs)
         task = get_task(params.task)
+        # Parameters belong to the whole call: checked once, before any input is touched.
+        task.check_params(params)
+        self._check_dimensions(params)
         prompts = self.inputs.process(items, options or TextOptions())
         requests = []
         for index, prompt in enumerate(prompts):
-            task.check_params(params, index)
-            self._check_dimensions(params, index)
             requests.append(
                 Request(
                     request_id=self.core.next_request_id(),
@@ -277,21 +278,19 @@ class Engine:
             )
         return self.folder.prompts[name]
 
-    def _check_dimensions(self, params: PoolingParams, index: int) -> None:
+    def _check_dimensions(self, params: PoolingParams) -> None:
         d = params.dimensions
         if d is None:
             return
         if not 1 <= d <= self.output_dim:
             raise InputError(
                 f"dimensions={d} must be between 1 and the model's output size {self.output_dim}",
-                index=index,
                 field="dimensions",
             )
         if self.matryoshka_dimensions is not None and d not in self.matryoshka_dimensions:
             raise InputError(
                 f"dimensions={d} is not one of the model's matryoshka dimensions "
                 f"{list(self.matryoshka_dimensions)}",
-                index=index,
                 field="dimensions",
             )
 
