@@ -95,9 +95,7 @@ class Engine:
         self.hidden_size = self.model.hidden_size
         self.output_dim = dense.output_dim(self.hidden_size)
         self.defaults = PoolingDefaults(
-            pooler=(
-                pooling or self.folder.pooling or ("LAST" if self.model.is_causal else "CLS")
-            ).upper(),
+            pooler=(pooling or self.folder.pooling or self.model.default_pooler).upper(),
             normalize=normalize
             if normalize is not None
             else (self.folder.normalize if self.folder.is_sentence_transformers else True),

@@ -19,10 +19,12 @@ class PoolingModel(nn.Module):
 
     # Prefixes a checkpoint may carry before our parameter names ("bert." from a *For* class).
     checkpoint_prefixes: ClassVar[tuple[str, ...]] = ()
-    # Checkpoint entries we knowingly leave unused (matched as prefixes after prefix removal).
+    # Checkpoint entries we knowingly leave unused: glob patterns (after prefix removal).
     unused_checkpoint_keys: ClassVar[tuple[str, ...]] = ()
     # Parameters that share storage with another when the checkpoint omits them (tied heads).
     tied_weights: ClassVar[dict[str, str]] = {}
+    # Parameters a checkpoint may lack; the loader calls `drop_parameter` for each one missing.
+    optional_parameters: ClassVar[tuple[str, ...]] = ()
 
     hidden_size: int
     vocab_size: int
@@ -47,6 +49,15 @@ class PoolingModel(nn.Module):
         token_type_ids: torch.Tensor | None = None,  # [num_tokens] int64, encoders only
     ) -> torch.Tensor:  # [num_tokens, hidden] final hidden states
         raise NotImplementedError
+
+    @property
+    def default_pooler(self) -> str:
+        """Sequence pooling when the folder does not say: LAST for causal models, else CLS."""
+        return "LAST" if self.is_causal else "CLS"
+
+    def drop_parameter(self, name: str) -> None:
+        """Forget optional parameter `name`, which the checkpoint does not have."""
+        raise NotImplementedError(name)
 
     def post_load(self) -> None:
         """Called once the weights are in place (e.g. to tie or derive tensors)."""

@@ -133,7 +133,7 @@ class BertEncoder(nn.Module):
 
 class BertModel(PoolingModel):
     checkpoint_prefixes = ("bert.",)
-    unused_checkpoint_keys = ("pooler.", "embeddings.position_ids", "embeddings.token_type_ids")
+    unused_checkpoint_keys = ("pooler.*", "embeddings.position_ids", "embeddings.token_type_ids")
     is_causal = False
     uses_token_type_ids = True
 

@@ -79,7 +79,9 @@ class Rotary:
             raise ConfigError(
                 "partial rotary embeddings (partial_rotary_factor < 1) are not supported"
             )
-        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        # On the CPU explicitly: models are built under `torch.device("meta")`, and these
+        # frequencies are real values, not parameters the loader fills.
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
         inv_freq = 1.0 / (base**exponents)  # [head_dim / 2] float32
         if rope_type == "linear":
             inv_freq = inv_freq / float(params["factor"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from fnmatch import fnmatchcase
 from pathlib import Path
 
 import torch
@@ -71,6 +72,9 @@ def load_safetensors(model: PoolingModel, files: list[Path]) -> None:
                 params[name].copy_(params[source])
             filled.add(name)
     missing = sorted(set(params) - filled)
+    for name in [n for n in missing if n in model.optional_parameters]:
+        model.drop_parameter(name)
+        missing.remove(name)
     if missing:
         raise ModelLoadError(f"missing tensors for {type(model).__name__}: {_names(missing)}")
 
@@ -88,7 +92,7 @@ def _parameter_name(
 
 def _is_unused(model: PoolingModel, key: str) -> bool:
     stripped = [key] + [key[len(p) :] for p in model.checkpoint_prefixes if key.startswith(p)]
-    return any(s.startswith(u) for s in stripped for u in model.unused_checkpoint_keys)
+    return any(fnmatchcase(s, u) for s in stripped for u in model.unused_checkpoint_keys)
 
 
 def _names(names: list[str]) -> str:

@@ -16,8 +16,8 @@ _REGISTRY: dict[str, tuple[str, str]] = {
     "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
     "LlamaModel": ("llama", "LlamaModel"),
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
-    "MistralModel": ("llama", "LlamaModel"),
-    "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MistralModel": ("llama", "MistralModel"),
+    "MistralForCausalLM": ("llama", "MistralForCausalLM"),
     "Gemma2Model": ("gemma2", "Gemma2Model"),
     "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM"),
 }

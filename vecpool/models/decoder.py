@@ -1,0 +1,323 @@
+"""What the decoder architectures share: config reading, attention, the pre-norm layer, the model.
+
+Qwen3, Llama/Mistral and Gemma2 differ in a handful of options (q/k norms, biases, sliding
+windows, soft-capping, sandwich norms, embedding scale); each architecture file reads its
+`config.json` into a `DecoderConfig` and, where its layer differs, subclasses `DecoderLayer`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cache
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vecpool.config import hf_get
+from vecpool.errors import ConfigError
+from vecpool.models.attention import AttentionMetadata, flat_attention
+from vecpool.models.base import PoolingModel
+from vecpool.models.layers import GatedMLP, RMSNorm, Rotary, apply_rotary
+
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    """A decoder's shape and options, read once from its Hugging Face config."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_act: str
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    is_causal: bool
+    # Per layer, the `window` given to `flat_attention` (None: the whole sequence).
+    layer_windows: tuple[int | None, ...]
+    attention_bias: bool = False  # on q/k/v/o projections
+    mlp_bias: bool = False
+    qk_norm: bool = False  # RMSNorm over head_dim on q and k, before rotary (Qwen3)
+    attn_scale: float | None = None  # None: head_dim ** -0.5
+    attn_softcap: float | None = None  # tanh soft-capping of attention logits (Gemma2)
+    final_softcap: float | None = None  # tanh soft-capping of lm_head logits (Gemma2)
+    norm_unit_offset: bool = False  # norms scale by (1 + weight) (Gemma)
+    embed_scale: float | None = None  # inputs are multiplied by this (Gemma: sqrt(hidden_size))
+
+    def __post_init__(self) -> None:
+        if self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads != 0:
+            raise ConfigError(
+                f"num_attention_heads={self.num_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_kv_heads}"
+            )
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_windows)
+
+    @property
+    def scale(self) -> float:
+        return self.attn_scale if self.attn_scale is not None else self.head_dim**-0.5
+
+
+def read_config(
+    hf: dict[str, Any],
+    *,
+    defaults: dict[str, Any],
+    layer_types: Sequence[str] | None,
+    sliding_window: int | None,
+    **options: Any,
+) -> DecoderConfig:
+    """The fields every decoder shares, from `hf`; `defaults` are the architecture's own
+    Hugging Face defaults for keys a config.json may leave out; `options` set (or override)
+    the rest."""
+    check_supported(hf)
+
+    def get(key: str) -> Any:
+        value = hf_get(hf, key, default=defaults.get(key))
+        if value is None:
+            raise ConfigError(f"config.json has no {key!r}")
+        return value
+
+    num_heads = int(get("num_attention_heads"))
+    hidden_size = int(get("hidden_size"))
+    num_layers = int(get("num_hidden_layers"))
+    causal = not is_bidirectional(hf)
+    if layer_types is None:
+        layer_types = [FULL_ATTENTION] * num_layers
+    if len(layer_types) != num_layers:
+        raise ConfigError(
+            f"layer_types has {len(layer_types)} entries for num_hidden_layers={num_layers}"
+        )
+    fields: dict[str, Any] = dict(
+        vocab_size=int(get("vocab_size")),
+        hidden_size=hidden_size,
+        intermediate_size=int(get("intermediate_size")),
+        num_heads=num_heads,
+        num_kv_heads=int(hf_get(hf, "num_key_value_heads", default=num_heads)),
+        head_dim=int(hf_get(hf, "head_dim", default=defaults.get("head_dim", 0)))
+        or hidden_size // num_heads,
+        hidden_act=str(options.pop("hidden_act", None) or get("hidden_act")),
+        rms_norm_eps=float(get("rms_norm_eps")),
+        max_position_embeddings=int(get("max_position_embeddings")),
+        tie_word_embeddings=bool(get("tie_word_embeddings")),
+        is_causal=causal,
+        layer_windows=layer_windows(layer_types, sliding_window, causal),
+    )
+    return DecoderConfig(**{**fields, **options})
+
+
+def check_supported(hf: dict[str, Any]) -> None:
+    """Raise `ConfigError` naming a config feature the decoders do not implement."""
+    if hf.get("quantization_config"):
+        method = hf["quantization_config"].get("quant_method", "unknown")
+        raise ConfigError(
+            f"quantized checkpoints (quantization_config: {method}) are not supported"
+        )
+    rope = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+    if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ConfigError("partial rotary embeddings (partial_rotary_factor < 1) are not supported")
+    if hf.get("is_causal") is True and hf.get("use_bidirectional_attention") is True:
+        raise ConfigError(
+            "config.json sets both is_causal=true and use_bidirectional_attention=true"
+        )
+
+
+def is_bidirectional(hf: dict[str, Any]) -> bool:
+    """Whether the config turns the decoder's attention non-causal (embedding fine-tunes)."""
+    return hf.get("is_causal") is False or hf.get("use_bidirectional_attention") is True
+
+
+def layer_windows(
+    layer_types: Sequence[str], sliding_window: int | None, causal: bool
+) -> tuple[int | None, ...]:
+    """Each layer's `flat_attention` window. Causal: query i sees keys j with i - j < W, as
+    Hugging Face's sliding-window mask; bidirectional: |i - j| <= W, as Hugging Face's
+    bidirectional sliding-window mask, which is a window of W + 1 in `flat_attention`'s terms."""
+    unknown = sorted(set(layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION})
+    if unknown:
+        raise ConfigError(
+            f"layer_types {unknown} are not supported ({FULL_ATTENTION}, {SLIDING_ATTENTION})"
+        )
+    if sliding_window is not None and sliding_window < 1:
+        raise ConfigError(f"sliding_window must be positive, got {sliding_window}")
+    window = None if sliding_window is None else sliding_window + (0 if causal else 1)
+    return tuple(window if t == SLIDING_ATTENTION else None for t in layer_types)
+
+
+class DecoderAttention(nn.Module):
+    """Grouped-query self-attention with rotary positions, over a flat batch."""
+
+    def __init__(self, c: DecoderConfig, window: int | None):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.causal = c.is_causal
+        self.scale = c.scale
+        self.window = window
+        self.softcap = c.attn_softcap
+        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        self.q_proj = nn.Linear(c.hidden_size, q_size, bias=c.attention_bias)
+        self.k_proj = nn.Linear(c.hidden_size, kv_size, bias=c.attention_bias)
+        self.v_proj = nn.Linear(c.hidden_size, kv_size, bias=c.attention_bias)
+        self.o_proj = nn.Linear(q_size, c.hidden_size, bias=c.attention_bias)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if c.qk_norm:
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, c.norm_unit_offset)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, c.norm_unit_offset)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden]
+        cos: torch.Tensor,  # [num_tokens, head_dim]
+        sin: torch.Tensor,  # [num_tokens, head_dim]
+        attn: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        n = x.shape[0]
+        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = flat_attention(
+            q,
+            k,
+            v,
+            attn,
+            causal=self.causal,
+            scale=self.scale,
+            window=self.window,
+            softcap=self.softcap,
+        )
+        return self.o_proj(out.reshape(n, -1))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: `x + attn(norm(x))`, then `x + mlp(norm(x))` (Llama, Mistral, Qwen3)."""
+
+    def __init__(self, c: DecoderConfig, window: int | None):
+        super().__init__()
+        self.self_attn = DecoderAttention(c, window)
+        self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act, bias=c.mlp_bias)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, c.norm_unit_offset)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, c.norm_unit_offset)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(PoolingModel):
+    """`embed_tokens`, `layers`, `norm`: the base model of a decoder checkpoint.
+
+    Also serves checkpoints saved from the `*ForCausalLM` class (`model.` prefix).
+    """
+
+    checkpoint_prefixes = ("model.",)
+    unused_checkpoint_keys: ClassVar[tuple[str, ...]] = ("*.rotary_emb.inv_freq",)
+    layer_class: ClassVar[type[DecoderLayer]] = DecoderLayer
+
+    def __init__(self, c: DecoderConfig, rotary: Rotary):
+        super().__init__()
+        self.config = c
+        self.hidden_size = c.hidden_size
+        self.vocab_size = c.vocab_size
+        self.max_positions = c.max_position_embeddings
+        self.is_causal = c.is_causal
+        self.rotary = rotary
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(self.layer_class(c, w) for w in c.layer_windows)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, c.norm_unit_offset)
+
+    @classmethod
+    def from_hf_config(cls, hf: dict[str, Any]) -> PoolingModel:
+        c = cls.config_from_hf(hf)
+        return cls(c, Rotary(c.head_dim, hf))
+
+    @classmethod
+    def config_from_hf(cls, hf: dict[str, Any]) -> DecoderConfig:
+        """The architecture's reading of its config.json."""
+        raise NotImplementedError
+
+    @property
+    def default_pooler(self) -> str:
+        return "LAST" if self.is_causal else "MEAN"
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        if self.config.embed_scale is not None:  # Gemma: scaled in the lookup, as in transformers
+            x = x * _in_dtype(self.config.embed_scale, x.dtype)
+        return x
+
+    def forward(
+        self,
+        inputs_embeds: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        token_type_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        x = inputs_embeds
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, attn)
+        return self.norm(x)
+
+
+class DecoderForCausalLM(DecoderModel):
+    """The base model's parameters plus `lm_head`, from a `*ForCausalLM` checkpoint.
+
+    The base parameters sit at the top level (not under `model.`) so that both checkpoint
+    layouts load: `model.`-prefixed ones, and embedding models that store the base model's
+    names under a `*ForCausalLM` architecture. With `tie_word_embeddings` the logits use
+    `embed_tokens.weight` itself (no copy), and a stored `lm_head.weight` is ignored, as
+    Hugging Face ties it after loading; untied, `lm_head.weight` must be in the checkpoint.
+    """
+
+    # lm_head.weight is only unused when tied: untied, it is a parameter.
+    unused_checkpoint_keys = ("*.rotary_emb.inv_freq", "lm_head.weight")
+
+    # Embedding checkpoints (e.g. Qwen3-Embedding) name this class but ship no head.
+    optional_parameters = ("lm_head.weight",)
+
+    def __init__(self, c: DecoderConfig, rotary: Rotary):
+        super().__init__(c, rotary)
+        self.lm_head: nn.Linear | None = None
+        self.has_lm_head = True
+        if not c.tie_word_embeddings:
+            self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+
+    def drop_parameter(self, name: str) -> None:
+        if name == "lm_head.weight":
+            self.lm_head = None
+            self.has_lm_head = False
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`[num_tokens, hidden]` final hidden states -> `[num_tokens, vocab]` logits."""
+        if not self.has_lm_head:
+            raise ConfigError(
+                "this checkpoint has no lm_head.weight (and does not tie it), so it cannot "
+                "produce vocabulary logits"
+            )
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        logits = F.linear(hidden, weight)
+        cap = self.config.final_softcap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+
+@cache
+def _in_dtype(value: float, dtype: torch.dtype) -> float:
+    """`value` rounded through float32 to `dtype`, as Hugging Face casts its scale tensors."""
+    return float(torch.tensor(value, dtype=torch.float32).to(dtype))
