@@ -87,15 +87,15 @@ def test_engine_failure_fails_the_step_not_the_engine(tiny_bert_engine, monkeypa
     engine = tiny_bert_engine
     prompts = random_prompts(99, [4, 6], seed=30)
     expected = engine.embed(prompts)
-    original = engine.model_runner.execute
+    original = engine.model_runner.forward
 
-    def broken(sched):
+    def broken(batch):
         raise RuntimeError("device fell over")
 
-    monkeypatch.setattr(engine.model_runner, "execute", broken)
+    monkeypatch.setattr(engine.model_runner, "forward", broken)
     with pytest.raises(vecpool.EngineError, match="device fell over"):
         engine.embed(prompts)
-    monkeypatch.setattr(engine.model_runner, "execute", original)
+    monkeypatch.setattr(engine.model_runner, "forward", original)
     assert np.array_equal(engine.embed(prompts), expected)
 
 

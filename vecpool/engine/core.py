@@ -9,8 +9,9 @@ from collections import deque
 from collections.abc import Callable
 
 from vecpool.engine.request import Request
-from vecpool.engine.scheduler import Scheduler
+from vecpool.engine.scheduler import Scheduler, SchedulerOutput
 from vecpool.errors import EngineError
+from vecpool.runner.batch import FlatBatch
 from vecpool.runner.model_runner import ModelRunner
 from vecpool.runner.pooling_runner import PoolingRunner
 
@@ -30,6 +31,8 @@ class EngineCore:
         self._step_lock = threading.Lock()  # one step at a time on the device
         self._ids = itertools.count()
         self.num_steps = 0  # steps that ran a batch
+        # The next step, scheduled and built while the device runs the current one.
+        self._prefetched: tuple[SchedulerOutput, FlatBatch] | None = None
 
     def next_request_id(self) -> str:
         return f"req-{next(self._ids)}"
@@ -40,24 +43,27 @@ class EngineCore:
 
     def has_work(self) -> bool:
         with self._queue_lock:
-            return self.scheduler.has_work()
+            return self._prefetched is not None or self.scheduler.has_work()
 
     def step(self) -> int:
-        """Run one step; return how many requests it finished or failed."""
+        """Run one step; return how many requests it finished or failed.
+
+        While the device computes this step, the next one is scheduled and its batch built,
+        so the host's share of a step overlaps the device's.
+        """
         with self._step_lock:
-            with self._queue_lock:
-                sched = self.scheduler.schedule()
-            if sched.is_empty:
+            current = self._prefetched or self._prepare_next()
+            self._prefetched = None
+            if current is None:
                 return 0
+            sched, batch = current
             self.num_steps += 1
             try:
-                hidden, batch = self.model_runner.execute(sched)
+                hidden = self.model_runner.forward(batch)
+                self._prefetched = self._prepare_next()
                 results = self.pooling_runner.pool(hidden, batch, sched)
             except Exception as exc:  # an engine failure must not take the engine down
-                logger.exception("engine step failed for %d requests", len(sched.chunks))
-                error = EngineError(f"the engine step failed: {type(exc).__name__}: {exc}")
-                for chunk in sched.chunks:
-                    chunk.request.fail(error)
+                self._fail(sched, exc)
                 return len(sched.chunks)
             for chunk, result in zip(sched.chunks, results, strict=True):
                 chunk.request.num_computed_tokens += chunk.num_tokens
@@ -67,6 +73,24 @@ class EngineCore:
                     assert result.output is not None
                     chunk.request.finish(result.output)
             return len(sched.chunks)
+
+    def _prepare_next(self) -> tuple[SchedulerOutput, FlatBatch] | None:
+        """Schedule the next step and build its batch; None when nothing waits."""
+        with self._queue_lock:
+            sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return None
+        try:
+            return sched, self.model_runner.prepare(sched)
+        except Exception as exc:
+            self._fail(sched, exc)
+            return None
+
+    def _fail(self, sched: SchedulerOutput, exc: Exception) -> None:
+        logger.exception("engine step failed for %d requests", len(sched.chunks))
+        error = EngineError(f"the engine step failed: {type(exc).__name__}: {exc}")
+        for chunk in sched.chunks:
+            chunk.request.fail(error)
 
     def run_until_done(
         self, requests: list[Request], on_progress: Callable[[int], object] | None = None

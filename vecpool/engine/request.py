@@ -26,7 +26,12 @@ class RequestStatus(enum.Enum):
     CANCELLED = "cancelled"
 
 
-@dataclass
+# Completion is rare next to everything else a request does; one lock serves them all.
+_COMPLETION_LOCK = threading.Lock()
+_DONE = (RequestStatus.FINISHED, RequestStatus.FAILED, RequestStatus.CANCELLED)
+
+
+@dataclass(slots=True, eq=False)
 class Request:
     """One prompt on its way through the engine."""
 
@@ -39,13 +44,11 @@ class Request:
     output: np.ndarray | None = None  # set once, when finished
     error: VecpoolError | None = None  # set once, when failed
     user_data: Any = None  # the submitter's tag (e.g. the input's index in its call)
-    _done: threading.Event = field(default_factory=threading.Event, repr=False)
-    _callbacks: list[Callable[[Request], object]] = field(default_factory=list, repr=False)
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    num_prompt_tokens: int = field(init=False)
+    _callbacks: list[Callable[[Request], object]] | None = field(default=None, repr=False)
 
-    @property
-    def num_prompt_tokens(self) -> int:
-        return self.prompt.num_tokens
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = self.prompt.num_tokens
 
     @property
     def num_remaining_tokens(self) -> int:
@@ -53,15 +56,13 @@ class Request:
 
     @property
     def is_done(self) -> bool:
-        return self._done.is_set()
+        return self.status in _DONE
 
     def finish(self, output: np.ndarray) -> None:
-        self.output = output
-        self._complete(RequestStatus.FINISHED)
+        self._complete(RequestStatus.FINISHED, output=output)
 
     def fail(self, error: VecpoolError) -> None:
-        self.error = error
-        self._complete(RequestStatus.FAILED)
+        self._complete(RequestStatus.FAILED, error=error)
 
     def cancel(self) -> None:
         """Drop the request: a waiting one is never scheduled, a running one's result is discarded."""
@@ -69,24 +70,27 @@ class Request:
 
     def add_done_callback(self, fn: Callable[[Request], object]) -> None:
         """Call `fn(request)` once the request is done (at once if it already is)."""
-        with self._lock:
-            if not self._done.is_set():
+        with _COMPLETION_LOCK:
+            if not self.is_done:
+                if self._callbacks is None:
+                    self._callbacks = []
                 self._callbacks.append(fn)
                 return
         fn(self)
 
-    def _complete(self, status: RequestStatus) -> None:
-        with self._lock:
-            if self._done.is_set():  # the first outcome wins (e.g. cancelled, then finished)
+    def _complete(
+        self,
+        status: RequestStatus,
+        output: np.ndarray | None = None,
+        error: VecpoolError | None = None,
+    ) -> None:
+        with _COMPLETION_LOCK:
+            if self.is_done:  # the first outcome wins (e.g. cancelled, then finished)
                 return
-            self.status = status
-            self._done.set()
-            callbacks, self._callbacks = self._callbacks, []
-        for fn in callbacks:
+            self.output, self.error, self.status = output, error, status
+            callbacks, self._callbacks = self._callbacks, None
+        for fn in callbacks or ():
             try:
                 fn(self)
             except Exception:  # a waiter's failure (e.g. a closed event loop) is not ours
                 logger.exception("callback of request %s raised", self.request_id)
-
-    def wait(self, timeout: float | None = None) -> bool:
-        return self._done.wait(timeout)

@@ -25,18 +25,26 @@ class ModelRunner:
         """`[n]` ids -> `[n, hidden]`: the model's own input embeddings (model dtype)."""
         return self.model.embed_input_ids(token_ids.to(self.device))
 
-    @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor, FlatBatch]:
-        """Run one step: `[num_tokens, hidden]` final hidden states and the batch they came from."""
-        batch = build_flat_batch(
+    def prepare(self, sched: SchedulerOutput) -> FlatBatch:
+        """Build the flat batch of a schedule and copy it to the device."""
+        return build_flat_batch(
             sched,
             self.device,
             use_varlen=self.use_varlen,
             with_token_types=self.model.uses_token_type_ids,
         )
+
+    @torch.inference_mode()
+    def forward(self, batch: FlatBatch) -> torch.Tensor:
+        """`[num_tokens, hidden]` final hidden states (queued on the device, not waited for)."""
         x = self.model.embed_input_ids(batch.input_ids)
         if batch.prompt_embeds is not None:
             assert batch.embeds_rows is not None
             x.index_copy_(0, batch.embeds_rows, batch.prompt_embeds)
-        hidden = self.model(x, batch.positions, batch.attn, batch.token_type_ids)
-        return hidden, batch
+        hidden: torch.Tensor = self.model(x, batch.positions, batch.attn, batch.token_type_ids)
+        return hidden
+
+    def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor, FlatBatch]:
+        """Run one schedule: final hidden states and the batch they came from."""
+        batch = self.prepare(sched)
+        return self.forward(batch), batch
