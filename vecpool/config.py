@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,3 +79,54 @@ def hf_get(hf: dict[str, Any], *names: str, default: Any = None) -> Any:
         if value is not None:
             return value
     return default
+
+
+_QWEN3_RERANKER_TEMPLATE = (
+    "<|im_start|>system\nJudge whether the Document meets the requirements based on the Query "
+    'and the Instruct provided. Note that the answer can only be "yes" or "no".<|im_end|>\n'
+    "<|im_start|>user\n<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {document}"
+    "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+)
+_PLACEHOLDERS = re.compile(r"\{(query|document|instruction)\}")
+
+
+@dataclass(frozen=True)
+class LLMRerankerConfig:
+    """How a causal language model scores a (query, document) pair.
+
+    The pair is written into `template` (placeholders `{query}`, `{document}` and optionally
+    `{instruction}`; other braces are literal); the model reads the whole prompt, and the
+    logits of `true_token` and `false_token` (vocabulary entries) at its last position give
+    the score `sigmoid(l_true - l_false)`, or `sigmoid(l_true)` without a false token.
+    """
+
+    template: str
+    true_token: str = "yes"
+    false_token: str | None = "no"
+    instruction: str = ""
+
+    def __post_init__(self) -> None:
+        found = set(_PLACEHOLDERS.findall(self.template))
+        missing = sorted({"query", "document"} - found)
+        if missing:
+            raise ConfigError(
+                f"the reranker template has no {', '.join('{' + m + '}' for m in missing)} "
+                "placeholder"
+            )
+        if not self.true_token or self.false_token == "":
+            raise ConfigError("the reranker's true and false tokens must be non-empty")
+
+    def format(self, query: str, document: str) -> str:
+        """The prompt for one pair (substituted in one pass: text that looks like a
+        placeholder stays as it is)."""
+        values = {"query": query, "document": document, "instruction": self.instruction}
+        return _PLACEHOLDERS.sub(lambda m: values[m.group(1)], self.template)
+
+    @classmethod
+    def qwen3(
+        cls,
+        instruction: str = "Given a web search query, retrieve relevant passages that answer "
+        "the query",
+    ) -> LLMRerankerConfig:
+        """The prompt and tokens of Qwen3-Reranker (a `Qwen3ForCausalLM` checkpoint)."""
+        return cls(_QWEN3_RERANKER_TEMPLATE, "yes", "no", instruction)

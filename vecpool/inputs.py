@@ -1,12 +1,15 @@
 """Input forms -> `Prompt`: tokenization, truncation, instruction prompts, validation.
 
 An input is a string, a list of token ids, a 2-D prompt-embeds tensor wrapped as
-`{"prompt_embeds": tensor}`, or the dict forms `{"prompt": str}` / `{"prompt_token_ids": [...]}`.
-Every error names the input's index in the call and what was wrong with it.
+`{"prompt_embeds": tensor}`, the dict forms `{"prompt": str}` / `{"prompt_token_ids": [...]}`,
+or a text pair `{"text": str, "text_pair": str}` (a cross-encoder's query and document, joined
+by the tokenizer's pair template, with segment ids). Every error names the input's index in the
+call and what was wrong with it.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,32 +61,63 @@ class TextOptions:
 
 
 class TextTokenizer:
-    """A `tokenizers` tokenizer with its file's padding and truncation switched off."""
+    """A `tokenizers` tokenizer, with its file's padding and truncation switched off.
+
+    Truncation runs inside the tokenizer (in parallel, keeping the special tokens): one
+    configured copy per (length, side), since a tokenizer's truncation setting is shared state.
+    """
 
     def __init__(self, path: Path):
-        self._tok = Tokenizer.from_file(str(path))
+        self._json = path.read_text(encoding="utf-8")
+        self._tok = Tokenizer.from_str(self._json)
         self._tok.no_padding()
         self._tok.no_truncation()
         processor = self._tok.post_processor
         self.num_special_tokens = processor.num_special_tokens_to_add(False) if processor else 0
+        self.num_pair_special_tokens = processor.num_special_tokens_to_add(True) if processor else 0
+        self._truncating: dict[tuple[int, str], Tokenizer] = {}
+        self._lock = threading.Lock()
 
-    def encode_batch(self, texts: list[str]) -> list[Encoding]:
-        return list(self._tok.encode_batch(texts, add_special_tokens=True))
+    def encode_batch(
+        self,
+        texts: list[str | tuple[str, str]],
+        max_tokens: int | None = None,
+        side: TruncationSide = "right",
+    ) -> list[Encoding]:
+        """Encode with special tokens; with `max_tokens`, cut only the texts' own tokens (of a
+        (text, text_pair) pair, the longer text first)."""
+        return list(self._for_length(max_tokens, side).encode_batch(texts, add_special_tokens=True))
 
-    def encode_truncated(self, text: str, max_tokens: int, side: TruncationSide) -> Encoding:
-        """Encode keeping the special tokens: only the text's own tokens are cut."""
-        room = max_tokens - self.num_special_tokens
-        if room < 1:
+    def _for_length(self, max_tokens: int | None, side: TruncationSide) -> Tokenizer:
+        if max_tokens is None:
+            return self._tok
+        if max_tokens - self.num_special_tokens < 1:
             raise InputError(
                 f"truncation to {max_tokens} tokens leaves no room besides "
                 f"{self.num_special_tokens} special tokens"
             )
-        enc = self._tok.encode(text, add_special_tokens=False)
-        enc.truncate(room, direction=side)
-        return self._tok.post_process(enc)
+        key = (max_tokens, side)
+        with self._lock:
+            tok = self._truncating.get(key)
+            if tok is None:
+                if len(self._truncating) >= 16:  # a few lengths are in use at any time
+                    self._truncating.clear()
+                tok = Tokenizer.from_str(self._json)
+                tok.no_padding()
+                tok.enable_truncation(max_tokens, direction=side)
+                self._truncating[key] = tok
+        return tok
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+    def special_token_ids(self) -> list[int]:
+        """Ids of the tokenizer's special tokens ([CLS], [SEP], [PAD], ...)."""
+        added = self._tok.get_added_tokens_decoder()
+        return sorted(int(i) for i, token in added.items() if token.special)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
@@ -100,7 +134,7 @@ class InputProcessor:
         """Validate every input; raise `InputError` naming the first bad one."""
         kinds: list[tuple[str, Any]] = [_classify(item, i) for i, item in enumerate(inputs)]
         prompts: list[Prompt | None] = [None] * len(kinds)
-        text_indices = [i for i, (kind, _) in enumerate(kinds) if kind == "text"]
+        text_indices = [i for i, (kind, _) in enumerate(kinds) if kind in ("text", "pair")]
         if text_indices:
             for i, prompt in zip(
                 text_indices, self._texts(kinds, text_indices, options), strict=True
@@ -148,21 +182,29 @@ class InputProcessor:
                 "pass token ids or prompt embeds instead",
                 index=indices[0],
             )
-        texts = []
+        texts: list[str | tuple[str, str]] = []
         for i in indices:
-            text = kinds[i][1]
+            kind, text = kinds[i]
+            if kind == "pair":  # instruction prompts are for single texts
+                texts.append(text)
+                continue
             if not text:
                 raise InputError("the input is an empty string", index=i)
             texts.append(text if options.prompt is None else options.prompt + text)
         limit = self._limit(options, indices[0])
-        encodings = self.tokenizer.encode_batch(texts)
+        pairs = [i for i, t in zip(indices, texts, strict=True) if isinstance(t, tuple)]
+        if pairs and limit is not None and limit - self.tokenizer.num_pair_special_tokens < 2:
+            raise InputError(
+                f"truncation to {limit} tokens leaves no room for a text pair besides "
+                f"{self.tokenizer.num_pair_special_tokens} special tokens",
+                index=pairs[0],
+            )
+        try:
+            encodings = self.tokenizer.encode_batch(texts, limit, options.truncation_side)
+        except InputError as exc:
+            raise exc.at(indices[0]) from None
         prompts = []
-        for i, text, enc in zip(indices, texts, encodings, strict=True):
-            if limit is not None and len(enc.ids) > limit:
-                try:
-                    enc = self.tokenizer.encode_truncated(text, limit, options.truncation_side)
-                except InputError as exc:
-                    raise exc.at(i) from None
+        for i, enc in zip(indices, encodings, strict=True):
             self._check_length(len(enc.ids), i)
             prompts.append(
                 Prompt(
@@ -244,10 +286,13 @@ def _classify(item: Any, index: int) -> tuple[str, Any]:
         return "text", item
     if isinstance(item, Mapping):
         keys = set(item)
+        if keys == {"text", "text_pair"}:
+            return "pair", _text_pair(item, index)
         known = {"prompt", "prompt_token_ids", "prompt_embeds"}
         if len(keys) != 1 or not keys <= known:
             raise InputError(
-                f"a dict input needs exactly one of the keys {sorted(known)}, got {sorted(map(str, keys))}",
+                f"a dict input needs exactly one of the keys {sorted(known)}, or the two keys "
+                f"'text' and 'text_pair'; got {sorted(map(str, keys))}",
                 index=index,
             )
         (key,) = keys
@@ -273,6 +318,18 @@ def _classify(item: Any, index: int) -> tuple[str, Any]:
         "or a dict with 'prompt', 'prompt_token_ids' or 'prompt_embeds'",
         index=index,
     )
+
+
+def _text_pair(item: Mapping[str, Any], index: int) -> tuple[str, str]:
+    pair = (item["text"], item["text_pair"])
+    for name, value in zip(("text", "text_pair"), pair, strict=True):
+        if not isinstance(value, str):
+            raise InputError(
+                f"'{name}' must be a string, got {type(value).__name__}", index=index, field=name
+            )
+        if not value:
+            raise InputError(f"'{name}' is an empty string", index=index, field=name)
+    return pair
 
 
 def _is_float(x: torch.Tensor | np.ndarray) -> bool:

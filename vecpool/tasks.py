@@ -1,8 +1,9 @@
 """Task declarations and per-request pooling parameters.
 
-Each task is declared once, here: what its output is, which request parameters it accepts,
-whether its requests need token ids, whether it may be chunked. Code that serves a task reads
-the declaration at the point of use; nothing else decides on a task's behalf.
+Each task is declared once, here: what its output is, which pooler and which head serve it,
+which request parameters it accepts, whether its requests need token ids, whether it may be
+chunked. Code that serves a task reads the declaration at the point of use; nothing else
+decides on a task's behalf.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ class PoolingParams:
     task: str = "embed"
     dimensions: int | None = None  # matryoshka truncation of the output vector(s)
     normalize: bool | None = None  # L2-normalize the output vector(s)
-    step_tag_id: int | None = None  # token_embed: keep only positions holding this token id
+    step_tag_id: int | None = None  # per-token tasks: keep only positions holding this token id
+    use_activation: bool | None = None  # scores: apply the head's activation (False: raw logits)
 
     def set_fields(self) -> list[str]:
         """Names of the parameters this request sets (everything but `task`)."""
@@ -28,11 +30,23 @@ class PoolingParams:
         ]
 
 
+# Heads of the pooling runner (see `vecpool.pooling.task_heads`), by the name a task declares.
+EMBEDDING = "embedding"  # Dense projections, matryoshka truncation, normalize
+SEQUENCE_CLASSIFIER = "sequence_classifier"  # the checkpoint's classifier, then its activation
+SCORER = "scorer"  # a relevance score: a cross-encoder's classifier or an LLM's yes/no logits
+TOKEN_EMBEDDING = "token_embedding"  # per token: optional ColBERT projection, truncate, normalize
+TOKEN_CLASSIFIER = "token_classifier"  # per token: the checkpoint's token classifier
+SPARSE = "sparse"  # masked-LM logits -> log(1 + relu) -> max over non-special tokens
+
+
 @dataclass(frozen=True)
 class TaskSpec:
     """The declaration of one task."""
 
     name: str
+    pooler: str  # which rows the head reads: "MODEL" (the model's pooling), "CLASSIFIER" (the
+    # row its classifier reads: CLS or LAST), "ALL" (every token, or STEP-tagged ones), "SPLADE"
+    head: str  # the pooling runner's head, one of the names above
     per_token: bool  # output is one row per (selected) token rather than one per sequence
     accepted_params: frozenset[str]
     requires_token_ids: bool  # every request of the task needs its token ids
@@ -46,6 +60,13 @@ class TaskSpec:
         if self.requires_token_ids:
             return True
         return any(getattr(params, name) is not None for name in self.token_id_params)
+
+    def token_ids_reason(self) -> str:
+        """Why a request of this task may need token ids, for error messages."""
+        if self.requires_token_ids:
+            return f"task {self.name!r} needs token ids"
+        names = ", ".join(sorted(self.token_id_params))
+        return f"task {self.name!r} with {names} set needs token ids"
 
     def check_params(self, params: PoolingParams, index: int | None = None) -> None:
         """Raise `InputError` for a parameter this task does not accept."""
@@ -65,6 +86,8 @@ TASKS: dict[str, TaskSpec] = {
     for spec in (
         TaskSpec(
             name="embed",
+            pooler="MODEL",
+            head=EMBEDDING,
             per_token=False,
             accepted_params=frozenset({"dimensions", "normalize"}),
             requires_token_ids=False,
@@ -73,13 +96,62 @@ TASKS: dict[str, TaskSpec] = {
             summary="one dense vector per input (the model's pooling, dense head, normalize)",
         ),
         TaskSpec(
+            name="classify",
+            pooler="CLASSIFIER",
+            head=SEQUENCE_CLASSIFIER,
+            per_token=False,
+            accepted_params=frozenset({"use_activation"}),
+            requires_token_ids=False,
+            token_id_params=frozenset(),
+            chunkable=False,
+            summary="class probabilities (or raw logits) per input: [num_labels]",
+        ),
+        TaskSpec(
+            name="score",
+            pooler="CLASSIFIER",
+            head=SCORER,
+            per_token=False,
+            accepted_params=frozenset({"use_activation"}),
+            requires_token_ids=False,
+            token_id_params=frozenset(),
+            chunkable=False,
+            summary="a relevance score per (query, document) input: a cross-encoder's classifier "
+            "([num_labels]) or an LLM reranker's yes/no logits ([1])",
+        ),
+        TaskSpec(
             name="token_embed",
+            pooler="ALL",
+            head=TOKEN_EMBEDDING,
             per_token=True,
             accepted_params=frozenset({"dimensions", "normalize", "step_tag_id"}),
             requires_token_ids=False,
             token_id_params=frozenset({"step_tag_id"}),
             chunkable=True,
             summary="one vector per token; with step_tag_id only at positions holding that id",
+        ),
+        TaskSpec(
+            name="token_classify",
+            pooler="ALL",
+            head=TOKEN_CLASSIFIER,
+            per_token=True,
+            accepted_params=frozenset({"use_activation", "step_tag_id"}),
+            requires_token_ids=False,
+            token_id_params=frozenset({"step_tag_id"}),
+            chunkable=True,
+            summary="class probabilities per token: [num_tokens, num_labels]; with step_tag_id "
+            "only at positions holding that id (STEP)",
+        ),
+        TaskSpec(
+            name="sparse",
+            pooler="SPLADE",
+            head=SPARSE,
+            per_token=False,
+            accepted_params=frozenset(),
+            requires_token_ids=True,  # special tokens are excluded by id
+            token_id_params=frozenset(),
+            chunkable=True,
+            summary="a SPLADE vector over the vocabulary: max over non-special tokens of "
+            "log(1 + relu(masked-LM logits)): [vocab_size]",
         ),
     )
 }

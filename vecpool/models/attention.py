@@ -9,6 +9,7 @@ attention, and gathers the rows back.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,22 +17,26 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-_varlen_attn: Any
-try:  # torch >= 2.10
-    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
-except ImportError:  # pragma: no cover - older torch has no varlen attention
-    _varlen_attn = None
-
-# torch 2.11's varlen_attn has no `enable_gqa`; newer releases do. Read it once.
-_VARLEN_HAS_GQA = _varlen_attn is not None and (
-    "enable_gqa" in inspect.signature(_varlen_attn).parameters
-)
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@functools.cache
+def _varlen_kernel() -> tuple[Any, bool] | None:
+    """(varlen_attn, whether it takes `enable_gqa`), or None on a torch without it.
+
+    Imported on first use: the module pulls in torch's compiler stack, which costs seconds of
+    start-up that a CPU engine never needs. torch 2.11's varlen_attn has no `enable_gqa`.
+    """
+    try:  # torch >= 2.10
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:  # pragma: no cover - older torch has no varlen attention
+        return None
+    return varlen_attn, "enable_gqa" in inspect.signature(varlen_attn).parameters
 
 
 def varlen_available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the FlashAttention varlen kernel can serve this device and dtype."""
-    return _varlen_attn is not None and device.type == "cuda" and dtype in _FLASH_DTYPES
+    return device.type == "cuda" and dtype in _FLASH_DTYPES and _varlen_kernel() is not None
 
 
 @dataclass
@@ -100,19 +105,21 @@ def _flash_attention(
     scale: float,
     window: int | None,
 ) -> torch.Tensor:
-    assert _varlen_attn is not None  # guarded by varlen_available when the runner chose it
+    kernel = _varlen_kernel()
+    assert kernel is not None  # guarded by varlen_available when the runner chose it
+    varlen_attn, has_gqa = kernel
     left = -1 if window is None else window - 1
     right = 0 if causal else left
     extra: dict[str, Any] = {}
     if k.shape[1] != q.shape[1]:
-        if _VARLEN_HAS_GQA:
+        if has_gqa:
             extra["enable_gqa"] = True
         else:
             group = q.shape[1] // k.shape[1]
             k = k.repeat_interleave(group, dim=1)
             v = v.repeat_interleave(group, dim=1)
     cu = meta.cu_seqlens
-    out = _varlen_attn(
+    out = varlen_attn(
         q,
         k,
         v,

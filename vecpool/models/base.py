@@ -1,4 +1,9 @@
-"""The interface every architecture implements. Models know nothing of requests."""
+"""The interface every architecture implements. Models know nothing of requests.
+
+`forward` returns final hidden states; a checkpoint's heads (classifiers, language-model heads,
+projections) are separate methods that the pooling runner applies to the rows it selected, so
+one model serves several tasks in one batch.
+"""
 
 from __future__ import annotations
 
@@ -25,12 +30,22 @@ class PoolingModel(nn.Module):
     tied_weights: ClassVar[dict[str, str]] = {}
     # Parameters a checkpoint may lack; the loader calls `drop_parameter` for each one missing.
     optional_parameters: ClassVar[tuple[str, ...]] = ()
+    # Checkpoint tensors whose shapes `from_hf_config` reads, for configs that do not state
+    # them (ColBERT's projection size): the loader passes them as `hf["checkpoint_shapes"]`.
+    shape_keys: ClassVar[tuple[str, ...]] = ()
 
     hidden_size: int
     vocab_size: int
     max_positions: int  # the longest sequence the position scheme supports
     is_causal: bool
     uses_token_type_ids: bool = False
+    # Which of the head methods below this model has: "sequence_classifier" (`classify`),
+    # "token_classifier" (`classify_tokens`), "masked_lm" / "causal_lm" (`compute_logits`),
+    # "token_projection" (`project_tokens`).
+    heads: frozenset[str] = frozenset()
+    num_labels: int = 0  # outputs of the classifiers
+    classifier_pooler: str = "CLS"  # the row the sequence classifier reads: "CLS" or "LAST"
+    projection_dim: int = 0  # output size of `project_tokens`, when the model has it
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any]) -> PoolingModel:
@@ -50,6 +65,25 @@ class PoolingModel(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, hidden] final hidden states
         raise NotImplementedError
 
+    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
+        """`[n, hidden]` pooled rows -> `[n, num_labels]` sequence-classification logits."""
+        raise NotImplementedError
+
+    def classify_tokens(self, rows: torch.Tensor) -> torch.Tensor:
+        """`[n, hidden]` token rows -> `[n, num_labels]` token-classification logits."""
+        raise NotImplementedError
+
+    def compute_logits(
+        self, rows: torch.Tensor, vocab_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`[n, hidden]` token rows -> `[n, vocab]` language-model logits, or `[n, len(vocab_ids)]`
+        for only those vocabulary entries."""
+        raise NotImplementedError
+
+    def project_tokens(self, rows: torch.Tensor) -> torch.Tensor:
+        """`[n, hidden]` token rows -> `[n, dim]` late-interaction vectors (ColBERT projection)."""
+        raise NotImplementedError
+
     @property
     def default_pooler(self) -> str:
         """Sequence pooling when the folder does not say: LAST for causal models, else CLS."""
@@ -61,3 +95,12 @@ class PoolingModel(nn.Module):
 
     def post_load(self) -> None:
         """Called once the weights are in place (e.g. to tie or derive tensors)."""
+
+
+def hf_num_labels(hf: dict[str, Any]) -> int:
+    """A classifier's output count, as transformers reads it: `id2label`, else `num_labels`
+    (default 2)."""
+    id2label = hf.get("id2label")
+    if id2label:
+        return len(id2label)
+    return int(hf.get("num_labels") or 2)

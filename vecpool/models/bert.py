@@ -1,16 +1,22 @@
-"""BERT-family encoders (BERT, RoBERTa, XLM-RoBERTa): bidirectional, post-norm, absolute positions."""
+"""BERT-family encoders (BERT, RoBERTa, XLM-RoBERTa): bidirectional, post-norm, absolute positions.
+
+Besides the base models: their sequence- and token-classification heads, BERT's masked-LM head
+(SPLADE) and ColBERT's projection (`HF_ColBERT`), each a method the pooling runner applies to
+the rows it selected.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from vecpool.errors import ConfigError
 from vecpool.models.attention import AttentionMetadata, flat_attention
-from vecpool.models.base import PoolingModel
+from vecpool.models.base import PoolingModel, hf_num_labels
 from vecpool.models.layers import activation
 
 
@@ -26,6 +32,7 @@ class BertConfig:
     type_vocab_size: int
     layer_norm_eps: float
     position_offset: int  # RoBERTa numbers positions from padding_idx + 1
+    num_labels: int  # outputs of a classification head
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], position_offset: int = 0) -> BertConfig:
@@ -44,6 +51,7 @@ class BertConfig:
             type_vocab_size=hf.get("type_vocab_size", 2),
             layer_norm_eps=hf.get("layer_norm_eps", 1e-12),
             position_offset=position_offset,
+            num_labels=hf_num_labels(hf),
         )
 
 
@@ -133,9 +141,12 @@ class BertEncoder(nn.Module):
 
 class BertModel(PoolingModel):
     checkpoint_prefixes = ("bert.",)
-    unused_checkpoint_keys = ("pooler.*", "embeddings.position_ids", "embeddings.token_type_ids")
+    unused_checkpoint_keys: ClassVar[tuple[str, ...]] = (
+        "pooler.*",
+        "embeddings.position_ids",
+        "embeddings.token_type_ids",
+    )
     is_causal = False
-    uses_token_type_ids = True
 
     def __init__(self, c: BertConfig):
         super().__init__()
@@ -143,12 +154,18 @@ class BertModel(PoolingModel):
         self.hidden_size = c.hidden_size
         self.vocab_size = c.vocab_size
         self.max_positions = c.max_position_embeddings - c.position_offset
+        # With one token type (RoBERTa) every row takes type 0, whatever a tokenizer says.
+        self.uses_token_type_ids = c.type_vocab_size > 1
         self.embeddings = BertEmbeddings(c)
         self.encoder = BertEncoder(c)
 
     @classmethod
+    def config_from_hf(cls, hf: dict[str, Any]) -> BertConfig:
+        return BertConfig.from_hf(hf)
+
+    @classmethod
     def from_hf_config(cls, hf: dict[str, Any]) -> PoolingModel:
-        return cls(BertConfig.from_hf(hf))
+        return cls(cls.config_from_hf(hf))
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embeddings.word_embeddings(input_ids)
@@ -174,5 +191,163 @@ class RobertaModel(BertModel):
     checkpoint_prefixes = ("roberta.",)
 
     @classmethod
+    def config_from_hf(cls, hf: dict[str, Any]) -> BertConfig:
+        return BertConfig.from_hf(hf, position_offset=int(hf.get("pad_token_id", 1)) + 1)
+
+
+class BertPooler(nn.Module):
+    def __init__(self, c: BertConfig):
+        super().__init__()
+        self.dense = nn.Linear(c.hidden_size, c.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.dense(x))
+
+
+class BertForSequenceClassification(BertModel):
+    """The CLS row through BERT's pooler (dense, tanh), then `classifier`."""
+
+    heads = frozenset({"sequence_classifier"})
+
+    def __init__(self, c: BertConfig):
+        super().__init__(c)
+        self.num_labels = c.num_labels
+        self.pooler = BertPooler(c)
+        self.classifier = nn.Linear(c.hidden_size, c.num_labels)
+
+    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.pooler(pooled))
+
+
+class RobertaClassificationHead(nn.Module):
+    def __init__(self, c: BertConfig):
+        super().__init__()
+        self.dense = nn.Linear(c.hidden_size, c.hidden_size)
+        self.out_proj = nn.Linear(c.hidden_size, c.num_labels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out_proj(torch.tanh(self.dense(x)))
+
+
+class RobertaForSequenceClassification(RobertaModel):
+    """The CLS (`<s>`) row through `classifier.dense`, tanh, `classifier.out_proj`
+    (cross-encoders such as bge-reranker)."""
+
+    heads = frozenset({"sequence_classifier"})
+
+    def __init__(self, c: BertConfig):
+        super().__init__(c)
+        self.num_labels = c.num_labels
+        self.classifier = RobertaClassificationHead(c)
+
+    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
+        return self.classifier(pooled)
+
+
+class BertForTokenClassification(BertModel):
+    """`classifier` on every token row (NER style)."""
+
+    heads = frozenset({"token_classifier"})
+
+    def __init__(self, c: BertConfig):
+        super().__init__(c)
+        self.num_labels = c.num_labels
+        self.classifier = nn.Linear(c.hidden_size, c.num_labels)
+
+    def classify_tokens(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.classifier(rows)
+
+
+class RobertaForTokenClassification(BertForTokenClassification, RobertaModel):
+    """RoBERTa with `classifier` on every token row."""
+
+
+class BertPredictionHeadTransform(nn.Module):
+    def __init__(self, c: BertConfig):
+        super().__init__()
+        self.dense = nn.Linear(c.hidden_size, c.hidden_size)
+        self.act = activation(c.hidden_act)
+        self.LayerNorm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.LayerNorm(self.act(self.dense(x)))
+
+
+class BertLMPredictionHead(nn.Module):
+    def __init__(self, c: BertConfig, tied: bool):
+        super().__init__()
+        self.transform = BertPredictionHeadTransform(c)
+        self.bias = nn.Parameter(torch.empty(c.vocab_size))
+        # Tied (the usual case): the word embeddings serve as the decoder, as in transformers.
+        self.decoder = None if tied else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+
+
+class BertOnlyMLMHead(nn.Module):
+    def __init__(self, c: BertConfig, tied: bool):
+        super().__init__()
+        self.predictions = BertLMPredictionHead(c, tied)
+
+
+class BertForMaskedLM(BertModel):
+    """BERT with its masked-LM head: vocabulary logits per token row (SPLADE)."""
+
+    # `decoder.bias` is `predictions.bias` under a second name; a tied decoder's weight is the
+    # word embeddings (an untied one is a parameter, so its key never reaches this list).
+    unused_checkpoint_keys: ClassVar[tuple[str, ...]] = (
+        *BertModel.unused_checkpoint_keys,
+        "cls.predictions.decoder.weight",
+        "cls.predictions.decoder.bias",
+    )
+    heads = frozenset({"masked_lm"})
+
+    def __init__(self, c: BertConfig, tied: bool = True):
+        super().__init__(c)
+        self.cls = BertOnlyMLMHead(c, tied)
+
+    @classmethod
     def from_hf_config(cls, hf: dict[str, Any]) -> PoolingModel:
-        return cls(BertConfig.from_hf(hf, position_offset=int(hf.get("pad_token_id", 1)) + 1))
+        return cls(cls.config_from_hf(hf), tied=bool(hf.get("tie_word_embeddings", True)))
+
+    def compute_logits(
+        self, rows: torch.Tensor, vocab_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        head = self.cls.predictions
+        weight: torch.Tensor = (
+            self.embeddings.word_embeddings.weight if head.decoder is None else head.decoder.weight
+        )
+        bias: torch.Tensor = head.bias
+        if vocab_ids is not None:
+            weight, bias = weight[vocab_ids], bias[vocab_ids]
+        return F.linear(head.transform(rows), weight, bias)
+
+
+class ColBERTModel(BertModel):
+    """ColBERT (`HF_ColBERT`): BERT and a bias-free `linear` projection of every token row.
+
+    The projection size comes from the config (`colbert_dim` or `dim`) or, as ColBERT's own
+    configs leave it out, from the checkpoint's `linear.weight`.
+    """
+
+    shape_keys = ("linear.weight",)
+    heads = frozenset({"token_projection"})
+
+    def __init__(self, c: BertConfig, dim: int):
+        super().__init__(c)
+        self.projection_dim = dim
+        self.linear = nn.Linear(c.hidden_size, dim, bias=False)
+
+    @classmethod
+    def from_hf_config(cls, hf: dict[str, Any]) -> PoolingModel:
+        dim = hf.get("colbert_dim") or hf.get("dim")
+        if dim is None:
+            shape = (hf.get("checkpoint_shapes") or {}).get("linear.weight")
+            if shape is None:
+                raise ConfigError(
+                    "a ColBERT checkpoint needs linear.weight (its projection), or a "
+                    "colbert_dim in config.json"
+                )
+            dim = shape[0]
+        return cls(cls.config_from_hf(hf), int(dim))
+
+    def project_tokens(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.linear(rows)

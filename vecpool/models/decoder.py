@@ -19,7 +19,7 @@ from torch import nn
 from vecpool.config import hf_get
 from vecpool.errors import ConfigError
 from vecpool.models.attention import AttentionMetadata, flat_attention
-from vecpool.models.base import PoolingModel
+from vecpool.models.base import PoolingModel, hf_num_labels
 from vecpool.models.layers import GatedMLP, RMSNorm, Rotary, apply_rotary
 
 FULL_ATTENTION = "full_attention"
@@ -51,6 +51,7 @@ class DecoderConfig:
     final_softcap: float | None = None  # tanh soft-capping of lm_head logits (Gemma2)
     norm_unit_offset: bool = False  # norms scale by (1 + weight) (Gemma)
     embed_scale: float | None = None  # inputs are multiplied by this (Gemma: sqrt(hidden_size))
+    num_labels: int = 2  # outputs of a classification head
 
     def __post_init__(self) -> None:
         if self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads != 0:
@@ -111,6 +112,7 @@ def read_config(
         tie_word_embeddings=bool(get("tie_word_embeddings")),
         is_causal=causal,
         layer_windows=layer_windows(layer_types, sliding_window, causal),
+        num_labels=hf_num_labels(hf),
     )
     return DecoderConfig(**{**fields, **options})
 
@@ -294,6 +296,7 @@ class DecoderForCausalLM(DecoderModel):
         super().__init__(c, rotary)
         self.lm_head: nn.Linear | None = None
         self.has_lm_head = True
+        self.heads = frozenset({"causal_lm"})
         if not c.tie_word_embeddings:
             self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
 
@@ -301,20 +304,56 @@ class DecoderForCausalLM(DecoderModel):
         if name == "lm_head.weight":
             self.lm_head = None
             self.has_lm_head = False
+            self.heads = frozenset()
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """`[num_tokens, hidden]` final hidden states -> `[num_tokens, vocab]` logits."""
+    def compute_logits(
+        self, rows: torch.Tensor, vocab_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`[num_tokens, hidden]` final hidden states -> `[num_tokens, vocab]` logits (or only
+        the `vocab_ids` columns: a reranker reads two)."""
         if not self.has_lm_head:
             raise ConfigError(
                 "this checkpoint has no lm_head.weight (and does not tie it), so it cannot "
                 "produce vocabulary logits"
             )
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(hidden, weight)
+        if vocab_ids is not None:
+            weight = weight[vocab_ids]
+        logits = F.linear(rows, weight)
         cap = self.config.final_softcap
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+
+class DecoderForSequenceClassification(DecoderModel):
+    """The last token's row through `score` (no bias), as transformers' generic class: reward
+    models and decoder cross-encoders."""
+
+    heads = frozenset({"sequence_classifier"})
+    classifier_pooler = "LAST"
+
+    def __init__(self, c: DecoderConfig, rotary: Rotary):
+        super().__init__(c, rotary)
+        self.num_labels = c.num_labels
+        self.score = nn.Linear(c.hidden_size, c.num_labels, bias=False)
+
+    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
+        return self.score(pooled)
+
+
+class DecoderForTokenClassification(DecoderModel):
+    """`score` (with a bias) on every token row, as transformers' generic class."""
+
+    heads = frozenset({"token_classifier"})
+
+    def __init__(self, c: DecoderConfig, rotary: Rotary):
+        super().__init__(c, rotary)
+        self.num_labels = c.num_labels
+        self.score = nn.Linear(c.hidden_size, c.num_labels)
+
+    def classify_tokens(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.score(rows)
 
 
 @cache

@@ -16,6 +16,8 @@ from vecpool.models.decoder import (
     SLIDING_ATTENTION,
     DecoderConfig,
     DecoderForCausalLM,
+    DecoderForSequenceClassification,
+    DecoderForTokenClassification,
     DecoderLayer,
     DecoderModel,
     read_config,
@@ -78,6 +80,14 @@ class Gemma2Model(DecoderModel):
 
 class Gemma2ForCausalLM(DecoderForCausalLM, Gemma2Model):
     """Gemma2 with its language-model head; logits soft-capped by final_logit_softcapping."""
+
+
+class Gemma2ForSequenceClassification(DecoderForSequenceClassification, Gemma2Model):
+    """Gemma2 scoring its last token with `score` (reward models, rerankers)."""
+
+
+class Gemma2ForTokenClassification(DecoderForTokenClassification, Gemma2Model):
+    """Gemma2 with `score` on every token row."""
 
 
 def _optional_float(value: Any) -> float | None:

@@ -12,6 +12,8 @@ from vecpool.models.decoder import (
     SLIDING_ATTENTION,
     DecoderConfig,
     DecoderForCausalLM,
+    DecoderForSequenceClassification,
+    DecoderForTokenClassification,
     DecoderModel,
     read_config,
 )
@@ -41,6 +43,14 @@ class LlamaForCausalLM(DecoderForCausalLM, LlamaModel):
     """Llama with its language-model head."""
 
 
+class LlamaForSequenceClassification(DecoderForSequenceClassification, LlamaModel):
+    """Llama scoring its last token with `score` (reward models, rerankers)."""
+
+
+class LlamaForTokenClassification(DecoderForTokenClassification, LlamaModel):
+    """Llama with `score` on every token row."""
+
+
 class MistralModel(LlamaModel):
     @classmethod
     def config_from_hf(cls, hf: dict[str, Any]) -> DecoderConfig:
@@ -58,3 +68,11 @@ class MistralModel(LlamaModel):
 
 class MistralForCausalLM(DecoderForCausalLM, MistralModel):
     """Mistral with its language-model head."""
+
+
+class MistralForSequenceClassification(DecoderForSequenceClassification, MistralModel):
+    """Mistral scoring its last token with `score` (reward models, rerankers)."""
+
+
+class MistralForTokenClassification(DecoderForTokenClassification, MistralModel):
+    """Mistral with `score` on every token row."""

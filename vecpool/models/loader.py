@@ -20,10 +20,14 @@ _MAX_NAMES = 10
 def load_model(folder: ModelFolder, device: torch.device, dtype: torch.dtype) -> PoolingModel:
     """Build the folder's architecture and fill every parameter from its safetensors files."""
     cls = model_class(folder.architecture)
+    files = safetensors_files(folder.path)
+    hf = folder.hf_config
+    if cls.shape_keys:
+        hf = {**hf, "checkpoint_shapes": checkpoint_shapes(files, cls.shape_keys)}
     with torch.device("meta"):
-        model = cls.from_hf_config(folder.hf_config)
+        model = cls.from_hf_config(hf)
     model = model.to(dtype=dtype).to_empty(device=device)
-    load_safetensors(model, safetensors_files(folder.path))
+    load_safetensors(model, files)
     model.post_load()
     return model.eval().requires_grad_(False)
 
@@ -38,6 +42,16 @@ def safetensors_files(root: Path) -> list[Path]:
     if not files:
         raise ModelLoadError(f"no *.safetensors weights in {root} (other formats are not read)")
     return files
+
+
+def checkpoint_shapes(files: list[Path], keys: tuple[str, ...]) -> dict[str, list[int]]:
+    """The shapes of the tensors named `keys` in `files`, read from their headers only."""
+    shapes: dict[str, list[int]] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for key in set(keys) & set(f.keys()):
+                shapes[key] = list(f.get_slice(key).get_shape())
+    return shapes
 
 
 def load_safetensors(model: PoolingModel, files: list[Path]) -> None:

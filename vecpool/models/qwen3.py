@@ -9,6 +9,8 @@ from vecpool.models.decoder import (
     SLIDING_ATTENTION,
     DecoderConfig,
     DecoderForCausalLM,
+    DecoderForSequenceClassification,
+    DecoderForTokenClassification,
     DecoderModel,
     read_config,
 )
@@ -47,3 +49,11 @@ class Qwen3Model(DecoderModel):
 
 class Qwen3ForCausalLM(DecoderForCausalLM, Qwen3Model):
     """Qwen3 with its language-model head (Qwen3-Embedding ships under this architecture)."""
+
+
+class Qwen3ForSequenceClassification(DecoderForSequenceClassification, Qwen3Model):
+    """Qwen3 scoring its last token with `score` (reward models, rerankers)."""
+
+
+class Qwen3ForTokenClassification(DecoderForTokenClassification, Qwen3Model):
+    """Qwen3 with `score` on every token row."""

@@ -10,16 +10,32 @@ from vecpool.models.base import PoolingModel
 # architecture name -> (module under vecpool.models, class name)
 _REGISTRY: dict[str, tuple[str, str]] = {
     "BertModel": ("bert", "BertModel"),
+    "BertForSequenceClassification": ("bert", "BertForSequenceClassification"),
+    "BertForTokenClassification": ("bert", "BertForTokenClassification"),
+    "BertForMaskedLM": ("bert", "BertForMaskedLM"),
+    "HF_ColBERT": ("bert", "ColBERTModel"),
     "RobertaModel": ("bert", "RobertaModel"),
+    "RobertaForSequenceClassification": ("bert", "RobertaForSequenceClassification"),
+    "RobertaForTokenClassification": ("bert", "RobertaForTokenClassification"),
     "XLMRobertaModel": ("bert", "RobertaModel"),
+    "XLMRobertaForSequenceClassification": ("bert", "RobertaForSequenceClassification"),
+    "XLMRobertaForTokenClassification": ("bert", "RobertaForTokenClassification"),
     "Qwen3Model": ("qwen3", "Qwen3Model"),
     "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
+    "Qwen3ForSequenceClassification": ("qwen3", "Qwen3ForSequenceClassification"),
+    "Qwen3ForTokenClassification": ("qwen3", "Qwen3ForTokenClassification"),
     "LlamaModel": ("llama", "LlamaModel"),
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "LlamaForSequenceClassification": ("llama", "LlamaForSequenceClassification"),
+    "LlamaForTokenClassification": ("llama", "LlamaForTokenClassification"),
     "MistralModel": ("llama", "MistralModel"),
     "MistralForCausalLM": ("llama", "MistralForCausalLM"),
+    "MistralForSequenceClassification": ("llama", "MistralForSequenceClassification"),
+    "MistralForTokenClassification": ("llama", "MistralForTokenClassification"),
     "Gemma2Model": ("gemma2", "Gemma2Model"),
     "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM"),
+    "Gemma2ForSequenceClassification": ("gemma2", "Gemma2ForSequenceClassification"),
+    "Gemma2ForTokenClassification": ("gemma2", "Gemma2ForTokenClassification"),
 }
 
 

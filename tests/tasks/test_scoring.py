@@ -1,0 +1,226 @@
+"""score and rerank: cross-encoders against sentence-transformers, LLM rerankers against a direct
+transformers computation, late interaction (ColBERT) against numpy, embeddings by cosine."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from sentence_transformers import CrossEncoder
+from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+import vecpool
+from tests.helpers import assert_rel_close, save_hf_model
+from tests.models.test_decoders import ARCHS, VOCAB
+from vecpool import scoring
+
+QUERY = "what does a cat eat"
+DOCS = [
+    "cats eat fish and meat",
+    "the stock market fell sharply on monday",
+    "a cat is a small carnivorous mammal that eats mice",
+    "pizza",
+]
+
+
+def test_cross_encoder_matches_sentence_transformers(
+    cross_encoder: tuple[Path, Any], cross_encoder_engine: vecpool.Engine
+) -> None:
+    engine = cross_encoder_engine
+    reference = CrossEncoder(str(cross_encoder[0]), device="cpu")
+    expected = reference.predict([(QUERY, d) for d in DOCS])  # sigmoid of one logit
+    assert engine.score_mode == "cross_encoder"
+    one_to_many = engine.score(QUERY, DOCS)
+    assert one_to_many.shape == (len(DOCS),)
+    assert_rel_close(one_to_many, expected)
+    pairwise = engine.score([QUERY, DOCS[0]], [DOCS[2], DOCS[1]])
+    assert_rel_close(pairwise, reference.predict([(QUERY, DOCS[2]), (DOCS[0], DOCS[1])]))
+    (single,) = engine.score(QUERY, DOCS[2])
+    assert abs(single - expected[2]) <= 1e-6
+    raw = engine.score(QUERY, DOCS, use_activation=False)
+    assert_rel_close(1 / (1 + np.exp(-raw)), expected)
+    assert np.ptp(expected) > 1e-3  # the scores tell the documents apart
+
+
+def test_rerank_sorts_best_first(cross_encoder_engine: vecpool.Engine) -> None:
+    engine = cross_encoder_engine
+    scores = engine.score(QUERY, DOCS)
+    ranked = engine.rerank(QUERY, DOCS)
+    assert [i for i, _ in ranked] == list(np.argsort(-scores, kind="stable"))
+    assert [s for _, s in ranked] == sorted(scores.tolist(), reverse=True)
+    assert engine.rerank(QUERY, DOCS, top_n=2) == ranked[:2]
+    assert engine.rerank(QUERY, []) == []
+
+
+def test_pairs_tokenize_as_transformers(
+    cross_encoder: tuple[Path, Any], cross_encoder_engine: vecpool.Engine
+) -> None:
+    """The pair template, segment ids, and longest-first truncation that keeps [CLS]/[SEP]."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(cross_encoder[0]))
+    engine = cross_encoder_engine
+    long_doc = " ".join(DOCS * 3)
+    for limit in (None, 12, 20):
+        inputs = [{"text": QUERY, "text_pair": long_doc}, {"text": long_doc, "text_pair": "a"}]
+        prompts = engine.inputs.process(inputs, vecpool.TextOptions(truncate_prompt_tokens=limit))
+        for item, prompt in zip(inputs, prompts, strict=True):
+            expected = tokenizer(
+                item["text"], item["text_pair"], truncation=limit is not None, max_length=limit
+            )
+            assert prompt.token_ids is not None and prompt.token_type_ids is not None
+            assert prompt.token_ids.tolist() == expected["input_ids"]
+            assert prompt.token_type_ids.tolist() == expected["token_type_ids"]
+    # Truncated pairs score as the truncated reference does.
+    reference = CrossEncoder(str(cross_encoder[0]), device="cpu", max_length=16)
+    ours = engine.score(QUERY, [long_doc, DOCS[0]], truncate_prompt_tokens=16)
+    assert_rel_close(ours, reference.predict([(QUERY, long_doc), (QUERY, DOCS[0])]))
+
+
+def test_score_rejects_mismatched_sides(cross_encoder_engine: vecpool.Engine) -> None:
+    with pytest.raises(vecpool.InputError, match="no room for a text pair besides 3 special"):
+        cross_encoder_engine.score("a b", "c d", truncate_prompt_tokens=4)
+    with pytest.raises(vecpool.InputError, match="first side has 2 inputs and the second 3"):
+        cross_encoder_engine.score(["a", "b"], ["c", "d", "e"])
+    with pytest.raises(vecpool.InputError, match=r"input 1 \(text_2\).*scores texts"):
+        cross_encoder_engine.score("a", ["b", [5, 6, 7]])
+
+
+# ---- LLM rerankers ---------------------------------------------------------------------------
+
+WORDS = "yes no what does a cat eat cats fish and meat the stock market Query Document Instruct"
+
+
+def _word_tokenizer(path: Path) -> None:
+    """A word-level tokenizer over a tiny vocabulary, with the chat markers as special tokens."""
+    specials = ["[UNK]", "<|im_start|>", "<|im_end|>"]
+    vocab = {w: i for i, w in enumerate([*specials, *WORDS.split(), "<", ">:", ":"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens([AddedToken(s, special=True) for s in specials[1:]])
+    tok.save(str(path / "tokenizer.json"))
+
+
+@pytest.mark.parametrize(
+    ("arch_name", "tied"), [("qwen3", False), ("gemma2", True)], ids=["qwen3", "gemma2-softcap"]
+)
+@pytest.mark.parametrize("false_token", ["no", None])
+def test_llm_reranker_matches_transformers(
+    arch_name: str, tied: bool, false_token: str | None, tmp_path: Path
+) -> None:
+    arch = next(a for a in ARCHS if a.name == arch_name)
+    hf = arch.hf_model(causal_lm=True, tie_word_embeddings=tied)
+    folder = save_hf_model(hf, tmp_path)
+    _word_tokenizer(folder)
+    config = vecpool.LLMRerankerConfig.qwen3(instruction="find what cats eat")
+    if false_token is None:
+        config = vecpool.LLMRerankerConfig(config.template, "yes", None, config.instruction)
+    engine = vecpool.Engine(folder, device="cpu", llm_reranker=config)
+    assert engine.score_mode == "llm"
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"))
+    yes, no = tokenizer.convert_tokens_to_ids(["yes", "no"])
+    expected = []
+    for doc in DOCS:
+        prompt = config.format(QUERY, doc)
+        assert "<|im_start|>assistant" in prompt and f"<Document>: {doc}" in prompt
+        ids = tokenizer(prompt)["input_ids"]
+        assert max(ids) < VOCAB
+        with torch.no_grad():
+            last = hf(input_ids=torch.tensor([ids])).logits[0, -1]
+        log_odds = last[yes] - last[no] if false_token else last[yes]
+        expected.append(float(log_odds))
+    raw = engine.score(QUERY, DOCS, use_activation=False)
+    assert_rel_close(raw, np.array(expected, dtype=np.float32))
+    assert_rel_close(engine.score(QUERY, DOCS), 1 / (1 + np.exp(-np.array(expected))))
+    ranked = engine.rerank(QUERY, DOCS, top_n=3)
+    assert [i for i, _ in ranked] == list(np.argsort(-np.array(expected), kind="stable")[:3])
+    with pytest.raises(vecpool.InputError, match="would cut the prompt template"):
+        engine.score(QUERY, DOCS, truncate_prompt_tokens=8)
+
+
+def test_llm_reranker_config_errors(tmp_path: Path) -> None:
+    with pytest.raises(vecpool.ConfigError, match=r"no \{document\} placeholder"):
+        vecpool.LLMRerankerConfig("Query: {query}")
+    arch = next(a for a in ARCHS if a.name == "qwen3")
+    folder = save_hf_model(arch.hf_model(causal_lm=True), tmp_path)
+    _word_tokenizer(folder)
+    bad = vecpool.LLMRerankerConfig("{query} {document}", true_token="maybe")
+    with pytest.raises(vecpool.ConfigError, match="'maybe' is not in the vocabulary"):
+        vecpool.Engine(folder, device="cpu", llm_reranker=bad)
+    # Text that looks like a placeholder stays as it is.
+    plain = vecpool.LLMRerankerConfig("Q: {query} D: {document}")
+    assert plain.format("{document}", "x") == "Q: {document} D: x"
+
+
+# ---- late interaction ------------------------------------------------------------------------
+
+
+def test_colbert_vectors_match_a_direct_computation(
+    colbert: tuple[Path, Any, torch.Tensor],
+) -> None:
+    folder, hf, linear = colbert
+    engine = vecpool.Engine(folder, device="cpu")
+    assert engine.score_mode == "late_interaction"
+    assert engine.token_output_dim == 16
+    texts = [QUERY, *DOCS]
+    ours = engine.encode(texts, task="token_embed")
+    for text, vectors in zip(texts, ours, strict=True):
+        ids = torch.tensor([engine.tokenize(text)])
+        with torch.no_grad():
+            projected = hf(input_ids=ids).last_hidden_state[0] @ linear.T
+        expected = torch.nn.functional.normalize(projected, dim=-1).numpy()
+        assert_rel_close(vectors, expected)
+
+
+def _numpy_maxsim(q: np.ndarray, d: np.ndarray) -> float:
+    return float(sum(max(float(qi @ dj) for dj in d) for qi in q))
+
+
+def test_maxsim_scores_match_numpy(colbert: tuple[Path, Any, torch.Tensor]) -> None:
+    engine = vecpool.Engine(colbert[0], device="cpu")
+    query, *docs = engine.encode([QUERY, *DOCS], task="token_embed")
+    expected = np.array([_numpy_maxsim(query, d) for d in docs], dtype=np.float32)
+    call = engine.prepare_score(QUERY, DOCS)
+    assert len(call.requests) == 1 + len(DOCS)  # the query's vectors are computed once
+    assert_rel_close(engine.run(call), expected)
+    assert_rel_close(engine.score(QUERY, DOCS), expected)
+    pairwise = engine.score([QUERY, DOCS[1]], [DOCS[0], DOCS[2]])
+    assert_rel_close(pairwise, np.array([expected[0], _numpy_maxsim(docs[1], docs[2])]))
+    ranked = engine.rerank(QUERY, DOCS)
+    assert [i for i, _ in ranked] == list(np.argsort(-expected, kind="stable"))
+    with pytest.raises(vecpool.InputError, match="use_activation applies to cross-encoder"):
+        engine.score(QUERY, DOCS, use_activation=False)
+
+
+def test_colbert_projection_size_from_config(
+    colbert: tuple[Path, Any, torch.Tensor], tmp_path: Path
+) -> None:
+    import shutil
+
+    folder = shutil.copytree(colbert[0], tmp_path / "colbert")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "colbert_dim": 8}))
+    with pytest.raises(vecpool.ModelLoadError, match=r"linear\.weight"):
+        vecpool.Engine(folder, device="cpu")  # the checkpoint's projection is 16 wide
+
+
+def test_embedding_models_score_by_cosine(minilm: vecpool.Engine) -> None:
+    assert minilm.score_mode == "embed"
+    vectors = minilm.embed([QUERY, *DOCS])
+    expected = vectors[1:] @ vectors[0]
+    assert_rel_close(minilm.score(QUERY, DOCS), expected)
+
+
+def test_scoring_functions() -> None:
+    assert scoring.rank(np.array([0.1, 0.5, 0.5, -1.0]), top_n=3) == [(1, 0.5), (2, 0.5), (0, 0.1)]
+    weights = np.array([0.0, 0.3, 0.0, 1.2, 0.05, 0.3], dtype=np.float32)
+    assert list(scoring.sparse_vector(weights)) == [3, 1, 5, 4]
+    assert scoring.sparse_vector(weights, top_k=2) == {3: pytest.approx(1.2), 1: pytest.approx(0.3)}
+    assert list(scoring.sparse_vector(weights, threshold=0.1)) == [3, 1, 5]
+    assert scoring.sparse_vector(weights, top_k=0) == {}
+    q = np.array([[1.0, 0.0], [0.0, 1.0]])
+    d = [np.array([[0.5, 0.5], [1.0, 0.0]]), np.array([[0.0, 2.0]])]
+    assert scoring.maxsim(q, d).tolist() == [1.5, 2.0]

@@ -1,0 +1,245 @@
+"""The pooling runner's task heads: each turns one step's hidden states into the outputs of the
+sequences that asked for it.
+
+A head gets the whole step's hidden states and the batch positions of its own sequences; it
+selects rows by index arithmetic, applies the model's head to those rows only, and copies its
+result to the host once. Several heads serve one step, so that one model folder answers embed,
+classify and sparse requests in the same batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from vecpool.errors import ConfigError
+from vecpool.pooling.heads import DenseStack, truncate_and_normalize
+from vecpool.pooling.poolers import PoolingMetadata, pool_sequences, select_tokens
+from vecpool.tasks import PoolingParams
+
+RowFn = Callable[[torch.Tensor], torch.Tensor]  # [n, hidden] -> [n, out]
+LogitsFn = Callable[..., torch.Tensor]  # (rows [n, hidden], vocab_ids [v] | None) -> [n, v]
+
+ACTIVATIONS = ("sigmoid", "softmax", "identity", "tanh")
+# sentence-transformers stores a cross-encoder's activation as a torch class path.
+_ST_ACTIVATIONS = {
+    "Sigmoid": "sigmoid",
+    "Softmax": "softmax",
+    "Identity": "identity",
+    "Tanh": "tanh",
+}
+_PROBLEM_TYPES = {
+    "multi_label_classification": "sigmoid",
+    "single_label_classification": "softmax",
+    "regression": "identity",
+}
+
+
+@dataclass(frozen=True)
+class HeadBatch:
+    """The part of one step a head serves."""
+
+    hidden: torch.Tensor  # [num_tokens, hidden] final hidden states of the whole step
+    meta: PoolingMetadata
+    seqs: torch.Tensor  # [k] int64 on the device: batch positions of the head's sequences
+    params: list[PoolingParams]  # [k]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.params)
+
+    def flags(self, name: str, default: bool) -> torch.Tensor:  # [k] bool on the device
+        values = [
+            default if getattr(p, name) is None else bool(getattr(p, name)) for p in self.params
+        ]
+        return _on(self.seqs.device, values, torch.bool)
+
+
+class TaskHead(Protocol):
+    def __call__(self, b: HeadBatch, /) -> list[np.ndarray]:
+        """One output per sequence of `b`, in its order."""
+        ...
+
+
+def classifier_activation(hf: dict[str, Any], num_labels: int) -> str:
+    """How a checkpoint's classifier logits become scores: the activation sentence-transformers
+    saved with a cross-encoder, else by `problem_type`, else sigmoid for one label and softmax
+    for several."""
+    st = (hf.get("sentence_transformers") or {}).get("activation_fn") or hf.get(
+        "sbert_ce_default_activation_function"
+    )
+    if st:
+        name = _ST_ACTIVATIONS.get(str(st).rsplit(".", 1)[-1])
+        if name is None:
+            raise ConfigError(
+                f"the classifier activation {st!r} in config.json is not supported "
+                f"(supported: {sorted(_ST_ACTIVATIONS)})"
+            )
+        return name
+    problem = hf.get("problem_type")
+    if problem in _PROBLEM_TYPES:
+        return _PROBLEM_TYPES[problem]
+    return "sigmoid" if num_labels == 1 else "softmax"
+
+
+def activate(logits: torch.Tensor, kind: str) -> torch.Tensor:
+    """`[n, m]` float32 logits through the activation `kind` (softmax over the last axis)."""
+    if kind == "sigmoid":
+        return torch.sigmoid(logits)
+    if kind == "softmax":
+        return torch.softmax(logits, dim=-1)
+    if kind == "tanh":
+        return torch.tanh(logits)
+    return logits
+
+
+class EmbedHead:
+    """The model's pooling, the folder's Dense projections, matryoshka truncation, normalize."""
+
+    def __init__(self, pooler: str, dense: DenseStack, normalize: bool, output_dim: int):
+        self.pooler, self.dense, self.normalize, self.output_dim = (
+            pooler,
+            dense,
+            normalize,
+            output_dim,
+        )
+
+    def __call__(self, b: HeadBatch) -> list[np.ndarray]:
+        pooled = pool_sequences(self.pooler, b.hidden, b.meta)[b.seqs]  # [k, hidden] float32
+        dims = [p.dimensions or self.output_dim for p in b.params]
+        out = truncate_and_normalize(
+            self.dense(pooled),
+            _on(b.seqs.device, dims, torch.int64),
+            b.flags("normalize", self.normalize),
+        )
+        host = out.cpu().numpy()
+        return [host[i, :d] for i, d in enumerate(dims)]
+
+
+class ClassifierHead:
+    """One row per sequence (CLS or LAST) through a classifier, then its activation."""
+
+    def __init__(self, classify: RowFn, pooler: str, activation: str):
+        self.classify, self.pooler, self.activation = classify, pooler, activation
+
+    def __call__(self, b: HeadBatch) -> list[np.ndarray]:
+        logits = self.classify(b.hidden[_rows(self.pooler, b)]).float()  # [k, num_labels]
+        scores = torch.where(
+            b.flags("use_activation", True)[:, None], activate(logits, self.activation), logits
+        )
+        return list(scores.cpu().numpy())
+
+
+class LogitScoreHead:
+    """An LLM reranker: the last position's logits of a "true" token (and a "false" one) give
+    the log-odds `l_true - l_false` (or `l_true` alone), scored through a sigmoid."""
+
+    def __init__(self, compute_logits: LogitsFn, vocab_ids: torch.Tensor):
+        self.compute_logits = compute_logits
+        self.vocab_ids = vocab_ids  # [1 or 2] int64: the true token, then the false one
+
+    def __call__(self, b: HeadBatch) -> list[np.ndarray]:
+        rows = b.hidden[_rows("LAST", b)]
+        logits = self.compute_logits(rows, self.vocab_ids).float()  # [k, 1 or 2]
+        raw = logits[:, :1] if logits.shape[1] == 1 else logits[:, :1] - logits[:, 1:2]
+        scores = torch.where(b.flags("use_activation", True)[:, None], torch.sigmoid(raw), raw)
+        return list(scores.cpu().numpy())
+
+
+class TokenEmbedHead:
+    """Per-token vectors (all tokens, or STEP-tagged ones): an optional projection (ColBERT),
+    matryoshka truncation, normalize."""
+
+    def __init__(self, project: RowFn | None, normalize: bool, output_dim: int):
+        self.project, self.normalize, self.output_dim = project, normalize, output_dim
+
+    def __call__(self, b: HeadBatch) -> list[np.ndarray]:
+        selected, row_seq, counts = _token_rows(b)
+        rows = b.hidden[selected]
+        if self.project is not None:
+            rows = self.project(rows)
+        dims = [p.dimensions or self.output_dim for p in b.params]
+        rows = truncate_and_normalize(
+            rows.float(),
+            _on(b.seqs.device, dims, torch.int64)[row_seq],
+            b.flags("normalize", self.normalize)[row_seq],
+        )
+        parts = torch.split(rows.cpu(), counts)
+        return [part.numpy()[:, :d] for part, d in zip(parts, dims, strict=True)]
+
+
+class TokenClassifierHead:
+    """Per-token class scores (all tokens, or STEP-tagged ones) from a token classifier."""
+
+    def __init__(self, classify_tokens: RowFn, activation: str):
+        self.classify_tokens, self.activation = classify_tokens, activation
+
+    def __call__(self, b: HeadBatch) -> list[np.ndarray]:
+        selected, row_seq, counts = _token_rows(b)
+        logits = self.classify_tokens(b.hidden[selected]).float()  # [num_selected, num_labels]
+        use = b.flags("use_activation", True)[row_seq]
+        scores = torch.where(use[:, None], activate(logits, self.activation), logits)
+        return [part.numpy() for part in torch.split(scores.cpu(), counts)]
+
+
+class SparseHead:
+    """SPLADE: `log(1 + relu(logits))` of the masked-LM head on every non-special token,
+    max-pooled per sequence into one `[vocab]` vector. The vocabulary logits of a step's
+    tokens are computed `slice_tokens` rows at a time to bound memory."""
+
+    def __init__(self, compute_logits: LogitsFn, special: torch.Tensor, slice_tokens: int = 1024):
+        self.compute_logits = compute_logits
+        self.special = special  # [vocab] bool: token ids excluded from pooling
+        self.slice_tokens = slice_tokens
+
+    def __call__(self, b: HeadBatch) -> list[np.ndarray]:
+        meta, device = b.meta, b.seqs.device
+        num_all = int(meta.lengths.shape[0])
+        local = torch.full((num_all,), -1, dtype=torch.int64, device=device)
+        local[b.seqs] = torch.arange(b.num_seqs, device=device)
+        row_local = local[meta.seq_ids]  # [num_tokens]: index among the head's sequences
+        keep = (row_local >= 0) & ~self.special[meta.input_ids]
+        rows, row_local = b.hidden[keep], row_local[keep]
+        out = torch.zeros(b.num_seqs, self.special.shape[0], dtype=torch.float32, device=device)
+        for start in range(0, rows.shape[0], self.slice_tokens):
+            end = start + self.slice_tokens
+            weights = torch.log1p(torch.relu(self.compute_logits(rows[start:end]).float()))
+            index = row_local[start:end, None].expand_as(weights)
+            out.scatter_reduce_(0, index, weights, reduce="amax")  # weights >= 0 = the zeros
+        return list(out.cpu().numpy())
+
+
+def _rows(pooler: str, b: HeadBatch) -> torch.Tensor:  # [k] int64: each sequence's row
+    cu = b.meta.cu_seqlens
+    if pooler == "CLS":
+        return cu[:-1][b.seqs]
+    if pooler == "LAST":
+        return cu[1:][b.seqs] - 1
+    raise ConfigError(f"a classifier reads the CLS or LAST row, not {pooler!r}")
+
+
+def _token_rows(b: HeadBatch) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Rows of the head's sequences to return per token (all, or STEP-tagged ones): the
+    `[num_tokens]` bool selection, each selected row's index among the head's sequences
+    (`[num_selected]`), and how many rows each sequence has."""
+    device = b.seqs.device
+    num_all = int(b.meta.lengths.shape[0])
+    wanted = torch.zeros(num_all, dtype=torch.bool, device=device)
+    wanted[b.seqs] = True
+    tags = torch.full((num_all,), -1, dtype=torch.int64, device=device)
+    step_tags = [-1 if p.step_tag_id is None else p.step_tag_id for p in b.params]
+    tags[b.seqs] = _on(device, step_tags, torch.int64)
+    local = torch.zeros(num_all, dtype=torch.int64, device=device)
+    local[b.seqs] = torch.arange(b.num_seqs, device=device)
+    selected = select_tokens(b.meta, wanted, tags)  # [num_tokens] bool
+    row_seq = local[b.meta.seq_ids[selected]]
+    counts = torch.bincount(row_seq, minlength=b.num_seqs).cpu().tolist()
+    return selected, row_seq, counts
+
+
+def _on(device: torch.device, values: list, dtype: torch.dtype) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)

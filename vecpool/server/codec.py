@@ -1,0 +1,182 @@
+"""Wire formats: request inputs in (strings, token arrays, base64 prompt embeds), vectors out.
+
+Prompt embeds arrive as base64 of a `.npy` file (read with `allow_pickle=False`) or of a
+`torch.save` tensor (read with `weights_only=True`, the vLLM client convention). Vectors leave
+as float lists or as base64 of little-endian float32 / float16 / bfloat16 bytes.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from vecpool.errors import InputError
+from vecpool.server.protocol import INPUT_DOC, EmbedDtype, EncodingFormat
+
+_NPY_MAGIC = b"\x93NUMPY"
+_EMBEDS_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@dataclass(frozen=True)
+class EncodedEmbeds:
+    """A `{"prompt_embeds": "<base64>"}` input, not decoded yet."""
+
+    data: str
+
+
+def json_type(value: Any) -> str:
+    """The JSON name of a parsed value's type, for error messages."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    return "object"
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+Item = str | list[int] | dict[str, Any] | EncodedEmbeds
+
+
+def parse_inputs(value: Any, name: str = "input") -> list[Item]:
+    """The items of an `input` field, in order; `InputError` naming the first bad one."""
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list):
+        raise InputError(f"expected {INPUT_DOC}; got {json_type(value)}", field=name)
+    if not value:
+        raise InputError("the list is empty", field=name)
+    if all(_is_int(v) for v in value):
+        return [value]  # one token array
+    items: list[Item] = []
+    for i, item in enumerate(value):
+        if isinstance(item, str):
+            items.append(item)
+        elif isinstance(item, list):
+            bad = [v for v in item if not _is_int(v)]
+            if bad:
+                raise InputError(
+                    f"a token array holds integers only, found {json_type(bad[0])}", index=i
+                )
+            items.append(item)
+        elif isinstance(item, dict) and set(item) == {"text", "text_pair"}:
+            items.append(item)  # a text pair (cross-encoders, pair classifiers)
+        elif isinstance(item, dict):
+            if set(item) != {"prompt_embeds"}:
+                raise InputError(
+                    'an object input must be {"prompt_embeds": "<base64>"} or '
+                    f'{{"text": ..., "text_pair": ...}}, got keys {sorted(item)}',
+                    index=i,
+                )
+            data = item["prompt_embeds"]
+            if not isinstance(data, str):
+                raise InputError(
+                    f"expected a base64 string, got {json_type(data)}",
+                    index=i,
+                    field="prompt_embeds",
+                )
+            items.append(EncodedEmbeds(data))
+        else:
+            hint = " (to mix token arrays with other inputs, wrap each in its own list)"
+            raise InputError(
+                "expected a string, a token array or a prompt_embeds object, got "
+                f"{json_type(item)}{hint if _is_int(item) else ''}",
+                index=i,
+            )
+    return items
+
+
+def decode_inputs(items: list[Item]) -> list[Any]:
+    """Engine inputs: prompt embeds decoded to `{"prompt_embeds": tensor}`, the rest as is."""
+    return [
+        {"prompt_embeds": decode_prompt_embeds(item.data, i)}
+        if isinstance(item, EncodedEmbeds)
+        else item
+        for i, item in enumerate(items)
+    ]
+
+
+def decode_prompt_embeds(data: str, index: int) -> np.ndarray | torch.Tensor:
+    """A `[num_tokens, hidden]` float array from base64 `.npy` or `torch.save` bytes.
+
+    Decoding errors are ours; shape against the model, NaN and length are the engine's checks.
+    """
+
+    def fail(reason: str) -> InputError:
+        return InputError(reason, index=index, field="prompt_embeds")
+
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise fail("not valid base64") from None
+    if raw.startswith(_NPY_MAGIC):
+        try:
+            array = np.load(io.BytesIO(raw), allow_pickle=False)
+        except Exception as exc:  # numpy raises many types for corrupt files
+            raise fail(f"cannot read the .npy data: {exc}") from None
+        if not isinstance(array, np.ndarray):
+            raise fail(f"the .npy data holds a {type(array).__name__}, not an array")
+        if array.dtype.kind != "f":
+            raise fail(f"expected a float array, got dtype {array.dtype}")
+        if array.ndim != 2:
+            raise fail(f"expected a 2-D array [num_tokens, hidden], got shape {list(array.shape)}")
+        return array.astype(array.dtype.newbyteorder("="), copy=False)
+    try:
+        tensor = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises many types for foreign or corrupt data
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise fail(f"neither .npy nor torch.save data ({reason})") from None
+    if not isinstance(tensor, torch.Tensor):
+        raise fail(f"the torch.save data holds a {type(tensor).__name__}, not a tensor")
+    if tensor.layout != torch.strided or tensor.dtype not in _EMBEDS_DTYPES:
+        raise fail(f"expected a dense float tensor, got {tensor.dtype} ({tensor.layout})")
+    if tensor.dim() != 2:
+        raise fail(f"expected a 2-D tensor [num_tokens, hidden], got shape {list(tensor.shape)}")
+    return tensor
+
+
+def encode_array(array: np.ndarray, encoding: EncodingFormat, dtype: EmbedDtype) -> Any:
+    """A float32 array as nested float lists (values rounded to `dtype`) or base64 bytes."""
+    if encoding == "base64":
+        return base64.b64encode(to_bytes(array, dtype)).decode("ascii")
+    if dtype != "float32":
+        array = round_to(array, dtype)
+    return array.tolist()
+
+
+def to_bytes(array: np.ndarray, dtype: EmbedDtype) -> bytes:
+    """Little-endian bytes of `array` in `dtype`, row-major."""
+    if dtype == "bfloat16":
+        halves = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32)).bfloat16()
+        return halves.view(torch.int16).numpy().astype("<i2").tobytes()
+    return np.ascontiguousarray(array, dtype="<f2" if dtype == "float16" else "<f4").tobytes()
+
+
+def round_to(array: np.ndarray, dtype: EmbedDtype) -> np.ndarray:
+    """`array` rounded to `dtype` and back to float32."""
+    if dtype == "bfloat16":
+        return (
+            torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
+            .bfloat16()
+            .float()
+            .numpy()
+        )
+    if dtype == "float16":
+        return array.astype(np.float16).astype(np.float32)
+    return array

@@ -1,0 +1,41 @@
+"""Server settings: built once from the command line (or by hand), validated when built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vecpool.errors import ConfigError
+
+# Paths served without an API key: liveness probes and Prometheus scrapes.
+PUBLIC_PATHS = frozenset({"/health", "/metrics"})
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """What the HTTP layer enforces; the engine's own limits live in `Engine`."""
+
+    model_names: tuple[str, ...]  # names accepted in `model`; the first is the one reported
+    api_key: str | None = None  # Bearer token every non-public path requires
+    max_queued: int = 4096  # requests (inputs) waiting or running before 429
+    max_batch_inputs: int = 2048  # inputs one HTTP request may hold
+    max_payload_bytes: int = 32 * 2**20  # request body size before 413
+    auto_truncate: bool = False  # inputs over max_model_len are truncated instead of refused
+    tokenizer_threads: int = 4
+
+    def __post_init__(self) -> None:
+        if not self.model_names or any(not name for name in self.model_names):
+            raise ConfigError("the server needs at least one non-empty model name")
+        if self.api_key is not None and not self.api_key:
+            raise ConfigError("--api-key must not be empty")
+        for name in ("max_queued", "max_batch_inputs", "max_payload_bytes", "tokenizer_threads"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_batch_inputs > self.max_queued:
+            raise ConfigError(
+                f"max_batch_inputs={self.max_batch_inputs} is above max_queued={self.max_queued}; "
+                "a request that large could never be queued"
+            )
+
+    @property
+    def model_name(self) -> str:
+        return self.model_names[0]
