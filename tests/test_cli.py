@@ -227,3 +227,10 @@ def test_console_entry_runs_the_examples() -> None:
     assert result.returncode == 0, result.stderr
     assert "cosine  paraphrases" in result.stdout
     assert "every paraphrase pair beats every unrelated one" in result.stdout
+
+
+def test_serve_is_a_subcommand(capsys) -> None:
+    assert main(["serve", "--help"]) == 0
+    assert "/v1/embeddings" in capsys.readouterr().out
+    assert main(["serve", "no/such/folder"]) == 2
+    assert "does not exist" in capsys.readouterr().err

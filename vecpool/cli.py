@@ -1,7 +1,7 @@
 """The `vecpool` command line; `vecpool embed` embeds a file of texts or token ids in chunks.
 
-Each command (`embed` now; `serve` and `bench` to come) is one subparser and one `run_*`
-function that returns the exit status.
+Each command (`embed`, `serve`) is one subparser and one `run_*` function that returns the
+exit status.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from tqdm import tqdm
 import vecpool
 from vecpool.api import DEFAULT_MODEL_PACKAGE, Engine
 from vecpool.errors import EngineError, InputError, VecpoolError
+from vecpool.server.cli import SERVE_DESCRIPTION, add_serve_arguments, serve
 
 DEFAULT_CHUNK_SIZE = 4096
 # Shown by `vecpool embed` with no --input: paraphrases should score above unrelated pairs.
@@ -123,6 +124,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="cut inputs over the model's limit (default), or fail",
     )
+    serve = commands.add_parser(
+        "serve",
+        help="serve a model over HTTP (OpenAI, Cohere and Jina conventions)",
+        description=SERVE_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_serve_arguments(serve)
+    serve.set_defaults(run=run_serve)
     return parser
 
 
@@ -150,6 +159,13 @@ def main(argv: list[str] | None = None, *, engine: Engine | None = None) -> int:
     except (CommandError, VecpoolError) as exc:
         print(f"vecpool: error: {exc}", file=sys.stderr)
         return 2
+
+
+def run_serve(args: argparse.Namespace, engine: Engine | None) -> int:
+    """`vecpool serve`: the HTTP server, until interrupted."""
+    if engine is not None:
+        raise CommandError("vecpool serve loads its own engine")
+    return serve(args)
 
 
 def run_embed(args: argparse.Namespace, engine: Engine | None) -> int:
