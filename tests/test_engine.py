@@ -186,3 +186,20 @@ def test_instruction_prompts_by_name(tmp_path: Path, default_model_dir: Path) ->
         vecpool.InputError, match="unknown prompt name 'doc'; the model's prompts: passage, query"
     ):
         engine.embed(texts, prompt_name="doc")
+
+
+def test_large_calls_are_pipelined_in_chunks(tiny_bert_engine, monkeypatch) -> None:
+    engine = tiny_bert_engine
+    prompts = random_prompts(99, [3 + (i * 7) % 40 for i in range(11)], seed=50)
+    whole = engine.embed(prompts)
+    monkeypatch.setattr(vecpool.api, "PIPELINE_CHUNK", 3)
+    assert np.abs(engine.embed(prompts) - whole).max() <= 1e-6
+    per_token = engine.encode(prompts, task="token_embed")
+    assert [t.shape[0] for t in per_token] == [len(p) for p in prompts]
+    # A bad input in a later chunk is named by its index in the whole call, and the call's
+    # requests still queued are dropped.
+    bad = [*prompts[:7], [5, 999], *prompts[7:]]
+    with pytest.raises(vecpool.InputError, match=r"input 7 \(prompt_token_ids\): token id 999"):
+        engine.embed(bad)
+    assert not engine.core.has_work()
+    assert np.abs(engine.embed(prompts) - whole).max() <= 1e-6

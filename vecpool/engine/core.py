@@ -41,6 +41,11 @@ class EngineCore:
         with self._queue_lock:
             self.scheduler.add(request)
 
+    def add_requests(self, requests: list[Request]) -> None:
+        with self._queue_lock:
+            for request in requests:
+                self.scheduler.add(request)
+
     def has_work(self) -> bool:
         with self._queue_lock:
             return self._prefetched is not None or self.scheduler.has_work()

@@ -13,7 +13,7 @@ from vecpool.config import SchedulerConfig
 from vecpool.engine.request import Request, RequestStatus
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ScheduledChunk:
     """`num_tokens` tokens of `request`, starting at its `num_computed_tokens`."""
 

@@ -88,7 +88,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-num-batched-tokens", type=int, metavar="N", help="token budget of one engine step"
     )
     eng.add_argument(
-        "--max-num-seqs", type=int, default=256, metavar="N", help="inputs per engine step"
+        "--max-num-seqs",
+        type=int,
+        metavar="N",
+        help="inputs per engine step (default: 1024 on CUDA, 256 on the CPU)",
     )
     eng.add_argument("--pooling", help="override the model's pooling: CLS, MEAN, LAST or MAX")
     eng.add_argument(
