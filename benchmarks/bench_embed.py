@@ -1,12 +1,12 @@
 """Throughput of `Engine.embed` against sentence-transformers, in one process, on the same data.
 
-    python benchmarks/bench_embed.py [--model DIR | --bert-base] [--device cuda] [--n 20000]
+    python benchmarks/bench_embed.py [--model DIR] [--synthetic KIND] [--device cuda] [--n 20000]
 
 Both sides embed the same texts on the same device and dtype; each is run `--repeats` times
 after a warm-up, and the report gives the median inputs/s of each, their ratio, the raw
-timings, and the largest difference between the two sides' vectors. `--bert-base` builds a
-BERT-base-sized sentence-transformers folder with random weights and the default model's
-tokenizer, to measure a model where the GPU has real work to do.
+timings, and the largest difference between the two sides' vectors. `--synthetic` builds a
+BERT-base or Qwen3-0.6B shaped sentence-transformers folder with random weights and the
+default model's tokenizer, to measure models where the GPU has real work to do.
 """
 
 from __future__ import annotations
@@ -42,20 +42,37 @@ def make_texts(n: int, seed: int = 0, min_words: int = 4, max_words: int = 180) 
     return [" ".join(gen.choice(WORDS, size=c)) for c in counts]
 
 
-def make_bert_base_folder(dest: Path, tokenizer_from: Path) -> Path:
-    """A BERT-base sized ST folder (random weights, mean pooling, normalize)."""
+SYNTHETIC = ("bert-base", "qwen3-0.6b")
+
+
+def make_synthetic_folder(kind: str, dest: Path, tokenizer_from: Path) -> Path:
+    """A sentence-transformers folder of a real model's shape with random weights and the
+    tokenizer of `tokenizer_from`: "bert-base" (mean pooling) or "qwen3-0.6b" (last token,
+    bfloat16, the tokenizer's vocabulary)."""
     import transformers
 
     torch.manual_seed(0)
-    cfg = transformers.BertConfig(
-        hidden_size=768,
-        num_hidden_layers=12,
-        num_attention_heads=12,
-        intermediate_size=3072,
-        vocab_size=30522,
-    )
-    transformers.BertModel(cfg).save_pretrained(str(dest), safe_serialization=True)
-    src = tokenizer_from
+    if kind == "bert-base":
+        cfg: Any = transformers.BertConfig(
+            hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072
+        )
+        model: Any = transformers.BertModel(cfg)
+        pooling = {"pooling_mode_mean_tokens": True}
+    else:
+        cfg = transformers.Qwen3Config(
+            vocab_size=30522,
+            hidden_size=1024,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            intermediate_size=3072,
+            max_position_embeddings=32768,
+            tie_word_embeddings=True,
+        )
+        model = transformers.Qwen3Model(cfg).to(torch.bfloat16)
+        pooling = {"pooling_mode_lasttoken": True}
+    model.save_pretrained(str(dest), safe_serialization=True)
     for name in (
         "tokenizer.json",
         "tokenizer_config.json",
@@ -65,11 +82,11 @@ def make_bert_base_folder(dest: Path, tokenizer_from: Path) -> Path:
         "sentence_bert_config.json",
         "config_sentence_transformers.json",
     ):
-        shutil.copy(src / name, dest / name)
-    shutil.copytree(src / "1_Pooling", dest / "1_Pooling")
-    pooling = json.loads((dest / "1_Pooling" / "config.json").read_text())
-    pooling["word_embedding_dimension"] = 768
-    (dest / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+        shutil.copy(tokenizer_from / name, dest / name)
+    (dest / "1_Pooling").mkdir()
+    (dest / "1_Pooling" / "config.json").write_text(
+        json.dumps({"word_embedding_dimension": cfg.hidden_size, **pooling})
+    )
     return dest
 
 
@@ -91,7 +108,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", type=Path, default=None)
     parser.add_argument(
-        "--bert-base", action="store_true", help="random BERT-base with --model's tokenizer files"
+        "--synthetic", choices=SYNTHETIC, help="a random model of this shape, --model's tokenizer"
     )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None, help="default: float16 on CUDA, float32 on CPU")
@@ -105,9 +122,11 @@ def main() -> None:
     from sentence_transformers import SentenceTransformer
 
     tmp = None
-    if args.bert_base:
+    if args.synthetic:
         tmp = tempfile.mkdtemp()
-        model_dir = make_bert_base_folder(Path(tmp), args.model or default_model_path())
+        model_dir = make_synthetic_folder(
+            args.synthetic, Path(tmp), args.model or default_model_path()
+        )
     else:
         model_dir = args.model or default_model_path()
     dtype = args.dtype or ("float16" if args.device.startswith("cuda") else "float32")
@@ -141,8 +160,8 @@ def main() -> None:
     ours_med, ref_med = statistics.median(ours_t), statistics.median(ref_t)
     cos = np.sum(ours * ref, axis=1) / (np.linalg.norm(ours, axis=1) * np.linalg.norm(ref, axis=1))
     report = {
-        "model": "bert-base (random weights)"
-        if args.bert_base
+        "model": f"{args.synthetic} (random weights)"
+        if args.synthetic
         else engine.folder.hf_config.get("_name_or_path", str(model_dir)),
         "device": torch.cuda.get_device_name() if sync else platform.processor() or "cpu",
         "torch": torch.__version__,

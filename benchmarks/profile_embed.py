@@ -1,7 +1,7 @@
 """Where the time of one large `Engine.embed` call goes, on CUDA: wall time, the device's busy
 time, and the heaviest kernels and host functions.
 
-    python benchmarks/profile_embed.py --model DIR [--bert-base] [--n 20000]
+    python benchmarks/profile_embed.py --model DIR [--synthetic KIND] [--n 20000]
 """
 
 from __future__ import annotations
@@ -17,19 +17,19 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import vecpool
-from benchmarks.bench_embed import make_bert_base_folder, make_texts
+from benchmarks.bench_embed import SYNTHETIC, make_synthetic_folder, make_texts
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", type=Path, required=True)
-    parser.add_argument("--bert-base", action="store_true")
+    parser.add_argument("--synthetic", choices=SYNTHETIC)
     parser.add_argument("--n", type=int, default=20000)
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
     args = parser.parse_args()
     folder = args.model
-    if args.bert_base:
-        folder = make_bert_base_folder(Path(tempfile.mkdtemp()), args.model)
+    if args.synthetic:
+        folder = make_synthetic_folder(args.synthetic, Path(tempfile.mkdtemp()), args.model)
     engine = vecpool.Engine(
         folder, device="cuda", max_num_batched_tokens=args.max_num_batched_tokens
     )

@@ -1,7 +1,7 @@
 """Engine settings against each other, in one process on the same texts: median seconds of a
 large `Engine.embed` call per (token budget, request cap, pipelined tokenization).
 
-    python benchmarks/sweep_embed.py --model DIR [--bert-base] [--n 20000]
+    python benchmarks/sweep_embed.py --model DIR [--synthetic KIND] [--n 20000]
 """
 
 from __future__ import annotations
@@ -18,21 +18,21 @@ import torch
 
 import vecpool
 import vecpool.api
-from benchmarks.bench_embed import make_bert_base_folder, make_texts
+from benchmarks.bench_embed import SYNTHETIC, make_synthetic_folder, make_texts
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", type=Path, required=True)
-    parser.add_argument("--bert-base", action="store_true")
+    parser.add_argument("--synthetic", choices=SYNTHETIC)
     parser.add_argument("--n", type=int, default=20000)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--budgets", default="16384,32768")
     parser.add_argument("--seq-caps", default="256,1024")
     args = parser.parse_args()
     folder = (
-        make_bert_base_folder(Path(tempfile.mkdtemp()), args.model)
-        if args.bert_base
+        make_synthetic_folder(args.synthetic, Path(tempfile.mkdtemp()), args.model)
+        if args.synthetic
         else args.model
     )
     texts = make_texts(args.n)
