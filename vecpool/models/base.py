@@ -94,7 +94,12 @@ class PoolingModel(nn.Module):
         raise NotImplementedError(name)
 
     def post_load(self) -> None:
-        """Called once the weights are in place (e.g. to tie or derive tensors)."""
+        """Called once the weights are in place: joins the projections that share an input
+        (q/k/v, gate/up) into one matmul each, in every submodule that offers it."""
+        for module in list(self.modules()):
+            fuse_projections = getattr(module, "fuse_projections", None)
+            if callable(fuse_projections):
+                fuse_projections()
 
 
 def hf_num_labels(hf: dict[str, Any]) -> int:

@@ -17,7 +17,7 @@ from torch import nn
 from vecpool.errors import ConfigError
 from vecpool.models.attention import AttentionMetadata, flat_attention
 from vecpool.models.base import PoolingModel, hf_num_labels
-from vecpool.models.layers import activation
+from vecpool.models.layers import FusedProjections, activation, fuse
 
 
 @dataclass(frozen=True)
@@ -81,10 +81,15 @@ class BertSelfAttention(nn.Module):
         self.query = nn.Linear(c.hidden_size, c.hidden_size)
         self.key = nn.Linear(c.hidden_size, c.hidden_size)
         self.value = nn.Linear(c.hidden_size, c.hidden_size)
+        self.qkv: FusedProjections | None = None
+
+    def fuse_projections(self) -> None:
+        fuse(self, "qkv", ["query", "key", "value"])
 
     def forward(self, x: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
         shape = (x.shape[0], self.num_heads, self.head_dim)
-        q, k, v = self.query(x).view(shape), self.key(x).view(shape), self.value(x).view(shape)
+        assert self.qkv is not None, "projections are fused when the weights load"
+        q, k, v = (t.view(shape) for t in self.qkv(x))
         out = flat_attention(q, k, v, attn, causal=False, scale=self.head_dim**-0.5)
         return out.reshape(x.shape[0], -1)
 

@@ -20,7 +20,7 @@ from vecpool.config import hf_get
 from vecpool.errors import ConfigError
 from vecpool.models.attention import AttentionMetadata, flat_attention
 from vecpool.models.base import PoolingModel, hf_num_labels
-from vecpool.models.layers import GatedMLP, RMSNorm, Rotary, apply_rotary
+from vecpool.models.layers import FusedProjections, GatedMLP, RMSNorm, Rotary, apply_rotary, fuse
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
@@ -175,6 +175,10 @@ class DecoderAttention(nn.Module):
         if c.qk_norm:
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, c.norm_unit_offset)
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, c.norm_unit_offset)
+        self.qkv_proj: FusedProjections | None = None
+
+    def fuse_projections(self) -> None:
+        fuse(self, "qkv_proj", ["q_proj", "k_proj", "v_proj"])
 
     def forward(
         self,
@@ -184,9 +188,11 @@ class DecoderAttention(nn.Module):
         attn: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden]
         n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        assert self.qkv_proj is not None, "projections are fused when the weights load"
+        q, k, v = self.qkv_proj(x)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

@@ -50,8 +50,38 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(dtype)
 
 
+class FusedProjections(nn.Module):
+    """Linears over the same input, computed as one matmul; outputs split back in order.
+
+    Models keep the checkpoint's separate projections (`q_proj`, `k_proj`, ...) so that names
+    map directly; once loaded, `fuse()` joins them here and drops the originals.
+    """
+
+    def __init__(self, parts: list[nn.Linear]):
+        super().__init__()
+        self.sizes = [p.out_features for p in parts]
+        self.weight = nn.Parameter(torch.cat([p.weight for p in parts]), requires_grad=False)
+        biases = [p.bias for p in parts]
+        self.bias = (
+            nn.Parameter(torch.cat(biases), requires_grad=False)  # type: ignore[arg-type]
+            if all(b is not None for b in biases)
+            else None
+        )
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+
+
+def fuse(module: nn.Module, fused_name: str, part_names: list[str]) -> None:
+    """Replace `module`'s linears `part_names` by one `FusedProjections` named `fused_name`."""
+    parts = [getattr(module, name) for name in part_names]
+    setattr(module, fused_name, FusedProjections(parts))
+    for name in part_names:
+        delattr(module, name)
+
+
 class GatedMLP(nn.Module):
-    """`down(act(gate(x)) * up(x))`, the decoder MLP."""
+    """`down(act(gate(x)) * up(x))`, the decoder MLP; gate and up run as one matmul once fused."""
 
     def __init__(self, hidden: int, intermediate: int, act: str, bias: bool = False):
         super().__init__()
@@ -59,9 +89,15 @@ class GatedMLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
         self.act = activation(act)
+        self.gate_up_proj: FusedProjections | None = None
+
+    def fuse_projections(self) -> None:
+        fuse(self, "gate_up_proj", ["gate_proj", "up_proj"])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        assert self.gate_up_proj is not None, "projections are fused when the weights load"
+        gate, up = self.gate_up_proj(x)
+        return self.down_proj(self.act(gate) * up)
 
 
 class Rotary:
