@@ -163,6 +163,17 @@ def test_prompt_embeds_bit_exact_alone_and_mixed(decoder: Loaded) -> None:
         assert np.abs(c - d).max() == 0.0
 
 
+def test_batch_invariance(decoder: Loaded) -> None:
+    engine = decoder.engine
+    prompts = random_prompts(VOCAB, [7, 2, 25, 13, 4, 19], seed=8)
+    together = engine_hidden(engine, prompts)
+    for prompt, rows in zip(prompts, together, strict=True):
+        # Hidden states reach ~3 in magnitude here: 1e-6 of the largest, as for fp32 rounding.
+        assert_rel_close(engine_hidden(engine, [prompt])[0], rows, rtol=1e-6)
+    pooled_alone = np.stack([engine.embed([p])[0] for p in prompts])
+    assert np.abs(engine.embed(prompts) - pooled_alone).max() <= 1e-6
+
+
 def test_embed_tokens_is_the_transformers_input_embedding(decoder: Loaded) -> None:
     # Prompt embeds mean what `inputs_embeds` means in transformers (Gemma2: scaled rows), so
     # embeddings made there give here exactly what the ids give.
