@@ -33,7 +33,8 @@ def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm, computed in float32. `unit_offset` scales by (1 + weight) (Gemma)."""
+    """Root-mean-square norm through torch's fused kernel, which accumulates in float32 for
+    half inputs. `unit_offset` scales by (1 + weight), all in float32 (Gemma)."""
 
     def __init__(self, dim: int, eps: float, unit_offset: bool = False):
         super().__init__()
@@ -42,12 +43,11 @@ class RMSNorm(nn.Module):
         self.unit_offset = unit_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        shape = (x.shape[-1],)
         if self.unit_offset:
-            return (h * (1.0 + self.weight.float())).to(dtype)
-        return self.weight * h.to(dtype)
+            weight = 1.0 + self.weight.float()
+            return F.rms_norm(x.float(), shape, weight, self.eps).to(x.dtype)
+        return F.rms_norm(x, shape, self.weight, self.eps)
 
 
 class FusedProjections(nn.Module):
