@@ -203,3 +203,32 @@ def test_large_calls_are_pipelined_in_chunks(tiny_bert_engine, monkeypatch) -> N
         engine.embed(bad)
     assert not engine.core.has_work()
     assert np.abs(engine.embed(prompts) - whole).max() <= 1e-6
+
+
+def test_a_failing_input_is_isolated_from_its_step(tiny_bert_engine, monkeypatch) -> None:
+    engine = tiny_bert_engine
+    prompts = random_prompts(99, [5, 9, 3, 12, 7, 4], seed=60)
+    prompts[3][2] = 77  # the model "crashes" on any batch holding token 77
+    clean = [p for i, p in enumerate(prompts) if i != 3]
+    expected = engine.embed(clean)
+    original = engine.model_runner.forward
+
+    def fragile(batch):
+        if bool((batch.input_ids == 77).any()):
+            raise RuntimeError("poisoned batch")
+        return original(batch)
+
+    monkeypatch.setattr(engine.model_runner, "forward", fragile)
+    steps = engine.core.num_steps
+    results = engine.pool(prompts, PoolingParams())
+    assert engine.core.num_steps == steps + 1  # one scheduled step, re-run in halves inside it
+    assert isinstance(results[3].error, vecpool.RequestFailedError)
+    assert results[3].error.index == 3
+    assert "the model failed on this input alone: RuntimeError: poisoned batch" in str(
+        results[3].error
+    )
+    got = np.stack([r.data for i, r in enumerate(results) if i != 3])
+    assert np.abs(got - expected).max() <= 1e-6
+    with pytest.raises(vecpool.RequestFailedError, match=r"^input 3: the model failed"):
+        engine.embed(prompts)
+    assert np.abs(engine.embed(clean) - expected).max() <= 1e-6

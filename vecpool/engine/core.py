@@ -9,11 +9,11 @@ from collections import deque
 from collections.abc import Callable
 
 from vecpool.engine.request import Request
-from vecpool.engine.scheduler import Scheduler, SchedulerOutput
-from vecpool.errors import EngineError
+from vecpool.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from vecpool.errors import EngineError, RequestFailedError
 from vecpool.runner.batch import FlatBatch
 from vecpool.runner.model_runner import ModelRunner
-from vecpool.runner.pooling_runner import PoolingRunner
+from vecpool.runner.pooling_runner import PooledResult, PoolingRunner
 
 logger = logging.getLogger(__name__)
 
@@ -68,15 +68,9 @@ class EngineCore:
                 self._prefetched = self._prepare_next()
                 results = self.pooling_runner.pool(hidden, batch, sched)
             except Exception as exc:  # an engine failure must not take the engine down
-                self._fail(sched, exc)
+                self._recover(sched.chunks, exc)
                 return len(sched.chunks)
-            for chunk, result in zip(sched.chunks, results, strict=True):
-                chunk.request.num_computed_tokens += chunk.num_tokens
-                if result.error is not None:
-                    chunk.request.fail(result.error)
-                else:
-                    assert result.output is not None
-                    chunk.request.finish(result.output)
+            self._finish(sched.chunks, results)
             return len(sched.chunks)
 
     def _prepare_next(self) -> tuple[SchedulerOutput, FlatBatch] | None:
@@ -88,14 +82,60 @@ class EngineCore:
         try:
             return sched, self.model_runner.prepare(sched)
         except Exception as exc:
-            self._fail(sched, exc)
+            self._recover(sched.chunks, exc)
             return None
 
-    def _fail(self, sched: SchedulerOutput, exc: Exception) -> None:
-        logger.exception("engine step failed for %d requests", len(sched.chunks))
-        error = EngineError(f"the engine step failed: {type(exc).__name__}: {exc}")
-        for chunk in sched.chunks:
-            chunk.request.fail(error)
+    def _finish(self, chunks: list[ScheduledChunk], results: list[PooledResult]) -> None:
+        for chunk, result in zip(chunks, results, strict=True):
+            chunk.request.num_computed_tokens += chunk.num_tokens
+            if result.error is not None:
+                chunk.request.fail(result.error)
+            else:
+                assert result.output is not None
+                chunk.request.finish(result.output)
+
+    def _recover(self, chunks: list[ScheduledChunk], exc: Exception) -> None:
+        """A step failed: run its requests again in halves, so that only the ones that fail
+        on their own fail (a bad input, or a batch too large for memory, costs nobody else).
+        When every request fails alone too, the engine is at fault: they fail with
+        `EngineError`; otherwise each one that failed alone gets a `RequestFailedError`."""
+        logger.warning(
+            "engine step of %d requests failed (%s: %s); isolating",
+            len(chunks),
+            type(exc).__name__,
+            exc,
+        )
+        failed = self._run_halves(chunks, exc) if len(chunks) > 1 else [(chunks[0], exc)]
+        everyone = len(failed) == len(chunks)
+        for chunk, error in failed:
+            reason = f"{type(error).__name__}: {error}"
+            if everyone:
+                chunk.request.fail(EngineError(f"the engine step failed: {reason}"))
+            else:
+                chunk.request.fail(
+                    RequestFailedError(f"the model failed on this input alone: {reason}")
+                )
+
+    def _run_halves(
+        self, chunks: list[ScheduledChunk], exc: Exception
+    ) -> list[tuple[ScheduledChunk, Exception]]:
+        """Run `chunks` (which failed together with `exc`) in halves, finishing the requests
+        that succeed; return those that fail alone, with their errors."""
+        if len(chunks) == 1:
+            return [(chunks[0], exc)]
+        failed: list[tuple[ScheduledChunk, Exception]] = []
+        mid = len(chunks) // 2
+        for part in (chunks[:mid], chunks[mid:]):
+            sched = SchedulerOutput(part)
+            try:
+                batch = self.model_runner.prepare(sched)
+                hidden = self.model_runner.forward(batch)
+                results = self.pooling_runner.pool(hidden, batch, sched)
+            except Exception as part_exc:
+                failed.extend(self._run_halves(part, part_exc))
+            else:
+                self._finish(part, results)
+        return failed
 
     def run_until_done(
         self, requests: list[Request], on_progress: Callable[[int], object] | None = None
