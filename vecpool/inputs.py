@@ -80,13 +80,18 @@ class TextTokenizer:
 
     def encode_batch(
         self,
-        texts: list[str | tuple[str, str]],
+        texts: Sequence[str | tuple[str, str]],
         max_tokens: int | None = None,
         side: TruncationSide = "right",
     ) -> list[Encoding]:
         """Encode with special tokens; with `max_tokens`, cut only the texts' own tokens (of a
         (text, text_pair) pair, the longer text first)."""
-        return list(self._for_length(max_tokens, side).encode_batch(texts, add_special_tokens=True))
+        tok = self._for_length(max_tokens, side)
+        return list(tok.encode_batch(list(texts), add_special_tokens=True))
+
+    def encode_plain(self, text: str) -> Encoding:
+        """`text`'s own tokens, without special tokens (with character offsets)."""
+        return self._tok.encode(text, add_special_tokens=False)
 
     def _for_length(self, max_tokens: int | None, side: TruncationSide) -> Tokenizer:
         if max_tokens is None:
@@ -146,6 +151,12 @@ class InputProcessor:
             elif kind == "prompt_embeds":
                 prompts[i] = self._prompt_embeds(value, i, options)
         return [p for p in prompts if p is not None]
+
+    def truncation_length(self, truncate_prompt_tokens: int) -> int:
+        """The length `truncate_prompt_tokens` asks for (-1: the model's limit)."""
+        limit = self._limit(TextOptions(truncate_prompt_tokens), 0)
+        assert limit is not None
+        return limit
 
     def _limit(self, options: TextOptions, index: int) -> int | None:
         """The truncation length asked for, or None for "do not truncate"."""

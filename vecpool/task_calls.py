@@ -16,7 +16,7 @@ import numpy as np
 from vecpool import scoring
 from vecpool.config import LLMRerankerConfig
 from vecpool.errors import InputError
-from vecpool.inputs import TextOptions, TextTokenizer, TruncationSide
+from vecpool.inputs import InputProcessor, TextOptions, TextTokenizer, TruncationSide
 from vecpool.outputs import PoolingOutput, PreparedCall, T, output_data
 from vecpool.tasks import PoolingParams
 
@@ -32,6 +32,7 @@ class TaskCalls:
 
     if TYPE_CHECKING:
         tokenizer: TextTokenizer | None
+        inputs: InputProcessor
         num_labels: int
         score_mode: str
         llm_reranker: LLMRerankerConfig | None
@@ -133,13 +134,11 @@ class TaskCalls:
             inputs: list[Any] = pairs
             if self.score_mode == "llm":
                 assert self.llm_reranker is not None
-                if truncate_prompt_tokens is not None:  # it would cut the template, not the text
-                    raise InputError(
-                        "truncate_prompt_tokens is not supported for LLM rerankers (it would "
-                        "cut the prompt template); shorten the documents instead",
-                        field="truncate_prompt_tokens",
-                    )
                 inputs = [self.llm_reranker.format(p["text"], p["text_pair"]) for p in pairs]
+                if truncate_prompt_tokens is not None:  # cut the documents, never the template
+                    limit = self.inputs.truncation_length(truncate_prompt_tokens)
+                    inputs = self._fit_reranker_prompts(pairs, inputs, limit, truncation_side)
+                    options = TextOptions()
             params = PoolingParams(task="score", use_activation=use_activation)
             return PreparedCall(self.make_requests(inputs, params, options), _pair_scores)
         if use_activation is not None:
@@ -168,6 +167,48 @@ class TaskCalls:
             return scoring.cosine(np.stack(left), np.stack(right))
 
         return PreparedCall(left_requests + right_requests, finish)
+
+    def _fit_reranker_prompts(
+        self,
+        pairs: list[dict[str, str]],
+        prompts: list[str],
+        limit: int,
+        side: TruncationSide,
+    ) -> list[str]:
+        """The reranker prompts, each document cut (at a token boundary of its own) so that the
+        whole prompt takes at most `limit` tokens; the template and query stay whole."""
+        tokenizer, config = self.tokenizer, self.llm_reranker
+        assert tokenizer is not None and config is not None
+        lengths = [len(e.ids) for e in tokenizer.encode_batch(prompts)]
+        fitted = list(prompts)
+        for i, (pair, length) in enumerate(zip(pairs, lengths, strict=True)):
+            if length <= limit:
+                continue
+            query, document = pair["text"], pair["text_pair"]
+            offsets = tokenizer.encode_plain(document).offsets  # [(start, end)] per token
+            keep = len(offsets) - (length - limit)
+            for _ in range(8):  # token boundaries may merge differently inside the prompt
+                if keep < 1:
+                    raise InputError(
+                        f"the reranker prompt without its document takes more than {limit} "
+                        "tokens; raise truncate_prompt_tokens or shorten the query",
+                        index=i,
+                        field="truncate_prompt_tokens",
+                    )
+                if side == "right":
+                    cut = document[: offsets[keep - 1][1]]
+                else:
+                    cut = document[offsets[len(offsets) - keep][0] :]
+                fitted[i] = config.format(query, cut)
+                over = (
+                    len(tokenizer.encode_plain(fitted[i]).ids)
+                    + tokenizer.num_special_tokens
+                    - limit
+                )
+                if over <= 0:
+                    break
+                keep -= over
+        return fitted
 
     def rerank(
         self,

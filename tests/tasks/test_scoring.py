@@ -137,7 +137,26 @@ def test_llm_reranker_matches_transformers(
     assert_rel_close(engine.score(QUERY, DOCS), 1 / (1 + np.exp(-np.array(expected))))
     ranked = engine.rerank(QUERY, DOCS, top_n=3)
     assert [i for i, _ in ranked] == list(np.argsort(-np.array(expected), kind="stable")[:3])
-    with pytest.raises(vecpool.InputError, match="would cut the prompt template"):
+    # Truncation cuts the documents only: the template and the query stay whole.
+    long_doc = " ".join(["cats eat fish and meat"] * 6)
+    full_len = len(tokenizer(config.format(QUERY, long_doc))["input_ids"])
+    limit = full_len - 7
+    kept = long_doc.split()[: len(long_doc.split()) - 7]
+    cut_right = config.format(QUERY, " ".join(kept))
+    assert len(tokenizer(cut_right)["input_ids"]) == limit
+    right = engine.score(QUERY, [long_doc], truncate_prompt_tokens=limit, use_activation=False)
+    assert_rel_close(right, engine.score(QUERY, [" ".join(kept)], use_activation=False))
+    left = engine.score(
+        QUERY,
+        [long_doc],
+        truncate_prompt_tokens=limit,
+        truncation_side="left",
+        use_activation=False,
+    )
+    tail = " ".join(long_doc.split()[7:])
+    assert_rel_close(left, engine.score(QUERY, [tail], use_activation=False))
+    assert not np.allclose(right, engine.score(QUERY, [long_doc], use_activation=False))
+    with pytest.raises(vecpool.InputError, match="without its document takes more than 8 tokens"):
         engine.score(QUERY, DOCS, truncate_prompt_tokens=8)
 
 
