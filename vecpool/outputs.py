@@ -14,7 +14,7 @@ from vecpool.errors import InputError, VecpoolError
 T = TypeVar("T")
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: one is built per input, and frozen init is slow
 class PoolingOutput:
     """The outcome of one input: `data` when it succeeded, `error` when it failed."""
 
