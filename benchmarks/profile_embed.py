@@ -54,8 +54,9 @@ def main() -> None:
         f"wall {wall:.3f} s for {args.n} inputs in {steps} steps; device busy {device_us / 1e6:.3f} s"
     )
     print(events.table(sort_by="self_cuda_time_total", row_limit=12))
-    cProfile.runctx("run()", globals(), {"run": run}, "/tmp/embed.prof")
-    pstats.Stats("/tmp/embed.prof").sort_stats("tottime").print_stats(18)
+    profiler = cProfile.Profile()
+    profiler.runcall(run)
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(18)
 
 
 if __name__ == "__main__":
