@@ -83,7 +83,14 @@ def make_st_folder(
         },
     ]
     (dest / "1_Pooling").mkdir()
-    modes = ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens", "lasttoken")
+    modes = (
+        "cls_token",
+        "mean_tokens",
+        "max_tokens",
+        "mean_sqrt_len_tokens",
+        "weightedmean_tokens",
+        "lasttoken",
+    )
     pool_cfg = {f"pooling_mode_{m}": f"pooling_mode_{m}" == pooling for m in modes}
     (dest / "1_Pooling" / "config.json").write_text(
         json.dumps({"word_embedding_dimension": 32, **pool_cfg})

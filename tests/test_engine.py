@@ -147,6 +147,8 @@ SENTENCES = ["query: what is a pooling model?", "a cat sat on the mat", "vectors
         ("pooling_mode_mean_tokens", None, True),
         ("pooling_mode_max_tokens", 16, True),
         ("pooling_mode_lasttoken", None, False),
+        ("pooling_mode_mean_sqrt_len_tokens", 16, False),
+        ("pooling_mode_weightedmean_tokens", None, True),
     ],
 )
 def test_sentence_transformers_folder_matches_reference(

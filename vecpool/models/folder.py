@@ -14,8 +14,9 @@ _ST_POOLING_MODES = {
     "pooling_mode_mean_tokens": "MEAN",
     "pooling_mode_max_tokens": "MAX",
     "pooling_mode_lasttoken": "LAST",
+    "pooling_mode_mean_sqrt_len_tokens": "MEAN_SQRT_LEN",
+    "pooling_mode_weightedmean_tokens": "WEIGHTED_MEAN",
 }
-_ST_UNSUPPORTED_MODES = ("pooling_mode_mean_sqrt_len_tokens", "pooling_mode_weightedmean_tokens")
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,7 @@ class ModelFolder:
     tokenizer_file: Path | None
     tokenizer_config: dict[str, Any] = field(default_factory=dict)
     is_sentence_transformers: bool = False  # modules.json present
-    pooling: str | None = None  # "CLS" | "MEAN" | "LAST" | "MAX" from 1_Pooling, if any
+    pooling: str | None = None  # one of poolers.SEQUENCE_POOLERS, from 1_Pooling, if any
     dense: tuple[DenseSpec, ...] = ()
     normalize: bool = False  # a Normalize module follows pooling
     prompts: dict[str, str] = field(default_factory=dict)
@@ -128,9 +129,6 @@ def _read_sentence_transformers(root: Path, modules: list[dict[str, Any]]) -> di
 
 def _read_pooling(module_dir: Path) -> str:
     cfg = _read_json(module_dir / "config.json", required=True)
-    for key in _ST_UNSUPPORTED_MODES:
-        if cfg.get(key):
-            raise ModelLoadError(f"{module_dir / 'config.json'}: {key} is not supported")
     if cfg.get("include_prompt") is False:
         raise ModelLoadError(
             f"{module_dir / 'config.json'}: include_prompt=false (excluding instruction tokens "

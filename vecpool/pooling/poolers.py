@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-SEQUENCE_POOLERS = ("CLS", "MEAN", "LAST", "MAX")
+SEQUENCE_POOLERS = ("CLS", "MEAN", "LAST", "MAX", "MEAN_SQRT_LEN", "WEIGHTED_MEAN")
 
 
 @dataclass
@@ -42,11 +42,27 @@ def _max(hidden: torch.Tensor, meta: PoolingMetadata) -> torch.Tensor:
     return torch.segment_reduce(hidden.float(), "max", lengths=meta.lengths, axis=0)
 
 
+def _mean_sqrt_len(hidden: torch.Tensor, meta: PoolingMetadata) -> torch.Tensor:
+    sums = torch.segment_reduce(hidden.float(), "sum", lengths=meta.lengths, axis=0)
+    return sums / meta.lengths[:, None].float().sqrt()
+
+
+def _weighted_mean(hidden: torch.Tensor, meta: PoolingMetadata) -> torch.Tensor:
+    # sentence-transformers' weighting: the i-th token of a sequence weighs i (from 1).
+    rows = torch.arange(hidden.shape[0], device=hidden.device)
+    weights = (rows - meta.cu_seqlens[meta.seq_ids] + 1).float()  # [num_tokens]
+    sums = torch.segment_reduce(hidden.float() * weights[:, None], "sum", lengths=meta.lengths)
+    total = meta.lengths.float() * (meta.lengths.float() + 1) / 2
+    return sums / total[:, None]
+
+
 _POOLERS: dict[str, Callable[[torch.Tensor, PoolingMetadata], torch.Tensor]] = {
     "CLS": _cls,
     "MEAN": _mean,
     "LAST": _last,
     "MAX": _max,
+    "MEAN_SQRT_LEN": _mean_sqrt_len,
+    "WEIGHTED_MEAN": _weighted_mean,
 }
 
 

@@ -93,7 +93,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="inputs per engine step (default: 1024 on CUDA, 256 on the CPU)",
     )
-    eng.add_argument("--pooling", help="override the model's pooling: CLS, MEAN, LAST or MAX")
+    eng.add_argument(
+        "--pooling",
+        help="override the model's pooling: CLS, MEAN, LAST, MAX, MEAN_SQRT_LEN, WEIGHTED_MEAN",
+    )
     eng.add_argument(
         "--normalize",
         action=argparse.BooleanOptionalAction,
