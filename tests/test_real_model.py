@@ -56,6 +56,7 @@ def test_long_text_truncation_matches_sentence_transformers(
     long_text = " ".join(["the quick brown fox jumps over the lazy dog"] * 60)
     with pytest.raises(vecpool.InputError, match=r"input 1: .*more than the model's limit of 256"):
         minilm.embed(["short", long_text])
+    assert len(minilm.tokenize(long_text)) == 542  # tokenize counts past the limit
     ours = minilm.embed([long_text], truncate_prompt_tokens=-1)
     ref = st_model.encode([long_text])
     assert np.abs(ours - ref).max() < 1e-5

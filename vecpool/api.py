@@ -388,12 +388,12 @@ class Engine(TaskCalls):
     def tokenize(
         self, text: str, *, prompt_name: str | None = None, prompt: str | None = None
     ) -> list[int]:
-        """The token ids a text input becomes (special tokens and instruction included)."""
-        (p,) = self.inputs.process(
-            [text], TextOptions(prompt=self._instruction(prompt_name, prompt))
-        )
-        assert p.token_ids is not None
-        return [int(t) for t in p.token_ids]
+        """The token ids a text input becomes (special tokens and instruction included),
+        however long: counting tokens is one of its uses."""
+        if self.tokenizer is None:
+            raise InputError("the model folder has no tokenizer.json", field="prompt")
+        instruction = self._instruction(prompt_name, prompt) or ""
+        return list(self.tokenizer.encode_batch([instruction + text])[0].ids)
 
     # ---- helpers -----------------------------------------------------------------------
 
