@@ -392,6 +392,8 @@ class Engine(TaskCalls):
         however long: counting tokens is one of its uses."""
         if self.tokenizer is None:
             raise InputError("the model folder has no tokenizer.json", field="prompt")
+        if not text:
+            raise InputError("the input is an empty string", field="prompt")
         instruction = self._instruction(prompt_name, prompt) or ""
         return list(self.tokenizer.encode_batch([instruction + text])[0].ids)
 
