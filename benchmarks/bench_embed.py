@@ -26,21 +26,7 @@ import torch
 
 import vecpool
 from vecpool.api import default_model_path
-
-WORDS = (
-    "the a of to and in is that for on with as by at from this it be are was an or which "
-    "model vector pooling engine batch token attention layer score query document search "
-    "retrieval dense sparse embedding language neural network training inference latency "
-    "throughput memory device kernel sequence length budget request server client cache"
-).split()
-
-
-def make_texts(n: int, seed: int = 0, min_words: int = 4, max_words: int = 180) -> list[str]:
-    """`n` texts with word counts spread log-uniformly (many short, some long), as in real traffic."""
-    gen = np.random.default_rng(seed)
-    counts = np.exp(gen.uniform(np.log(min_words), np.log(max_words), size=n)).astype(int)
-    return [" ".join(gen.choice(WORDS, size=c)) for c in counts]
-
+from vecpool.bench import make_texts
 
 SYNTHETIC = ("bert-base", "qwen3-0.6b")
 

@@ -17,7 +17,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import vecpool
-from benchmarks.bench_embed import SYNTHETIC, make_synthetic_folder, make_texts
+from benchmarks.bench_embed import SYNTHETIC, make_synthetic_folder
+from vecpool.bench import make_texts
 
 
 def main() -> None:

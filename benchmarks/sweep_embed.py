@@ -18,7 +18,8 @@ import torch
 
 import vecpool
 import vecpool.api
-from benchmarks.bench_embed import SYNTHETIC, make_synthetic_folder, make_texts
+from benchmarks.bench_embed import SYNTHETIC, make_synthetic_folder
+from vecpool.bench import make_texts
 
 
 def main() -> None:

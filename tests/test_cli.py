@@ -234,3 +234,15 @@ def test_serve_is_a_subcommand(capsys) -> None:
     assert "/v1/embeddings" in capsys.readouterr().out
     assert main(["serve", "no/such/folder"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_bench_reports_throughput(engine, capsys) -> None:
+    status = main(
+        ["bench", "-n", "12", "--repeats", "2", "--max-words", "20", "--json"], engine=engine
+    )
+    assert status == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["num_inputs"] == 12 and len(report["seconds"]) == 2
+    assert report["num_tokens"] > 12 * 3  # every text has at least four words and two specials
+    assert report["inputs_per_s"] > 0
+    assert main(["bench", "-n", "0"], engine=engine) == 2

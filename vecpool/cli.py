@@ -1,6 +1,6 @@
 """The `vecpool` command line; `vecpool embed` embeds a file of texts or token ids in chunks.
 
-Each command (`embed`, `serve`) is one subparser and one `run_*` function that returns the
+Each command (`embed`, `serve`, `bench`) is one subparser and one `run_*` function that returns the
 exit status.
 """
 
@@ -20,6 +20,8 @@ from tqdm import tqdm
 
 import vecpool
 from vecpool.api import DEFAULT_MODEL_PACKAGE, Engine
+from vecpool.bench import __doc__ as BENCH_DESCRIPTION
+from vecpool.bench import add_bench_arguments, run_bench
 from vecpool.errors import EngineError, InputError, VecpoolError
 from vecpool.server.cli import SERVE_DESCRIPTION, add_serve_arguments, serve
 
@@ -132,6 +134,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_serve_arguments(serve)
     serve.set_defaults(run=run_serve)
+    bench = commands.add_parser(
+        "bench",
+        help="measure a model's throughput on synthetic texts",
+        description=BENCH_DESCRIPTION,
+    )
+    add_bench_arguments(bench)
+    bench.set_defaults(run=run_bench)
     return parser
 
 

@@ -1,0 +1,96 @@
+"""`vecpool bench`: the throughput of one model on this machine, on synthetic texts.
+
+Texts have log-uniformly spread lengths (many short, some long), as real traffic does; each
+timed run embeds all of them in one call after a warm-up, and the report gives the median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from vecpool.api import DEFAULT_MODEL_PACKAGE, Engine
+from vecpool.errors import ConfigError
+
+WORDS = (
+    "the a of to and in is that for on with as by at from this it be are was an or which "
+    "model vector pooling engine batch token attention layer score query document search "
+    "retrieval dense sparse embedding language neural network training inference latency "
+    "throughput memory device kernel sequence length budget request server client cache"
+).split()
+
+
+def make_texts(n: int, seed: int = 0, min_words: int = 4, max_words: int = 180) -> list[str]:
+    """`n` texts whose word counts spread log-uniformly over [min_words, max_words]."""
+    gen = np.random.default_rng(seed)
+    counts = np.exp(gen.uniform(np.log(min_words), np.log(max_words), size=n)).astype(int)
+    return [" ".join(gen.choice(WORDS, size=c)) for c in counts]
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the `bench` options to `parser`."""
+    default = DEFAULT_MODEL_PACKAGE.replace("_", "-")
+    parser.add_argument(
+        "model", nargs="?", metavar="MODEL", help=f"model folder (default: {default})"
+    )
+    parser.add_argument("-n", "--num-inputs", type=int, default=2000, metavar="N")
+    parser.add_argument("--repeats", type=int, default=3, metavar="R", help="timed runs")
+    parser.add_argument("--max-words", type=int, default=180, metavar="W")
+    parser.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
+    parser.add_argument("--dtype", help="float32, float16 or bfloat16")
+    parser.add_argument("--max-num-batched-tokens", type=int, metavar="N")
+    parser.add_argument("--max-num-seqs", type=int, metavar="N")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def run_bench(args: argparse.Namespace, engine: Engine | None = None) -> int:
+    """Embed synthetic texts `repeats` times; print inputs/s and tokens/s (medians)."""
+    if args.num_inputs < 1 or args.repeats < 1 or args.max_words < 4:
+        raise ConfigError("--num-inputs and --repeats must be positive, --max-words at least 4")
+    if engine is None:
+        engine = Engine(
+            args.model,
+            device=args.device,
+            dtype=args.dtype,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs,
+        )
+    texts = make_texts(args.num_inputs, max_words=args.max_words)
+    num_tokens = sum(min(len(engine.tokenize(t, prompt="")), engine.max_model_len) for t in texts)
+    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
+    engine.embed(texts[: min(256, len(texts))], truncate_prompt_tokens=-1)  # warm-up
+    seconds = []
+    for _ in range(args.repeats):
+        sync()
+        start = time.perf_counter()
+        engine.embed(texts, truncate_prompt_tokens=-1, show_progress=False)
+        sync()
+        seconds.append(time.perf_counter() - start)
+    median = statistics.median(seconds)
+    report = {
+        "model": engine.folder.path.name,
+        "device": str(engine.device),
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "num_inputs": len(texts),
+        "num_tokens": num_tokens,
+        "seconds": seconds,
+        "inputs_per_s": len(texts) / median,
+        "tokens_per_s": num_tokens / median,
+    }
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(
+            f"{report['model']} on {report['device']} ({report['dtype']}): "
+            f"{len(texts):,} inputs, {num_tokens:,} tokens\n"
+            f"  median of {len(seconds)}: {median:.3f} s = {report['inputs_per_s']:,.0f} inputs/s, "
+            f"{report['tokens_per_s']:,.0f} tokens/s  (runs: "
+            + ", ".join(f"{s:.3f}" for s in seconds)
+            + " s)"
+        )
+    return 0
