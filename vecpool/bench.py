@@ -63,7 +63,7 @@ def run_bench(args: argparse.Namespace, engine: Engine | None = None) -> int:
     texts = make_texts(args.num_inputs, max_words=args.max_words)
     num_tokens = sum(min(len(engine.tokenize(t, prompt="")), engine.max_model_len) for t in texts)
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
-    engine.embed(texts[: min(256, len(texts))], truncate_prompt_tokens=-1)  # warm-up
+    engine.embed(texts[:256], truncate_prompt_tokens=-1, show_progress=False)  # warm-up
     seconds = []
     for _ in range(args.repeats):
         sync()
@@ -73,7 +73,7 @@ def run_bench(args: argparse.Namespace, engine: Engine | None = None) -> int:
         seconds.append(time.perf_counter() - start)
     median = statistics.median(seconds)
     report = {
-        "model": engine.folder.path.name,
+        "model": args.model or f"{DEFAULT_MODEL_PACKAGE.replace('_', '-')} (the default model)",
         "device": str(engine.device),
         "dtype": str(engine.dtype).removeprefix("torch."),
         "num_inputs": len(texts),
