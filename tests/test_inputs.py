@@ -167,3 +167,36 @@ def test_single_inputs_and_empty_calls(engine: vecpool.Engine) -> None:
     assert engine.embed({"prompt_token_ids": GOOD}).shape == (1, 32)
     assert engine.embed(np.asarray(GOOD)).shape == (1, 32)
     assert engine.embed([]).shape == (0, 32)
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        ([[1, 2], [3]], r"input 1 \(prompt_token_ids\): token ids must be a flat list of ints"),
+        ([1, [2]], r"input 1 \(prompt_token_ids\): token ids must be a flat list of ints"),
+        ([2**70], r"input 1 \(prompt_token_ids\): token ids must be a flat list of ints"),
+        (
+            {"prompt_embeds": torch.zeros(2, 32, device="meta")},
+            r"input 1 \(prompt_embeds\): the tensor cannot be read",
+        ),
+    ],
+)
+def test_odd_inputs_are_input_errors(engine: vecpool.Engine, bad, message: str) -> None:
+    with pytest.raises(vecpool.InputError, match=message):
+        engine.embed([GOOD, bad])
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"dimensions": "3"}, r"^dimensions: must be an integer, got '3'"),
+        ({"dimensions": True}, r"^dimensions: must be an integer, got True"),
+        ({"normalize": "yes"}, r"^normalize: must be true or false, got 'yes'"),
+        ({"truncate_prompt_tokens": 2.5}, r"^truncate_prompt_tokens: must be an integer"),
+        ({"truncation_side": "middle"}, r"^truncation_side: must be 'left' or 'right'"),
+        ({"prompt": 5}, r"^prompt: must be a string, got int"),
+    ],
+)
+def test_option_types_are_checked(engine: vecpool.Engine, options, message: str) -> None:
+    with pytest.raises(vecpool.InputError, match=message):
+        engine.embed([GOOD], **options)

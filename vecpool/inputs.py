@@ -59,6 +59,20 @@ class TextOptions:
     truncation_side: TruncationSide = "right"  # "right" keeps the start, "left" the end
     prompt: str | None = None  # instruction prefix for text inputs
 
+    def __post_init__(self) -> None:
+        t = self.truncate_prompt_tokens
+        if t is not None and (isinstance(t, bool) or not isinstance(t, int)):
+            raise InputError(
+                f"must be an integer (-1: the model's limit), got {t!r}",
+                field="truncate_prompt_tokens",
+            )
+        if self.truncation_side not in ("left", "right"):
+            raise InputError(
+                f"must be 'left' or 'right', got {self.truncation_side!r}", field="truncation_side"
+            )
+        if self.prompt is not None and not isinstance(self.prompt, str):
+            raise InputError(f"must be a string, got {type(self.prompt).__name__}", field="prompt")
+
 
 class TextTokenizer:
     """A `tokenizers` tokenizer, with its file's padding and truncation switched off.
@@ -283,7 +297,12 @@ class InputProcessor:
             )
         value = _truncate(value, self._limit(options, index), options.truncation_side)
         self._check_length(int(value.shape[0]), index)
-        embeds = value.detach().to(device="cpu", dtype=limits.dtype).contiguous()
+        try:
+            embeds = value.detach().to(device="cpu", dtype=limits.dtype).contiguous()
+        except (RuntimeError, NotImplementedError) as exc:  # e.g. a tensor with no data
+            raise InputError(
+                f"the tensor cannot be read: {exc}", index=index, field=field
+            ) from None
         if not bool(torch.isfinite(embeds).all()):
             source_finite = bool(torch.isfinite(value).all())
             why = "is not finite in the model dtype" if source_finite else "contains NaN or inf"
@@ -354,8 +373,11 @@ def _is_float(x: torch.Tensor | np.ndarray) -> bool:
 def _as_id_array(value: Any, index: int) -> np.ndarray:
     field = "prompt_token_ids"
     if type(value) is list and value:
-        arr = np.asarray(value)
-        if arr.ndim == 1 and arr.dtype.kind in "iu":  # a flat list of ints: nothing to check
+        try:
+            arr = np.asarray(value)
+        except (ValueError, OverflowError, TypeError):
+            arr = None  # ragged or odd: the checks below say what is wrong
+        if arr is not None and arr.ndim == 1 and arr.dtype.kind in "iu":  # flat ints: all good
             return arr.astype(np.int64, copy=False)
     if isinstance(value, torch.Tensor):
         value = value.detach().cpu().numpy()
@@ -377,7 +399,7 @@ def _as_id_array(value: Any, index: int) -> np.ndarray:
         return np.zeros(0, dtype=np.int64)
     try:
         arr = np.asarray(value)
-    except (ValueError, OverflowError) as exc:
+    except (ValueError, OverflowError, TypeError) as exc:
         raise InputError(
             f"token ids must be a flat list of ints ({exc})", index=index, field=field
         ) from None

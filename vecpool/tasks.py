@@ -23,6 +23,18 @@ class PoolingParams:
     step_tag_id: int | None = None  # per-token tasks: keep only positions holding this token id
     use_activation: bool | None = None  # scores: apply the head's activation (False: raw logits)
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.task, str):
+            raise InputError(f"task must be a string, got {type(self.task).__name__}", field="task")
+        for name in ("dimensions", "step_tag_id"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise InputError(f"must be an integer, got {value!r}", field=name)
+        for name in ("normalize", "use_activation"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise InputError(f"must be true or false, got {value!r}", field=name)
+
     def set_fields(self) -> list[str]:
         """Names of the parameters this request sets (everything but `task`)."""
         return [
