@@ -200,3 +200,12 @@ def test_odd_inputs_are_input_errors(engine: vecpool.Engine, bad, message: str) 
 def test_option_types_are_checked(engine: vecpool.Engine, options, message: str) -> None:
     with pytest.raises(vecpool.InputError, match=message):
         engine.embed([GOOD], **options)
+
+
+def test_rerank_top_n_must_be_an_integer(minilm: vecpool.Engine) -> None:
+    for top_n in ("2", 1.5, -1, True):
+        with pytest.raises(
+            vecpool.InputError, match=r"^top_n: top_n must be a non-negative integer"
+        ):
+            minilm.rerank("q", ["a", "b"], top_n=top_n)
+    assert [i for i, _ in minilm.rerank("cats", ["a dog", "a cat"], top_n=1)] == [1]

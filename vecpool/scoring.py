@@ -98,8 +98,8 @@ def rank(scores: np.ndarray, top_n: int | None = None) -> list[tuple[int, float]
             f"ranking needs one score per document, got scores of shape {list(scores.shape)} "
             "(a classifier with several labels cannot rerank)"
         )
-    if top_n is not None and top_n < 0:
-        raise InputError(f"top_n must be non-negative, got {top_n}", field="top_n")
+    if top_n is not None and (isinstance(top_n, bool) or not isinstance(top_n, int) or top_n < 0):
+        raise InputError(f"top_n must be a non-negative integer, got {top_n!r}", field="top_n")
     order = np.argsort(-scores, kind="stable")
     if top_n is not None:
         order = order[:top_n]

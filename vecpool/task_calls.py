@@ -242,8 +242,10 @@ class TaskCalls:
     ) -> PreparedCall[list[tuple[int, float]]]:
         if isinstance(documents, str) or not isinstance(documents, Sequence):
             raise InputError("documents must be a list", field="documents")
-        if top_n is not None and top_n < 0:
-            raise InputError(f"top_n must be non-negative, got {top_n}", field="top_n")
+        if top_n is not None and (
+            isinstance(top_n, bool) or not isinstance(top_n, int) or top_n < 0
+        ):
+            raise InputError(f"top_n must be a non-negative integer, got {top_n!r}", field="top_n")
         if len(scoring.as_input_list(query)) != 1:
             raise InputError("rerank takes one query", field="query")
         scores = self.prepare_score(
