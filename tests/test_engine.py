@@ -234,3 +234,13 @@ def test_a_failing_input_is_isolated_from_its_step(tiny_bert_engine, monkeypatch
     with pytest.raises(vecpool.RequestFailedError, match=r"^input 3: the model failed"):
         engine.embed(prompts)
     assert np.abs(engine.embed(clean) - expected).max() <= 1e-6
+
+
+def test_large_weights_load_with_a_progress_bar(tiny_bert, monkeypatch, capsys) -> None:
+    import vecpool.models.loader as loader
+
+    vecpool.Engine(tiny_bert[0], device="cpu")
+    assert "loading weights" not in capsys.readouterr().err  # small: no bar
+    monkeypatch.setattr(loader, "PROGRESS_BYTES", 0)
+    vecpool.Engine(tiny_bert[0], device="cpu")
+    assert "loading weights" in capsys.readouterr().err

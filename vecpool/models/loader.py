@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from tqdm.auto import tqdm
 
 from vecpool.errors import ModelLoadError
 from vecpool.models.base import PoolingModel
@@ -15,6 +16,8 @@ from vecpool.models.folder import ModelFolder
 from vecpool.models.registry import model_class
 
 _MAX_NAMES = 10
+# Weights at least this large load with a progress bar.
+PROGRESS_BYTES = 1 << 30
 
 
 def load_model(folder: ModelFolder, device: torch.device, dtype: torch.dtype) -> PoolingModel:
@@ -60,24 +63,34 @@ def load_safetensors(model: PoolingModel, files: list[Path]) -> None:
     params = dict(model.named_parameters())
     filled: set[str] = set()
     unexpected: list[str] = []
-    for path in files:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                name = _parameter_name(model, key, params)
-                if name is None:
-                    if not _is_unused(model, key):
-                        unexpected.append(f"{key} ({path.name})")
-                    continue
-                tensor = f.get_tensor(key)
-                param = params[name]
-                if tuple(tensor.shape) != tuple(param.shape):
-                    raise ModelLoadError(
-                        f"{path.name}: tensor {key!r} has shape {list(tensor.shape)}, but "
-                        f"{type(model).__name__} expects {list(param.shape)} for {name!r}"
-                    )
-                with torch.no_grad():
-                    param.copy_(tensor)
-                filled.add(name)
+    total = sum(path.stat().st_size for path in files)
+    with tqdm(
+        total=total,
+        disable=total < PROGRESS_BYTES,
+        desc="loading weights",
+        unit="B",
+        unit_scale=True,
+        leave=False,
+    ) as bar:
+        for path in files:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    name = _parameter_name(model, key, params)
+                    if name is None:
+                        if not _is_unused(model, key):
+                            unexpected.append(f"{key} ({path.name})")
+                        continue
+                    tensor = f.get_tensor(key)
+                    param = params[name]
+                    if tuple(tensor.shape) != tuple(param.shape):
+                        raise ModelLoadError(
+                            f"{path.name}: tensor {key!r} has shape {list(tensor.shape)}, but "
+                            f"{type(model).__name__} expects {list(param.shape)} for {name!r}"
+                        )
+                    with torch.no_grad():
+                        param.copy_(tensor)
+                    filled.add(name)
+                    bar.update(tensor.numel() * tensor.element_size())
     if unexpected:
         raise ModelLoadError(f"unexpected tensors for {type(model).__name__}: {_names(unexpected)}")
     for name, source in model.tied_weights.items():
