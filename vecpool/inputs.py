@@ -229,13 +229,18 @@ class InputProcessor:
         except InputError as exc:
             raise exc.at(indices[0]) from None
         prompts = []
-        for i, enc in zip(indices, encodings, strict=True):
+        for i, text, enc in zip(indices, texts, encodings, strict=True):
             self._check_length(len(enc.ids), i)
             prompts.append(
                 Prompt(
                     token_ids=np.asarray(enc.ids, dtype=np.int64),
                     prompt_embeds=None,
-                    token_type_ids=np.asarray(enc.type_ids, dtype=np.int64),
+                    # A single text is all segment 0, which the batch builder fills in itself.
+                    token_type_ids=(
+                        np.asarray(enc.type_ids, dtype=np.int64)
+                        if isinstance(text, tuple)
+                        else None
+                    ),
                 )
             )
         return prompts
