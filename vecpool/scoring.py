@@ -92,14 +92,13 @@ def cosine(left: np.ndarray, right: np.ndarray) -> np.ndarray:
 
 
 def rank(scores: np.ndarray, top_n: int | None = None) -> list[tuple[int, float]]:
-    """`(index, score)` pairs, best first (ties in input order), the first `top_n` of them."""
+    """`(index, score)` pairs, best first (ties in input order), the first `top_n` of them
+    (`Engine.prepare_rerank` has checked `top_n` before anything ran)."""
     if scores.ndim != 1:
         raise InputError(
             f"ranking needs one score per document, got scores of shape {list(scores.shape)} "
             "(a classifier with several labels cannot rerank)"
         )
-    if top_n is not None and (isinstance(top_n, bool) or not isinstance(top_n, int) or top_n < 0):
-        raise InputError(f"top_n must be a non-negative integer, got {top_n!r}", field="top_n")
     order = np.argsort(-scores, kind="stable")
     if top_n is not None:
         order = order[:top_n]
