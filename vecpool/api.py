@@ -24,6 +24,7 @@ from vecpool.engine.request import Request
 from vecpool.engine.scheduler import Scheduler
 from vecpool.errors import ConfigError, InputError
 from vecpool.inputs import InputLimits, InputProcessor, TextOptions, TextTokenizer, TruncationSide
+from vecpool.late_interaction import side_formats, skiplist_ids
 from vecpool.models.folder import ModelFolder
 from vecpool.models.loader import load_model
 from vecpool.outputs import PoolingOutput, PreparedCall, T, outcome, output_data
@@ -111,14 +112,23 @@ class Engine(TaskCalls):
         dense = DenseStack(self.folder.dense)
         self.hidden_size = self.model.hidden_size
         self.output_dim = dense.output_dim(self.hidden_size)
-        self.token_output_dim = self.model.projection_dim or self.hidden_size
+        # A ColBERT / multi-vector folder: how queries and documents are written and scored.
+        self.late_interaction = self.folder.late_interaction
+        late = self.late_interaction
+        self.token_output_dim = (
+            late.dense[-1].out_features
+            if late is not None and late.dense
+            else self.model.projection_dim or self.hidden_size
+        )
+        embed_normalize = self.folder.normalize if self.folder.is_sentence_transformers else True
         self.defaults = PoolingDefaults(
             pooler=(pooling or self.folder.pooling or self.model.default_pooler).upper(),
-            normalize=normalize
-            if normalize is not None
-            else (self.folder.normalize if self.folder.is_sentence_transformers else True),
+            normalize=normalize if normalize is not None else embed_normalize,
             output_dim=self.output_dim,
             token_output_dim=self.token_output_dim,
+            token_normalize=normalize
+            if normalize is not None
+            else (late.normalize if late is not None else embed_normalize),
         )
         self.num_labels = self.model.num_labels
         id2label = self.folder.hf_config.get("id2label") or {}
@@ -139,6 +149,7 @@ class Engine(TaskCalls):
             self.device,
             scorer_vocab_ids=scorer_ids,
             special_token_ids=self._special_token_ids(),
+            skiplist_ids=skiplist_ids(late, self.tokenizer) if late and self.tokenizer else None,
         )
         self.core = EngineCore(
             Scheduler(self.scheduler_config), self.model_runner, PoolingRunner(heads, self.device)
@@ -152,6 +163,16 @@ class Engine(TaskCalls):
                 enable_prompt_embeds=enable_prompt_embeds,
             ),
             self.tokenizer,
+            sides=side_formats(
+                late,
+                self.tokenizer,
+                self.folder.tokenizer_config,
+                max_model_len=self.max_model_len,
+                vocab_size=self.model.vocab_size,
+                causal=self.model.is_causal,
+            )
+            if late is not None and self.tokenizer is not None
+            else None,
         )
 
     def _max_model_len(self, asked: int | None) -> int:
@@ -208,6 +229,7 @@ class Engine(TaskCalls):
         normalize: bool | None = None,
         step_tag_id: int | None = None,
         use_activation: bool | None = None,
+        input_type: str | None = None,
         truncate_prompt_tokens: int | None = None,
         truncation_side: TruncationSide = "right",
         prompt_name: str | None = None,
@@ -215,7 +237,13 @@ class Engine(TaskCalls):
         show_progress: bool | None = None,
     ) -> list[np.ndarray]:
         """The raw output of `task` per input, in input order (per-token tasks: `[n_i, dim]`;
-        token_classify: `[n_i, num_labels]`, or only the `step_tag_id` positions)."""
+        token_classify: `[n_i, num_labels]`, or only the `step_tag_id` positions).
+
+        `input_type` ("query" or "document", token_embed of a late-interaction model): write the
+        inputs as that side of the model, as its configuration says (ColBERT's [Q] / [D] marker
+        after the first token, the query's [MASK] expansion, the side's length limit and
+        prompt; the skiplist left out of documents). None (the default): the inputs as given.
+        """
         items = as_input_list(inputs)
 
         def prepare(start: int) -> PreparedCall[list[np.ndarray]]:
@@ -226,6 +254,7 @@ class Engine(TaskCalls):
                 normalize=normalize,
                 step_tag_id=step_tag_id,
                 use_activation=use_activation,
+                input_type=input_type,
                 truncate_prompt_tokens=truncate_prompt_tokens,
                 truncation_side=truncation_side,
                 prompt_name=prompt_name,
@@ -298,6 +327,7 @@ class Engine(TaskCalls):
         normalize: bool | None = None,
         step_tag_id: int | None = None,
         use_activation: bool | None = None,
+        input_type: str | None = None,
         truncate_prompt_tokens: int | None = None,
         truncation_side: TruncationSide = "right",
         prompt_name: str | None = None,
@@ -310,10 +340,12 @@ class Engine(TaskCalls):
             normalize=normalize,
             step_tag_id=step_tag_id,
             use_activation=use_activation,
+            input_type=input_type,
         )
-        options = TextOptions(
-            truncate_prompt_tokens, truncation_side, self._instruction(prompt_name, prompt)
-        )
+        # A side's own prompt, not the folder's default one, unless the call names one.
+        by_side = input_type is not None and prompt is None and prompt_name is None
+        instruction = None if by_side else self._instruction(prompt_name, prompt)
+        options = TextOptions(truncate_prompt_tokens, truncation_side, instruction)
         return PreparedCall(self.make_requests(inputs, params, options), output_data)
 
     def run(self, call: PreparedCall[T], *, show_progress: bool | None = None, desc: str = "") -> T:
@@ -362,7 +394,7 @@ class Engine(TaskCalls):
         if missing is not None:
             raise InputError(f"this model cannot serve task {task.name!r}: {missing}", field="task")
         self._check_dimensions(params)
-        prompts = self.inputs.process(items, options or TextOptions())
+        prompts = self.inputs.process(items, options or TextOptions(), params.input_type)
         requests = []
         for index, prompt in enumerate(prompts):
             requests.append(
@@ -460,7 +492,8 @@ class Engine(TaskCalls):
                 return "llm"
             if "sequence_classifier" in heads:
                 return "cross_encoder"
-            return "late_interaction" if "token_projection" in heads else "embed"
+            late = "token_projection" in heads or self.late_interaction is not None
+            return "late_interaction" if late else "embed"
         if asked not in SCORE_MODES:
             raise ConfigError(f"score_mode {asked!r} is not one of {SCORE_MODES}")
         if asked == "llm" and self.llm_reranker is None:

@@ -5,13 +5,18 @@ An input is a string, a list of token ids, a 2-D prompt-embeds tensor wrapped as
 or a text pair `{"text": str, "text_pair": str}` (a cross-encoder's query and document, joined
 by the tokenizer's pair template, with segment ids). Every error names the input's index in the
 call and what was wrong with it.
+
+A late-interaction (ColBERT) model writes its queries and documents differently: inputs of one
+side (`input_type`) get the side's marker token after the first token, the side's length
+limit, and, for queries, the expansion up to a fixed length (`SideFormat`).
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -31,6 +36,9 @@ class Prompt:
     token_ids: np.ndarray | None  # [num_tokens] int64; None for prompt embeds
     prompt_embeds: torch.Tensor | None  # [num_tokens, hidden] in the model dtype, on the CPU
     token_type_ids: np.ndarray | None = None  # [num_tokens] int64, segment ids of a text pair
+    # Only the first `num_attended` tokens are attended to (ColBERT's query expansion that the
+    # model does not attend to); None: every token is.
+    num_attended: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -72,6 +80,18 @@ class TextOptions:
             )
         if self.prompt is not None and not isinstance(self.prompt, str):
             raise InputError(f"must be a string, got {type(self.prompt).__name__}", field="prompt")
+
+
+@dataclass(frozen=True)
+class SideFormat:
+    """How the inputs of one side (query or document) of a late-interaction model are written."""
+
+    prompt: str = ""  # text in front of a text input (unless the call gives its own prompt)
+    marker_id: int | None = None  # a token inserted after the first one (ColBERT's [Q] after [CLS])
+    max_tokens: int | None = None  # the side's length limit, marker and special tokens included
+    expand_to: int = 0  # a shorter input is padded with `expansion_id` up to this many tokens
+    expansion_id: int = 0
+    attend_expansion: bool = True  # False: no token attends to the expansion tokens
 
 
 class TextTokenizer:
@@ -145,12 +165,23 @@ class TextTokenizer:
 class InputProcessor:
     """Turns the inputs of one call into validated `Prompt`s (tokenizing texts in one batch)."""
 
-    def __init__(self, limits: InputLimits, tokenizer: TextTokenizer | None):
+    def __init__(
+        self,
+        limits: InputLimits,
+        tokenizer: TextTokenizer | None,
+        sides: Mapping[str, SideFormat] | None = None,
+    ):
         self.limits = limits
         self.tokenizer = tokenizer
+        self.sides = dict(sides or {})  # by input type; empty unless a late-interaction model
 
-    def process(self, inputs: Sequence[Any], options: TextOptions) -> list[Prompt]:
-        """Validate every input; raise `InputError` naming the first bad one."""
+    def process(
+        self, inputs: Sequence[Any], options: TextOptions, input_type: str | None = None
+    ) -> list[Prompt]:
+        """Validate every input; raise `InputError` naming the first bad one. With `input_type`,
+        write them as that side of a late-interaction model."""
+        if input_type is not None:
+            return self._side(inputs, options, input_type)
         kinds: list[tuple[str, Any]] = [_classify(item, i) for i, item in enumerate(inputs)]
         prompts: list[Prompt | None] = [None] * len(kinds)
         text_indices = [i for i, (kind, _) in enumerate(kinds) if kind in ("text", "pair")]
@@ -165,6 +196,71 @@ class InputProcessor:
             elif kind == "prompt_embeds":
                 prompts[i] = self._prompt_embeds(value, i, options)
         return [p for p in prompts if p is not None]
+
+    def _side(self, inputs: Sequence[Any], options: TextOptions, input_type: str) -> list[Prompt]:
+        """Inputs of one side: the side's prompt in front of texts, its marker after the first
+        token, its length limit (truncate_prompt_tokens counts the marker), and the expansion of
+        a shorter input. Prompt embeds are the model's input as given: nothing is inserted (the
+        task declares that such a request needs token ids, and it fails alone)."""
+        side = self.sides.get(input_type)
+        if side is None:
+            raise InputError(
+                f"input_type {input_type!r} needs a late-interaction model (HF_ColBERT or a "
+                "multi-vector sentence-transformers folder, with its tokenizer); this model "
+                "writes queries and documents alike",
+                field="input_type",
+            )
+        has_text = False
+        for i, item in enumerate(inputs):
+            if isinstance(item, Mapping) and set(item) == {"text", "text_pair"}:
+                raise InputError(
+                    f"a text pair has no {input_type} side; give single inputs", index=i
+                )
+            if isinstance(item, str) or (isinstance(item, Mapping) and "prompt" in item):
+                has_text = True
+        max_tokens = min(self.limits.max_model_len, side.max_tokens or sys.maxsize)
+        limit = self._limit(options, 0)  # the model's rules for truncate_prompt_tokens
+        reserve = 0 if side.marker_id is None else 1
+        marker = f" (its {input_type} marker included)" if reserve else ""
+        if limit is not None:
+            limit = min(limit, max_tokens)
+            specials = self.tokenizer.num_special_tokens if self.tokenizer and has_text else 0
+            if limit - reserve - specials < 1:
+                raise InputError(
+                    f"truncation to {limit} tokens leaves no room besides {specials} special "
+                    f"tokens{marker}",
+                    field="truncate_prompt_tokens",
+                )
+        # Lengths are checked below, once the marker is in.
+        unlimited = InputProcessor(replace(self.limits, max_model_len=sys.maxsize), self.tokenizer)
+        inner_options = replace(
+            options,
+            truncate_prompt_tokens=None if limit is None else limit - reserve,
+            prompt=(side.prompt or None) if options.prompt is None else options.prompt,
+        )
+        prompts = []
+        for i, prompt in enumerate(unlimited.process(inputs, inner_options)):
+            ids = prompt.token_ids
+            if ids is not None and side.marker_id is not None:
+                ids = np.insert(ids, 1, side.marker_id)
+            n = prompt.num_tokens if ids is None else int(ids.shape[0])
+            if n > max_tokens:
+                raise InputError(
+                    f"the {input_type} has {n} tokens{marker}, more than this model's limit "
+                    f"of {max_tokens} for a {input_type}; pass "
+                    "truncate_prompt_tokens (-1 for the limit) to truncate it",
+                    index=i,
+                )
+            if ids is None:
+                prompts.append(prompt)
+                continue
+            num_attended = None
+            if n < side.expand_to:
+                padding = np.full(side.expand_to - n, side.expansion_id, dtype=np.int64)
+                ids = np.concatenate((ids, padding))
+                num_attended = None if side.attend_expansion else n
+            prompts.append(Prompt(token_ids=ids, prompt_embeds=None, num_attended=num_attended))
+        return prompts
 
     def truncation_length(self, truncate_prompt_tokens: int) -> int:
         """The length `truncate_prompt_tokens` asks for (-1: the model's limit)."""

@@ -72,16 +72,20 @@ def text_pairs(lefts: list[Any], rights: list[Any]) -> list[dict[str, str]]:
     return out
 
 
-def maxsim(query: np.ndarray, documents: Sequence[np.ndarray]) -> np.ndarray:
+def maxsim(query: np.ndarray, documents: Sequence[np.ndarray], *, mean: bool = False) -> np.ndarray:
     """Late-interaction scores `sum_i max_j q_i . d_j` of one query (`[nq, dim]`) against each
-    document (`[nd_k, dim]`): `[num_documents]` float32."""
+    document (`[nd_k, dim]`): `[num_documents]` float32. `mean`: divided by `nq` (MeanMaxSim,
+    sentence-transformers' "meanmaxsim")."""
     if not documents:
         return np.zeros(0, dtype=np.float32)
     lengths = [d.shape[0] for d in documents]
     sims = query @ np.concatenate(documents).T  # [nq, total document tokens]
     starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
     best = np.maximum.reduceat(sims, starts, axis=1)  # [nq, num_documents]
-    return best.sum(axis=0).astype(np.float32)
+    scores = best.sum(axis=0)
+    if mean:
+        scores = scores / max(query.shape[0], 1)
+    return scores.astype(np.float32)
 
 
 def cosine(left: np.ndarray, right: np.ndarray) -> np.ndarray:

@@ -17,6 +17,7 @@ from vecpool import scoring
 from vecpool.config import LLMRerankerConfig
 from vecpool.errors import InputError
 from vecpool.inputs import InputProcessor, TextOptions, TextTokenizer, TruncationSide
+from vecpool.models.folder import LateInteractionSpec
 from vecpool.outputs import PoolingOutput, PreparedCall, T, output_data
 from vecpool.tasks import PoolingParams
 
@@ -36,6 +37,7 @@ class TaskCalls:
         num_labels: int
         score_mode: str
         llm_reranker: LLMRerankerConfig | None
+        late_interaction: LateInteractionSpec | None
 
         def make_requests(
             self, inputs: Any, params: PoolingParams, options: TextOptions | None = None
@@ -147,10 +149,15 @@ class TaskCalls:
                 f"{self.score_mode} scoring",
                 field="use_activation",
             )
-        task = "token_embed" if self.score_mode == "late_interaction" else "embed"
-        left_requests = self.make_requests(lefts, PoolingParams(task=task), options)
-        right_requests = self.make_requests(rights, PoolingParams(task=task), options)
         late = self.score_mode == "late_interaction"
+        task = "token_embed" if late else "embed"
+        # A late-interaction folder writes the first side as queries, the second as documents.
+        spec = self.late_interaction if late else None
+        left_params = PoolingParams(task=task, input_type="query" if spec else None)
+        right_params = PoolingParams(task=task, input_type="document" if spec else None)
+        left_requests = self.make_requests(lefts, left_params, options)
+        right_requests = self.make_requests(rights, right_params, options)
+        mean = spec is not None and spec.mean_maxsim
         num_lefts = len(left_requests)
 
         def finish(outputs: list[PoolingOutput]) -> np.ndarray:
@@ -158,10 +165,13 @@ class TaskCalls:
             _raise_first(outputs[num_lefts:], "text_2")
             left, right = output_data(outputs[:num_lefts]), output_data(outputs[num_lefts:])
             if late and num_lefts == 1:  # the query's vectors once, against every document
-                return scoring.maxsim(left[0], right)
+                return scoring.maxsim(left[0], right, mean=mean)
             if late:
                 return np.array(
-                    [scoring.maxsim(q, [d])[0] for q, d in zip(left, right, strict=True)],
+                    [
+                        scoring.maxsim(q, [d], mean=mean)[0]
+                        for q, d in zip(left, right, strict=True)
+                    ],
                     dtype=np.float32,
                 )
             return scoring.cosine(np.stack(left), np.stack(right))

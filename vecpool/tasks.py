@@ -12,6 +12,8 @@ from dataclasses import dataclass, fields
 
 from vecpool.errors import InputError
 
+INPUT_TYPES = ("query", "document")  # the two sides of a late-interaction model
+
 
 @dataclass(frozen=True)
 class PoolingParams:
@@ -22,6 +24,9 @@ class PoolingParams:
     normalize: bool | None = None  # L2-normalize the output vector(s)
     step_tag_id: int | None = None  # per-token tasks: keep only positions holding this token id
     use_activation: bool | None = None  # scores: apply the head's activation (False: raw logits)
+    # token_embed of a late-interaction model: write the input as a "query" or a "document"
+    # (markers, query expansion, skiplist); None: as given
+    input_type: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.task, str):
@@ -34,6 +39,10 @@ class PoolingParams:
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
                 raise InputError(f"must be true or false, got {value!r}", field=name)
+        if self.input_type is not None and self.input_type not in INPUT_TYPES:
+            raise InputError(
+                f"must be one of {list(INPUT_TYPES)}, got {self.input_type!r}", field="input_type"
+            )
 
     def set_fields(self) -> list[str]:
         """Names of the parameters this request sets (everything but `task`)."""
@@ -46,7 +55,7 @@ class PoolingParams:
 EMBEDDING = "embedding"  # Dense projections, matryoshka truncation, normalize
 SEQUENCE_CLASSIFIER = "sequence_classifier"  # the checkpoint's classifier, then its activation
 SCORER = "scorer"  # a relevance score: a cross-encoder's classifier or an LLM's yes/no logits
-TOKEN_EMBEDDING = "token_embedding"  # per token: optional ColBERT projection, truncate, normalize
+TOKEN_EMBEDDING = "token_embedding"  # per token: ColBERT projection, skiplist, truncate, normalize
 TOKEN_CLASSIFIER = "token_classifier"  # per token: the checkpoint's token classifier
 SPARSE = "sparse"  # masked-LM logits -> log(1 + relu) -> max over non-special tokens
 
@@ -73,12 +82,15 @@ class TaskSpec:
             return True
         return any(getattr(params, name) is not None for name in self.token_id_params)
 
-    def token_ids_reason(self) -> str:
-        """Why a request of this task may need token ids, for error messages."""
+    def token_ids_reason(self, params: PoolingParams | None = None) -> str:
+        """Why a request of this task (with `params`: this request) needs token ids, for error
+        messages."""
         if self.requires_token_ids:
             return f"task {self.name!r} needs token ids"
-        names = ", ".join(sorted(self.token_id_params))
-        return f"task {self.name!r} with {names} set needs token ids"
+        names = sorted(self.token_id_params)
+        if params is not None:
+            names = [n for n in names if getattr(params, n) is not None] or names
+        return f"task {self.name!r} with {' or '.join(names)} set needs token ids"
 
     def check_params(self, params: PoolingParams, index: int | None = None) -> None:
         """Raise `InputError` for a parameter this task does not accept."""
@@ -135,11 +147,15 @@ TASKS: dict[str, TaskSpec] = {
             pooler="ALL",
             head=TOKEN_EMBEDDING,
             per_token=True,
-            accepted_params=frozenset({"dimensions", "normalize", "step_tag_id"}),
+            accepted_params=frozenset({"dimensions", "normalize", "step_tag_id", "input_type"}),
             requires_token_ids=False,
-            token_id_params=frozenset({"step_tag_id"}),
+            # input_type: a late-interaction side inserts markers and expansion tokens by id
+            # and leaves skiplist tokens out by id.
+            token_id_params=frozenset({"step_tag_id", "input_type"}),
             chunkable=True,
-            summary="one vector per token; with step_tag_id only at positions holding that id",
+            summary="one vector per token; with step_tag_id only at positions holding that id; "
+            "with input_type ('query' / 'document') written as that side of a late-interaction "
+            "model",
         ),
         TaskSpec(
             name="token_classify",

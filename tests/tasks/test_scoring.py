@@ -200,14 +200,17 @@ def _numpy_maxsim(q: np.ndarray, d: np.ndarray) -> float:
 
 def test_maxsim_scores_match_numpy(colbert: tuple[Path, Any, torch.Tensor]) -> None:
     engine = vecpool.Engine(colbert[0], device="cpu")
-    query, *docs = engine.encode([QUERY, *DOCS], task="token_embed")
+    # score writes its first side as ColBERT queries, the second as documents.
+    (query,) = engine.encode([QUERY], task="token_embed", input_type="query")
+    docs = engine.encode(DOCS, task="token_embed", input_type="document")
     expected = np.array([_numpy_maxsim(query, d) for d in docs], dtype=np.float32)
     call = engine.prepare_score(QUERY, DOCS)
     assert len(call.requests) == 1 + len(DOCS)  # the query's vectors are computed once
     assert_rel_close(engine.run(call), expected)
     assert_rel_close(engine.score(QUERY, DOCS), expected)
     pairwise = engine.score([QUERY, DOCS[1]], [DOCS[0], DOCS[2]])
-    assert_rel_close(pairwise, np.array([expected[0], _numpy_maxsim(docs[1], docs[2])]))
+    (query_1,) = engine.encode([DOCS[1]], task="token_embed", input_type="query")
+    assert_rel_close(pairwise, np.array([expected[0], _numpy_maxsim(query_1, docs[2])]))
     ranked = engine.rerank(QUERY, DOCS)
     assert [i for i, _ in ranked] == list(np.argsort(-expected, kind="stable"))
     with pytest.raises(vecpool.InputError, match="use_activation applies to cross-encoder"):

@@ -48,6 +48,11 @@ class AttentionMetadata:
     seq_ids: torch.Tensor  # [num_tokens] int64: the sequence each token belongs to
     pos_in_seq: torch.Tensor  # [num_tokens] int64: the token's offset inside its sequence
     use_varlen: bool  # FlashAttention kernel (CUDA, half dtypes) or the exact padded fallback
+    # When some sequence's trailing tokens are not attended to (ColBERT's query expansion): the
+    # rows every query attends to, as keys, and their boundaries. None: every row is a key.
+    key_rows: torch.Tensor | None = None  # [num_keys] int64
+    cu_seqlens_k: torch.Tensor | None = None  # [num_seqs + 1] int32, boundaries in key_rows
+    max_seqlen_k: int = 0
     # Padded-fallback masks, built at most once per (causal, window) per step.
     _masks: dict[tuple[bool, int | None], torch.Tensor] = field(default_factory=dict, repr=False)
 
@@ -62,15 +67,20 @@ class AttentionMetadata:
         if mask is None:
             device = self.cu_seqlens.device
             lengths = (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).long()  # [num_seqs]
+            cu_k = self.cu_seqlens if self.cu_seqlens_k is None else self.cu_seqlens_k
+            key_lengths = (cu_k[1:] - cu_k[:-1]).long()  # [num_seqs]
             idx = torch.arange(self.max_seqlen, device=device)
             q_idx, k_idx = idx[:, None], idx[None, :]  # [L, 1], [1, L]
-            allowed = k_idx[None] < lengths[:, None, None]  # [B, 1, L] keys inside the sequence
+            allowed = k_idx[None] < key_lengths[:, None, None]  # [B, 1, L] keys attended to
             if causal:
                 allowed = allowed & (k_idx <= q_idx)
             if window is not None:
                 allowed = allowed & ((q_idx - k_idx).abs() < window)
             # Padding rows attend to themselves so that no softmax row is empty.
-            allowed = allowed | torch.eye(self.max_seqlen, dtype=torch.bool, device=device)
+            padding = q_idx[None] >= lengths[:, None, None]  # [B, L, 1]
+            allowed = allowed | (
+                torch.eye(self.max_seqlen, dtype=torch.bool, device=device) & padding
+            )
             mask = allowed[:, None]
             self._masks[key] = mask
         return mask
@@ -118,15 +128,21 @@ def _flash_attention(
             group = q.shape[1] // k.shape[1]
             k = k.repeat_interleave(group, dim=1)
             v = v.repeat_interleave(group, dim=1)
-    cu = meta.cu_seqlens
+    cu_k, max_k = meta.cu_seqlens, meta.max_seqlen
+    if meta.key_rows is not None:
+        # Keys cut short only where every query sees every key (ColBERT's encoders): causal or
+        # windowed attention would align the two lengths differently.
+        assert meta.cu_seqlens_k is not None and not causal and window is None
+        k, v = k[meta.key_rows], v[meta.key_rows]
+        cu_k, max_k = meta.cu_seqlens_k, meta.max_seqlen_k
     out = varlen_attn(
         q,
         k,
         v,
-        cu,
-        cu,
+        meta.cu_seqlens,
+        cu_k,
         meta.max_seqlen,
-        meta.max_seqlen,
+        max_k,
         scale=scale,
         window_size=(left, right),
         **extra,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import string
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,50 @@ class DenseSpec:
 
 
 @dataclass(frozen=True)
+class QueryExpansion:
+    """ColBERT's query augmentation: a query shorter than `length` tokens is padded up to it with
+    `token` (None: the tokenizer's mask token, else its end-of-sequence token); "fixed" also
+    makes `length` the query's length limit. The expansion tokens always get output vectors;
+    `attend` says whether the tokens of the query attend to them."""
+
+    length: int
+    fixed: bool  # sentence-transformers' strategy "fixed" (True) or "min" (False)
+    attend: bool
+    token: str | None = None
+
+
+@dataclass(frozen=True)
+class SideSpec:
+    """How one side (query or document) of a late-interaction model is written, as its files
+    say; resolved against the tokenizer when the engine starts."""
+
+    # A marker put right after the first token (ColBERT's [Q] / [D] after [CLS]) when it, or its
+    # first word, is one vocabulary token; otherwise it is text in front of the input.
+    marker: str | None
+    prompt: str  # text in front of the input (after the marker)
+    max_tokens: int | None  # the side's length limit (query_length, document_length)
+    expansion: QueryExpansion | None  # queries only
+    skiplist: bool  # tokens of the skiplist are left out of this side's vectors
+
+
+@dataclass(frozen=True)
+class LateInteractionSpec:
+    """A late-interaction (ColBERT-style) folder: how queries and documents are written, and how
+    token rows become vectors (per-token Dense projections, skiplist, normalization)."""
+
+    source: str  # the files the settings come from, for messages
+    query: SideSpec
+    document: SideSpec
+    skiplist_words: tuple[str, ...]
+    dense: tuple[DenseSpec, ...] = ()  # per-token projections (sentence-transformers Dense)
+    normalize: bool = True  # L2-normalize every token vector
+    mean_maxsim: bool = False  # score: MaxSim divided by the number of query vectors
+
+    def side(self, input_type: str) -> SideSpec:
+        return self.query if input_type == "query" else self.document
+
+
+@dataclass(frozen=True)
 class ModelFolder:
     """Everything vecpool reads from a model folder except the weights themselves."""
 
@@ -46,6 +91,7 @@ class ModelFolder:
     prompts: dict[str, str] = field(default_factory=dict)
     default_prompt_name: str | None = None
     max_seq_length: int | None = None  # sentence_bert_config.json
+    late_interaction: LateInteractionSpec | None = None  # ColBERT / multi-vector folders
 
     @classmethod
     def load(cls, path: str | Path) -> ModelFolder:
@@ -65,6 +111,11 @@ class ModelFolder:
             "tokenizer_config": _read_json(root / "tokenizer_config.json"),
         }
         modules = _read_json(root / "modules.json", default=None)
+        if folder["architecture"] == "HF_ColBERT":
+            folder["late_interaction"] = _read_stanford_colbert(root, hf_config)
+        elif modules is not None and _is_multi_vector(root, modules):
+            folder.update(_read_multi_vector(root, modules))
+            modules = None
         if modules is not None:
             folder.update(_read_sentence_transformers(root, modules))
         return cls(**folder)
@@ -140,3 +191,262 @@ def _read_pooling(module_dir: Path) -> str:
             f"{module_dir / 'config.json'}: expected exactly one pooling mode, found {modes or 'none'}"
         )
     return modes[0]
+
+
+# ---- late interaction: HF_ColBERT and sentence-transformers multi-vector folders -----------
+
+# config_sentence_transformers.json keys of PyLate saves (sentence-transformers reads them too).
+_PYLATE_KEYS = (
+    "query_prefix",
+    "document_prefix",
+    "query_length",
+    "document_length",
+    "query_expansion",
+    "do_query_expansion",
+    "attend_to_expansion_tokens",
+    "attend_to_mask_tokens",
+    "skiplist_words",
+)
+_MULTI_VECTOR_MODULES = ("Transformer", "Dense", "MultiVectorMask", "Normalize")
+
+
+def _module_kind(module: dict[str, Any]) -> str:
+    return str(module.get("type", "")).rsplit(".", 1)[-1]
+
+
+def _is_multi_vector(root: Path, modules: list[dict[str, Any]]) -> bool:
+    """A sentence-transformers `MultiVectorEncoder` folder, or a PyLate (ColBERT) one."""
+    st_config = _read_json(root / "config_sentence_transformers.json")
+    if st_config.get("model_type") in ("MultiVectorEncoder", "ColBERT"):
+        return True
+    if any(key in st_config for key in _PYLATE_KEYS):
+        return True
+    return any(_module_kind(m) == "MultiVectorMask" for m in modules)
+
+
+def _read_stanford_colbert(root: Path, hf: dict[str, Any]) -> LateInteractionSpec:
+    """Stanford ColBERT's settings: `artifact.metadata` (its ColBERTConfig, flat or under
+    "config"), else the same keys in config.json, else ColBERT's defaults (markers [unused0] /
+    [unused1], queries of 32 tokens expanded with [MASK] that is not attended to, punctuation
+    left out of documents)."""
+    meta = _read_json(root / "artifact.metadata")
+    if isinstance(meta.get("config"), dict):
+        meta = meta["config"]
+    keys = (
+        "query_token_id",
+        "doc_token_id",
+        "query_maxlen",
+        "doc_maxlen",
+        "mask_punctuation",
+        "attend_to_mask_tokens",
+        "similarity",
+        "interaction",
+    )
+    cfg = {k: hf[k] for k in keys if hf.get(k) is not None}
+    cfg.update({k: meta[k] for k in keys if meta.get(k) is not None})
+    source = f"{root / 'artifact.metadata'} / config.json"
+    if cfg.get("similarity", "cosine") != "cosine":
+        raise ModelLoadError(
+            f"{source}: ColBERT similarity {cfg['similarity']!r} is not supported (only 'cosine': "
+            "MaxSim of dot products of normalized vectors)"
+        )
+    if cfg.get("interaction", "colbert") != "colbert":
+        raise ModelLoadError(
+            f"{source}: ColBERT interaction {cfg['interaction']!r} is not supported (only 'colbert')"
+        )
+    query_length = _positive_int(cfg.get("query_maxlen", 32), "query_maxlen", source)
+    mask_punctuation = bool(cfg.get("mask_punctuation", True))
+    return LateInteractionSpec(
+        source=source,
+        query=SideSpec(
+            marker=str(cfg.get("query_token_id", "[unused0]")),
+            prompt="",
+            max_tokens=query_length,
+            expansion=QueryExpansion(
+                query_length, fixed=True, attend=bool(cfg.get("attend_to_mask_tokens", False))
+            ),
+            skiplist=False,
+        ),
+        document=SideSpec(
+            marker=str(cfg.get("doc_token_id", "[unused1]")),
+            prompt="",
+            max_tokens=_optional_int(cfg.get("doc_maxlen"), "doc_maxlen", source),
+            expansion=None,
+            skiplist=mask_punctuation,
+        ),
+        skiplist_words=tuple(string.punctuation) if mask_punctuation else (),
+    )
+
+
+def _read_multi_vector(root: Path, modules: list[dict[str, Any]]) -> dict[str, Any]:
+    """A multi-vector folder as sentence-transformers 6 loads it: its own saves (model_type
+    "MultiVectorEncoder": Transformer, per-token Dense, MultiVectorMask, Normalize) as they are;
+    PyLate saves (top-level query_prefix, query_length, ... in config_sentence_transformers.json)
+    with a MultiVectorMask (PyLate's punctuation skiplist by default) and Normalize added."""
+    st_path = root / "config_sentence_transformers.json"
+    st_config = _read_json(st_path)
+    native = st_config.get("model_type") == "MultiVectorEncoder"
+    transformers = [m for m in modules if _module_kind(m) == "Transformer"]
+    if len(transformers) != 1:
+        raise ModelLoadError(f"{root / 'modules.json'}: expected one Transformer module")
+    dense: list[DenseSpec] = []
+    mask: dict[str, Any] | None = None
+    normalize = not native  # PyLate saves normalize inline; sentence-transformers adds a module
+    for module in modules:
+        kind, module_dir = _module_kind(module), root / str(module.get("path", ""))
+        if kind == "Dense":
+            dense.append(_dense_spec(module_dir))
+        elif kind == "MultiVectorMask":
+            mask = _read_json(module_dir / "config.json")
+        elif kind == "Normalize":
+            normalize = True
+        elif kind == "Pooling":
+            continue  # it makes sentence embeddings: no part of the token vectors
+        elif kind not in _MULTI_VECTOR_MODULES:
+            raise ModelLoadError(
+                f"{root / 'modules.json'}: module {kind!r} of a multi-vector folder is not "
+                f"supported (supported: {', '.join(_MULTI_VECTOR_MODULES)})"
+            )
+    prefixes = {
+        side: str(st_config[key] or "")
+        for side, key in (("query", "query_prefix"), ("document", "document_prefix"))
+        if key in st_config
+    }
+    if mask is None and not native:
+        words = st_config.get("skiplist_words")
+        if words is None:  # PyLate's default
+            legacy = prefixes or st_config.get("model_type") == "ColBERT"
+            words = list(string.punctuation) if legacy else []
+        mask = {"skiplist_words": words}
+    skip_sides = _skiplist_sides(mask, st_path)
+    transformer_dir = root / str(transformers[0].get("path", ""))
+    knobs = _transformer_knobs(st_config, transformer_dir / "sentence_bert_config.json")
+    source = f"{st_path} / {transformer_dir / 'sentence_bert_config.json'}"
+    expansion = _query_expansion(knobs.get("query_expansion"), source)
+    query_length = _optional_int(knobs.get("query_length"), "query_length", source)
+    if expansion is not None and query_length is not None and query_length < expansion.length:
+        raise ModelLoadError(
+            f"{source}: query_length={query_length} is below the query expansion length "
+            f"{expansion.length}"
+        )
+    if expansion is not None and mask is None and not expansion.attend:
+        # Without a MultiVectorMask nothing scores tokens that are not attended to: the
+        # expansion then changes no output, as in sentence-transformers.
+        expansion = None
+    prompts = {str(k): str(v or "") for k, v in (st_config.get("prompts") or {}).items()}
+
+    def side(name: str, max_tokens: int | None, side_expansion: QueryExpansion | None) -> SideSpec:
+        prefix = prefixes.get(name)
+        return SideSpec(
+            marker=prefix or None,
+            prompt=prompts.get(name, "").removeprefix(prefix or ""),
+            max_tokens=max_tokens,
+            expansion=side_expansion,
+            skiplist=name in skip_sides,
+        )
+
+    spec = LateInteractionSpec(
+        source=source,
+        query=side(
+            "query", expansion.length if expansion and expansion.fixed else query_length, expansion
+        ),
+        document=side(
+            "document",
+            _optional_int(knobs.get("document_length"), "document_length", source),
+            None,
+        ),
+        skiplist_words=tuple(str(w) for w in (mask or {}).get("skiplist_words") or ()),
+        dense=tuple(dense),
+        normalize=normalize,
+        mean_maxsim=st_config.get("similarity_fn_name") == "meanmaxsim",
+    )
+    out = _read_sentence_transformers(root, transformers)
+    out["late_interaction"] = spec
+    return out
+
+
+def _skiplist_sides(mask: dict[str, Any] | None, source: Path) -> frozenset[str]:
+    if mask is None:
+        return frozenset()
+    if mask.get("keep_only_token_ids"):
+        raise ModelLoadError(
+            f"{source}: MultiVectorMask keep_only_token_ids (image-patch documents) is not supported"
+        )
+    sides = mask.get("skiplist_tasks")
+    if sides is None:
+        sides = ["document"]
+    elif isinstance(sides, str):
+        sides = [sides]
+    return frozenset(str(s) for s in sides) if mask.get("skiplist_words") else frozenset()
+
+
+def _transformer_knobs(st_config: dict[str, Any], transformer_config: Path) -> dict[str, Any]:
+    """query_length, document_length and query_expansion: the Transformer module's own config,
+    else PyLate's top-level keys (with its default of expanding queries to 32 tokens)."""
+    knobs: dict[str, Any] = {
+        key: st_config[key]
+        for key in ("query_length", "document_length", "query_expansion")
+        if key in st_config and (st_config[key] is not None or key == "query_expansion")
+    }
+    if "query_expansion" not in knobs and any(key in st_config for key in _PYLATE_KEYS):
+        if st_config.get("do_query_expansion") is False:
+            knobs["query_expansion"] = None
+        else:
+            attend = st_config.get(
+                "attend_to_expansion_tokens", st_config.get("attend_to_mask_tokens")
+            )
+            length = knobs.pop("query_length", None) or 32
+            knobs["query_expansion"] = {
+                "strategy": "fixed",
+                "attend": bool(attend),
+                "length": length,
+            }
+    saved = _read_json(transformer_config)
+    knobs.update(
+        {k: saved[k] for k in ("query_length", "document_length", "query_expansion") if k in saved}
+    )
+    return knobs
+
+
+def _query_expansion(value: Any, source: str) -> QueryExpansion | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict) or value.get("strategy") not in ("fixed", "min"):
+        raise ModelLoadError(
+            f"{source}: query_expansion must be null or have strategy 'fixed' or 'min', got {value!r}"
+        )
+    attend = value.get("attend", False)
+    token = value.get("token")
+    if not isinstance(attend, bool) or not (token is None or isinstance(token, str)):
+        raise ModelLoadError(f"{source}: query_expansion has an invalid attend or token: {value!r}")
+    return QueryExpansion(
+        length=_positive_int(value.get("length"), "query_expansion length", source),
+        fixed=value["strategy"] == "fixed",
+        attend=attend,
+        token=token,
+    )
+
+
+def _dense_spec(module_dir: Path) -> DenseSpec:
+    cfg = _read_json(module_dir / "config.json", required=True)
+    if cfg.get("use_residual"):
+        raise ModelLoadError(
+            f"{module_dir / 'config.json'}: a Dense module with use_residual is not supported"
+        )
+    return DenseSpec(
+        path=module_dir,
+        in_features=int(cfg["in_features"]),
+        out_features=int(cfg["out_features"]),
+        bias=bool(cfg.get("bias", True)),
+        activation=str(cfg.get("activation_function", "torch.nn.modules.linear.Identity")),
+    )
+
+
+def _optional_int(value: Any, name: str, source: str) -> int | None:
+    return None if value is None else _positive_int(value, name, source)
+
+
+def _positive_int(value: Any, name: str, source: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ModelLoadError(f"{source}: {name} must be a positive integer, got {value!r}")
+    return value

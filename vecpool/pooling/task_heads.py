@@ -151,14 +151,31 @@ class LogitScoreHead:
 
 
 class TokenEmbedHead:
-    """Per-token vectors (all tokens, or STEP-tagged ones): an optional projection (ColBERT),
-    matryoshka truncation, normalize."""
+    """Per-token vectors (all tokens, or STEP-tagged ones): an optional projection (ColBERT's
+    `linear`, a multi-vector folder's Dense modules), matryoshka truncation, normalize.
 
-    def __init__(self, project: RowFn | None, normalize: bool, output_dim: int):
+    A late-interaction model may leave the tokens of a skiplist (punctuation) out of the vectors
+    of one side: of the requests whose `input_type` is in `skip_sides`."""
+
+    def __init__(
+        self,
+        project: RowFn | None,
+        normalize: bool,
+        output_dim: int,
+        skiplist: torch.Tensor | None = None,  # [vocab] bool: token ids left out
+        skip_sides: frozenset[str] = frozenset(),
+    ):
         self.project, self.normalize, self.output_dim = project, normalize, output_dim
+        self.skiplist, self.skip_sides = skiplist, skip_sides
 
     def __call__(self, b: HeadBatch) -> list[np.ndarray]:
-        selected, row_seq, counts = _token_rows(b)
+        keep = None
+        skipping = [p.input_type in self.skip_sides for p in b.params]
+        if self.skiplist is not None and any(skipping):
+            skip_seq = torch.zeros(b.meta.lengths.shape[0], dtype=torch.bool, device=b.seqs.device)
+            skip_seq[b.seqs] = _on(b.seqs.device, skipping, torch.bool)
+            keep = ~(skip_seq[b.meta.seq_ids] & self.skiplist[b.meta.input_ids])
+        selected, row_seq, counts = _token_rows(b, keep)
         rows = b.hidden[selected]
         if self.project is not None:
             rows = self.project(rows)
@@ -222,10 +239,13 @@ def _rows(pooler: str, b: HeadBatch) -> torch.Tensor:  # [k] int64: each sequenc
     raise ConfigError(f"a classifier reads the CLS or LAST row, not {pooler!r}")
 
 
-def _token_rows(b: HeadBatch) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    """Rows of the head's sequences to return per token (all, or STEP-tagged ones): the
-    `[num_tokens]` bool selection, each selected row's index among the head's sequences
-    (`[num_selected]`), and how many rows each sequence has."""
+def _token_rows(
+    b: HeadBatch, keep: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Rows of the head's sequences to return per token (all, or STEP-tagged ones; only those
+    `keep` (`[num_tokens]` bool) allows, if given): the `[num_tokens]` bool selection, each
+    selected row's index among the head's sequences (`[num_selected]`), and how many rows each
+    sequence has."""
     device = b.seqs.device
     num_all = int(b.meta.lengths.shape[0])
     wanted = torch.zeros(num_all, dtype=torch.bool, device=device)
@@ -236,6 +256,8 @@ def _token_rows(b: HeadBatch) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     local = torch.zeros(num_all, dtype=torch.int64, device=device)
     local[b.seqs] = torch.arange(b.num_seqs, device=device)
     selected = select_tokens(b.meta, wanted, tags)  # [num_tokens] bool
+    if keep is not None:
+        selected = selected & keep
     row_seq = local[b.meta.seq_ids[selected]]
     counts = torch.bincount(row_seq, minlength=b.num_seqs).cpu().tolist()
     return selected, row_seq, counts

@@ -52,9 +52,14 @@ def build_flat_batch(
     type_parts: list[np.ndarray] = []
     embeds_parts: list[torch.Tensor] = []
     embeds_rows_parts: list[np.ndarray] = []
-    for c, offset in zip(chunks, cu[:-1], strict=True):
+    key_lengths: np.ndarray | None = None  # [num_seqs]: set when some keys are left out
+    for i, (c, offset) in enumerate(zip(chunks, cu[:-1], strict=True)):
         prompt = c.request.prompt
         end = c.start + c.num_tokens
+        if prompt.num_attended is not None:
+            if key_lengths is None:
+                key_lengths = lengths.copy()
+            key_lengths[i] = min(max(prompt.num_attended - c.start, 1), c.num_tokens)
         if prompt.token_ids is not None:
             ids_parts.append(prompt.token_ids[c.start : end])
         else:
@@ -74,6 +79,17 @@ def build_flat_batch(
         return torch.from_numpy(array).to(device, non_blocking=True)
 
     cu_device = to_device(cu)
+    key_rows: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
+    if key_lengths is not None:
+        cu_k = np.zeros(len(chunks) + 1, dtype=np.int64)
+        np.cumsum(key_lengths, out=cu_k[1:])
+        rows = (
+            np.arange(int(cu_k[-1]))
+            - np.repeat(cu_k[:-1], key_lengths)
+            + np.repeat(cu[:-1], key_lengths)
+        )
+        key_rows, cu_seqlens_k = to_device(rows), to_device(cu_k).to(torch.int32)
     seq_ids_device = to_device(seq_ids)
     input_ids = to_device(np.concatenate(ids_parts))
     return FlatBatch(
@@ -90,6 +106,9 @@ def build_flat_batch(
             seq_ids=seq_ids_device,
             pos_in_seq=to_device(pos_in_seq),
             use_varlen=use_varlen,
+            key_rows=key_rows,
+            cu_seqlens_k=cu_seqlens_k,
+            max_seqlen_k=0 if key_lengths is None else int(key_lengths.max()),
         ),
         pooling=PoolingMetadata(
             cu_seqlens=cu_device,

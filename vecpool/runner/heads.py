@@ -11,6 +11,7 @@ from vecpool.pooling.task_heads import (
     ClassifierHead,
     EmbedHead,
     LogitScoreHead,
+    RowFn,
     SparseHead,
     TaskHead,
     TokenClassifierHead,
@@ -20,6 +21,7 @@ from vecpool.pooling.task_heads import (
 from vecpool.runner.pooling_runner import PoolingDefaults
 from vecpool.tasks import (
     EMBEDDING,
+    INPUT_TYPES,
     SCORER,
     SEQUENCE_CLASSIFIER,
     SPARSE,
@@ -37,22 +39,20 @@ def build_task_heads(
     *,
     scorer_vocab_ids: list[int] | None,
     special_token_ids: list[int],
+    skiplist_ids: list[int] | None = None,
 ) -> tuple[dict[str, TaskHead], dict[str, str]]:
     """The heads this model serves, by name, and for each head it lacks, why.
 
     `scorer_vocab_ids` (the true and false tokens of an LLM reranker) make the scorer an LLM
     reranker; without them a sequence classifier, if any, scores pairs (a cross-encoder).
+    `skiplist_ids`: the token ids a late-interaction model leaves out of some side's vectors.
     """
     arch = folder.architecture
     heads: dict[str, TaskHead] = {
         EMBEDDING: EmbedHead(
             defaults.pooler, dense.to(device), defaults.normalize, defaults.output_dim
         ),
-        TOKEN_EMBEDDING: TokenEmbedHead(
-            model.project_tokens if "token_projection" in model.heads else None,
-            defaults.normalize,
-            defaults.token_output_dim,
-        ),
+        TOKEN_EMBEDDING: _token_embed_head(model, folder, defaults, device, skiplist_ids),
     }
     missing: dict[str, str] = {}
     activation = classifier_activation(folder.hf_config, model.num_labels)
@@ -89,3 +89,36 @@ def build_task_heads(
     else:
         missing[SPARSE] = f"{arch} has no masked-LM head (a *ForMaskedLM checkpoint has one)"
     return heads, missing
+
+
+def _token_embed_head(
+    model: PoolingModel,
+    folder: ModelFolder,
+    defaults: PoolingDefaults,
+    device: torch.device,
+    skiplist_ids: list[int] | None,
+) -> TokenEmbedHead:
+    """Token rows through ColBERT's `linear` or a multi-vector folder's per-token Dense modules,
+    the skiplist of a late-interaction model, truncation, normalization."""
+    spec = folder.late_interaction
+    project: RowFn | None = model.project_tokens if "token_projection" in model.heads else None
+    if spec is not None and spec.dense:
+        token_dense = DenseStack(spec.dense).to(device)
+
+        def project(rows: torch.Tensor) -> torch.Tensor:  # the Dense modules run in float32
+            return token_dense(rows.float())
+
+    skiplist = None
+    skip_sides: frozenset[str] = frozenset()
+    if spec is not None and skiplist_ids:
+        skiplist = torch.zeros(model.vocab_size, dtype=torch.bool)
+        skiplist[[i for i in skiplist_ids if 0 <= i < model.vocab_size]] = True
+        skiplist = skiplist.to(device)
+        skip_sides = frozenset(side for side in INPUT_TYPES if spec.side(side).skiplist)
+    return TokenEmbedHead(
+        project,
+        defaults.token_normalize,
+        defaults.token_output_dim,
+        skiplist=skiplist,
+        skip_sides=skip_sides,
+    )

@@ -27,6 +27,7 @@ class PoolingDefaults:
     normalize: bool
     output_dim: int  # of embed, after the Dense projections
     token_output_dim: int  # of token_embed, after a ColBERT projection if any
+    token_normalize: bool  # of token_embed
 
 
 @dataclass(frozen=True)
@@ -54,8 +55,9 @@ class PoolingRunner:
                 results[i] = PooledResult(
                     None,
                     RequestFailedError(
-                        f"{req.task.token_ids_reason()} (e.g. to match step_tag_id or to leave "
-                        "out special tokens), but the input came as prompt embeds",
+                        f"{req.task.token_ids_reason(req.params)} (e.g. to match step_tag_id, "
+                        "to leave out special tokens or to write a late-interaction query or "
+                        "document), but the input came as prompt embeds",
                         field="prompt_embeds",
                     ),
                 )
