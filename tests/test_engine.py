@@ -194,7 +194,7 @@ def test_large_calls_are_pipelined_in_chunks(tiny_bert_engine, monkeypatch) -> N
     engine = tiny_bert_engine
     prompts = random_prompts(99, [3 + (i * 7) % 40 for i in range(11)], seed=50)
     whole = engine.embed(prompts)
-    monkeypatch.setattr(vecpool.api, "PIPELINE_CHUNK", 3)
+    monkeypatch.setattr(vecpool.api.engine, "PIPELINE_CHUNK", 3)
     assert np.abs(engine.embed(prompts) - whole).max() <= 1e-6
     per_token = engine.encode(prompts, task="token_embed")
     assert [t.shape[0] for t in per_token] == [len(p) for p in prompts]

@@ -14,7 +14,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from vecpool.api import Engine, PoolingOutput, outcome
+from vecpool.api.engine import Engine
+from vecpool.api.outputs import PoolingOutput, outcome
 from vecpool.engine.request import Request
 from vecpool.errors import VecpoolError
 from vecpool.inputs import TextOptions

