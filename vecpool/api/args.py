@@ -73,15 +73,16 @@ class EngineArgs:
     # ---- command line ------------------------------------------------------------------
 
     @staticmethod
-    def add_cli_args(
-        parser: argparse.ArgumentParser, *, enable_prompt_embeds: bool = True
-    ) -> None:
+    def add_cli_args(parser: argparse.ArgumentParser, *, enable_prompt_embeds: bool = True) -> None:
         """Add the positional MODEL and the engine's options to `parser`.
 
         `enable_prompt_embeds` is the command's default for accepting prompt-embeds inputs
         (a server refuses them unless asked)."""
         parser.add_argument(
-            "model", nargs="?", metavar="MODEL", help=f"model folder (default: {DEFAULT_MODEL_NAME})"
+            "model",
+            nargs="?",
+            metavar="MODEL",
+            help=f"model folder (default: {DEFAULT_MODEL_NAME})",
         )
         eng = parser.add_argument_group("engine")
         eng.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if available)")

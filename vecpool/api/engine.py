@@ -31,7 +31,14 @@ from vecpool.scoring import as_input_list
 from vecpool.task_calls import TaskCalls
 from vecpool.tasks import TOKEN_EMBEDDING, PoolingParams, get_task
 
-__all__ = ["DEFAULT_MODEL_PACKAGE", "Engine", "PoolingOutput", "PreparedCall", "default_model_path", "outcome"]
+__all__ = [
+    "DEFAULT_MODEL_PACKAGE",
+    "Engine",
+    "PoolingOutput",
+    "PreparedCall",
+    "default_model_path",
+    "outcome",
+]
 
 # Calls with at least this many inputs show a progress bar unless told otherwise.
 PROGRESS_THRESHOLD = 256

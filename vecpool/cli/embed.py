@@ -389,4 +389,3 @@ def _show_examples(engine: Engine, args: argparse.Namespace, load_seconds: float
     print("\nYour own text:  vecpool embed --input texts.txt --output vectors.npy")
     print("All options:    vecpool embed --help")
     return 0
-
