@@ -14,13 +14,14 @@ from tqdm.auto import tqdm
 
 from vecpool.api.args import DEFAULT_MODEL_PACKAGE, EngineArgs
 from vecpool.api.outputs import PoolingOutput, PreparedCall, T, outcome, output_data
-from vecpool.config import LLMRerankerConfig, hf_get, resolve_device, resolve_dtype
+from vecpool.config import LLMRerankerConfig, resolve_device, resolve_dtype
 from vecpool.engine.core import EngineCore
 from vecpool.engine.request import Request
 from vecpool.engine.scheduler import Scheduler
 from vecpool.errors import ConfigError, InputError
 from vecpool.inputs import InputLimits, InputProcessor, TextOptions, TextTokenizer, TruncationSide
 from vecpool.models.folder import ModelFolder
+from vecpool.models.hf import hf_get
 from vecpool.models.loader import load_model
 from vecpool.pooling.heads import DenseStack
 from vecpool.pooling.poolers import SEQUENCE_POOLERS
