@@ -33,10 +33,11 @@ def test_scheduler_respects_budget_and_cap() -> None:
         scheduler.add(_request(n))
     steps = []
     while scheduler.has_work():
-        out = scheduler.schedule()
+        out = scheduler.schedule().step
         steps.append([c.num_tokens for c in out.chunks])
         assert out.num_batched_tokens <= 20 and len(out.chunks) <= 3
-        assert all(c.is_last and c.start == 0 for c in out.chunks)
+        # Whole prompts: each chunk starts at 0 and runs the prompt to its end.
+        assert all(c.start == 0 and c.num_tokens == c.prompt.num_tokens for c in out.chunks)
     assert steps == [[8, 8], [5, 2, 2], [2, 9]]
 
 

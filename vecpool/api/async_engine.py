@@ -95,8 +95,9 @@ class AsyncEngine:
         futures = []
         for request in requests:
             future: asyncio.Future[Request] = loop.create_future()
-            request.add_done_callback(_resolver(loop, future))
+            # Leave the queue count first: a caller woken by its future sees it already down.
             request.add_done_callback(self._on_done)
+            request.add_done_callback(_resolver(loop, future))
             futures.append(future)
         for request in sorted(requests, key=lambda r: -r.num_prompt_tokens):
             self.engine.core.add_request(request)
