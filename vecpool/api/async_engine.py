@@ -99,8 +99,7 @@ class AsyncEngine:
             request.add_done_callback(self._on_done)
             request.add_done_callback(_resolver(loop, future))
             futures.append(future)
-        for request in sorted(requests, key=lambda r: -r.num_prompt_tokens):
-            self.engine.core.add_request(request)
+        self.engine.core.add_requests(requests)
         with self._wake:
             self._wake.notify()
         try:

@@ -290,7 +290,7 @@ class Engine(TaskCalls):
                         upcoming = worker.submit(prepare, start + PIPELINE_CHUNK)
                     for request in call.requests:
                         request.add_done_callback(count)
-                    self._submit(call.requests)
+                    self.core.add_requests(call.requests)
                     calls.append((start, call))
                     while not upcoming.done() and self.core.has_work():
                         self.core.step()
@@ -361,15 +361,11 @@ class Engine(TaskCalls):
     def _execute(
         self, requests: list[Request], desc: str, show_progress: bool | None
     ) -> list[PoolingOutput]:
-        self._submit(requests)
+        self.core.add_requests(requests)
         show = show_progress if show_progress is not None else len(requests) >= PROGRESS_THRESHOLD
         with tqdm(total=len(requests), disable=not show, desc=desc, unit="input") as bar:
             self.core.run_until_done(requests, on_progress=bar.update)
         return [outcome(r) for r in requests]
-
-    def _submit(self, requests: list[Request]) -> None:
-        # Longest first: steps of similar lengths waste less, and memory peaks early.
-        self.core.add_requests(sorted(requests, key=lambda r: -r.num_prompt_tokens))
 
     def make_requests(
         self, inputs: Any, params: PoolingParams, options: TextOptions | None = None
