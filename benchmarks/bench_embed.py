@@ -26,7 +26,7 @@ import torch
 
 import vecpool
 from vecpool.api import default_model_path
-from vecpool.bench import make_texts
+from vecpool.cli.bench import make_texts
 
 SYNTHETIC = ("bert-base", "qwen3-0.6b")
 

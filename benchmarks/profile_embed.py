@@ -18,7 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import vecpool
 from benchmarks.bench_embed import SYNTHETIC, make_synthetic_folder
-from vecpool.bench import make_texts
+from vecpool.cli.bench import make_texts
 
 
 def main() -> None:

@@ -9,7 +9,7 @@ import pytest
 
 import vecpool
 from tests.helpers import random_prompts
-from vecpool.async_api import AsyncEngine, QueueFullError
+from vecpool.api.async_engine import AsyncEngine, QueueFullError
 from vecpool.tasks import PoolingParams
 
 

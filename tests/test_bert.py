@@ -75,7 +75,7 @@ def test_token_type_ids_reach_the_model(tiny_bert_engine, tiny_bert) -> None:
         PoolingParams(task="token_embed", normalize=False),
         TASKS["token_embed"],
     )
-    engine.core.add_request(request)
+    engine.core.add_requests([request])
     engine.core.run_until_done([request])
     assert request.output is not None
     ref = hf_last_hidden(hf, ids, token_type_ids=torch.tensor([types]))

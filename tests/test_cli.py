@@ -14,7 +14,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from vecpool import Engine
-from vecpool.cli import PARAPHRASES, UNRELATED, main
+from vecpool.cli import main
+from vecpool.cli.embed import PARAPHRASES, UNRELATED
 
 TEXTS = [
     "A man is playing a guitar.",

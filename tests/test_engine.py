@@ -33,10 +33,11 @@ def test_scheduler_respects_budget_and_cap() -> None:
         scheduler.add(_request(n))
     steps = []
     while scheduler.has_work():
-        out = scheduler.schedule()
+        out = scheduler.schedule().step
         steps.append([c.num_tokens for c in out.chunks])
         assert out.num_batched_tokens <= 20 and len(out.chunks) <= 3
-        assert all(c.is_last and c.start == 0 for c in out.chunks)
+        # Whole prompts: each chunk starts at 0 and runs the prompt to its end.
+        assert all(c.start == 0 and c.num_tokens == c.prompt.num_tokens for c in out.chunks)
     assert steps == [[8, 8], [5, 2, 2], [2, 9]]
 
 
@@ -194,7 +195,7 @@ def test_large_calls_are_pipelined_in_chunks(tiny_bert_engine, monkeypatch) -> N
     engine = tiny_bert_engine
     prompts = random_prompts(99, [3 + (i * 7) % 40 for i in range(11)], seed=50)
     whole = engine.embed(prompts)
-    monkeypatch.setattr(vecpool.api, "PIPELINE_CHUNK", 3)
+    monkeypatch.setattr(vecpool.api.engine, "PIPELINE_CHUNK", 3)
     assert np.abs(engine.embed(prompts) - whole).max() <= 1e-6
     per_token = engine.encode(prompts, task="token_embed")
     assert [t.shape[0] for t in per_token] == [len(p) for p in prompts]

@@ -1,6 +1,6 @@
 """vecpool: an inference engine for pooling models (embeddings, scores, token vectors)."""
 
-from vecpool.api import Engine, PoolingOutput, PreparedCall
+from vecpool.api import Engine, EngineArgs, PoolingOutput, PreparedCall
 from vecpool.config import LLMRerankerConfig
 from vecpool.errors import (
     ConfigError,
@@ -17,6 +17,7 @@ __all__ = [
     "TASKS",
     "ConfigError",
     "Engine",
+    "EngineArgs",
     "EngineError",
     "InputError",
     "LLMRerankerConfig",

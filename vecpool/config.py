@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -70,15 +69,6 @@ class SchedulerConfig:
             )
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
-
-
-def hf_get(hf: dict[str, Any], *names: str, default: Any = None) -> Any:
-    """The first of `names` present (and not None) in a Hugging Face config dict."""
-    for name in names:
-        value = hf.get(name)
-        if value is not None:
-            return value
-    return default
 
 
 _QWEN3_RERANKER_TEMPLATE = (

@@ -14,18 +14,15 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 import numpy as np
 
 from vecpool import scoring
+from vecpool.api.outputs import PoolingOutput, PreparedCall, T, output_data
 from vecpool.config import LLMRerankerConfig
 from vecpool.errors import InputError
 from vecpool.inputs import InputProcessor, TextOptions, TextTokenizer, TruncationSide
 from vecpool.models.folder import LateInteractionSpec
-from vecpool.outputs import PoolingOutput, PreparedCall, T, output_data
 from vecpool.tasks import PoolingParams
 
 if TYPE_CHECKING:
     from vecpool.engine.request import Request
-
-# How `score` / `rerank` compare two inputs; the engine picks one from the model (see README).
-SCORE_MODES = ("cross_encoder", "llm", "late_interaction", "embed")
 
 
 class TaskCalls:

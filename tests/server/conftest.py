@@ -1,4 +1,4 @@
-"""Real server processes on localhost: `python -m vecpool.server` on a free port."""
+"""Real server processes on localhost: `python -m vecpool serve` on a free port."""
 
 from __future__ import annotations
 
@@ -73,10 +73,10 @@ def _free_port() -> int:
 
 
 def start_server(log_dir: Path, *args: str, api_key: str | None = None) -> Server:
-    """Start `python -m vecpool.server ARGS` and wait until /health answers."""
+    """Start `python -m vecpool serve ARGS` and wait until /health answers."""
     port = _free_port()
     log = log_dir / f"server-{port}.log"
-    cmd = [sys.executable, "-m", "vecpool.server", *args, "--port", str(port)]
+    cmd = [sys.executable, "-m", "vecpool", "serve", *args, "--port", str(port)]
     cmd += ["--log-level", "warning"] + (["--api-key", api_key] if api_key else [])
     with log.open("wb") as out:
         process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
+from vecpool.cli.serve import add_serve_arguments, serve
 from vecpool.errors import ConfigError, InputError
-from vecpool.server.cli import add_serve_arguments, serve
 from vecpool.server.codec import decode_prompt_embeds, parse_inputs, to_bytes
 from vecpool.server.config import ServerConfig
 
@@ -57,7 +57,7 @@ def test_config_checks() -> None:
 
 def test_import_vecpool_stays_lean() -> None:
     code = (
-        "import sys, vecpool, vecpool.server, vecpool.server.cli; "
+        "import sys, vecpool, vecpool.server, vecpool.cli; "
         "print(sorted(m for m in ('fastapi', 'uvicorn', 'starlette', 'pydantic', "
         "'prometheus_client') if m in sys.modules))"
     )
@@ -65,16 +65,12 @@ def test_import_vecpool_stays_lean() -> None:
     assert out.stdout.strip() == "[]"
 
 
-def test_module_entry_point_help(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    # `python -m vecpool.server` itself is what the server fixtures run.
-    from vecpool.server.__main__ import main
-
-    monkeypatch.setattr(sys, "argv", ["python -m vecpool.server", "--help"])
-    with pytest.raises(SystemExit) as exit_:
-        main()
-    assert exit_.value.code == 0 and "--enable-prompt-embeds" in capsys.readouterr().out
+def test_module_entry_point_help() -> None:
+    # `python -m vecpool serve` itself is what the server fixtures run.
+    out = subprocess.run(
+        [sys.executable, "-m", "vecpool", "serve", "--help"], capture_output=True, text=True
+    )
+    assert out.returncode == 0 and "--enable-prompt-embeds" in out.stdout
 
 
 def b64(raw: bytes) -> str:

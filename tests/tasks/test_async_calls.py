@@ -8,7 +8,7 @@ from typing import Any
 
 import vecpool
 from tests.tasks.test_scoring import DOCS, QUERY
-from vecpool.async_api import AsyncEngine
+from vecpool.api.async_engine import AsyncEngine
 
 
 def _run_async(engine: vecpool.Engine, prepare: Any, *args: Any, **kwargs: Any) -> Any:

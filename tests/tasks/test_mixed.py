@@ -29,7 +29,7 @@ def classifier_engine(tmp_path_factory: pytest.TempPathFactory) -> vecpool.Engin
 def _run_together(engine: vecpool.Engine, groups: list[list[Request]]) -> None:
     steps = engine.core.num_steps
     for request in [r for g in groups for r in g]:
-        engine.core.add_request(request)
+        engine.core.add_requests([request])
     engine.core.run_until_done([r for g in groups for r in g])
     assert engine.core.num_steps == steps + 1  # one engine step served every task
 

@@ -9,7 +9,7 @@ from collections import deque
 from collections.abc import Callable
 
 from vecpool.engine.request import Request
-from vecpool.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from vecpool.engine.scheduler import Scheduler, SchedulerOutput
 from vecpool.errors import EngineError, RequestFailedError
 from vecpool.runner.batch import FlatBatch
 from vecpool.runner.model_runner import ModelRunner
@@ -37,13 +37,11 @@ class EngineCore:
     def next_request_id(self) -> str:
         return f"req-{next(self._ids)}"
 
-    def add_request(self, request: Request) -> None:
-        with self._queue_lock:
-            self.scheduler.add(request)
-
     def add_requests(self, requests: list[Request]) -> None:
+        """Queue one call's requests, longest first: steps of similar lengths waste less, and
+        memory peaks early."""
         with self._queue_lock:
-            for request in requests:
+            for request in sorted(requests, key=lambda r: -r.num_prompt_tokens):
                 self.scheduler.add(request)
 
     def has_work(self) -> bool:
@@ -66,12 +64,12 @@ class EngineCore:
             try:
                 hidden = self.model_runner.forward(batch)
                 self._prefetched = self._prepare_next()
-                results = self.pooling_runner.pool(hidden, batch, sched)
+                results = self.pooling_runner.pool(hidden, batch, sched.step)
             except Exception as exc:  # an engine failure must not take the engine down
-                self._recover(sched.chunks, exc)
-                return len(sched.chunks)
-            self._finish(sched.chunks, results)
-            return len(sched.chunks)
+                self._recover(sched, exc)
+                return len(sched.requests)
+            self._finish(sched, results)
+            return len(sched.requests)
 
     def _prepare_next(self) -> tuple[SchedulerOutput, FlatBatch] | None:
         """Schedule the next step and build its batch; None when nothing waits."""
@@ -80,57 +78,55 @@ class EngineCore:
         if sched.is_empty:
             return None
         try:
-            return sched, self.model_runner.prepare(sched)
+            return sched, self.model_runner.prepare(sched.step)
         except Exception as exc:
-            self._recover(sched.chunks, exc)
+            self._recover(sched, exc)
             return None
 
-    def _finish(self, chunks: list[ScheduledChunk], results: list[PooledResult]) -> None:
-        for chunk, result in zip(chunks, results, strict=True):
-            chunk.request.num_computed_tokens += chunk.num_tokens
+    def _finish(self, sched: SchedulerOutput, results: list[PooledResult]) -> None:
+        for request, chunk, result in zip(sched.requests, sched.step.chunks, results, strict=True):
+            request.num_computed_tokens += chunk.num_tokens
             if result.error is not None:
-                chunk.request.fail(result.error)
+                request.fail(result.error)
             else:
                 assert result.output is not None
-                chunk.request.finish(result.output)
+                request.finish(result.output)
 
-    def _recover(self, chunks: list[ScheduledChunk], exc: Exception) -> None:
+    def _recover(self, sched: SchedulerOutput, exc: Exception) -> None:
         """A step failed: run its requests again in halves, so that only the ones that fail
         on their own fail (a bad input, or a batch too large for memory, costs nobody else).
         When every request fails alone too, the engine is at fault: they fail with
         `EngineError`; otherwise each one that failed alone gets a `RequestFailedError`."""
+        num = len(sched.requests)
         logger.warning(
             "engine step of %d requests failed (%s: %s); isolating",
-            len(chunks),
+            num,
             type(exc).__name__,
             exc,
         )
-        failed = self._run_halves(chunks, exc) if len(chunks) > 1 else [(chunks[0], exc)]
-        everyone = len(failed) == len(chunks)
-        for chunk, error in failed:
+        failed = self._run_halves(sched, exc)
+        everyone = len(failed) == num
+        for request, error in failed:
             reason = f"{type(error).__name__}: {error}"
             if everyone:
-                chunk.request.fail(EngineError(f"the engine step failed: {reason}"))
+                request.fail(EngineError(f"the engine step failed: {reason}"))
             else:
-                chunk.request.fail(
-                    RequestFailedError(f"the model failed on this input alone: {reason}")
-                )
+                request.fail(RequestFailedError(f"the model failed on this input alone: {reason}"))
 
     def _run_halves(
-        self, chunks: list[ScheduledChunk], exc: Exception
-    ) -> list[tuple[ScheduledChunk, Exception]]:
-        """Run `chunks` (which failed together with `exc`) in halves, finishing the requests
+        self, sched: SchedulerOutput, exc: Exception
+    ) -> list[tuple[Request, Exception]]:
+        """Run `sched` (which failed as a whole with `exc`) in halves, finishing the requests
         that succeed; return those that fail alone, with their errors."""
-        if len(chunks) == 1:
-            return [(chunks[0], exc)]
-        failed: list[tuple[ScheduledChunk, Exception]] = []
-        mid = len(chunks) // 2
-        for part in (chunks[:mid], chunks[mid:]):
-            sched = SchedulerOutput(part)
+        num = len(sched.requests)
+        if num == 1:
+            return [(sched.requests[0], exc)]
+        failed: list[tuple[Request, Exception]] = []
+        for part in (sched.part(0, num // 2), sched.part(num // 2, num)):
             try:
-                batch = self.model_runner.prepare(sched)
+                batch = self.model_runner.prepare(part.step)
                 hidden = self.model_runner.forward(batch)
-                results = self.pooling_runner.pool(hidden, batch, sched)
+                results = self.pooling_runner.pool(hidden, batch, part.step)
             except Exception as part_exc:
                 failed.extend(self._run_halves(part, part_exc))
             else:

@@ -11,37 +11,30 @@ from dataclasses import dataclass, field
 
 from vecpool.config import SchedulerConfig
 from vecpool.engine.request import Request, RequestStatus
-
-
-@dataclass(slots=True)
-class ScheduledChunk:
-    """`num_tokens` tokens of `request`, starting at its `num_computed_tokens`."""
-
-    request: Request
-    start: int  # first prompt position run in this step
-    num_tokens: int
-
-    @property
-    def is_last(self) -> bool:
-        return self.start + self.num_tokens == self.request.num_prompt_tokens
+from vecpool.runner.step import ScheduledChunk, StepInput
 
 
 @dataclass(frozen=True)
 class SchedulerOutput:
-    """What runs in one engine step."""
+    """What runs in one engine step: the runners' view (`step`) and the requests it serves."""
 
-    chunks: list[ScheduledChunk] = field(default_factory=list)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
+    requests: list[Request] = field(default_factory=list)  # [num_seqs], in batch order
+    step: StepInput = field(default_factory=StepInput)  # plain data for the runners
 
     @property
     def is_empty(self) -> bool:
-        return not self.chunks
+        return not self.requests
+
+    def part(self, start: int, end: int) -> SchedulerOutput:
+        """Requests `start:end` of this step, as a step of their own."""
+        return SchedulerOutput(self.requests[start:end], StepInput(self.step.chunks[start:end]))
 
 
 class Scheduler:
+    """Fills each step from the waiting queue, first come first served, under the token
+    budget and the request cap of `SchedulerConfig`. Plain CPU Python: it never touches
+    tensors."""
+
     def __init__(self, config: SchedulerConfig):
         self.config = config
         self.waiting: deque[Request] = deque()
@@ -55,6 +48,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Take whole prompts from the head of the queue while they fit the budget."""
         budget = self.config.max_num_batched_tokens
+        requests: list[Request] = []
         chunks: list[ScheduledChunk] = []
         while self.waiting and len(chunks) < self.config.max_num_seqs:
             request = self.waiting[0]
@@ -65,8 +59,16 @@ class Scheduler:
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
+            requests.append(request)
             chunks.append(
-                ScheduledChunk(request, request.num_computed_tokens, request.num_remaining_tokens)
+                ScheduledChunk(
+                    request.request_id,
+                    request.prompt,
+                    request.params,
+                    request.task,
+                    request.num_computed_tokens,
+                    request.num_remaining_tokens,
+                )
             )
             budget -= request.num_remaining_tokens
-        return SchedulerOutput(chunks)
+        return SchedulerOutput(requests, StepInput(chunks))

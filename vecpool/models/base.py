@@ -22,13 +22,23 @@ class PoolingModel(nn.Module):
     set the class attributes below that describe how their checkpoints are laid out.
     """
 
-    # Prefixes a checkpoint may carry before our parameter names ("bert." from a *For* class).
+    # The base-model prefix of transformers' *For* classes ("bert.", "roberta.", "model."). As
+    # transformers does, a checkpoint key loads with or without it; and a model without heads
+    # leaves out a prefixed checkpoint's tensors outside the prefix (the head of the class it
+    # was saved from).
     checkpoint_prefixes: ClassVar[tuple[str, ...]] = ()
+    # Legacy name endings transformers renames on load: {old ending: new ending}.
+    checkpoint_renames: ClassVar[dict[str, str]] = {}
     # Checkpoint entries we knowingly leave unused: glob patterns (after prefix removal).
     unused_checkpoint_keys: ClassVar[tuple[str, ...]] = ()
-    # Parameters that share storage with another when the checkpoint omits them (tied heads).
+    # {parameter: the parameter it shares}, transformers' `_tied_weights_keys`, in force when
+    # `tie_word_embeddings` is set. As there, a pair the checkpoint holds one of shares that
+    # one, and a pair it holds both of stays two parameters unless the two are equal.
     tied_weights: ClassVar[dict[str, str]] = {}
-    # Parameters a checkpoint may lack; the loader calls `drop_parameter` for each one missing.
+    tie_word_embeddings: bool = False  # from the config
+    # Head parameters that a checkpoint in the base model's layout (no key carries a prefix)
+    # may lack: the folder is the base model under a head's architecture name, as
+    # Qwen3-Embedding-8B ships. The loader calls `drop_parameter` for each one missing.
     optional_parameters: ClassVar[tuple[str, ...]] = ()
     # Checkpoint tensors whose shapes `from_hf_config` reads, for configs that do not state
     # them (ColBERT's projection size): the loader passes them as `hf["checkpoint_shapes"]`.

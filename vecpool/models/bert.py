@@ -1,6 +1,6 @@
 """BERT-family encoders (BERT, RoBERTa, XLM-RoBERTa): bidirectional, post-norm, absolute positions.
 
-Besides the base models: their sequence- and token-classification heads, BERT's masked-LM head
+Besides the base models: their sequence- and token-classification heads, their masked-LM heads
 (SPLADE) and ColBERT's projection (`HF_ColBERT`), each a method the pooling runner applies to
 the rows it selected.
 """
@@ -146,6 +146,11 @@ class BertEncoder(nn.Module):
 
 class BertModel(PoolingModel):
     checkpoint_prefixes = ("bert.",)
+    # Older checkpoints (TensorFlow-era) name LayerNorm parameters gamma and beta.
+    checkpoint_renames: ClassVar[dict[str, str]] = {
+        "LayerNorm.gamma": "LayerNorm.weight",
+        "LayerNorm.beta": "LayerNorm.bias",
+    }
     unused_checkpoint_keys: ClassVar[tuple[str, ...]] = (
         "pooler.*",
         "embeddings.position_ids",
@@ -279,35 +284,33 @@ class BertPredictionHeadTransform(nn.Module):
 
 
 class BertLMPredictionHead(nn.Module):
-    def __init__(self, c: BertConfig, tied: bool):
+    def __init__(self, c: BertConfig):
         super().__init__()
         self.transform = BertPredictionHeadTransform(c)
         self.bias = nn.Parameter(torch.empty(c.vocab_size))
-        # Tied (the usual case): the word embeddings serve as the decoder, as in transformers.
-        self.decoder = None if tied else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        # Tied (the usual case), `decoder` is the word embeddings and `bias`, as in transformers.
+        self.decoder = nn.Linear(c.hidden_size, c.vocab_size)
 
 
 class BertOnlyMLMHead(nn.Module):
-    def __init__(self, c: BertConfig, tied: bool):
+    def __init__(self, c: BertConfig):
         super().__init__()
-        self.predictions = BertLMPredictionHead(c, tied)
+        self.predictions = BertLMPredictionHead(c)
 
 
 class BertForMaskedLM(BertModel):
     """BERT with its masked-LM head: vocabulary logits per token row (SPLADE)."""
 
-    # `decoder.bias` is `predictions.bias` under a second name; a tied decoder's weight is the
-    # word embeddings (an untied one is a parameter, so its key never reaches this list).
-    unused_checkpoint_keys: ClassVar[tuple[str, ...]] = (
-        *BertModel.unused_checkpoint_keys,
-        "cls.predictions.decoder.weight",
-        "cls.predictions.decoder.bias",
-    )
+    tied_weights: ClassVar[dict[str, str]] = {
+        "cls.predictions.decoder.weight": "embeddings.word_embeddings.weight",
+        "cls.predictions.decoder.bias": "cls.predictions.bias",
+    }
     heads = frozenset({"masked_lm"})
 
     def __init__(self, c: BertConfig, tied: bool = True):
         super().__init__(c)
-        self.cls = BertOnlyMLMHead(c, tied)
+        self.tie_word_embeddings = tied
+        self.cls = BertOnlyMLMHead(c)
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any]) -> PoolingModel:
@@ -317,13 +320,57 @@ class BertForMaskedLM(BertModel):
         self, rows: torch.Tensor, vocab_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
         head = self.cls.predictions
-        weight: torch.Tensor = (
-            self.embeddings.word_embeddings.weight if head.decoder is None else head.decoder.weight
-        )
-        bias: torch.Tensor = head.bias
-        if vocab_ids is not None:
-            weight, bias = weight[vocab_ids], bias[vocab_ids]
-        return F.linear(head.transform(rows), weight, bias)
+        return _vocab_logits(head.transform(rows), head.decoder, vocab_ids)
+
+
+class RobertaLMHead(nn.Module):
+    """dense, gelu, `layer_norm`, then `decoder` (tied: the word embeddings and `bias`)."""
+
+    def __init__(self, c: BertConfig):
+        super().__init__()
+        self.dense = nn.Linear(c.hidden_size, c.hidden_size)
+        self.layer_norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
+        self.decoder = nn.Linear(c.hidden_size, c.vocab_size)
+        self.bias = nn.Parameter(torch.empty(c.vocab_size))
+
+    def transform(self, x: torch.Tensor) -> torch.Tensor:
+        # Exact gelu whatever `hidden_act` says, as transformers' RobertaLMHead.
+        return self.layer_norm(F.gelu(self.dense(x)))
+
+
+class RobertaForMaskedLM(RobertaModel):
+    """RoBERTa / XLM-RoBERTa with the masked-LM head `lm_head` (SPLADE)."""
+
+    tied_weights: ClassVar[dict[str, str]] = {
+        "lm_head.decoder.weight": "embeddings.word_embeddings.weight",
+        "lm_head.decoder.bias": "lm_head.bias",
+    }
+    heads = frozenset({"masked_lm"})
+
+    def __init__(self, c: BertConfig, tied: bool = True):
+        super().__init__(c)
+        self.tie_word_embeddings = tied
+        self.lm_head = RobertaLMHead(c)
+
+    @classmethod
+    def from_hf_config(cls, hf: dict[str, Any]) -> PoolingModel:
+        return cls(cls.config_from_hf(hf), tied=bool(hf.get("tie_word_embeddings", True)))
+
+    def compute_logits(
+        self, rows: torch.Tensor, vocab_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return _vocab_logits(self.lm_head.transform(rows), self.lm_head.decoder, vocab_ids)
+
+
+def _vocab_logits(
+    x: torch.Tensor, decoder: nn.Linear, vocab_ids: torch.Tensor | None
+) -> torch.Tensor:
+    """`decoder(x)`, or only its `vocab_ids` columns."""
+    weight: torch.Tensor = decoder.weight
+    bias: torch.Tensor = decoder.bias
+    if vocab_ids is not None:
+        weight, bias = weight[vocab_ids], bias[vocab_ids]
+    return F.linear(x, weight, bias)
 
 
 class ColBERTModel(BertModel):

@@ -16,10 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vecpool.config import hf_get
 from vecpool.errors import ConfigError
 from vecpool.models.attention import AttentionMetadata, flat_attention
 from vecpool.models.base import PoolingModel, hf_num_labels
+from vecpool.models.hf import hf_get
 from vecpool.models.layers import FusedProjections, GatedMLP, RMSNorm, Rotary, apply_rotary, fuse
 
 FULL_ATTENTION = "full_attention"
@@ -287,29 +287,24 @@ class DecoderForCausalLM(DecoderModel):
 
     The base parameters sit at the top level (not under `model.`) so that both checkpoint
     layouts load: `model.`-prefixed ones, and embedding models that store the base model's
-    names under a `*ForCausalLM` architecture. With `tie_word_embeddings` the logits use
-    `embed_tokens.weight` itself (no copy), and a stored `lm_head.weight` is ignored, as
-    Hugging Face ties it after loading; untied, `lm_head.weight` must be in the checkpoint.
+    names under a `*ForCausalLM` architecture. With `tie_word_embeddings`, `lm_head` is the
+    embedding table unless the checkpoint stores a different one, as in transformers.
     """
 
-    # lm_head.weight is only unused when tied: untied, it is a parameter.
-    unused_checkpoint_keys = ("*.rotary_emb.inv_freq", "lm_head.weight")
-
-    # Embedding checkpoints (e.g. Qwen3-Embedding) name this class but ship no head.
+    tied_weights: ClassVar[dict[str, str]] = {"lm_head.weight": "embed_tokens.weight"}
+    # Embedding checkpoints in the base model's layout (Qwen3-Embedding-8B) name this class
+    # but ship no head.
     optional_parameters = ("lm_head.weight",)
+    heads = frozenset({"causal_lm"})
 
     def __init__(self, c: DecoderConfig, rotary: Rotary):
         super().__init__(c, rotary)
-        self.lm_head: nn.Linear | None = None
-        self.has_lm_head = True
-        self.heads = frozenset({"causal_lm"})
-        if not c.tie_word_embeddings:
-            self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        self.tie_word_embeddings = c.tie_word_embeddings
+        self.lm_head: nn.Linear | None = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
 
     def drop_parameter(self, name: str) -> None:
         if name == "lm_head.weight":
             self.lm_head = None
-            self.has_lm_head = False
             self.heads = frozenset()
 
     def compute_logits(
@@ -317,12 +312,12 @@ class DecoderForCausalLM(DecoderModel):
     ) -> torch.Tensor:
         """`[num_tokens, hidden]` final hidden states -> `[num_tokens, vocab]` logits (or only
         the `vocab_ids` columns: a reranker reads two)."""
-        if not self.has_lm_head:
+        if self.lm_head is None:
             raise ConfigError(
                 "this checkpoint has no lm_head.weight (and does not tie it), so it cannot "
                 "produce vocabulary logits"
             )
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        weight = self.lm_head.weight
         if vocab_ids is not None:
             weight = weight[vocab_ids]
         logits = F.linear(rows, weight)

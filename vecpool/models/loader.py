@@ -21,7 +21,11 @@ PROGRESS_BYTES = 1 << 30
 
 
 def load_model(folder: ModelFolder, device: torch.device, dtype: torch.dtype) -> PoolingModel:
-    """Build the folder's architecture and fill every parameter from its safetensors files."""
+    """Build the folder's architecture and fill every parameter from its safetensors files.
+
+    Every name is matched from the files' headers before any memory is allocated: a missing,
+    unexpected or mis-shaped tensor fails the load before anything is read.
+    """
     cls = model_class(folder.architecture)
     files = safetensors_files(folder.path)
     hf = folder.hf_config
@@ -29,8 +33,22 @@ def load_model(folder: ModelFolder, device: torch.device, dtype: torch.dtype) ->
         hf = {**hf, "checkpoint_shapes": checkpoint_shapes(files, cls.shape_keys)}
     with torch.device("meta"):
         model = cls.from_hf_config(hf)
+    stored = _stored_tensors(files)
+    # Saved from a head class (or a base model with its names under the prefix).
+    prefixed = any(key.startswith(model.checkpoint_prefixes) for key in stored)
+    sources = _match_parameters(model, stored, prefixed)
+    shared = _check_complete(model, sources, prefixed)
+    for name in shared:  # never allocated: it becomes its source once that exists
+        _set_parameter(model, name, None)
     model = model.to(dtype=dtype).to_empty(device=device)
-    load_safetensors(model, files)
+    for name, source in shared.items():
+        _set_parameter(model, name, model.get_parameter(source))
+    _copy_tensors(model, files, sources)
+    if model.tie_word_embeddings:
+        for name, source in model.tied_weights.items():
+            param, source_param = model.get_parameter(name), model.get_parameter(source)
+            if param is not source_param and torch.equal(param, source_param):
+                _set_parameter(model, name, source_param)  # stored twice, equal: one tensor
     model.post_load()
     return model.eval().requires_grad_(False)
 
@@ -57,12 +75,67 @@ def checkpoint_shapes(files: list[Path], keys: tuple[str, ...]) -> dict[str, lis
     return shapes
 
 
-def load_safetensors(model: PoolingModel, files: list[Path]) -> None:
-    """Copy every tensor of `files` into `model`; raise naming any missing, unexpected or
-    mis-shaped tensor."""
+def _stored_tensors(files: list[Path]) -> dict[str, tuple[Path, list[int]]]:
+    """Every tensor of `files`: key -> (file, shape), from the headers."""
+    stored: dict[str, tuple[Path, list[int]]] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                stored[key] = (path, list(f.get_slice(key).get_shape()))
+    return stored
+
+
+def _match_parameters(
+    model: PoolingModel, stored: dict[str, tuple[Path, list[int]]], prefixed: bool
+) -> dict[str, str]:
+    """parameter name -> the checkpoint key that fills it; raise naming unexpected or
+    mis-shaped tensors."""
     params = dict(model.named_parameters())
-    filled: set[str] = set()
+    prefixes = model.checkpoint_prefixes
+    # A base model reading a head class's checkpoint leaves out the head, as transformers does.
+    skip_heads = prefixed and not model.heads
+    sources: dict[str, str] = {}
     unexpected: list[str] = []
+    for key, (path, shape) in stored.items():
+        name = _parameter_name(model, key, params)
+        if name is None:
+            if not (_is_unused(model, key) or (skip_heads and not key.startswith(prefixes))):
+                unexpected.append(f"{key} ({path.name})")
+            continue
+        if shape != list(params[name].shape):
+            raise ModelLoadError(
+                f"{path.name}: tensor {key!r} has shape {shape}, but "
+                f"{type(model).__name__} expects {list(params[name].shape)} for {name!r}"
+            )
+        sources[name] = key
+    if unexpected:
+        raise ModelLoadError(f"unexpected tensors for {type(model).__name__}: {_names(unexpected)}")
+    return sources
+
+
+def _check_complete(model: PoolingModel, sources: dict[str, str], prefixed: bool) -> dict[str, str]:
+    """The tied parameters the checkpoint lacks -> the parameter each shares; drop the optional
+    parameters it may lack; raise naming any other parameter it lacks."""
+    shared: dict[str, str] = {}
+    if model.tie_word_embeddings:
+        for name, source in model.tied_weights.items():
+            if name not in sources and source in sources:
+                shared[name] = source
+            elif source not in sources and name in sources:  # transformers ties either way
+                shared[source] = name
+    missing = sorted({name for name, _ in model.named_parameters()} - set(sources) - set(shared))
+    if not prefixed:  # the base model's layout under a head's name
+        for name in [n for n in missing if n in model.optional_parameters]:
+            model.drop_parameter(name)
+            missing.remove(name)
+    if missing:
+        raise ModelLoadError(f"missing tensors for {type(model).__name__}: {_names(missing)}")
+    return shared
+
+
+def _copy_tensors(model: PoolingModel, files: list[Path], sources: dict[str, str]) -> None:
+    """Stream each file's tensors into the parameters `sources` names for them."""
+    names = {key: name for name, key in sources.items()}
     total = sum(path.stat().st_size for path in files)
     with tqdm(
         total=total,
@@ -75,46 +148,34 @@ def load_safetensors(model: PoolingModel, files: list[Path]) -> None:
         for path in files:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    name = _parameter_name(model, key, params)
-                    if name is None:
-                        if not _is_unused(model, key):
-                            unexpected.append(f"{key} ({path.name})")
+                    if key not in names:
                         continue
                     tensor = f.get_tensor(key)
-                    param = params[name]
-                    if tuple(tensor.shape) != tuple(param.shape):
-                        raise ModelLoadError(
-                            f"{path.name}: tensor {key!r} has shape {list(tensor.shape)}, but "
-                            f"{type(model).__name__} expects {list(param.shape)} for {name!r}"
-                        )
                     with torch.no_grad():
-                        param.copy_(tensor)
-                    filled.add(name)
+                        model.get_parameter(names[key]).copy_(tensor)
                     bar.update(tensor.numel() * tensor.element_size())
-    if unexpected:
-        raise ModelLoadError(f"unexpected tensors for {type(model).__name__}: {_names(unexpected)}")
-    for name, source in model.tied_weights.items():
-        if name in params and name not in filled and source in filled:
-            with torch.no_grad():
-                params[name].copy_(params[source])
-            filled.add(name)
-    missing = sorted(set(params) - filled)
-    for name in [n for n in missing if n in model.optional_parameters]:
-        model.drop_parameter(name)
-        missing.remove(name)
-    if missing:
-        raise ModelLoadError(f"missing tensors for {type(model).__name__}: {_names(missing)}")
+
+
+def _set_parameter(model: PoolingModel, name: str, param: torch.nn.Parameter | None) -> None:
+    """Make parameter `name` be `param` (shared), or remove it (None)."""
+    module_name, _, attr = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    if param is None:
+        delattr(module, attr)
+    else:
+        setattr(module, attr, param)
 
 
 def _parameter_name(
     model: PoolingModel, key: str, params: dict[str, torch.nn.Parameter]
 ) -> str | None:
-    if key in params:
-        return key
-    for prefix in model.checkpoint_prefixes:
-        if key.startswith(prefix) and key[len(prefix) :] in params:
-            return key[len(prefix) :]
-    return None
+    """The parameter `key` fills: after transformers' legacy renames, as it is or without the
+    base-model prefix."""
+    for old, new in model.checkpoint_renames.items():
+        if key.endswith(old):
+            key = key[: -len(old)] + new
+    candidates = [key] + [key[len(p) :] for p in model.checkpoint_prefixes if key.startswith(p)]
+    return next((name for name in candidates if name in params), None)
 
 
 def _is_unused(model: PoolingModel, key: str) -> bool:

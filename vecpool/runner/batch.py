@@ -7,9 +7,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vecpool.engine.scheduler import SchedulerOutput
 from vecpool.models.attention import AttentionMetadata
 from vecpool.pooling.poolers import PoolingMetadata
+from vecpool.runner.step import StepInput
 
 
 @dataclass
@@ -31,14 +31,14 @@ class FlatBatch:
 
 
 def build_flat_batch(
-    sched: SchedulerOutput,
+    step: StepInput,
     device: torch.device,
     *,
     use_varlen: bool,
     with_token_types: bool,
 ) -> FlatBatch:
     """Concatenate the scheduled chunks into flat tensors on `device`."""
-    chunks = sched.chunks
+    chunks = step.chunks
     lengths = np.fromiter((c.num_tokens for c in chunks), dtype=np.int64, count=len(chunks))
     starts = np.fromiter((c.start for c in chunks), dtype=np.int64, count=len(chunks))
     cu = np.zeros(len(chunks) + 1, dtype=np.int64)
@@ -54,7 +54,7 @@ def build_flat_batch(
     embeds_rows_parts: list[np.ndarray] = []
     key_lengths: np.ndarray | None = None  # [num_seqs]: set when some keys are left out
     for i, (c, offset) in enumerate(zip(chunks, cu[:-1], strict=True)):
-        prompt = c.request.prompt
+        prompt = c.prompt
         end = c.start + c.num_tokens
         if prompt.num_attended is not None:
             if key_lengths is None:
@@ -116,5 +116,5 @@ def build_flat_batch(
             seq_ids=seq_ids_device,
             input_ids=input_ids,
         ),
-        has_token_ids=[c.request.prompt.token_ids is not None for c in chunks],
+        has_token_ids=[c.prompt.token_ids is not None for c in chunks],
     )

@@ -7,13 +7,18 @@ from __future__ import annotations
 
 import torch
 
-from vecpool.engine.scheduler import SchedulerOutput
 from vecpool.models.attention import varlen_available
 from vecpool.models.base import PoolingModel
 from vecpool.runner.batch import FlatBatch, build_flat_batch
+from vecpool.runner.step import StepInput
 
 
 class ModelRunner:
+    """Owns the model and its device: builds a step's flat batch and runs the forward.
+
+    `prepare` (host work, then non-blocking copies) and `forward` (queued on the device) are
+    separate so that the engine can build the next step while the device runs this one."""
+
     def __init__(self, model: PoolingModel, device: torch.device, dtype: torch.dtype):
         self.model = model
         self.device = device
@@ -25,10 +30,10 @@ class ModelRunner:
         """`[n]` ids -> `[n, hidden]`: the model's own input embeddings (model dtype)."""
         return self.model.embed_input_ids(token_ids.to(self.device))
 
-    def prepare(self, sched: SchedulerOutput) -> FlatBatch:
-        """Build the flat batch of a schedule and copy it to the device."""
+    def prepare(self, step: StepInput) -> FlatBatch:
+        """Build the flat batch of a step and copy it to the device."""
         return build_flat_batch(
-            sched,
+            step,
             self.device,
             use_varlen=self.use_varlen,
             with_token_types=self.model.uses_token_type_ids,
@@ -43,8 +48,3 @@ class ModelRunner:
             x.index_copy_(0, batch.embeds_rows, batch.prompt_embeds)
         hidden: torch.Tensor = self.model(x, batch.positions, batch.attn, batch.token_type_ids)
         return hidden
-
-    def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor, FlatBatch]:
-        """Run one schedule: final hidden states and the batch they came from."""
-        batch = self.prepare(sched)
-        return self.forward(batch), batch

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vecpool.engine.scheduler import SchedulerOutput
 from vecpool.errors import RequestFailedError
 from vecpool.pooling.task_heads import HeadBatch, TaskHead
 from vecpool.runner.batch import FlatBatch
+from vecpool.runner.step import StepInput
 
 
 @dataclass(frozen=True)
@@ -39,41 +39,42 @@ class PooledResult:
 
 
 class PoolingRunner:
+    """Turns one step's hidden states into each sequence's finished output (or error), by
+    the head its task declares; a request that cannot be served here fails alone."""
+
     def __init__(self, heads: dict[str, TaskHead], device: torch.device):
         self.heads = heads  # by the head name a task declares; only those the model has
         self.device = device
 
     @torch.inference_mode()
-    def pool(
-        self, hidden: torch.Tensor, batch: FlatBatch, sched: SchedulerOutput
-    ) -> list[PooledResult]:
-        requests = [c.request for c in sched.chunks]
-        results: list[PooledResult | None] = [None] * len(requests)
+    def pool(self, hidden: torch.Tensor, batch: FlatBatch, step: StepInput) -> list[PooledResult]:
+        chunks = step.chunks
+        results: list[PooledResult | None] = [None] * len(chunks)
         groups: dict[str, list[int]] = {}
-        for i, (req, has_ids) in enumerate(zip(requests, batch.has_token_ids, strict=True)):
-            if not has_ids and req.task.needs_token_ids(req.params):
+        for i, (chunk, has_ids) in enumerate(zip(chunks, batch.has_token_ids, strict=True)):
+            if not has_ids and chunk.task.needs_token_ids(chunk.params):
                 results[i] = PooledResult(
                     None,
                     RequestFailedError(
-                        f"{req.task.token_ids_reason(req.params)} (e.g. to match step_tag_id, "
-                        "to leave out special tokens or to write a late-interaction query or "
-                        "document), but the input came as prompt embeds",
+                        f"{chunk.task.token_ids_reason(chunk.params)} (e.g. to match "
+                        "step_tag_id, to leave out special tokens or to write a late-interaction "
+                        "query or document), but the input came as prompt embeds",
                         field="prompt_embeds",
                     ),
                 )
-            elif req.task.head not in self.heads:  # the engine checks this before queueing
+            elif chunk.task.head not in self.heads:  # the engine checks this before queueing
                 results[i] = PooledResult(
                     None,
-                    RequestFailedError(f"this model has no head for task {req.task.name!r}"),
+                    RequestFailedError(f"this model has no head for task {chunk.task.name!r}"),
                 )
             else:
-                groups.setdefault(req.task.head, []).append(i)
+                groups.setdefault(chunk.task.head, []).append(i)
         for head, seqs in groups.items():
             head_batch = HeadBatch(
                 hidden=hidden,
                 meta=batch.pooling,
                 seqs=torch.tensor(seqs, dtype=torch.int64).to(self.device, non_blocking=True),
-                params=[requests[i].params for i in seqs],
+                params=[chunks[i].params for i in seqs],
             )
             for i, output in zip(seqs, self.heads[head](head_batch), strict=True):
                 results[i] = PooledResult(output, None)

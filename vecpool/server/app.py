@@ -19,7 +19,7 @@ from starlette.responses import Response
 
 import vecpool
 from vecpool.api import Engine
-from vecpool.async_api import AsyncEngine
+from vecpool.api.async_engine import AsyncEngine
 from vecpool.errors import InputError
 from vecpool.server import routes, scoring
 from vecpool.server.config import ServerConfig

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import Request as HttpRequest
 
 from vecpool.api import Engine, PreparedCall
-from vecpool.async_api import AsyncEngine, QueueFullError
+from vecpool.api.async_engine import AsyncEngine, QueueFullError
 from vecpool.engine.request import Request, RequestStatus
 from vecpool.errors import InputError, VecpoolError
 from vecpool.server.codec import EncodedEmbeds

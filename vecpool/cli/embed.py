@@ -1,8 +1,5 @@
-"""The `vecpool` command line; `vecpool embed` embeds a file of texts or token ids in chunks.
-
-Each command (`embed`, `serve`, `bench`) is one subparser and one `run_*` function that returns the
-exit status.
-"""
+"""`vecpool embed`: a file of texts or token ids into .npy or .parquet, read in chunks; with no
+input, example sentences and how they compare."""
 
 from __future__ import annotations
 
@@ -18,12 +15,10 @@ from typing import Any, BinaryIO
 import numpy as np
 from tqdm import tqdm
 
-import vecpool
-from vecpool.api import DEFAULT_MODEL_PACKAGE, Engine
-from vecpool.bench import __doc__ as BENCH_DESCRIPTION
-from vecpool.bench import add_bench_arguments, run_bench
-from vecpool.errors import EngineError, InputError, VecpoolError
-from vecpool.server.cli import SERVE_DESCRIPTION, add_serve_arguments, serve
+from vecpool.api import Engine, EngineArgs
+from vecpool.api.args import DEFAULT_MODEL_NAME
+from vecpool.cli.common import CommandError
+from vecpool.errors import InputError
 
 DEFAULT_CHUNK_SIZE = 4096
 # Shown by `vecpool embed` with no --input: paraphrases should score above unrelated pairs.
@@ -56,10 +51,6 @@ examples:
 """
 
 
-class CommandError(Exception):
-    """A mistake in the command's input or options, reported in one line (exit status 2)."""
-
-
 @dataclass
 class Chunk:
     """Up to `--chunk-size` inputs read from the file, and where each one came from."""
@@ -70,28 +61,10 @@ class Chunk:
     num_lines: int = 0  # file lines consumed, skipped ones included
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The `vecpool` argument parser, one subparser per command."""
-    parser = argparse.ArgumentParser(
-        prog="vecpool",
-        description="vecpool: an inference engine for pooling models (embeddings and more).",
-        epilog="Run `vecpool COMMAND --help` for the options of a command.",
-    )
-    parser.add_argument("--version", action="version", version=f"vecpool {vecpool.__version__}")
-    commands = parser.add_subparsers(title="commands", dest="command", metavar="COMMAND")
-    embed = commands.add_parser(
-        "embed",
-        help="embed a file of texts or token ids (no input: example sentences)",
-        description=EMBED_HELP,
-        epilog=EMBED_EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    embed.set_defaults(run=run_embed)
-    default = DEFAULT_MODEL_PACKAGE.replace("_", "-")
-    embed.add_argument(
-        "model", nargs="?", metavar="MODEL", help=f"model folder (default: {default})"
-    )
-    io = embed.add_argument_group("input and output")
+def add_embed_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the `embed` options to `parser`."""
+    EngineArgs.add_cli_args(parser)
+    io = parser.add_argument_group("input and output")
     io.add_argument("-i", "--input", metavar="FILE", help="texts or JSONL to embed; - for stdin")
     io.add_argument("-o", "--output", metavar="FILE", help="the .npy or .parquet file to write")
     io.add_argument("--format", choices=("text", "jsonl"), help="default: by the file's suffix")
@@ -106,19 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="inputs per chunk (default: %(default)s)",
     )
     io.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary")
-    eng = embed.add_argument_group("engine")
-    eng.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
-    eng.add_argument("--dtype", help="float32, float16 or bfloat16 (default: float32 on cpu)")
-    eng.add_argument(
-        "--max-num-batched-tokens", type=int, metavar="N", help="token budget of one engine step"
-    )
-    emb = embed.add_argument_group("embedding")
+    emb = parser.add_argument_group("embedding")
     emb.add_argument("--dimensions", type=int, metavar="D", help="keep the first D dimensions")
-    emb.add_argument(
-        "--normalize",
-        action=argparse.BooleanOptionalAction,
-        help="L2-normalize (default: as the model does)",
-    )
     emb.add_argument("--prompt-name", metavar="NAME", help="prefix the model's prompt NAME")
     emb.add_argument(
         "--truncate",
@@ -126,55 +88,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="cut inputs over the model's limit (default), or fail",
     )
-    serve = commands.add_parser(
-        "serve",
-        help="serve a model over HTTP (OpenAI, Cohere and Jina conventions)",
-        description=SERVE_DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_serve_arguments(serve)
-    serve.set_defaults(run=run_serve)
-    bench = commands.add_parser(
-        "bench",
-        help="measure a model's throughput on synthetic texts",
-        description=BENCH_DESCRIPTION,
-    )
-    add_bench_arguments(bench)
-    bench.set_defaults(run=run_bench)
-    return parser
-
-
-def main(argv: list[str] | None = None, *, engine: Engine | None = None) -> int:
-    """Run the `vecpool` command line on `argv` (default: `sys.argv[1:]`); return the exit status.
-
-    `engine`, when given, serves the command in place of one loaded from MODEL and the engine
-    options (for tests, and for programs that already hold an engine).
-    """
-    parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:  # --help, --version, or a usage error argparse has reported
-        return int(exc.code or 0)
-    if args.command is None:
-        parser.print_help(sys.stderr)
-        return 2
-    try:
-        return int(args.run(args, engine))
-    except KeyboardInterrupt:
-        return 130
-    except EngineError as exc:  # the engine failed, not the user's input
-        print(f"vecpool: error: {exc}", file=sys.stderr)
-        return 1
-    except (CommandError, VecpoolError) as exc:
-        print(f"vecpool: error: {exc}", file=sys.stderr)
-        return 2
-
-
-def run_serve(args: argparse.Namespace, engine: Engine | None) -> int:
-    """`vecpool serve`: the HTTP server, until interrupted."""
-    if engine is not None:
-        raise CommandError("vecpool serve loads its own engine")
-    return serve(args)
 
 
 def run_embed(args: argparse.Namespace, engine: Engine | None) -> int:
@@ -184,12 +97,7 @@ def run_embed(args: argparse.Namespace, engine: Engine | None) -> int:
     try:
         start = time.perf_counter()
         if engine is None:
-            engine = Engine(
-                args.model,
-                device=args.device,
-                dtype=args.dtype,
-                max_num_batched_tokens=args.max_num_batched_tokens,
-            )
+            engine = Engine.from_args(EngineArgs.from_cli_args(args))
         if source is None or output is None:
             return _show_examples(engine, args, load_seconds=time.perf_counter() - start)
         return _embed_file(engine, args, source, output)
@@ -454,7 +362,7 @@ def _show_examples(engine: Engine, args: argparse.Namespace, load_seconds: float
     unit = dict(
         zip(sentences, vectors / np.linalg.norm(vectors, axis=1, keepdims=True), strict=True)
     )
-    model = args.model or f"{DEFAULT_MODEL_PACKAGE.replace('_', '-')} (the default model)"
+    model = args.model or f"{DEFAULT_MODEL_NAME} (the default model)"
     normalize = engine.defaults.normalize if args.normalize is None else args.normalize
     dtype = str(engine.dtype).removeprefix("torch.")
     print("vecpool embed: no --input given, so here are some example sentences.\n")
@@ -481,7 +389,3 @@ def _show_examples(engine: Engine, args: argparse.Namespace, load_seconds: float
     print("\nYour own text:  vecpool embed --input texts.txt --output vectors.npy")
     print("All options:    vecpool embed --help")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

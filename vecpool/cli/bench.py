@@ -14,7 +14,8 @@ import time
 import numpy as np
 import torch
 
-from vecpool.api import DEFAULT_MODEL_PACKAGE, Engine
+from vecpool.api import Engine, EngineArgs
+from vecpool.api.args import DEFAULT_MODEL_NAME
 from vecpool.errors import ConfigError
 
 WORDS = (
@@ -34,17 +35,10 @@ def make_texts(n: int, seed: int = 0, min_words: int = 4, max_words: int = 180) 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the `bench` options to `parser`."""
-    default = DEFAULT_MODEL_PACKAGE.replace("_", "-")
-    parser.add_argument(
-        "model", nargs="?", metavar="MODEL", help=f"model folder (default: {default})"
-    )
+    EngineArgs.add_cli_args(parser)
     parser.add_argument("-n", "--num-inputs", type=int, default=2000, metavar="N")
     parser.add_argument("--repeats", type=int, default=3, metavar="R", help="timed runs")
     parser.add_argument("--max-words", type=int, default=180, metavar="W")
-    parser.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
-    parser.add_argument("--dtype", help="float32, float16 or bfloat16")
-    parser.add_argument("--max-num-batched-tokens", type=int, metavar="N")
-    parser.add_argument("--max-num-seqs", type=int, metavar="N")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
@@ -53,13 +47,7 @@ def run_bench(args: argparse.Namespace, engine: Engine | None = None) -> int:
     if args.num_inputs < 1 or args.repeats < 1 or args.max_words < 4:
         raise ConfigError("--num-inputs and --repeats must be positive, --max-words at least 4")
     if engine is None:
-        engine = Engine(
-            args.model,
-            device=args.device,
-            dtype=args.dtype,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_num_seqs=args.max_num_seqs,
-        )
+        engine = Engine.from_args(EngineArgs.from_cli_args(args))
     texts = make_texts(args.num_inputs, max_words=args.max_words)
     num_tokens = sum(min(len(engine.tokenize(t, prompt="")), engine.max_model_len) for t in texts)
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
@@ -73,7 +61,7 @@ def run_bench(args: argparse.Namespace, engine: Engine | None = None) -> int:
         seconds.append(time.perf_counter() - start)
     median = statistics.median(seconds)
     report = {
-        "model": args.model or f"{DEFAULT_MODEL_PACKAGE.replace('_', '-')} (the default model)",
+        "model": args.model or f"{DEFAULT_MODEL_NAME} (the default model)",
         "device": str(engine.device),
         "dtype": str(engine.dtype).removeprefix("torch."),
         "num_inputs": len(texts),

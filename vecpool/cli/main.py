@@ -1,0 +1,85 @@
+"""The `vecpool` command line: one subparser and one `run_*` function per command (`embed`,
+`serve`, `bench`), each returning the exit status."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import vecpool
+from vecpool.api import Engine
+from vecpool.cli.bench import __doc__ as BENCH_DESCRIPTION
+from vecpool.cli.bench import add_bench_arguments, run_bench
+from vecpool.cli.common import CommandError
+from vecpool.cli.embed import EMBED_EXAMPLES, EMBED_HELP, add_embed_arguments, run_embed
+from vecpool.cli.serve import SERVE_DESCRIPTION, add_serve_arguments, serve
+from vecpool.errors import EngineError, VecpoolError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `vecpool` argument parser, one subparser per command."""
+    parser = argparse.ArgumentParser(
+        prog="vecpool",
+        description="vecpool: an inference engine for pooling models (embeddings and more).",
+        epilog="Run `vecpool COMMAND --help` for the options of a command.",
+    )
+    parser.add_argument("--version", action="version", version=f"vecpool {vecpool.__version__}")
+    commands = parser.add_subparsers(title="commands", dest="command", metavar="COMMAND")
+    embed = commands.add_parser(
+        "embed",
+        help="embed a file of texts or token ids (no input: example sentences)",
+        description=EMBED_HELP,
+        epilog=EMBED_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_embed_arguments(embed)
+    embed.set_defaults(run=run_embed)
+    serve_parser = commands.add_parser(
+        "serve",
+        help="serve a model over HTTP (OpenAI, Cohere and Jina conventions)",
+        description=SERVE_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_serve_arguments(serve_parser)
+    serve_parser.set_defaults(run=run_serve)
+    bench = commands.add_parser(
+        "bench",
+        help="measure a model's throughput on synthetic texts",
+        description=BENCH_DESCRIPTION,
+    )
+    add_bench_arguments(bench)
+    bench.set_defaults(run=run_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None, *, engine: Engine | None = None) -> int:
+    """Run the `vecpool` command line on `argv` (default: `sys.argv[1:]`); return the exit status.
+
+    `engine`, when given, serves the command in place of one loaded from MODEL and the engine
+    options (for tests, and for programs that already hold an engine).
+    """
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version, or a usage error argparse has reported
+        return int(exc.code or 0)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return int(args.run(args, engine))
+    except KeyboardInterrupt:
+        return 130
+    except EngineError as exc:  # the engine failed, not the user's input
+        print(f"vecpool: error: {exc}", file=sys.stderr)
+        return 1
+    except (CommandError, VecpoolError) as exc:
+        print(f"vecpool: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def run_serve(args: argparse.Namespace, engine: Engine | None) -> int:
+    """`vecpool serve`: the HTTP server, until interrupted."""
+    if engine is not None:
+        raise CommandError("vecpool serve loads its own engine")
+    return serve(args)

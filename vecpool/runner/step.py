@@ -1,0 +1,40 @@
+"""What one engine step runs: the contract between the engine and the runners.
+
+The engine decides which requests run and how many of their tokens; the runners see only
+plain data — each chunk's prompt, parameters and task declaration, never the engine's
+`Request` — so that the runner layer does not reach back into the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vecpool.inputs import Prompt
+from vecpool.tasks import PoolingParams, TaskSpec
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledChunk:
+    """`num_tokens` tokens of one prompt, from position `start`, run in this step."""
+
+    request_id: str  # the engine's id of the request, for state that outlives a step
+    prompt: Prompt
+    params: PoolingParams
+    task: TaskSpec
+    start: int  # first prompt position run in this step
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class StepInput:
+    """Every chunk of one step, in batch order."""
+
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
