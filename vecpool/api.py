@@ -208,6 +208,7 @@ class Engine(TaskCalls):
         normalize: bool | None = None,
         step_tag_id: int | None = None,
         use_activation: bool | None = None,
+        exclude_special_tokens: bool | None = None,
         truncate_prompt_tokens: int | None = None,
         truncation_side: TruncationSide = "right",
         prompt_name: str | None = None,
@@ -226,6 +227,7 @@ class Engine(TaskCalls):
                 normalize=normalize,
                 step_tag_id=step_tag_id,
                 use_activation=use_activation,
+                exclude_special_tokens=exclude_special_tokens,
                 truncate_prompt_tokens=truncate_prompt_tokens,
                 truncation_side=truncation_side,
                 prompt_name=prompt_name,
@@ -298,6 +300,7 @@ class Engine(TaskCalls):
         normalize: bool | None = None,
         step_tag_id: int | None = None,
         use_activation: bool | None = None,
+        exclude_special_tokens: bool | None = None,
         truncate_prompt_tokens: int | None = None,
         truncation_side: TruncationSide = "right",
         prompt_name: str | None = None,
@@ -310,6 +313,7 @@ class Engine(TaskCalls):
             normalize=normalize,
             step_tag_id=step_tag_id,
             use_activation=use_activation,
+            exclude_special_tokens=exclude_special_tokens,
         )
         options = TextOptions(
             truncate_prompt_tokens, truncation_side, self._instruction(prompt_name, prompt)
@@ -473,7 +477,8 @@ class Engine(TaskCalls):
         return asked
 
     def _special_token_ids(self) -> list[int]:
-        """Token ids SPLADE leaves out: the tokenizer's special tokens, else the config's."""
+        """Token ids SPLADE's exclude_special_tokens leaves out: the tokenizer's special tokens,
+        else the config's."""
         if self.tokenizer is not None:
             return self.tokenizer.special_token_ids()
         hf = self.folder.hf_config
