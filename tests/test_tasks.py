@@ -17,6 +17,7 @@ def test_task_declarations() -> None:
     assert not embed.needs_token_ids(PoolingParams())
     assert not token_embed.needs_token_ids(PoolingParams(task="token_embed"))
     assert token_embed.needs_token_ids(PoolingParams(task="token_embed", step_tag_id=TAG))
+    assert token_embed.needs_token_ids(PoolingParams(task="token_embed", step_tag_id=0))
 
 
 def test_step_selects_tagged_positions(tiny_bert_engine: vecpool.Engine) -> None:

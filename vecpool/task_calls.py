@@ -282,6 +282,7 @@ class TaskCalls:
         top_k: int | None = ...,
         threshold: float = ...,
         return_tokens: Literal[False] = ...,
+        exclude_special_tokens: bool = ...,
         truncate_prompt_tokens: int | None = ...,
         truncation_side: TruncationSide = ...,
         show_progress: bool | None = ...,
@@ -295,6 +296,7 @@ class TaskCalls:
         top_k: int | None = ...,
         threshold: float = ...,
         return_tokens: Literal[True],
+        exclude_special_tokens: bool = ...,
         truncate_prompt_tokens: int | None = ...,
         truncation_side: TruncationSide = ...,
         show_progress: bool | None = ...,
@@ -307,18 +309,22 @@ class TaskCalls:
         top_k: int | None = None,
         threshold: float = 0.0,
         return_tokens: bool = False,
+        exclude_special_tokens: bool = False,
         truncate_prompt_tokens: int | None = None,
         truncation_side: TruncationSide = "right",
         show_progress: bool | None = None,
     ) -> list[dict[int, float]] | list[dict[str, float]]:
         """SPLADE vectors `{token_id: weight}` per input, heaviest first: weights above
         `threshold`, the `top_k` largest if given; keyed by token strings with
-        `return_tokens=True`. Needs token ids (texts or id lists, not prompt embeds)."""
+        `return_tokens=True`. Every token is pooled (as sentence-transformers' SpladePooling);
+        `exclude_special_tokens=True` leaves the tokenizer's special tokens out, and then needs
+        token ids (texts or id lists, not prompt embeds)."""
         call = self.prepare_embed_sparse(
             inputs,
             top_k=top_k,
             threshold=threshold,
             return_tokens=return_tokens,
+            exclude_special_tokens=exclude_special_tokens,
             truncate_prompt_tokens=truncate_prompt_tokens,
             truncation_side=truncation_side,
         )
@@ -331,6 +337,7 @@ class TaskCalls:
         top_k: int | None = None,
         threshold: float = 0.0,
         return_tokens: bool = False,
+        exclude_special_tokens: bool = False,
         truncate_prompt_tokens: int | None = None,
         truncation_side: TruncationSide = "right",
     ) -> PreparedCall[list[dict[int, float]] | list[dict[str, float]]]:
@@ -344,7 +351,7 @@ class TaskCalls:
             )
         requests = self.make_requests(
             inputs,
-            PoolingParams(task="sparse"),
+            PoolingParams(task="sparse", exclude_special_tokens=exclude_special_tokens),
             TextOptions(truncate_prompt_tokens, truncation_side),
         )
 

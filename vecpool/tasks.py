@@ -27,6 +27,7 @@ class PoolingParams:
     # token_embed of a late-interaction model: write the input as a "query" or a "document"
     # (markers, query expansion, skiplist); None: as given
     input_type: str | None = None
+    exclude_special_tokens: bool | None = None  # sparse: pool over non-special tokens only
 
     def __post_init__(self) -> None:
         if not isinstance(self.task, str):
@@ -35,7 +36,7 @@ class PoolingParams:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 raise InputError(f"must be an integer, got {value!r}", field=name)
-        for name in ("normalize", "use_activation"):
+        for name in ("normalize", "use_activation", "exclude_special_tokens"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
                 raise InputError(f"must be true or false, got {value!r}", field=name)
@@ -57,7 +58,7 @@ SEQUENCE_CLASSIFIER = "sequence_classifier"  # the checkpoint's classifier, then
 SCORER = "scorer"  # a relevance score: a cross-encoder's classifier or an LLM's yes/no logits
 TOKEN_EMBEDDING = "token_embedding"  # per token: ColBERT projection, skiplist, truncate, normalize
 TOKEN_CLASSIFIER = "token_classifier"  # per token: the checkpoint's token classifier
-SPARSE = "sparse"  # masked-LM logits -> log(1 + relu) -> max over non-special tokens
+SPARSE = "sparse"  # masked-LM logits -> log1p(relu(x)) (log1p_relu: log1p again) -> max or sum
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,8 @@ class TaskSpec:
     per_token: bool  # output is one row per (selected) token rather than one per sequence
     accepted_params: frozenset[str]
     requires_token_ids: bool  # every request of the task needs its token ids
-    # Parameters that, when set, make a request need its token ids (e.g. STEP selection).
+    # Parameters that make a request need its token ids when set (a flag: when true), e.g.
+    # STEP selection.
     token_id_params: frozenset[str]
     chunkable: bool  # may a long prompt be split across engine steps
     summary: str
@@ -80,7 +82,8 @@ class TaskSpec:
         """Whether a request with `params` can only be served from token ids."""
         if self.requires_token_ids:
             return True
-        return any(getattr(params, name) is not None for name in self.token_id_params)
+        values = (getattr(params, name) for name in self.token_id_params)
+        return any(value is not None and value is not False for value in values)
 
     def token_ids_reason(self, params: PoolingParams | None = None) -> str:
         """Why a request of this task (with `params`: this request) needs token ids, for error
@@ -174,12 +177,14 @@ TASKS: dict[str, TaskSpec] = {
             pooler="SPLADE",
             head=SPARSE,
             per_token=False,
-            accepted_params=frozenset(),
-            requires_token_ids=True,  # special tokens are excluded by id
-            token_id_params=frozenset(),
+            accepted_params=frozenset({"exclude_special_tokens"}),
+            requires_token_ids=False,
+            token_id_params=frozenset({"exclude_special_tokens"}),  # special tokens are found by id
             chunkable=True,
-            summary="a SPLADE vector over the vocabulary: max over non-special tokens of "
-            "log(1 + relu(masked-LM logits)): [vocab_size]",
+            summary="a SPLADE vector over the vocabulary, as sentence-transformers' SpladePooling: "
+            "max (or sum) over every token of log(1 + relu(masked-LM logits)) (log1p_relu: "
+            "log1p of that again); with exclude_special_tokens only over non-special tokens: "
+            "[vocab_size]",
         ),
     )
 }

@@ -67,9 +67,11 @@ EMBEDS_SERVED = [
     ("score", {}, "classifier_engine"),
     ("token_embed", {}, "classifier_engine"),
     ("token_classify", {}, "token_classifier_engine"),
+    ("sparse", {}, "splade_engine"),
+    ("sparse", {"exclude_special_tokens": False}, "splade_engine"),
 ]
 EMBEDS_REFUSED = [
-    ("sparse", {}, "splade_engine"),
+    ("sparse", {"exclude_special_tokens": True}, "splade_engine"),
     ("token_embed", {"step_tag_id": TAG}, "classifier_engine"),
     ("token_classify", {"step_tag_id": TAG}, "token_classifier_engine"),
 ]
@@ -124,6 +126,7 @@ def test_prompt_embeds_fail_alone_for_tasks_needing_token_ids(
             ("normalize", False),
             ("step_tag_id", TAG),
             ("use_activation", False),
+            ("exclude_special_tokens", True),
         ]
         if param not in spec.accepted_params
     ],

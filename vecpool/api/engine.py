@@ -252,6 +252,7 @@ class Engine(TaskCalls):
         step_tag_id: int | None = None,
         use_activation: bool | None = None,
         input_type: str | None = None,
+        exclude_special_tokens: bool | None = None,
         truncate_prompt_tokens: int | None = None,
         truncation_side: TruncationSide = "right",
         prompt_name: str | None = None,
@@ -277,6 +278,7 @@ class Engine(TaskCalls):
                 step_tag_id=step_tag_id,
                 use_activation=use_activation,
                 input_type=input_type,
+                exclude_special_tokens=exclude_special_tokens,
                 truncate_prompt_tokens=truncate_prompt_tokens,
                 truncation_side=truncation_side,
                 prompt_name=prompt_name,
@@ -350,6 +352,7 @@ class Engine(TaskCalls):
         step_tag_id: int | None = None,
         use_activation: bool | None = None,
         input_type: str | None = None,
+        exclude_special_tokens: bool | None = None,
         truncate_prompt_tokens: int | None = None,
         truncation_side: TruncationSide = "right",
         prompt_name: str | None = None,
@@ -363,6 +366,7 @@ class Engine(TaskCalls):
             step_tag_id=step_tag_id,
             use_activation=use_activation,
             input_type=input_type,
+            exclude_special_tokens=exclude_special_tokens,
         )
         # A side's own prompt, not the folder's default one, unless the call names one.
         by_side = input_type is not None and prompt is None and prompt_name is None
@@ -522,7 +526,8 @@ class Engine(TaskCalls):
         return asked
 
     def _special_token_ids(self) -> list[int]:
-        """Token ids SPLADE leaves out: the tokenizer's special tokens, else the config's."""
+        """Token ids SPLADE's exclude_special_tokens leaves out: the tokenizer's special tokens,
+        else the config's."""
         if self.tokenizer is not None:
             return self.tokenizer.special_token_ids()
         hf = self.folder.hf_config

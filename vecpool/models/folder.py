@@ -76,6 +76,19 @@ class LateInteractionSpec:
 
 
 @dataclass(frozen=True)
+class SpladeSpec:
+    """A sentence-transformers `SpladePooling` module: how masked-LM logits become one vector.
+
+    Every token's logits go through `log1p(relu(x))` (`"relu"`), or `log1p(log1p(relu(x)))`
+    (`"log1p_relu"`), then pool over the sequence by `max` or `sum`. The defaults are
+    sentence-transformers' own, used for a `*ForMaskedLM` folder without the module.
+    """
+
+    pooling_strategy: str = "max"  # "max" | "sum"
+    activation_function: str = "relu"  # "relu" | "log1p_relu"
+
+
+@dataclass(frozen=True)
 class ModelFolder:
     """Everything vecpool reads from a model folder except the weights themselves."""
 
@@ -92,6 +105,7 @@ class ModelFolder:
     default_prompt_name: str | None = None
     max_seq_length: int | None = None  # sentence_bert_config.json
     late_interaction: LateInteractionSpec | None = None  # ColBERT / multi-vector folders
+    splade: SpladeSpec | None = None  # a SpladePooling module, if any
 
     @classmethod
     def load(cls, path: str | Path) -> ModelFolder:
@@ -138,7 +152,7 @@ def _read_sentence_transformers(root: Path, modules: list[dict[str, Any]]) -> di
     for module in modules:
         kind = str(module.get("type", "")).rsplit(".", 1)[-1]
         module_dir = root / str(module.get("path", ""))
-        if kind == "Transformer":
+        if kind in ("Transformer", "MLMTransformer"):  # the model itself (config.json)
             continue
         if kind == "Pooling":
             out["pooling"] = _read_pooling(module_dir)
@@ -157,10 +171,12 @@ def _read_sentence_transformers(root: Path, modules: list[dict[str, Any]]) -> di
             )
         elif kind == "Normalize":
             out["normalize"] = True
+        elif kind == "SpladePooling":
+            out["splade"] = _read_splade_pooling(module_dir)
         else:
             raise ModelLoadError(
                 f"{root / 'modules.json'}: sentence-transformers module {kind!r} is not supported "
-                "(supported: Transformer, Pooling, Dense, Normalize)"
+                "(supported: Transformer, MLMTransformer, Pooling, Dense, Normalize, SpladePooling)"
             )
     out["dense"] = tuple(dense)
     st_config = _read_json(root / "config_sentence_transformers.json")
@@ -172,6 +188,11 @@ def _read_sentence_transformers(root: Path, modules: list[dict[str, Any]]) -> di
             f"{sorted(out['prompts'])} in config_sentence_transformers.json"
         )
     out["default_prompt_name"] = default_prompt
+    if "splade" in out and st_config.get("max_active_dims") is not None:
+        raise ModelLoadError(
+            f"{root / 'config_sentence_transformers.json'}: max_active_dims (keeping only the "
+            "largest weights of each vector) is not supported; ask embed_sparse for top_k instead"
+        )
     bert_config = _read_json(root / "sentence_bert_config.json")
     if bert_config.get("max_seq_length") is not None:
         out["max_seq_length"] = int(bert_config["max_seq_length"])
@@ -450,3 +471,25 @@ def _positive_int(value: Any, name: str, source: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ModelLoadError(f"{source}: {name} must be a positive integer, got {value!r}")
     return value
+# SpladePooling's fields: those that set the math, and those that do not change the result.
+_SPLADE_CHOICES = {
+    "pooling_strategy": ("max", "sum"),
+    "activation_function": ("relu", "log1p_relu"),
+}
+_SPLADE_INERT = ("embedding_dimension", "word_embedding_dimension", "chunk_size")
+
+
+def _read_splade_pooling(module_dir: Path) -> SpladeSpec:
+    path = module_dir / "config.json"
+    cfg = _read_json(path)
+    unknown = sorted(set(cfg) - set(_SPLADE_CHOICES) - set(_SPLADE_INERT))
+    if unknown:
+        raise ModelLoadError(f"{path}: SpladePooling field(s) {unknown} are not supported")
+    spec = SpladeSpec(**{k: cfg[k] for k in _SPLADE_CHOICES if cfg.get(k) is not None})
+    for name, choices in _SPLADE_CHOICES.items():
+        if getattr(spec, name) not in choices:
+            raise ModelLoadError(
+                f"{path}: SpladePooling {name} {getattr(spec, name)!r} is not supported "
+                f"(supported: {', '.join(choices)})"
+            )
+    return spec

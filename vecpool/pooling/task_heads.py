@@ -204,13 +204,24 @@ class TokenClassifierHead:
 
 
 class SparseHead:
-    """SPLADE: `log(1 + relu(logits))` of the masked-LM head on every non-special token,
-    max-pooled per sequence into one `[vocab]` vector. The vocabulary logits of a step's
-    tokens are computed `slice_tokens` rows at a time to bound memory."""
+    """SPLADE, as sentence-transformers' `SpladePooling`: the masked-LM logits of every token
+    through `log1p(relu(x))` (`"relu"`) or `log1p(log1p(relu(x)))` (`"log1p_relu"`), pooled per
+    sequence by `max` or `sum` into one `[vocab]` vector. A request with
+    `exclude_special_tokens` pools over its non-special tokens only. The vocabulary logits of a
+    step's tokens are computed `slice_tokens` rows at a time to bound memory."""
 
-    def __init__(self, compute_logits: LogitsFn, special: torch.Tensor, slice_tokens: int = 1024):
+    def __init__(
+        self,
+        compute_logits: LogitsFn,
+        special: torch.Tensor,
+        pooling_strategy: str = "max",
+        activation_function: str = "relu",
+        slice_tokens: int = 1024,
+    ):
         self.compute_logits = compute_logits
-        self.special = special  # [vocab] bool: token ids excluded from pooling
+        self.special = special  # [vocab] bool: token ids `exclude_special_tokens` leaves out
+        self.reduce = {"max": "amax", "sum": "sum"}[pooling_strategy]  # over a sequence's tokens
+        self.log1p_twice = {"relu": False, "log1p_relu": True}[activation_function]
         self.slice_tokens = slice_tokens
 
     def __call__(self, b: HeadBatch) -> list[np.ndarray]:
@@ -218,15 +229,29 @@ class SparseHead:
         num_all = int(meta.lengths.shape[0])
         local = torch.full((num_all,), -1, dtype=torch.int64, device=device)
         local[b.seqs] = torch.arange(b.num_seqs, device=device)
+        exclude = torch.zeros(num_all, dtype=torch.bool, device=device)
+        exclude[b.seqs] = b.flags("exclude_special_tokens", False)
         row_local = local[meta.seq_ids]  # [num_tokens]: index among the head's sequences
-        keep = (row_local >= 0) & ~self.special[meta.input_ids]
-        rows, row_local = b.hidden[keep], row_local[keep]
+        # Prompt-embeds rows hold id 0 here; their requests never exclude (they need token ids).
+        keep = (row_local >= 0) & ~(exclude[meta.seq_ids] & self.special[meta.input_ids])
+        token_rows = torch.nonzero(keep).squeeze(1)  # [num_kept]
+        # Grouped by sequence, in token order: a sum then adds in one fixed order on every
+        # device (segment sums, no atomics).
+        token_rows = token_rows[torch.argsort(row_local[token_rows], stable=True)]
+        rows, row_local = b.hidden[token_rows], row_local[token_rows]
         out = torch.zeros(b.num_seqs, self.special.shape[0], dtype=torch.float32, device=device)
         for start in range(0, rows.shape[0], self.slice_tokens):
             end = start + self.slice_tokens
             weights = torch.log1p(torch.relu(self.compute_logits(rows[start:end]).float()))
-            index = row_local[start:end, None].expand_as(weights)
-            out.scatter_reduce_(0, index, weights, reduce="amax")  # weights >= 0 = the zeros
+            if self.log1p_twice:
+                weights = torch.log1p(weights)
+            # Weights are >= 0, so the zeros `out` starts from change neither a max nor a sum.
+            if self.reduce == "sum":
+                counts = torch.bincount(row_local[start:end], minlength=b.num_seqs)
+                out += torch.segment_reduce(weights, "sum", lengths=counts, axis=0)
+            else:
+                index = row_local[start:end, None].expand_as(weights)
+                out.scatter_reduce_(0, index, weights, reduce="amax")
         return list(out.cpu().numpy())
 
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from vecpool.errors import ModelLoadError
 from vecpool.models.base import PoolingModel
-from vecpool.models.folder import ModelFolder
+from vecpool.models.folder import ModelFolder, SpladeSpec
 from vecpool.pooling.heads import DenseStack
 from vecpool.pooling.task_heads import (
     ClassifierHead,
@@ -85,7 +86,18 @@ def build_task_heads(
     if "masked_lm" in model.heads:
         special = torch.zeros(model.vocab_size, dtype=torch.bool)
         special[[i for i in special_token_ids if 0 <= i < model.vocab_size]] = True
-        heads[SPARSE] = SparseHead(model.compute_logits, special.to(device))
+        splade = folder.splade or SpladeSpec()  # a plain *ForMaskedLM: max of log1p(relu)
+        heads[SPARSE] = SparseHead(
+            model.compute_logits,
+            special.to(device),
+            splade.pooling_strategy,
+            splade.activation_function,
+        )
+    elif folder.splade is not None:
+        raise ModelLoadError(
+            f"modules.json has a SpladePooling module, but {arch} has no masked-LM head "
+            "(a *ForMaskedLM checkpoint has one)"
+        )
     else:
         missing[SPARSE] = f"{arch} has no masked-LM head (a *ForMaskedLM checkpoint has one)"
     return heads, missing

@@ -17,6 +17,7 @@ from vecpool.errors import InputError
 _PARAM_FIELDS = frozenset(
     {
         "dimensions",
+        "exclude_special_tokens",
         "normalize",
         "prompt_name",
         "step_tag_id",

@@ -63,6 +63,9 @@ class PoolingRequest(OutputParams):
     use_activation: bool | None = Field(
         None, description="score tasks: apply the head's activation (false: raw logits)"
     )
+    exclude_special_tokens: bool | None = Field(
+        None, description="sparse: pool over non-special tokens only (needs token ids)"
+    )
 
 
 class TokenizeRequest(ApiModel):

@@ -152,6 +152,7 @@ async def create_pooling(request: Request) -> Response:
         body.task,
         step_tag_id=body.step_tag_id,
         use_activation=body.use_activation,
+        exclude_special_tokens=body.exclude_special_tokens,
     )
     vectors, timings = await run_call(state, request, "/pooling", prepare, len(items))
     content = await asyncio.to_thread(
