@@ -29,6 +29,7 @@ from vecpool.models.loader import load_model
 from vecpool.outputs import PoolingOutput, PreparedCall, T, outcome, output_data
 from vecpool.pooling.heads import DenseStack
 from vecpool.pooling.poolers import SEQUENCE_POOLERS
+from vecpool.runner.compiled import compile_by_default
 from vecpool.runner.heads import build_task_heads
 from vecpool.runner.model_runner import ModelRunner
 from vecpool.runner.pooling_runner import PoolingDefaults, PoolingRunner
@@ -67,7 +68,8 @@ class Engine(TaskCalls):
     e.g. `LLMRerankerConfig.qwen3()`); `score_mode` overrides how `score` / `rerank` compare
     inputs (one of `SCORE_MODES`; by default from the model: an LLM reranker when configured,
     else a cross-encoder's classifier, else MaxSim for a ColBERT model, else cosine of
-    embeddings).
+    embeddings). `compile` compiles the layer stack with `torch.compile` (default: on CUDA,
+    for hidden sizes from 768; the first batches then take longer while it compiles).
     """
 
     def __init__(
@@ -84,6 +86,7 @@ class Engine(TaskCalls):
         enable_prompt_embeds: bool = True,
         llm_reranker: LLMRerankerConfig | None = None,
         score_mode: str | None = None,
+        compile: bool | None = None,
     ):
         self.folder = ModelFolder.load(model if model is not None else default_model_path())
         self.device = resolve_device(device)
@@ -130,7 +133,12 @@ class Engine(TaskCalls):
         self.matryoshka_dimensions: tuple[int, ...] | None = (
             tuple(int(d) for d in matryoshka) if matryoshka else None
         )
-        self.model_runner = ModelRunner(self.model, self.device, self.dtype)
+        # Compiling the layer stack (fused kernels, dynamic token count): by default on CUDA.
+        if compile is None:
+            compile = compile_by_default(self.device, self.model.hidden_size)
+        self.model_runner = ModelRunner(
+            self.model, self.device, self.dtype, compile_backend="inductor" if compile else None
+        )
         heads, self.missing_heads = build_task_heads(
             self.model,
             self.folder,

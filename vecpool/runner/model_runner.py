@@ -11,14 +11,25 @@ from vecpool.engine.scheduler import SchedulerOutput
 from vecpool.models.attention import varlen_available
 from vecpool.models.base import PoolingModel
 from vecpool.runner.batch import FlatBatch, build_flat_batch
+from vecpool.runner.compiled import compile_blocks
 
 
 class ModelRunner:
-    def __init__(self, model: PoolingModel, device: torch.device, dtype: torch.dtype):
+    def __init__(
+        self,
+        model: PoolingModel,
+        device: torch.device,
+        dtype: torch.dtype,
+        *,
+        compile_backend: str | None = None,  # e.g. "inductor": compile the layer stack
+    ):
         self.model = model
         self.device = device
         self.dtype = dtype
         self.use_varlen = varlen_available(device, dtype)
+        self.compiled = compile_backend is not None
+        if compile_backend is not None:
+            compile_blocks(model, backend=compile_backend)
 
     @torch.inference_mode()
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
