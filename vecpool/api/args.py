@@ -44,6 +44,7 @@ class EngineArgs:
     enable_prompt_embeds: bool = True
     llm_reranker: LLMRerankerConfig | None = None
     score_mode: str | None = None
+    compile: bool | None = None  # torch.compile the layer stack; None: on CUDA, wide models
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs"):
@@ -121,6 +122,12 @@ class EngineArgs:
             "--score-mode",
             choices=SCORE_MODES,
             help="how score and rerank compare texts (default: from the model)",
+        )
+        eng.add_argument(
+            "--compile",
+            action=argparse.BooleanOptionalAction,
+            help="compile the layer stack with torch.compile (default: on CUDA for hidden "
+            "sizes of 768 and more)",
         )
         eng.add_argument(
             "--llm-reranker",

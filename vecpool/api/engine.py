@@ -26,6 +26,7 @@ from vecpool.models.hf import hf_get
 from vecpool.models.loader import load_model
 from vecpool.pooling.heads import DenseStack
 from vecpool.pooling.poolers import SEQUENCE_POOLERS
+from vecpool.runner.compiled import compile_by_default
 from vecpool.runner.heads import build_task_heads
 from vecpool.runner.model_runner import ModelRunner
 from vecpool.runner.pooling_runner import PoolingDefaults, PoolingRunner
@@ -44,8 +45,10 @@ __all__ = [
 
 # Calls with at least this many inputs show a progress bar unless told otherwise.
 PROGRESS_THRESHOLD = 256
-# Calls larger than this are tokenized chunk by chunk, overlapping the device's work.
-PIPELINE_CHUNK = 2048
+# Calls larger than this are tokenized chunk by chunk, overlapping the device's work. The
+# device waits for the first chunk: 512 rather than 2048 made 4,096 passages from text 7%
+# faster on an H200 (Qwen3-0.6B shape); 256 made short queries slower.
+PIPELINE_CHUNK = 512
 
 
 def default_model_path() -> Path:
@@ -70,7 +73,8 @@ class Engine(TaskCalls):
     e.g. `LLMRerankerConfig.qwen3()`); `score_mode` overrides how `score` / `rerank` compare
     inputs (one of `SCORE_MODES`; by default from the model: an LLM reranker when configured,
     else a cross-encoder's classifier, else MaxSim for a ColBERT model, else cosine of
-    embeddings).
+    embeddings). `compile` compiles the layer stack with `torch.compile` (default: on CUDA,
+    for hidden sizes from 768; the first batches then take longer while it compiles).
     """
 
     def __init__(
@@ -87,6 +91,7 @@ class Engine(TaskCalls):
         enable_prompt_embeds: bool = True,
         llm_reranker: LLMRerankerConfig | None = None,
         score_mode: str | None = None,
+        compile: bool | None = None,
     ):
         self.args = args = EngineArgs(
             model,
@@ -100,6 +105,7 @@ class Engine(TaskCalls):
             enable_prompt_embeds=enable_prompt_embeds,
             llm_reranker=llm_reranker,
             score_mode=score_mode,
+            compile=compile,
         )
         self.folder = ModelFolder.load(model if model is not None else default_model_path())
         self.device = resolve_device(device)
@@ -145,7 +151,12 @@ class Engine(TaskCalls):
         self.matryoshka_dimensions: tuple[int, ...] | None = (
             tuple(int(d) for d in matryoshka) if matryoshka else None
         )
-        self.model_runner = ModelRunner(self.model, self.device, self.dtype)
+        # Compiling the layer stack (fused kernels, dynamic token count): by default on CUDA.
+        if compile is None:
+            compile = compile_by_default(self.device, self.model.hidden_size)
+        self.model_runner = ModelRunner(
+            self.model, self.device, self.dtype, compile_backend="inductor" if compile else None
+        )
         heads, self.missing_heads = build_task_heads(
             self.model,
             self.folder,
@@ -195,6 +206,7 @@ class Engine(TaskCalls):
             enable_prompt_embeds=args.enable_prompt_embeds,
             llm_reranker=args.llm_reranker,
             score_mode=args.score_mode,
+            compile=args.compile,
         )
 
     def _max_model_len(self, asked: int | None) -> int:

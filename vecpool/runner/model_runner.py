@@ -10,6 +10,7 @@ import torch
 from vecpool.models.attention import varlen_available
 from vecpool.models.base import PoolingModel
 from vecpool.runner.batch import FlatBatch, build_flat_batch
+from vecpool.runner.compiled import compile_blocks
 from vecpool.runner.step import StepInput
 
 
@@ -19,11 +20,21 @@ class ModelRunner:
     `prepare` (host work, then non-blocking copies) and `forward` (queued on the device) are
     separate so that the engine can build the next step while the device runs this one."""
 
-    def __init__(self, model: PoolingModel, device: torch.device, dtype: torch.dtype):
+    def __init__(
+        self,
+        model: PoolingModel,
+        device: torch.device,
+        dtype: torch.dtype,
+        *,
+        compile_backend: str | None = None,  # e.g. "inductor": compile the layer stack
+    ):
         self.model = model
         self.device = device
         self.dtype = dtype
         self.use_varlen = varlen_available(device, dtype)
+        self.compiled = compile_backend is not None
+        if compile_backend is not None:
+            compile_blocks(model, backend=compile_backend)
 
     @torch.inference_mode()
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:

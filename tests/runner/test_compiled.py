@@ -1,0 +1,74 @@
+"""The compiled layer stack: which blocks compile, when the engine compiles by default, and
+that a compiled model computes what the eager one does, prompt embeds bit-exact with ids.
+
+CI has no GPU and needs no compiler: the checks here trace the blocks with dynamo's "eager"
+backend, which runs the same wrapping and guards without generating code.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+import vecpool
+from tests.helpers import engine_hidden, random_prompts, save_hf_model
+from vecpool.runner.compiled import compile_blocks, compile_by_default, repeated_blocks
+
+VOCAB = 101
+
+
+@pytest.fixture(scope="module")
+def qwen3_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=128,
+    )
+    return save_hf_model(transformers.Qwen3Model(cfg).eval(), tmp_path_factory.mktemp("qwen3"))
+
+
+def test_repeated_blocks_are_the_layer_stacks(qwen3_folder: Path, tiny_bert_engine) -> None:
+    decoder = vecpool.Engine(qwen3_folder, device="cpu").model
+    assert repeated_blocks(decoder) == list(decoder.layers)
+    assert len(repeated_blocks(tiny_bert_engine.model)) == 2  # BERT's encoder.layer
+    assert repeated_blocks(torch.nn.Linear(2, 2)) == []
+
+
+def test_compile_by_default_on_wide_cuda_models_only() -> None:
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert compile_by_default(cuda, 1024)
+    assert compile_by_default(cuda, 768)
+    assert not compile_by_default(cuda, 384)
+    assert not compile_by_default(cpu, 4096)
+    assert not vecpool.Engine(device="cpu").model_runner.compiled
+
+
+def test_compiled_blocks_match_eager_and_keep_embeds_bit_exact(qwen3_folder: Path) -> None:
+    eager = vecpool.Engine(qwen3_folder, device="cpu", compile=False)
+    compiled = vecpool.Engine(qwen3_folder, device="cpu", compile=False)
+    assert compile_blocks(compiled.model, backend="eager") == 3
+    torch._dynamo.reset()
+    # Batches of different token counts and sequence counts run through one dynamic graph.
+    for seed, lengths in enumerate([[5, 17, 3, 30], [7, 2], [40, 9, 9, 1, 12]]):
+        prompts = random_prompts(VOCAB, lengths, seed=seed)
+        expected = engine_hidden(eager, prompts)
+        as_ids = engine_hidden(compiled, prompts)
+        as_embeds = engine_hidden(
+            compiled, [{"prompt_embeds": compiled.embed_tokens(p)} for p in prompts]
+        )
+        for e, a, b in zip(expected, as_ids, as_embeds, strict=True):
+            assert np.array_equal(a, e)
+            assert np.array_equal(a, b)
+    # The block's forward compiled once for all three layers (parameters are graph inputs):
+    # one graph while the padded fallback builds its mask, one once it is cached.
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 2

@@ -1,0 +1,54 @@
+"""The GPU benchmark runs anywhere: tiny shapes on the CPU, in seconds, with the numbers it
+reports consistent with each other and with the reference systems."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.bench_gpu import FlopModel, main, workload_lengths
+
+
+def test_workloads_follow_their_distributions() -> None:
+    queries = workload_lengths("queries", 4096)
+    passages = workload_lengths("passages", 4096)
+    assert queries.min() == 8 and queries.max() == 64
+    assert 34 <= queries.mean() <= 38
+    assert passages.min() == 32 and passages.max() == 512
+    assert 170 <= np.median(passages) <= 190  # lognormal around ln 180
+    assert np.array_equal(queries, workload_lengths("queries", 4096))  # fixed seed
+
+
+def test_flops_count_causal_and_bidirectional_attention() -> None:
+    lengths = np.array([3, 5])
+    causal = FlopModel(non_embedding_params=10, attention_width=4, num_layers=2, causal=True)
+    full = FlopModel(non_embedding_params=10, attention_width=4, num_layers=2, causal=False)
+    assert causal.flops(lengths) == 2 * 10 * 8 + 4 * 4 * 2 * (6 + 15)
+    assert full.flops(lengths) == 2 * 10 * 8 + 4 * 4 * 2 * (9 + 25)
+
+
+def test_bench_runs_on_cpu_and_reports_consistent_numbers(tmp_path: Path) -> None:
+    out = tmp_path / "report.json"
+    systems = ["vecpool-text", "vecpool-ids", "st-32", "hf-padded"]
+    argv = ["--models", "tiny-qwen3", "--n", "12", "--repeats", "2", "--warmup", "4"]
+    argv += ["--device", "cpu", "--fidelity", "4", "--output", str(out), "--systems", *systems]
+    report = main(argv)
+    assert json.loads(out.read_text())["rows"] == json.loads(json.dumps(report["rows"]))
+    assert report["ceiling_flops"] > 1e8
+    rows = {(r["workload"], r["system"]): r for r in report["rows"]}
+    assert "error" not in str(report["rows"])
+    assert set(rows) == {(w, s) for w in ("queries", "passages") for s in systems}
+    for (workload, _), row in rows.items():
+        assert row["num_tokens"] == int(workload_lengths(workload, 12).sum())
+        assert len(row["seconds"]) == 2
+        assert row["median_seconds"] == np.median(row["seconds"])
+        assert row["tokens_per_s"] == row["num_tokens"] / row["median_seconds"]
+        assert 0 < row["mfu"] < 1
+    fidelity = report["fidelity"]["tiny-qwen3"]
+    for w in ("queries", "passages"):
+        assert fidelity[f"{w}_text_vs_ids_max_abs"] == 0.0
+        assert fidelity[f"{w}_vs_st-32_min_cosine"] > 0.9999
+        assert fidelity[f"{w}_vs_hf-padded_min_cosine"] > 0.9999
+        assert fidelity[f"{w}_vs_fp32_min_cosine"] > 0.9999
