@@ -1,6 +1,6 @@
 # Two entry points, both working on a fresh machine:
 #   make run   set up, then embed example sentences with the default model
-#   make test  set up with the test extras, then ruff, mypy and the test suite
+#   make test  set up with the test extras, then ruff, mypy, the layering contract and the tests
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
@@ -32,6 +32,7 @@ run: setup
 lint: setup-test
 	$(VENV)/bin/ruff check vecpool tests benchmarks
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 
 test: lint
 	$(VENV)/bin/pytest -q

@@ -1,13 +1,13 @@
 """Task declarations and per-request pooling parameters.
 
-Each task is declared once, here: what its output is, which pooler and which head serve it,
-which request parameters it accepts, whether its requests need token ids, whether it may be
-chunked. Code that serves a task reads the declaration at the point of use; nothing else
-decides on a task's behalf.
+Each task is declared once, here: which head serves it, which request parameters it accepts,
+whether its requests need token ids. Code that serves a task reads the declaration at the point
+of use; nothing else decides on a task's behalf.
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, fields
 
 from vecpool.errors import InputError
@@ -52,13 +52,15 @@ class PoolingParams:
         ]
 
 
-# Heads of the pooling runner (see `vecpool.pooling.task_heads`), by the name a task declares.
-EMBEDDING = "embedding"  # Dense projections, matryoshka truncation, normalize
-SEQUENCE_CLASSIFIER = "sequence_classifier"  # the checkpoint's classifier, then its activation
-SCORER = "scorer"  # a relevance score: a cross-encoder's classifier or an LLM's yes/no logits
-TOKEN_EMBEDDING = "token_embedding"  # per token: ColBERT projection, skiplist, truncate, normalize
-TOKEN_CLASSIFIER = "token_classifier"  # per token: the checkpoint's token classifier
-SPARSE = "sparse"  # masked-LM logits -> log1p(relu(x)) (log1p_relu: log1p again) -> max or sum
+class Head(enum.Enum):
+    """The heads of the pooling stage (`vecpool.pooling.heads`), by what they compute."""
+
+    EMBEDDING = "embedding"  # the model's pooling, Dense projections, truncate, normalize
+    SEQUENCE_CLASSIFIER = "sequence_classifier"  # the checkpoint's classifier, its activation
+    SCORER = "scorer"  # a relevance score: a cross-encoder's classifier or an LLM's yes/no logits
+    TOKEN_EMBEDDING = "token_embedding"  # per token: projection, skiplist, truncate, normalize
+    TOKEN_CLASSIFIER = "token_classifier"  # per token: the checkpoint's token classifier
+    SPARSE = "sparse"  # masked-LM logits -> log1p(relu(x)) (log1p_relu: again) -> max or sum
 
 
 @dataclass(frozen=True)
@@ -66,17 +68,12 @@ class TaskSpec:
     """The declaration of one task."""
 
     name: str
-    pooler: str  # which rows the head reads: "MODEL" (the model's pooling), "CLASSIFIER" (the
-    # row its classifier reads: CLS or LAST), "ALL" (every token, or STEP-tagged ones), "SPLADE"
-    head: str  # the pooling runner's head, one of the names above
-    per_token: bool  # output is one row per (selected) token rather than one per sequence
+    head: Head
     accepted_params: frozenset[str]
     requires_token_ids: bool  # every request of the task needs its token ids
     # Parameters that make a request need its token ids when set (a flag: when true), e.g.
     # STEP selection.
     token_id_params: frozenset[str]
-    chunkable: bool  # may a long prompt be split across engine steps
-    summary: str
 
     def needs_token_ids(self, params: PoolingParams) -> bool:
         """Whether a request with `params` can only be served from token ids."""
@@ -111,80 +108,60 @@ class TaskSpec:
 TASKS: dict[str, TaskSpec] = {
     spec.name: spec
     for spec in (
+        # One dense vector per input: the model's pooling, Dense modules, normalize.
         TaskSpec(
             name="embed",
-            pooler="MODEL",
-            head=EMBEDDING,
-            per_token=False,
+            head=Head.EMBEDDING,
             accepted_params=frozenset({"dimensions", "normalize"}),
             requires_token_ids=False,
             token_id_params=frozenset(),
-            chunkable=True,
-            summary="one dense vector per input (the model's pooling, dense head, normalize)",
         ),
+        # Class probabilities (or raw logits) per input: [num_labels].
         TaskSpec(
             name="classify",
-            pooler="CLASSIFIER",
-            head=SEQUENCE_CLASSIFIER,
-            per_token=False,
+            head=Head.SEQUENCE_CLASSIFIER,
             accepted_params=frozenset({"use_activation"}),
             requires_token_ids=False,
             token_id_params=frozenset(),
-            chunkable=False,
-            summary="class probabilities (or raw logits) per input: [num_labels]",
         ),
+        # A relevance score per (query, document) input: a cross-encoder's classifier
+        # ([num_labels]) or an LLM reranker's yes/no logits ([1]).
         TaskSpec(
             name="score",
-            pooler="CLASSIFIER",
-            head=SCORER,
-            per_token=False,
+            head=Head.SCORER,
             accepted_params=frozenset({"use_activation"}),
             requires_token_ids=False,
             token_id_params=frozenset(),
-            chunkable=False,
-            summary="a relevance score per (query, document) input: a cross-encoder's classifier "
-            "([num_labels]) or an LLM reranker's yes/no logits ([1])",
         ),
+        # One vector per token; with step_tag_id only at positions holding that id; with
+        # input_type ("query" / "document") written as that side of a late-interaction model.
         TaskSpec(
             name="token_embed",
-            pooler="ALL",
-            head=TOKEN_EMBEDDING,
-            per_token=True,
+            head=Head.TOKEN_EMBEDDING,
             accepted_params=frozenset({"dimensions", "normalize", "step_tag_id", "input_type"}),
             requires_token_ids=False,
             # input_type: a late-interaction side inserts markers and expansion tokens by id
             # and leaves skiplist tokens out by id.
             token_id_params=frozenset({"step_tag_id", "input_type"}),
-            chunkable=True,
-            summary="one vector per token; with step_tag_id only at positions holding that id; "
-            "with input_type ('query' / 'document') written as that side of a late-interaction "
-            "model",
         ),
+        # Class probabilities per token: [num_tokens, num_labels]; with step_tag_id only at
+        # positions holding that id (STEP).
         TaskSpec(
             name="token_classify",
-            pooler="ALL",
-            head=TOKEN_CLASSIFIER,
-            per_token=True,
+            head=Head.TOKEN_CLASSIFIER,
             accepted_params=frozenset({"use_activation", "step_tag_id"}),
             requires_token_ids=False,
             token_id_params=frozenset({"step_tag_id"}),
-            chunkable=True,
-            summary="class probabilities per token: [num_tokens, num_labels]; with step_tag_id "
-            "only at positions holding that id (STEP)",
         ),
+        # A SPLADE vector over the vocabulary, as sentence-transformers' SpladePooling: max (or
+        # sum) over every token of log(1 + relu(masked-LM logits)) (log1p_relu: log1p of that
+        # again); with exclude_special_tokens over non-special tokens only: [vocab_size].
         TaskSpec(
             name="sparse",
-            pooler="SPLADE",
-            head=SPARSE,
-            per_token=False,
+            head=Head.SPARSE,
             accepted_params=frozenset({"exclude_special_tokens"}),
             requires_token_ids=False,
             token_id_params=frozenset({"exclude_special_tokens"}),  # special tokens are found by id
-            chunkable=True,
-            summary="a SPLADE vector over the vocabulary, as sentence-transformers' SpladePooling: "
-            "max (or sum) over every token of log(1 + relu(masked-LM logits)) (log1p_relu: "
-            "log1p of that again); with exclude_special_tokens only over non-special tokens: "
-            "[vocab_size]",
         ),
     )
 }

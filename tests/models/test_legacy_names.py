@@ -25,6 +25,7 @@ import vecpool
 from tests.conftest import tiny_bert_config
 from tests.helpers import assert_rel_close, engine_hidden, hf_last_hidden, random_prompts
 from tests.models.test_decoders import ARCH_IDS, ARCHS, Arch
+from vecpool.models.base import Capability
 
 Tensors = dict[str, torch.Tensor]
 Edit = Callable[[Tensors], Tensors]
@@ -221,7 +222,7 @@ def test_masked_lm_decoder(family: str, tied: bool, stored: str, tmp_path: Path)
     model = engine.model
     decoder = model.get_parameter(weight)
     assert (decoder is model.embeddings.word_embeddings.weight) == (tied and stored != "different")
-    assert "masked_lm" in model.heads
+    assert Capability.MASKED_LM in model.capabilities
 
 
 def test_roberta_splade(tmp_path: Path) -> None:

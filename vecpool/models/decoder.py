@@ -18,7 +18,7 @@ from torch import nn
 
 from vecpool.errors import ConfigError
 from vecpool.models.attention import AttentionMetadata, flat_attention
-from vecpool.models.base import PoolingModel, hf_num_labels
+from vecpool.models.base import Capability, PoolingModel, hf_num_labels
 from vecpool.models.hf import hf_get
 from vecpool.models.layers import FusedProjections, GatedMLP, RMSNorm, Rotary, apply_rotary, fuse
 
@@ -295,7 +295,7 @@ class DecoderForCausalLM(DecoderModel):
     # Embedding checkpoints in the base model's layout (Qwen3-Embedding-8B) name this class
     # but ship no head.
     optional_parameters = ("lm_head.weight",)
-    heads = frozenset({"causal_lm"})
+    capabilities = frozenset({Capability.CAUSAL_LM})
 
     def __init__(self, c: DecoderConfig, rotary: Rotary):
         super().__init__(c, rotary)
@@ -305,7 +305,7 @@ class DecoderForCausalLM(DecoderModel):
     def drop_parameter(self, name: str) -> None:
         if name == "lm_head.weight":
             self.lm_head = None
-            self.heads = frozenset()
+            self.capabilities = frozenset()
 
     def compute_logits(
         self, rows: torch.Tensor, vocab_ids: torch.Tensor | None = None
@@ -331,7 +331,7 @@ class DecoderForSequenceClassification(DecoderModel):
     """The last token's row through `score` (no bias), as transformers' generic class: reward
     models and decoder cross-encoders."""
 
-    heads = frozenset({"sequence_classifier"})
+    capabilities = frozenset({Capability.SEQUENCE_CLASSIFIER})
     classifier_pooler = "LAST"
 
     def __init__(self, c: DecoderConfig, rotary: Rotary):
@@ -346,7 +346,7 @@ class DecoderForSequenceClassification(DecoderModel):
 class DecoderForTokenClassification(DecoderModel):
     """`score` (with a bias) on every token row, as transformers' generic class."""
 
-    heads = frozenset({"token_classifier"})
+    capabilities = frozenset({Capability.TOKEN_CLASSIFIER})
 
     def __init__(self, c: DecoderConfig, rotary: Rotary):
         super().__init__(c, rotary)

@@ -13,6 +13,9 @@ from torch import nn
 from vecpool.errors import ConfigError
 from vecpool.models.hf import hf_get
 
+# Every activation vecpool applies, by the names configs use: Hugging Face's `hidden_act`, and
+# (lower-cased, module path dropped) the torch classes sentence-transformers saves for Dense
+# modules and cross-encoder heads. Softmax is over the last axis.
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu": F.gelu,
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
@@ -21,15 +24,25 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "relu": F.relu,
     "silu": F.silu,
     "swish": F.silu,
+    "tanh": torch.tanh,
+    "sigmoid": torch.sigmoid,
+    "softmax": lambda x: torch.softmax(x, dim=-1),
+    "identity": lambda x: x,
 }
 
 
-def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The activation function a Hugging Face config names (`hidden_act`)."""
-    fn = _ACTIVATIONS.get(name)
-    if fn is None:
+def activation_name(name: str) -> str:
+    """The table's name for `name`: a `hidden_act` as it is, a torch class path
+    ("torch.nn.modules.activation.Tanh") by its lower-cased class name; `ConfigError` if unknown."""
+    key = name if name in _ACTIVATIONS else name.rsplit(".", 1)[-1].lower()
+    if key not in _ACTIVATIONS:
         raise ConfigError(f"activation {name!r} is not supported; known: {sorted(_ACTIVATIONS)}")
-    return fn
+    return key
+
+
+def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The activation function `name` names (see `activation_name`)."""
+    return _ACTIVATIONS[activation_name(name)]
 
 
 class RMSNorm(nn.Module):

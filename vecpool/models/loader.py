@@ -53,6 +53,33 @@ def load_model(folder: ModelFolder, device: torch.device, dtype: torch.dtype) ->
     return model.eval().requires_grad_(False)
 
 
+def load_module(module: torch.nn.Module, path: Path, what: str) -> None:
+    """Fill every parameter of a small module (e.g. a sentence-transformers Dense) from one
+    weights file, names as they are: a missing, unexpected or mis-shaped tensor is an error
+    naming it. `path` is a .safetensors file, or a .bin read without unpickling code."""
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        state = load_file(str(path))
+    else:
+        state = torch.load(str(path), map_location="cpu", weights_only=True)
+    params = dict(module.named_parameters())
+    unexpected, missing = sorted(set(state) - set(params)), sorted(set(params) - set(state))
+    if unexpected or missing:
+        raise ModelLoadError(
+            f"{what}: {path.name} has unexpected tensors {unexpected or 'none'} and lacks "
+            f"{missing or 'none'}"
+        )
+    for name, param in params.items():
+        if tuple(state[name].shape) != tuple(param.shape):
+            raise ModelLoadError(
+                f"{what}: {path.name}: tensor {name!r} has shape {list(state[name].shape)}, "
+                f"expected {list(param.shape)}"
+            )
+        with torch.no_grad():
+            param.copy_(state[name])
+
+
 def safetensors_files(root: Path) -> list[Path]:
     """The weight files of a folder: the index's shards if there is one, else every *.safetensors."""
     index = root / "model.safetensors.index.json"
@@ -93,7 +120,7 @@ def _match_parameters(
     params = dict(model.named_parameters())
     prefixes = model.checkpoint_prefixes
     # A base model reading a head class's checkpoint leaves out the head, as transformers does.
-    skip_heads = prefixed and not model.heads
+    skip_heads = prefixed and not model.capabilities
     sources: dict[str, str] = {}
     unexpected: list[str] = []
     for key, (path, shape) in stored.items():

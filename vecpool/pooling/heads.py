@@ -1,83 +1,97 @@
-"""Heads applied after pooling: sentence-transformers Dense projections, truncation, normalize."""
+"""Heads: what a task computes from the rows a pooling method selects.
+
+A head gets the whole step's hidden states and the batch positions of its own sequences; it
+selects rows with `vecpool.pooling.methods`, applies the model's own head functions (classifier,
+language-model logits, projection) to those rows only, then the task's post-processing
+(activation, matryoshka truncation, normalization), and copies its result to the host once.
+Several heads serve one step, so that one model folder answers embed, classify and sparse
+requests in the same batch. Which heads a model has is decided in `vecpool.pooling.build`.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
 
+import numpy as np
 import torch
-from torch import nn
 
-from vecpool.errors import ModelLoadError
-from vecpool.models.folder import DenseSpec
+from vecpool.errors import ConfigError
+from vecpool.models.layers import activation, activation_name
+from vecpool.models.st import DenseStack
+from vecpool.pooling.methods import (
+    PoolingMetadata,
+    on_device,
+    pool_sequences,
+    sequence_rows,
+    token_rows,
+)
+from vecpool.tasks import PoolingParams
 
-_DENSE_ACTIVATIONS: dict[str, type[nn.Module]] = {
-    "Identity": nn.Identity,
-    "Tanh": nn.Tanh,
-    "ReLU": nn.ReLU,
-    "GELU": nn.GELU,
-    "Sigmoid": nn.Sigmoid,
-    "SiLU": nn.SiLU,
+RowFn = Callable[[torch.Tensor], torch.Tensor]  # [n, hidden] -> [n, out]
+LogitsFn = Callable[..., torch.Tensor]  # (rows [n, hidden], vocab_ids [v] | None) -> [n, v]
+
+# What a classifier's activation may be (sentence-transformers saves a cross-encoder's as a
+# torch class path; `activation_name` reads either form).
+CLASSIFIER_ACTIVATIONS = ("sigmoid", "softmax", "identity", "tanh")
+_PROBLEM_TYPES = {
+    "multi_label_classification": "sigmoid",
+    "single_label_classification": "softmax",
+    "regression": "identity",
 }
 
 
-class DenseStack(nn.Module):
-    """The folder's sentence-transformers Dense modules, in order (float32)."""
+@dataclass(frozen=True)
+class HeadBatch:
+    """The part of one step a head serves."""
 
-    def __init__(self, specs: Sequence[DenseSpec]):
-        super().__init__()
-        self.layers = nn.ModuleList()
-        self.activations = nn.ModuleList()
-        for spec in specs:
-            name = spec.activation.rsplit(".", 1)[-1]
-            act = _DENSE_ACTIVATIONS.get(name)
-            if act is None:
-                raise ModelLoadError(
-                    f"{spec.path}: Dense activation {spec.activation!r} is not supported"
-                )
-            layer = nn.Linear(spec.in_features, spec.out_features, bias=spec.bias)
-            _load_dense(layer, spec)
-            self.layers.append(layer)
-            self.activations.append(act())
+    hidden: torch.Tensor  # [num_tokens, hidden] final hidden states of the whole step
+    meta: PoolingMetadata
+    seqs: torch.Tensor  # [k] int64 on the device: batch positions of the head's sequences
+    params: list[PoolingParams]  # [k]
 
-    def output_dim(self, hidden_size: int) -> int:
-        if not len(self.layers):
-            return hidden_size
-        last = self.layers[-1]
-        assert isinstance(last, nn.Linear)
-        return last.out_features
+    @property
+    def num_seqs(self) -> int:
+        return len(self.params)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, in] -> [n, out], float32
-        for layer, act in zip(self.layers, self.activations, strict=True):
-            x = act(layer(x))
-        return x
+    def flags(self, name: str, default: bool) -> torch.Tensor:  # [k] bool on the device
+        values = [
+            default if getattr(p, name) is None else bool(getattr(p, name)) for p in self.params
+        ]
+        return on_device(self.seqs.device, values, torch.bool)
 
 
-def _load_dense(layer: nn.Linear, spec: DenseSpec) -> None:
-    st_file, bin_file = spec.path / "model.safetensors", spec.path / "pytorch_model.bin"
-    if st_file.is_file():
-        from safetensors.torch import load_file
+class TaskHead(Protocol):
+    def __call__(self, b: HeadBatch, /) -> list[np.ndarray]:
+        """One output per sequence of `b`, in its order."""
+        ...
 
-        state = load_file(str(st_file))
-    elif bin_file.is_file():
-        state = torch.load(str(bin_file), map_location="cpu", weights_only=True)
-    else:
-        raise ModelLoadError(
-            f"{spec.path}: Dense module has no model.safetensors or pytorch_model.bin"
-        )
-    expected = {"linear.weight": layer.weight} | ({"linear.bias": layer.bias} if spec.bias else {})
-    unexpected = sorted(set(state) - set(expected))
-    missing = sorted(set(expected) - set(state))
-    if unexpected or missing:
-        raise ModelLoadError(
-            f"{spec.path}: Dense weights missing {missing}, unexpected {unexpected}"
-        )
-    for key, param in expected.items():
-        if tuple(state[key].shape) != tuple(param.shape):
-            raise ModelLoadError(
-                f"{spec.path}: {key} has shape {list(state[key].shape)}, expected {list(param.shape)}"
+
+def classifier_activation(hf: dict[str, Any], num_labels: int) -> str:
+    """How a checkpoint's classifier logits become scores: the activation sentence-transformers
+    saved with a cross-encoder, else by `problem_type`, else sigmoid for one label and softmax
+    for several."""
+    st = (hf.get("sentence_transformers") or {}).get("activation_fn") or hf.get(
+        "sbert_ce_default_activation_function"
+    )
+    if st:
+        name = str(st).rsplit(".", 1)[-1].lower()
+        if name not in CLASSIFIER_ACTIVATIONS:
+            raise ConfigError(
+                f"the classifier activation {st!r} in config.json is not supported "
+                f"(supported: {', '.join(CLASSIFIER_ACTIVATIONS)})"
             )
-        with torch.no_grad():
-            param.copy_(state[key])
+        return activation_name(name)
+    problem = hf.get("problem_type")
+    if problem in _PROBLEM_TYPES:
+        return _PROBLEM_TYPES[problem]
+    return "sigmoid" if num_labels == 1 else "softmax"
+
+
+def activate(logits: torch.Tensor, kind: str) -> torch.Tensor:
+    """`[n, m]` float32 logits through the activation `kind` (softmax over the last axis)."""
+    return activation(kind)(logits)
 
 
 def truncate_and_normalize(
@@ -90,3 +104,168 @@ def truncate_and_normalize(
     x = x * keep
     norms = x.norm(dim=1, keepdim=True).clamp_min(1e-12)
     return torch.where(normalize[:, None], x / norms, x)
+
+
+class EmbedHead:
+    """The model's pooling, the folder's Dense projections, matryoshka truncation, normalize."""
+
+    def __init__(self, pooler: str, dense: DenseStack, normalize: bool, output_dim: int):
+        self.pooler, self.dense, self.normalize, self.output_dim = (
+            pooler,
+            dense,
+            normalize,
+            output_dim,
+        )
+
+    def __call__(self, b: HeadBatch) -> list[np.ndarray]:
+        pooled = pool_sequences(self.pooler, b.hidden, b.meta)[b.seqs]  # [k, hidden] float32
+        dims = [p.dimensions or self.output_dim for p in b.params]
+        out = truncate_and_normalize(
+            self.dense(pooled),
+            on_device(b.seqs.device, dims, torch.int64),
+            b.flags("normalize", self.normalize),
+        )
+        host = out.cpu().numpy()
+        return [host[i, :d] for i, d in enumerate(dims)]
+
+
+class ClassifierHead:
+    """One row per sequence (CLS or LAST) through a classifier, then its activation."""
+
+    def __init__(self, classify: RowFn, pooler: str, activation: str):
+        self.classify, self.pooler, self.activation = classify, pooler, activation
+
+    def __call__(self, b: HeadBatch) -> list[np.ndarray]:
+        logits = self.classify(b.hidden[sequence_rows(self.pooler, b.meta, b.seqs)]).float()  # [k, num_labels]
+        scores = torch.where(
+            b.flags("use_activation", True)[:, None], activate(logits, self.activation), logits
+        )
+        return list(scores.cpu().numpy())
+
+
+class LogitScoreHead:
+    """An LLM reranker: the last position's logits of a "true" token (and a "false" one) give
+    the log-odds `l_true - l_false` (or `l_true` alone), scored through a sigmoid."""
+
+    def __init__(self, compute_logits: LogitsFn, vocab_ids: torch.Tensor):
+        self.compute_logits = compute_logits
+        self.vocab_ids = vocab_ids  # [1 or 2] int64: the true token, then the false one
+
+    def __call__(self, b: HeadBatch) -> list[np.ndarray]:
+        rows = b.hidden[sequence_rows("LAST", b.meta, b.seqs)]
+        logits = self.compute_logits(rows, self.vocab_ids).float()  # [k, 1 or 2]
+        raw = logits[:, :1] if logits.shape[1] == 1 else logits[:, :1] - logits[:, 1:2]
+        scores = torch.where(b.flags("use_activation", True)[:, None], torch.sigmoid(raw), raw)
+        return list(scores.cpu().numpy())
+
+
+class TokenEmbedHead:
+    """Per-token vectors (all tokens, or STEP-tagged ones): an optional projection (ColBERT's
+    `linear`, a multi-vector folder's Dense modules), matryoshka truncation, normalize.
+
+    A late-interaction model may leave the tokens of a skiplist (punctuation) out of the vectors
+    of one side: of the requests whose `input_type` is in `skip_sides`."""
+
+    def __init__(
+        self,
+        project: RowFn | None,
+        normalize: bool,
+        output_dim: int,
+        skiplist: torch.Tensor | None = None,  # [vocab] bool: token ids left out
+        skip_sides: frozenset[str] = frozenset(),
+    ):
+        self.project, self.normalize, self.output_dim = project, normalize, output_dim
+        self.skiplist, self.skip_sides = skiplist, skip_sides
+
+    def __call__(self, b: HeadBatch) -> list[np.ndarray]:
+        keep = None
+        skipping = [p.input_type in self.skip_sides for p in b.params]
+        if self.skiplist is not None and any(skipping):
+            skip_seq = torch.zeros(b.meta.lengths.shape[0], dtype=torch.bool, device=b.seqs.device)
+            skip_seq[b.seqs] = on_device(b.seqs.device, skipping, torch.bool)
+            keep = ~(skip_seq[b.meta.seq_ids] & self.skiplist[b.meta.input_ids])
+        selected, row_seq, counts = _token_rows(b, keep)
+        rows = b.hidden[selected]
+        if self.project is not None:
+            rows = self.project(rows)
+        dims = [p.dimensions or self.output_dim for p in b.params]
+        rows = truncate_and_normalize(
+            rows.float(),
+            on_device(b.seqs.device, dims, torch.int64)[row_seq],
+            b.flags("normalize", self.normalize)[row_seq],
+        )
+        parts = torch.split(rows.cpu(), counts)
+        return [part.numpy()[:, :d] for part, d in zip(parts, dims, strict=True)]
+
+
+class TokenClassifierHead:
+    """Per-token class scores (all tokens, or STEP-tagged ones) from a token classifier."""
+
+    def __init__(self, classify_tokens: RowFn, activation: str):
+        self.classify_tokens, self.activation = classify_tokens, activation
+
+    def __call__(self, b: HeadBatch) -> list[np.ndarray]:
+        selected, row_seq, counts = _token_rows(b)
+        logits = self.classify_tokens(b.hidden[selected]).float()  # [num_selected, num_labels]
+        use = b.flags("use_activation", True)[row_seq]
+        scores = torch.where(use[:, None], activate(logits, self.activation), logits)
+        return [part.numpy() for part in torch.split(scores.cpu(), counts)]
+
+
+class SparseHead:
+    """SPLADE, as sentence-transformers' `SpladePooling`: the masked-LM logits of every token
+    through `log1p(relu(x))` (`"relu"`) or `log1p(log1p(relu(x)))` (`"log1p_relu"`), pooled per
+    sequence by `max` or `sum` into one `[vocab]` vector. A request with
+    `exclude_special_tokens` pools over its non-special tokens only. The vocabulary logits of a
+    step's tokens are computed `slice_tokens` rows at a time to bound memory."""
+
+    def __init__(
+        self,
+        compute_logits: LogitsFn,
+        special: torch.Tensor,
+        pooling_strategy: str = "max",
+        activation_function: str = "relu",
+        slice_tokens: int = 1024,
+    ):
+        self.compute_logits = compute_logits
+        self.special = special  # [vocab] bool: token ids `exclude_special_tokens` leaves out
+        self.reduce = {"max": "amax", "sum": "sum"}[pooling_strategy]  # over a sequence's tokens
+        self.log1p_twice = {"relu": False, "log1p_relu": True}[activation_function]
+        self.slice_tokens = slice_tokens
+
+    def __call__(self, b: HeadBatch) -> list[np.ndarray]:
+        meta, device = b.meta, b.seqs.device
+        num_all = int(meta.lengths.shape[0])
+        local = torch.full((num_all,), -1, dtype=torch.int64, device=device)
+        local[b.seqs] = torch.arange(b.num_seqs, device=device)
+        exclude = torch.zeros(num_all, dtype=torch.bool, device=device)
+        exclude[b.seqs] = b.flags("exclude_special_tokens", False)
+        row_local = local[meta.seq_ids]  # [num_tokens]: index among the head's sequences
+        # Prompt-embeds rows hold id 0 here; their requests never exclude (they need token ids).
+        keep = (row_local >= 0) & ~(exclude[meta.seq_ids] & self.special[meta.input_ids])
+        token_rows = torch.nonzero(keep).squeeze(1)  # [num_kept]
+        # Grouped by sequence, in token order: a sum then adds in one fixed order on every
+        # device (segment sums, no atomics).
+        token_rows = token_rows[torch.argsort(row_local[token_rows], stable=True)]
+        rows, row_local = b.hidden[token_rows], row_local[token_rows]
+        out = torch.zeros(b.num_seqs, self.special.shape[0], dtype=torch.float32, device=device)
+        for start in range(0, rows.shape[0], self.slice_tokens):
+            end = start + self.slice_tokens
+            weights = torch.log1p(torch.relu(self.compute_logits(rows[start:end]).float()))
+            if self.log1p_twice:
+                weights = torch.log1p(weights)
+            # Weights are >= 0, so the zeros `out` starts from change neither a max nor a sum.
+            if self.reduce == "sum":
+                counts = torch.bincount(row_local[start:end], minlength=b.num_seqs)
+                out += torch.segment_reduce(weights, "sum", lengths=counts, axis=0)
+            else:
+                index = row_local[start:end, None].expand_as(weights)
+                out.scatter_reduce_(0, index, weights, reduce="amax")
+        return list(out.cpu().numpy())
+
+
+def _token_rows(
+    b: HeadBatch, keep: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """`methods.token_rows` for the head's sequences: ALL, or STEP where `step_tag_id` is set."""
+    return token_rows(b.meta, b.seqs, [p.step_tag_id for p in b.params], keep)

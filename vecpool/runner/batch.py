@@ -8,13 +8,13 @@ import numpy as np
 import torch
 
 from vecpool.models.attention import AttentionMetadata
-from vecpool.pooling.poolers import PoolingMetadata
+from vecpool.pooling.methods import PoolingMetadata
 from vecpool.runner.step import StepInput
 
 
 @dataclass
 class FlatBatch:
-    """The tensors of one step. Built by `build_flat_batch`; read by the model and poolers."""
+    """The tensors of one step. Built by `build_flat_batch`; read by the model and the pooling heads."""
 
     input_ids: torch.Tensor  # [num_tokens] int64; 0 on rows that take prompt embeds
     positions: torch.Tensor  # [num_tokens] int64: each token's position in its prompt

@@ -3,7 +3,7 @@
 It reads each request's task declaration where it is used: a request whose task needs token
 ids but whose prompt came as embeddings fails here, alone, and the rest of the step goes on.
 The step's requests are grouped by the head their task declares; each head runs once on its
-group (see `vecpool.pooling.task_heads`).
+group (see `vecpool.pooling.heads`).
 """
 
 from __future__ import annotations
@@ -14,20 +14,10 @@ import numpy as np
 import torch
 
 from vecpool.errors import RequestFailedError
-from vecpool.pooling.task_heads import HeadBatch, TaskHead
+from vecpool.pooling.heads import HeadBatch, TaskHead
 from vecpool.runner.batch import FlatBatch
 from vecpool.runner.step import StepInput
-
-
-@dataclass(frozen=True)
-class PoolingDefaults:
-    """What a request gets when its parameters say nothing."""
-
-    pooler: str  # sequence pooler of the embed task: "CLS" | "MEAN" | "LAST" | "MAX"
-    normalize: bool
-    output_dim: int  # of embed, after the Dense projections
-    token_output_dim: int  # of token_embed, after a ColBERT projection if any
-    token_normalize: bool  # of token_embed
+from vecpool.tasks import Head
 
 
 @dataclass(frozen=True)
@@ -42,15 +32,15 @@ class PoolingRunner:
     """Turns one step's hidden states into each sequence's finished output (or error), by
     the head its task declares; a request that cannot be served here fails alone."""
 
-    def __init__(self, heads: dict[str, TaskHead], device: torch.device):
-        self.heads = heads  # by the head name a task declares; only those the model has
+    def __init__(self, heads: dict[Head, TaskHead], device: torch.device):
+        self.heads = heads  # by the head a task declares; only those the model has
         self.device = device
 
     @torch.inference_mode()
     def pool(self, hidden: torch.Tensor, batch: FlatBatch, step: StepInput) -> list[PooledResult]:
         chunks = step.chunks
         results: list[PooledResult | None] = [None] * len(chunks)
-        groups: dict[str, list[int]] = {}
+        groups: dict[Head, list[int]] = {}
         for i, (chunk, has_ids) in enumerate(zip(chunks, batch.has_token_ids, strict=True)):
             if not has_ids and chunk.task.needs_token_ids(chunk.params):
                 results[i] = PooledResult(
@@ -62,12 +52,7 @@ class PoolingRunner:
                         field="prompt_embeds",
                     ),
                 )
-            elif chunk.task.head not in self.heads:  # the engine checks this before queueing
-                results[i] = PooledResult(
-                    None,
-                    RequestFailedError(f"this model has no head for task {chunk.task.name!r}"),
-                )
-            else:
+            else:  # the api refuses tasks without a head before anything is queued
                 groups.setdefault(chunk.task.head, []).append(i)
         for head, seqs in groups.items():
             head_batch = HeadBatch(

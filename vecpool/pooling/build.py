@@ -1,14 +1,17 @@
-"""Which task heads a loaded model has: built once per engine from the model's head methods."""
+"""Which heads a loaded model serves: built once per engine from the model's capabilities and
+its folder's sentence-transformers modules; for each head it lacks, why."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from vecpool.errors import ModelLoadError
-from vecpool.models.base import PoolingModel
+from vecpool.models.base import Capability, PoolingModel
 from vecpool.models.folder import ModelFolder, SpladeSpec
-from vecpool.pooling.heads import DenseStack
-from vecpool.pooling.task_heads import (
+from vecpool.models.st import DenseStack, load_dense_stack
+from vecpool.pooling.heads import (
     ClassifierHead,
     EmbedHead,
     LogitScoreHead,
@@ -19,19 +22,21 @@ from vecpool.pooling.task_heads import (
     TokenEmbedHead,
     classifier_activation,
 )
-from vecpool.runner.pooling_runner import PoolingDefaults
-from vecpool.tasks import (
-    EMBEDDING,
-    INPUT_TYPES,
-    SCORER,
-    SEQUENCE_CLASSIFIER,
-    SPARSE,
-    TOKEN_CLASSIFIER,
-    TOKEN_EMBEDDING,
-)
+from vecpool.tasks import INPUT_TYPES, Head
 
 
-def build_task_heads(
+@dataclass(frozen=True)
+class PoolingDefaults:
+    """What a request gets when its parameters say nothing."""
+
+    pooler: str  # sequence method of the embed task: one of `methods.SEQUENCE_METHODS`
+    normalize: bool
+    output_dim: int  # of embed, after the Dense projections
+    token_output_dim: int  # of token_embed, after a ColBERT projection if any
+    token_normalize: bool  # of token_embed
+
+
+def build_heads(
     model: PoolingModel,
     folder: ModelFolder,
     defaults: PoolingDefaults,
@@ -41,7 +46,7 @@ def build_task_heads(
     scorer_vocab_ids: list[int] | None,
     special_token_ids: list[int],
     skiplist_ids: list[int] | None = None,
-) -> tuple[dict[str, TaskHead], dict[str, str]]:
+) -> tuple[dict[Head, TaskHead], dict[Head, str]]:
     """The heads this model serves, by name, and for each head it lacks, why.
 
     `scorer_vocab_ids` (the true and false tokens of an LLM reranker) make the scorer an LLM
@@ -49,45 +54,43 @@ def build_task_heads(
     `skiplist_ids`: the token ids a late-interaction model leaves out of some side's vectors.
     """
     arch = folder.architecture
-    heads: dict[str, TaskHead] = {
-        EMBEDDING: EmbedHead(
-            defaults.pooler, dense.to(device), defaults.normalize, defaults.output_dim
-        ),
-        TOKEN_EMBEDDING: _token_embed_head(model, folder, defaults, device, skiplist_ids),
+    heads: dict[Head, TaskHead] = {
+        Head.EMBEDDING: EmbedHead(defaults.pooler, dense, defaults.normalize, defaults.output_dim),
+        Head.TOKEN_EMBEDDING: _token_embed_head(model, folder, defaults, device, skiplist_ids),
     }
-    missing: dict[str, str] = {}
+    missing: dict[Head, str] = {}
     activation = classifier_activation(folder.hf_config, model.num_labels)
-    if "sequence_classifier" in model.heads:
-        heads[SEQUENCE_CLASSIFIER] = ClassifierHead(
+    if Capability.SEQUENCE_CLASSIFIER in model.capabilities:
+        heads[Head.SEQUENCE_CLASSIFIER] = ClassifierHead(
             model.classify, model.classifier_pooler, activation
         )
     else:
-        missing[SEQUENCE_CLASSIFIER] = (
+        missing[Head.SEQUENCE_CLASSIFIER] = (
             f"{arch} has no sequence-classification head (a *ForSequenceClassification "
             "checkpoint has one)"
         )
     if scorer_vocab_ids is not None:
         ids = torch.tensor(scorer_vocab_ids, dtype=torch.int64, device=device)
-        heads[SCORER] = LogitScoreHead(model.compute_logits, ids)
-    elif SEQUENCE_CLASSIFIER in heads:
-        heads[SCORER] = heads[SEQUENCE_CLASSIFIER]
+        heads[Head.SCORER] = LogitScoreHead(model.compute_logits, ids)
+    elif Head.SEQUENCE_CLASSIFIER in heads:
+        heads[Head.SCORER] = heads[Head.SEQUENCE_CLASSIFIER]
     else:
-        missing[SCORER] = (
+        missing[Head.SCORER] = (
             f"{arch} is neither a cross-encoder (*ForSequenceClassification) nor configured as "
             "an LLM reranker (Engine(llm_reranker=...))"
         )
-    if "token_classifier" in model.heads:
-        heads[TOKEN_CLASSIFIER] = TokenClassifierHead(model.classify_tokens, activation)
+    if Capability.TOKEN_CLASSIFIER in model.capabilities:
+        heads[Head.TOKEN_CLASSIFIER] = TokenClassifierHead(model.classify_tokens, activation)
     else:
-        missing[TOKEN_CLASSIFIER] = (
+        missing[Head.TOKEN_CLASSIFIER] = (
             f"{arch} has no token-classification head (a *ForTokenClassification checkpoint "
             "has one)"
         )
-    if "masked_lm" in model.heads:
+    if Capability.MASKED_LM in model.capabilities:
         special = torch.zeros(model.vocab_size, dtype=torch.bool)
         special[[i for i in special_token_ids if 0 <= i < model.vocab_size]] = True
         splade = folder.splade or SpladeSpec()  # a plain *ForMaskedLM: max of log1p(relu)
-        heads[SPARSE] = SparseHead(
+        heads[Head.SPARSE] = SparseHead(
             model.compute_logits,
             special.to(device),
             splade.pooling_strategy,
@@ -99,7 +102,7 @@ def build_task_heads(
             "(a *ForMaskedLM checkpoint has one)"
         )
     else:
-        missing[SPARSE] = f"{arch} has no masked-LM head (a *ForMaskedLM checkpoint has one)"
+        missing[Head.SPARSE] = f"{arch} has no masked-LM head (a *ForMaskedLM checkpoint has one)"
     return heads, missing
 
 
@@ -113,9 +116,10 @@ def _token_embed_head(
     """Token rows through ColBERT's `linear` or a multi-vector folder's per-token Dense modules,
     the skiplist of a late-interaction model, truncation, normalization."""
     spec = folder.late_interaction
-    project: RowFn | None = model.project_tokens if "token_projection" in model.heads else None
+    projects = Capability.TOKEN_PROJECTION in model.capabilities
+    project: RowFn | None = model.project_tokens if projects else None
     if spec is not None and spec.dense:
-        token_dense = DenseStack(spec.dense).to(device)
+        token_dense = load_dense_stack(spec.dense, device)
 
         def project(rows: torch.Tensor) -> torch.Tensor:  # the Dense modules run in float32
             return token_dense(rows.float())

@@ -1,0 +1,121 @@
+"""Pooling methods: which rows of a flat batch's hidden states an output reads, by index
+arithmetic on its sequence boundaries.
+
+Sequence methods (CLS, MEAN, LAST, MAX, MEAN_SQRT_LEN, WEIGHTED_MEAN) reduce each sequence to
+one float32 vector; `sequence_rows` picks the one row a classifier reads (CLS or LAST);
+`token_rows` picks the rows of per-token outputs (ALL, or STEP: the positions holding a tag).
+None of them loops over requests in Python. What is computed from the rows is a head's business
+(`vecpool.pooling.heads`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vecpool.errors import ConfigError
+
+SEQUENCE_METHODS = ("CLS", "MEAN", "LAST", "MAX", "MEAN_SQRT_LEN", "WEIGHTED_MEAN")
+
+
+@dataclass
+class PoolingMetadata:
+    """The part of a flat batch the pooling methods read. Tensors live on the model's device."""
+
+    cu_seqlens: torch.Tensor  # [num_seqs + 1] int64
+    lengths: torch.Tensor  # [num_seqs] int64
+    seq_ids: torch.Tensor  # [num_tokens] int64
+    input_ids: torch.Tensor  # [num_tokens] int64; 0 on rows that came as prompt embeds
+
+
+def _cls(hidden: torch.Tensor, meta: PoolingMetadata) -> torch.Tensor:
+    return hidden[meta.cu_seqlens[:-1]].float()
+
+
+def _last(hidden: torch.Tensor, meta: PoolingMetadata) -> torch.Tensor:
+    return hidden[meta.cu_seqlens[1:] - 1].float()
+
+
+def _mean(hidden: torch.Tensor, meta: PoolingMetadata) -> torch.Tensor:
+    # Segment sums accumulate in float32 whatever the model dtype; deterministic on every device.
+    sums = torch.segment_reduce(hidden.float(), "sum", lengths=meta.lengths, axis=0)
+    return sums / meta.lengths[:, None].float()
+
+
+def _max(hidden: torch.Tensor, meta: PoolingMetadata) -> torch.Tensor:
+    return torch.segment_reduce(hidden.float(), "max", lengths=meta.lengths, axis=0)
+
+
+def _mean_sqrt_len(hidden: torch.Tensor, meta: PoolingMetadata) -> torch.Tensor:
+    sums = torch.segment_reduce(hidden.float(), "sum", lengths=meta.lengths, axis=0)
+    return sums / meta.lengths[:, None].float().sqrt()
+
+
+def _weighted_mean(hidden: torch.Tensor, meta: PoolingMetadata) -> torch.Tensor:
+    # sentence-transformers' weighting: the i-th token of a sequence weighs i (from 1).
+    rows = torch.arange(hidden.shape[0], device=hidden.device)
+    weights = (rows - meta.cu_seqlens[meta.seq_ids] + 1).float()  # [num_tokens]
+    sums = torch.segment_reduce(hidden.float() * weights[:, None], "sum", lengths=meta.lengths)
+    total = meta.lengths.float() * (meta.lengths.float() + 1) / 2
+    return sums / total[:, None]
+
+
+_METHODS: dict[str, Callable[[torch.Tensor, PoolingMetadata], torch.Tensor]] = {
+    "CLS": _cls,
+    "MEAN": _mean,
+    "LAST": _last,
+    "MAX": _max,
+    "MEAN_SQRT_LEN": _mean_sqrt_len,
+    "WEIGHTED_MEAN": _weighted_mean,
+}
+
+
+def pool_sequences(kind: str, hidden: torch.Tensor, meta: PoolingMetadata) -> torch.Tensor:
+    """`[num_seqs, hidden]` float32: every sequence of the batch pooled by method `kind`."""
+    return _METHODS[kind](hidden, meta)
+
+
+def sequence_rows(method: str, meta: PoolingMetadata, seqs: torch.Tensor) -> torch.Tensor:
+    """`[k]` int64: the row each of the sequences `seqs` (`[k]` batch positions) is read at:
+    its first token (CLS) or its last (LAST)."""
+    if method == "CLS":
+        return meta.cu_seqlens[:-1][seqs]
+    if method == "LAST":
+        return meta.cu_seqlens[1:][seqs] - 1
+    raise ConfigError(f"a classifier reads the CLS or LAST row, not {method!r}")
+
+
+def token_rows(
+    meta: PoolingMetadata,
+    seqs: torch.Tensor,  # [k] int64: batch positions of the sequences served
+    step_tags: list[int | None],  # [k]: STEP token id per sequence, None for ALL
+    keep: torch.Tensor | None = None,  # [num_tokens] bool: rows that may be returned at all
+) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """The rows of per-token outputs: every row of an ALL sequence, the rows holding its tag of
+    a STEP sequence (and only rows `keep` allows). Returns the `[num_tokens]` bool selection,
+    each selected row's index among `seqs` (`[num_selected]`), and each sequence's row count."""
+    device = seqs.device
+    num_seqs, k = int(meta.lengths.shape[0]), len(step_tags)
+    served = torch.zeros(num_seqs, dtype=torch.bool, device=device)
+    served[seqs] = True
+    tagged = torch.zeros(num_seqs, dtype=torch.bool, device=device)
+    tagged[seqs] = on_device(device, [t is not None for t in step_tags], torch.bool)
+    tags = torch.zeros(num_seqs, dtype=torch.int64, device=device)
+    tags[seqs] = on_device(device, [0 if t is None else t for t in step_tags], torch.int64)
+    local = torch.zeros(num_seqs, dtype=torch.int64, device=device)
+    local[seqs] = torch.arange(k, device=device)
+    seq = meta.seq_ids
+    selected = served[seq] & (~tagged[seq] | (meta.input_ids == tags[seq]))
+    if keep is not None:
+        selected = selected & keep
+    row_seq = local[seq[selected]]
+    counts = torch.bincount(row_seq, minlength=k).cpu().tolist()
+    return selected, row_seq, counts
+
+
+def on_device(device: torch.device, values: list[Any], dtype: torch.dtype) -> torch.Tensor:
+    """A small host list as a tensor on `device` (copied without waiting)."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
