@@ -102,6 +102,8 @@ def test_prompt_embeds_accept_any_float_dtype(engine: vecpool.Engine) -> None:
     ids = random_prompts(99, [6], seed=9)[0]
     lookup = engine.embed_tokens(ids)
     ref = engine.embed([ids])
+    # Bit for bit: float64 holds the float32 lookup exactly, and the lookup fills the rows the
+    # ids would, so each call is the same computation as `ref`.
     for cast in (torch.float64, torch.float32):
         out = engine.embed([{"prompt_embeds": lookup.to(cast)}])
         assert np.array_equal(out, ref)
@@ -120,6 +122,8 @@ def test_truncation_of_ids_and_embeds(engine: vecpool.Engine, side: str) -> None
         truncate_prompt_tokens=16,
         truncation_side=side,
     )
+    # The kept tokens (as ids, or as their lookup) alone in a batch: the computation of
+    # `expected`, bit for bit.
     assert np.array_equal(got_ids, expected)
     assert np.array_equal(got_embeds, expected)
 
@@ -135,6 +139,7 @@ def test_text_truncation_keeps_special_tokens(minilm: vecpool.Engine) -> None:
     assert full[0] == 101 and full[-1] == 102  # [CLS] ... [SEP]
     right = minilm.embed([text], truncate_prompt_tokens=5)
     left = minilm.embed([text], truncate_prompt_tokens=5, truncation_side="left")
+    # The same tokens alone in a batch: the same computation, bit for bit.
     assert np.array_equal(right, minilm.embed([[101, *full[1:4], 102]]))
     assert np.array_equal(left, minilm.embed([[101, *full[-4:-1], 102]]))
     with pytest.raises(vecpool.InputError, match="input 0: truncation to 2 tokens leaves no room"):

@@ -50,7 +50,7 @@ def test_cross_encoder_matches_sentence_transformers(
 def test_rerank_sorts_best_first(cross_encoder_engine: vecpool.Engine) -> None:
     engine = cross_encoder_engine
     scores = engine.score(QUERY, DOCS)
-    ranked = engine.rerank(QUERY, DOCS)
+    ranked = engine.rerank(QUERY, DOCS)  # the same pairs in the same batch: the same bits
     assert [i for i, _ in ranked] == list(np.argsort(-scores, kind="stable"))
     assert [s for _, s in ranked] == sorted(scores.tolist(), reverse=True)
     assert engine.rerank(QUERY, DOCS, top_n=2) == ranked[:2]
