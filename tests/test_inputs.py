@@ -128,6 +128,28 @@ def test_truncation_of_ids_and_embeds(engine: vecpool.Engine, side: str) -> None
     assert np.array_equal(got_embeds, expected)
 
 
+def test_truncation_above_the_limit_is_an_error(
+    engine: vecpool.Engine, minilm: vecpool.Engine
+) -> None:
+    limit = engine.max_model_len
+    assert limit == 64
+    ids = random_prompts(99, [limit + 10], seed=11)[0]
+    with pytest.raises(
+        vecpool.InputError,
+        match=r"^truncate_prompt_tokens: truncate_prompt_tokens=65 is more than the model's "
+        r"limit of 64 tokens; pass -1",
+    ):
+        engine.embed([ids], truncate_prompt_tokens=limit + 1)
+    with pytest.raises(vecpool.InputError, match=r"=257 is more than the model's limit of 256"):
+        minilm.embed(["a short text"], truncate_prompt_tokens=257)
+    with pytest.raises(vecpool.InputError, match=r"=65 is more than the model's limit of 64"):
+        engine.embed([], truncate_prompt_tokens=limit + 1)  # a call's option, inputs or not
+    # -1 and the limit itself both keep the first 64 tokens: the computation of `expected`.
+    expected = engine.embed([ids[:limit]])
+    for t in (-1, limit):
+        assert np.array_equal(engine.embed([ids], truncate_prompt_tokens=t), expected)
+
+
 def test_empty_text_is_an_error(minilm: vecpool.Engine) -> None:
     with pytest.raises(vecpool.InputError, match="input 1: the input is an empty string"):
         minilm.embed(["fine", "", "fine"])
