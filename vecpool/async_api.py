@@ -94,8 +94,9 @@ class AsyncEngine:
         futures = []
         for request in requests:
             future: asyncio.Future[Request] = loop.create_future()
-            request.add_done_callback(_resolver(loop, future))
+            # Callbacks run in order: the request leaves the count before its caller can wake.
             request.add_done_callback(self._on_done)
+            request.add_done_callback(_resolver(loop, future))
             futures.append(future)
         for request in sorted(requests, key=lambda r: -r.num_prompt_tokens):
             self.engine.core.add_request(request)
