@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +16,13 @@ import transformers
 import vecpool
 from tests.helpers import save_hf_model
 
-torch.set_num_threads(2)
+
+def pytest_configure(config: pytest.Config) -> None:
+    # torch sizes its thread pool from the cores it sees and ignores an OMP_NUM_THREADS above
+    # that; honour the variable, so that the suite can be run at any thread count (results that
+    # depend on it are compared with a stated tolerance). Two threads otherwise.
+    threads = os.environ.get("OMP_NUM_THREADS")
+    torch.set_num_threads(int(threads) if threads else 2)
 
 
 @pytest.fixture(scope="session")

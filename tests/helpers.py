@@ -44,6 +44,13 @@ def engine_hidden(engine: vecpool.Engine, inputs: list[Any]) -> list[np.ndarray]
     return engine.encode(inputs, task="token_embed", normalize=False)
 
 
+# Two fp32 runs of one model whose kernels differ in shape (another batch, thread count or CPU
+# model) sum in another order: an ulp or two per operation, compounded over the layers (~1e-6
+# of the largest magnitude has been seen). They are compared to 1e-5 of it: the precision
+# parity with transformers is held to, which is the same arithmetic in another order too.
+REORDERED_RTOL = 1e-5
+
+
 def assert_rel_close(actual: np.ndarray, expected: np.ndarray, rtol: float = 1e-5) -> None:
     """Max abs difference within `rtol` of the reference's largest magnitude."""
     assert actual.shape == expected.shape, (actual.shape, expected.shape)

@@ -97,7 +97,7 @@ def test_engine_failure_fails_the_step_not_the_engine(tiny_bert_engine, monkeypa
     with pytest.raises(vecpool.EngineError, match="device fell over"):
         engine.embed(prompts)
     monkeypatch.setattr(engine.model_runner, "forward", original)
-    assert np.array_equal(engine.embed(prompts), expected)
+    assert np.array_equal(engine.embed(prompts), expected)  # the same call: the same bits
 
 
 @pytest.mark.parametrize(
@@ -182,6 +182,7 @@ def test_instruction_prompts_by_name(tmp_path: Path, default_model_dir: Path) ->
     assert np.abs(default - st.encode(texts)).max() < 1e-5  # ST applies the default prompt too
     passage = engine.embed(texts, prompt_name="passage")
     assert np.abs(passage - st.encode(texts, prompt_name="passage")).max() < 1e-5
+    # The same tokens in the same batch: the same computation, bit for bit.
     assert np.array_equal(engine.embed(texts, prompt="passage: "), passage)
     assert engine.tokenize("x", prompt_name="passage") == engine.tokenize("passage: x", prompt="")
     assert engine.tokenize("x") == engine.tokenize("query: x", prompt="")

@@ -102,6 +102,8 @@ def test_prompt_embeds_accept_any_float_dtype(engine: vecpool.Engine) -> None:
     ids = random_prompts(99, [6], seed=9)[0]
     lookup = engine.embed_tokens(ids)
     ref = engine.embed([ids])
+    # Bit for bit: float64 holds the float32 lookup exactly, and the lookup fills the rows the
+    # ids would, so each call is the same computation as `ref`.
     for cast in (torch.float64, torch.float32):
         out = engine.embed([{"prompt_embeds": lookup.to(cast)}])
         assert np.array_equal(out, ref)
@@ -120,8 +122,32 @@ def test_truncation_of_ids_and_embeds(engine: vecpool.Engine, side: str) -> None
         truncate_prompt_tokens=16,
         truncation_side=side,
     )
+    # The kept tokens (as ids, or as their lookup) alone in a batch: the computation of
+    # `expected`, bit for bit.
     assert np.array_equal(got_ids, expected)
     assert np.array_equal(got_embeds, expected)
+
+
+def test_truncation_above_the_limit_is_an_error(
+    engine: vecpool.Engine, minilm: vecpool.Engine
+) -> None:
+    limit = engine.max_model_len
+    assert limit == 64
+    ids = random_prompts(99, [limit + 10], seed=11)[0]
+    with pytest.raises(
+        vecpool.InputError,
+        match=r"^truncate_prompt_tokens: truncate_prompt_tokens=65 is more than the model's "
+        r"limit of 64 tokens; pass -1",
+    ):
+        engine.embed([ids], truncate_prompt_tokens=limit + 1)
+    with pytest.raises(vecpool.InputError, match=r"=257 is more than the model's limit of 256"):
+        minilm.embed(["a short text"], truncate_prompt_tokens=257)
+    with pytest.raises(vecpool.InputError, match=r"=65 is more than the model's limit of 64"):
+        engine.embed([], truncate_prompt_tokens=limit + 1)  # a call's option, inputs or not
+    # -1 and the limit itself both keep the first 64 tokens: the computation of `expected`.
+    expected = engine.embed([ids[:limit]])
+    for t in (-1, limit):
+        assert np.array_equal(engine.embed([ids], truncate_prompt_tokens=t), expected)
 
 
 def test_empty_text_is_an_error(minilm: vecpool.Engine) -> None:
@@ -135,6 +161,7 @@ def test_text_truncation_keeps_special_tokens(minilm: vecpool.Engine) -> None:
     assert full[0] == 101 and full[-1] == 102  # [CLS] ... [SEP]
     right = minilm.embed([text], truncate_prompt_tokens=5)
     left = minilm.embed([text], truncate_prompt_tokens=5, truncation_side="left")
+    # The same tokens alone in a batch: the same computation, bit for bit.
     assert np.array_equal(right, minilm.embed([[101, *full[1:4], 102]]))
     assert np.array_equal(left, minilm.embed([[101, *full[-4:-1], 102]]))
     with pytest.raises(vecpool.InputError, match="input 0: truncation to 2 tokens leaves no room"):

