@@ -6,6 +6,7 @@ index, and data parallel equal to one process."""
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -318,3 +319,18 @@ def test_data_parallel_equals_one_process(engine: Engine, corpus: Path, tmp_path
     # The same chunks; the engine processes use fewer threads each: fp32 rounding at most.
     assert np.abs(vectors_of(parallel) - vectors_of(single)).max() < 1e-6
     assert a["index"].equals(b["index"])
+
+
+def test_data_parallel_engine_failure_is_one_line_and_leaves_no_process(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    source = tmp_path / "texts.txt"
+    source.write_text("a text\n")
+    missing = str(tmp_path / "no-such-model")
+    out = tmp_path / "out.npy"
+    args = [missing, "-i", str(source), "-o", str(out), "--device", "cpu", "-q"]
+    assert embed(None, *args, "--data-parallel-size", "2") == 2
+    err = capsys.readouterr().err
+    assert "no-such-model" in err and err.count("\n") == 1
+    assert multiprocessing.active_children() == []  # the engine processes were stopped
+    assert not out.exists() and not out.with_name("out.npy.partial").exists()

@@ -152,7 +152,11 @@ class ProcessEmbedder:
         ]
         for process in self.processes:
             process.start()
-        dims = [self._receive()[2] for _ in self.processes]  # every engine loaded
+        try:
+            dims = [self._receive()[2] for _ in self.processes]  # every engine loaded
+        except BaseException:
+            self.close()
+            raise
         self.output_dim = dims[0]
 
     def _receive(self) -> tuple[Any, ...]:
