@@ -334,3 +334,44 @@ def test_data_parallel_engine_failure_is_one_line_and_leaves_no_process(
     assert "no-such-model" in err and err.count("\n") == 1
     assert multiprocessing.active_children() == []  # the engine processes were stopped
     assert not out.exists() and not out.with_name("out.npy.partial").exists()
+
+
+def children_of(pid: int) -> list[int]:
+    """Live (not zombie) processes whose parent is `pid`, from /proc."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z":
+                found.append(int(entry.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_engine_processes_leave_when_the_parent_is_killed(corpus: Path, tmp_path: Path) -> None:
+    out = tmp_path / "vectors.parquet"
+    command = cli_command(corpus, out, "-q", "--data-parallel-size", "2")
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    record = out.with_name(out.name + ".partial") / "part-000000.json"
+    deadline = time.monotonic() + 240
+    while not record.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    workers = children_of(process.pid)
+    process.kill()
+    process.wait()
+    assert len(workers) >= 2  # the engine processes (and multiprocessing's helper)
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(pid) for pid in workers)
+    assert not out.exists()
