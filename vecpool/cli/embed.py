@@ -57,7 +57,7 @@ corpus). With no --input, embed a few example sentences and compare them.
 input:  one text per line; JSONL (--format jsonl, or a .jsonl file): per line a JSON string,
         or an object with a text field (--field) or "prompt_token_ids"; or Parquet (a
         .parquet file): a string column (--field) or a list<int> "prompt_token_ids" column
-output: .npy, float32 [n, dim] in input order (with --skip-empty, OUTPUT.index.npy beside it
+output: .npy, float32 [n, dim] in input order (with --skip-empty, NAME.index.npy beside NAME.npy
         holds each row's 0-based line); .parquet, columns `index` (the input's 0-based line
         or row), the --id-field if given, and `embedding` (list<float32>); or .jsonl, one
         object per row with the same fields
