@@ -4,4 +4,5 @@ import sys
 
 from vecpool.cli.main import main
 
-sys.exit(main())
+if __name__ == "__main__":  # not when a spawned worker process imports this module
+    sys.exit(main())

@@ -1,16 +1,21 @@
-"""`vecpool embed`: a file of texts or token ids into .npy or .parquet, read in chunks; with no
-input, example sentences and how they compare."""
+"""`vecpool embed`: a corpus of texts or token ids (text lines, JSONL or Parquet) into .npy,
+.parquet or .jsonl, streamed in chunks, resumable after an interruption, written atomically;
+with no input, example sentences and how they compare.
+
+Reading is in `corpus.py`, the work folder and the output files in `output.py`, the engines
+(one here, or one process per GPU) in `parallel.py`.
+"""
 
 from __future__ import annotations
 
 import argparse
-import json
+import signal
 import sys
+import threading
 import time
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import numpy as np
 from tqdm import tqdm
@@ -18,6 +23,18 @@ from tqdm import tqdm
 from vecpool.api import Engine, EngineArgs
 from vecpool.api.args import DEFAULT_MODEL_NAME
 from vecpool.cli.common import CommandError
+from vecpool.cli.corpus import (
+    INPUT_FORMATS,
+    Chunk,
+    ParquetInput,
+    count_lines,
+    file_identity,
+    input_format,
+    open_lines,
+    read_line_chunks,
+)
+from vecpool.cli.output import WorkFolder, check_output
+from vecpool.cli.parallel import EmbedOptions, LocalEmbedder, ProcessEmbedder
 from vecpool.errors import InputError
 
 DEFAULT_CHUNK_SIZE = 4096
@@ -34,49 +51,64 @@ UNRELATED = (
     ("The train to Paris was delayed by an hour.", "Fresh bread is baked here every morning."),
 )
 EMBED_HELP = """\
-Embed a file of texts or token ids into .npy or .parquet, reading it in chunks.
-With no --input, embed a few example sentences and compare them.
+Embed a corpus of texts or token ids, streamed in chunks (memory holds a few chunks, not the
+corpus). With no --input, embed a few example sentences and compare them.
 
-input:  one text per line; or JSONL (--format jsonl, or a .jsonl file): per line a JSON
-        string, or an object with a text field (--field) or "prompt_token_ids"
-output: .npy, float32 [n, dim] in input order; or .parquet, columns `index` (the input's
-        0-based line number), the --id-field if given, and `embedding` (list<float32>)
+input:  one text per line; JSONL (--format jsonl, or a .jsonl file): per line a JSON string,
+        or an object with a text field (--field) or "prompt_token_ids"; or Parquet (a
+        .parquet file): a string column (--field) or a list<int> "prompt_token_ids" column
+output: .npy, float32 [n, dim] in input order (with --skip-empty, NAME.index.npy beside NAME.npy
+        holds each row's 0-based line); .parquet, columns `index` (the input's 0-based line
+        or row), the --id-field if given, and `embedding` (list<float32>); or .jsonl, one
+        object per row with the same fields
+
+resuming: results are committed chunk by chunk to OUTPUT.partial/; run the same command again
+after an interruption (Ctrl-C, SIGTERM, SIGKILL, a crash) and it goes on from the last whole
+chunk. The output appears only when complete, in one rename; an existing one is replaced only
+with --overwrite, and only by a finished run.
 """
 EMBED_EXAMPLES = """\
 examples:
   vecpool embed
   vecpool embed --input texts.txt --output vectors.npy
   vecpool embed MODEL_DIR --input docs.jsonl --id-field doc_id --output docs.parquet
+  vecpool embed --input corpus.parquet --field body --output vectors.parquet \\
+      --data-parallel-size 2 --dtype bfloat16
   cat texts.txt | vecpool embed --input - --output vectors.npy --dimensions 256
 """
-
-
-@dataclass
-class Chunk:
-    """Up to `--chunk-size` inputs read from the file, and where each one came from."""
-
-    inputs: list[str | dict[str, Any]] = field(default_factory=list)
-    lines: list[int] = field(default_factory=list)  # 1-based file line of each input
-    ids: list[str | int] = field(default_factory=list)  # --id-field values, when asked for
-    num_lines: int = 0  # file lines consumed, skipped ones included
 
 
 def add_embed_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the `embed` options to `parser`."""
     EngineArgs.add_cli_args(parser)
     io = parser.add_argument_group("input and output")
-    io.add_argument("-i", "--input", metavar="FILE", help="texts or JSONL to embed; - for stdin")
-    io.add_argument("-o", "--output", metavar="FILE", help="the .npy or .parquet file to write")
-    io.add_argument("--format", choices=("text", "jsonl"), help="default: by the file's suffix")
-    io.add_argument("--field", default="text", help="JSONL text field (default: text)")
-    io.add_argument("--id-field", metavar="NAME", help="JSONL field to keep as a parquet column")
-    io.add_argument("--skip-empty", action="store_true", help="skip blank lines, not fail")
+    io.add_argument(
+        "-i", "--input", metavar="FILE", help="text, JSONL or Parquet to embed; - for stdin"
+    )
+    io.add_argument("-o", "--output", metavar="FILE", help="the .npy, .parquet or .jsonl to write")
+    io.add_argument("--format", choices=INPUT_FORMATS, help="input format (default: by suffix)")
+    io.add_argument("--field", default="text", help="JSONL field or Parquet column of the text")
+    io.add_argument("--id-field", metavar="NAME", help="JSONL field or Parquet column to keep")
+    io.add_argument("--skip-empty", action="store_true", help="skip blank inputs, not fail")
     io.add_argument(
         "--chunk-size",
         type=int,
         default=DEFAULT_CHUNK_SIZE,
         metavar="N",
-        help="inputs per chunk (default: %(default)s)",
+        help="lines (rows) per chunk, the unit of work and of resuming (default: %(default)s)",
+    )
+    io.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    io.add_argument(
+        "--restart",
+        action="store_true",
+        help="discard an interrupted run's OUTPUT.partial/ instead of resuming it",
+    )
+    io.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="engine processes, one per GPU (on the CPU they share the cores; default: 1)",
     )
     io.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary")
     emb = parser.add_argument_group("embedding")
@@ -91,143 +123,196 @@ def add_embed_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_embed(args: argparse.Namespace, engine: Engine | None) -> int:
-    """`vecpool embed`: a file into .npy / .parquet or, with no --input, the examples."""
-    output = _check_embed_args(args)
-    source = _open_input(args.input) if args.input is not None else None
-    try:
+    """`vecpool embed`: a corpus into .npy / .parquet / .jsonl or, with no --input, the
+    examples."""
+    output = _check_embed_args(args, engine)
+    if output is None:
         start = time.perf_counter()
         if engine is None:
             engine = Engine.from_args(EngineArgs.from_cli_args(args))
-        if source is None or output is None:
-            return _show_examples(engine, args, load_seconds=time.perf_counter() - start)
-        return _embed_file(engine, args, source, output)
-    finally:
-        if source is not None and args.input != "-":
-            source.close()
+        return _show_examples(engine, args, load_seconds=time.perf_counter() - start)
+    return _embed_corpus(args, engine, output)
 
 
-def read_chunks(
-    lines: Iterable[bytes],
-    *,
-    jsonl: bool,
-    text_field: str = "text",
-    id_field: str | None = None,
-    skip_empty: bool = False,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-) -> Iterator[Chunk]:
-    """Parse raw lines into chunks of at most `chunk_size` inputs.
-
-    A bad line raises `CommandError` naming its 1-based line number.
-    """
-    chunk = Chunk()
-    id_kind: str | None = None  # JSON type of the first id; every id must share it
-    for number, raw in enumerate(lines, start=1):
-        chunk.num_lines += 1
-        try:
-            text = raw.decode("utf-8-sig" if number == 1 else "utf-8").rstrip("\r\n")
-            item, id_value = _parse_line(text, jsonl, text_field, id_field)
-            if id_value is not None:
-                id_kind = id_kind or _json_type(id_value)
-                if _json_type(id_value) != id_kind:
-                    raise ValueError(
-                        f"{id_field!r} is a {_json_type(id_value)}; earlier ids are {id_kind}s"
-                    )
-        except UnicodeDecodeError as exc:
-            raise CommandError(f"line {number}: not UTF-8 text (byte {exc.start + 1})") from None
-        except ValueError as exc:
-            raise CommandError(f"line {number}: {exc}") from None
-        if item is None:
-            if skip_empty:
-                continue
-            raise CommandError(f"line {number}: blank input (--skip-empty skips these)")
-        chunk.inputs.append(item)
-        chunk.lines.append(number)
-        if id_value is not None:
-            chunk.ids.append(id_value)
-        if len(chunk.inputs) == chunk_size:
-            yield chunk
-            chunk = Chunk()
-    if chunk.num_lines:
-        yield chunk
-
-
-def _parse_line(
-    text: str, jsonl: bool, text_field: str, id_field: str | None
-) -> tuple[str | dict[str, Any] | None, str | int | None]:
-    """(input, id) of one line; the input is None when the line or its text is blank."""
-    if not jsonl or not text.strip():
-        return (text if text.strip() else None), None
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"not valid JSON ({exc.msg}, column {exc.colno})") from None
-    if isinstance(value, str) and id_field is None:
-        return (value if value.strip() else None), None
-    if not isinstance(value, dict):
-        raise ValueError(
-            f"expected a JSON object{'' if id_field else ' or string'}, got {_json_type(value)}"
-        )
-    item: str | dict[str, Any] | None
-    if "prompt_token_ids" in value:
-        item = {"prompt_token_ids": value["prompt_token_ids"]}
-    elif isinstance(value.get(text_field), str):
-        item = value[text_field] if value[text_field].strip() else None
-    elif text_field in value:
-        raise ValueError(f"{text_field!r} must be a string, got {_json_type(value[text_field])}")
-    else:
-        raise ValueError(f"the object has no {text_field!r} field (nor 'prompt_token_ids')")
-    if id_field is None:
-        return item, None
-    id_value = value.get(id_field)
-    if not isinstance(id_value, str | int) or isinstance(id_value, bool):
-        raise ValueError(f"{id_field!r} must be a string or an integer, got {_json_type(id_value)}")
-    return item, id_value
-
-
-def _json_type(value: Any) -> str:
-    names = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array"}
-    return "null" if value is None else names.get(type(value), "object")
-
-
-def _check_embed_args(args: argparse.Namespace) -> Path | None:
-    """Refuse inconsistent options before the model loads; return the output path."""
+def _check_embed_args(args: argparse.Namespace, engine: Engine | None) -> Path | None:
+    """Refuse inconsistent options and unusable paths before the model loads; return the
+    output path (None: show the examples)."""
     if args.input is None:
         if args.output is not None:
             raise CommandError("--output needs --input (with neither, examples are shown)")
         return None
     if args.output is None:
-        raise CommandError("--input needs --output FILE (.npy or .parquet)")
+        raise CommandError("--input needs --output FILE (.npy, .parquet or .jsonl)")
     output = Path(args.output)
-    if output.suffix not in (".npy", ".parquet"):
-        raise CommandError(f"--output {args.output!r}: the name must end in .npy or .parquet")
+    check_output(
+        output, overwrite=args.overwrite, with_index=args.skip_empty and output.suffix == ".npy"
+    )
     if args.chunk_size < 1:
         raise CommandError(f"--chunk-size must be at least 1, got {args.chunk_size}")
+    if args.data_parallel_size < 1:
+        raise CommandError(
+            f"--data-parallel-size must be at least 1, got {args.data_parallel_size}"
+        )
+    if args.data_parallel_size > 1 and engine is not None:
+        raise CommandError("--data-parallel-size loads its own engines; none may be given")
+    fmt = input_format(args.input, args.format)
     if args.id_field is not None:
-        if not _is_jsonl(args) or output.suffix != ".parquet":
-            raise CommandError("--id-field needs JSONL input and a .parquet output")
+        if fmt == "text" or output.suffix == ".npy":
+            raise CommandError(
+                "--id-field needs JSONL or Parquet input and a .parquet or .jsonl output"
+            )
         if args.id_field in ("index", "embedding"):
-            raise CommandError(f"--id-field {args.id_field!r} clashes with a parquet column")
-    if output.suffix == ".parquet":
+            raise CommandError(f"--id-field {args.id_field!r} clashes with an output column")
+    if fmt == "parquet" and args.input == "-":
+        raise CommandError("Parquet input must be a file, not standard input")
+    if "parquet" in (fmt, output.suffix.lstrip(".")):
         try:
             import pyarrow.parquet  # noqa: F401
         except ImportError:
-            raise CommandError(
-                "parquet output needs pyarrow: pip install 'vecpool[parquet]'"
-            ) from None
+            raise CommandError("Parquet needs pyarrow: pip install 'vecpool[parquet]'") from None
     return output
 
 
-def _is_jsonl(args: argparse.Namespace) -> bool:
-    return bool(args.format == "jsonl" or (args.format is None and args.input.endswith(".jsonl")))
+def _manifest(args: argparse.Namespace, engine_args: EngineArgs, fmt: str) -> dict[str, Any]:
+    """What a resumed run must share with the interrupted one: the input file and every option
+    that changes which rows are written or their vectors."""
+    model = engine_args.model
+    return {
+        "version": 1,
+        "input": file_identity(args.input),
+        "format": fmt,
+        "output": Path(args.output).suffix,
+        "model": str(Path(model).resolve()) if model is not None else DEFAULT_MODEL_NAME,
+        "dtype": None if engine_args.dtype is None else str(engine_args.dtype),
+        "max_model_len": engine_args.max_model_len,
+        "pooling": engine_args.pooling,
+        "normalize": args.normalize,
+        "dimensions": args.dimensions,
+        "prompt_name": args.prompt_name,
+        "truncate": args.truncate,
+        "field": args.field,
+        "id_field": args.id_field,
+        "skip_empty": args.skip_empty,
+        "chunk_size": args.chunk_size,
+    }
 
 
-def _open_input(name: str) -> BinaryIO:
-    if name == "-":
-        return sys.stdin.buffer
+def _embed_corpus(args: argparse.Namespace, engine: Engine | None, output: Path) -> int:
+    """Embed the input into `output` through its work folder, resuming an interrupted run."""
+    fmt = input_format(args.input, args.format)
+    engine_args = engine.args if engine is not None else EngineArgs.from_cli_args(args)
+    unit = "row" if fmt == "parquet" else "line"
+    parquet = ParquetInput(args.input, args.field, args.id_field) if fmt == "parquet" else None
+    source = open_lines(args.input) if parquet is None else None
+    work = WorkFolder.open(
+        output, _manifest(args, engine_args, fmt), id_field=args.id_field, restart=args.restart
+    )
+    start = work.resume_from
+    if work.parts and not args.quiet:
+        print(
+            f"vecpool embed: resuming {work.path}: {start.lines:,} {unit}s already embedded",
+            file=sys.stderr,
+        )
+    embedder: LocalEmbedder | ProcessEmbedder | None = None
+    previous_sigterm = _interrupt_on_sigterm()
     try:
-        return open(name, "rb")  # closed by run_embed
-    except OSError as exc:
-        raise CommandError(f"cannot read {name!r}: {exc.strerror}") from None
+        options = EmbedOptions(args.dimensions, args.normalize, args.truncate, args.prompt_name)
+        if args.data_parallel_size > 1:
+            embedder = ProcessEmbedder(engine_args, options, args.data_parallel_size, unit)
+        else:
+            embedder = LocalEmbedder(engine or Engine.from_args(engine_args), options, unit)
+        if parquet is not None:
+            total: int | None = parquet.num_rows
+            chunks = parquet.chunks(
+                skip_empty=args.skip_empty, chunk_size=args.chunk_size, start=start
+            )
+        else:
+            assert source is not None
+            total = _total_lines(args)
+            if start.offset:
+                source.seek(start.offset)
+            chunks = read_line_chunks(
+                source,
+                jsonl=fmt == "jsonl",
+                text_field=args.field,
+                id_field=args.id_field,
+                skip_empty=args.skip_empty,
+                chunk_size=args.chunk_size,
+                start=start,
+            )
+        _embed_chunks(embedder, chunks, work, args, total, unit)
+        work.finish(embedder.output_dim)
+    except (CommandError, InputError):
+        work.remove()  # the input or an option is at fault: nothing to resume
+        raise
+    except BaseException as exc:
+        if not work.parts:
+            work.remove()
+        elif isinstance(exc, KeyboardInterrupt):
+            print(
+                f"vecpool embed: interrupted; {work.parts[-1].lines:,} {unit}s are saved in "
+                f"{work.path}/: run the same command again to resume",
+                file=sys.stderr,
+            )
+        raise
+    finally:
+        if previous_sigterm is not None:
+            signal.signal(signal.SIGTERM, previous_sigterm)
+        if embedder is not None:
+            embedder.close()
+        if source is not None and args.input != "-":
+            source.close()
+    return 0
+
+
+def _embed_chunks(
+    embedder: LocalEmbedder | ProcessEmbedder,
+    chunks: Iterator[Chunk],
+    work: WorkFolder,
+    args: argparse.Namespace,
+    total: int | None,
+    unit: str,
+) -> None:
+    """Embed and commit every chunk, showing lines done, inputs/s and tokens/s."""
+    start, inputs, tokens = time.perf_counter(), 0, 0
+    initial = work.resume_from.lines
+    with tqdm(total=total, initial=initial, unit=unit, desc="embed", disable=args.quiet) as bar:
+        for chunk, vectors, num_tokens in embedder.run(chunks):
+            work.add_part(chunk, vectors, num_tokens)
+            inputs += len(vectors)
+            tokens += num_tokens
+            seconds = max(time.perf_counter() - start, 1e-9)
+            bar.set_postfix_str(
+                f"{inputs / seconds:,.0f} inputs/s, {tokens / seconds:,.0f} tokens/s",
+                refresh=False,
+            )
+            bar.update(chunk.num_lines)
+    if not args.quiet:
+        seconds = time.perf_counter() - start
+        print(
+            f"wrote {work.rows:,} embeddings of {embedder.output_dim} dims to {work.output} "
+            f"({inputs:,} inputs, {tokens:,} tokens embedded in {seconds:.1f} s: "
+            f"{inputs / max(seconds, 1e-9):,.0f} inputs/s, {tokens / max(seconds, 1e-9):,.0f} tokens/s)",
+            file=sys.stderr,
+        )
+
+
+def _total_lines(args: argparse.Namespace) -> int | None:
+    """The progress bar's total: the file's lines (none for standard input)."""
+    path = Path(args.input)
+    return count_lines(path) if not args.quiet and args.input != "-" and path.is_file() else None
+
+
+def _interrupt_on_sigterm() -> Any:
+    """Make SIGTERM interrupt like SIGINT (so engine processes stop and the work folder is
+    reported); the previous handler, or None where signals cannot be set (not the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    return signal.signal(signal.SIGTERM, interrupt)
 
 
 def _embed(engine: Engine, inputs: list[Any], args: argparse.Namespace) -> np.ndarray:
@@ -239,118 +324,6 @@ def _embed(engine: Engine, inputs: list[Any], args: argparse.Namespace) -> np.nd
         prompt_name=args.prompt_name,
         show_progress=False,
     )
-
-
-def _embed_file(engine: Engine, args: argparse.Namespace, source: BinaryIO, output: Path) -> int:
-    start, count = time.perf_counter(), 0
-    path = Path(args.input)
-    counted = not args.quiet and args.input != "-" and path.is_file()
-    total = _count_lines(path) if counted else None  # None: no total for pipes and stdin
-    chunks = read_chunks(
-        source,
-        jsonl=_is_jsonl(args),
-        text_field=args.field,
-        id_field=args.id_field,
-        skip_empty=args.skip_empty,
-        chunk_size=args.chunk_size,
-    )
-    dim = args.dimensions or engine.output_dim
-    sink = ParquetSink(output, args.id_field) if output.suffix == ".parquet" else NpySink(output)
-    try:
-        with tqdm(total=total, unit="line", desc="embed", disable=args.quiet) as bar:
-            for chunk in chunks:
-                if chunk.inputs:
-                    try:
-                        vectors = _embed(engine, chunk.inputs, args)
-                    except InputError as exc:
-                        raise CommandError(_located(exc, chunk)) from None
-                    sink.write(chunk, vectors)
-                    count += len(vectors)
-                bar.update(chunk.num_lines)
-        sink.close(dim)
-    except BaseException:
-        sink.discard()
-        raise
-    if not args.quiet:
-        seconds = time.perf_counter() - start
-        print(
-            f"wrote {count:,} embeddings of {dim} dims to {output} in {seconds:.1f} s",
-            file=sys.stderr,
-        )
-    return 0
-
-
-def _located(exc: InputError, chunk: Chunk) -> str:
-    """The engine's error, located by file line instead of by index in the chunk."""
-    if exc.index is None or not 0 <= exc.index < len(chunk.lines):
-        return exc.reason
-    where = f"line {chunk.lines[exc.index]}" + (f" ({exc.field})" if exc.field else "")
-    return f"{where}: {exc.reason}"
-
-
-def _count_lines(path: Path) -> int:
-    """Lines in `path`, for the progress bar's total (a fast pass over the raw bytes)."""
-    count, last = 0, b"\n"
-    with path.open("rb") as f:
-        while block := f.read(1 << 20):
-            count += block.count(b"\n")
-            last = block[-1:]
-    return count + (last != b"\n")
-
-
-class NpySink:
-    """Collects each chunk's vectors; writes one float32 `[n, dim]` .npy file at the end."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self.parts: list[np.ndarray] = []  # [chunk_inputs, dim] float32 each
-
-    def write(self, chunk: Chunk, vectors: np.ndarray) -> None:
-        self.parts.append(vectors)
-
-    def close(self, dim: int) -> None:
-        array = np.concatenate(self.parts) if self.parts else np.zeros((0, dim), np.float32)
-        with self.path.open("wb") as f:
-            np.save(f, array)
-
-    def discard(self) -> None:
-        self.parts.clear()  # nothing is on disk yet
-
-
-class ParquetSink:
-    """Writes a row group per chunk: `index` int64, the id column, `embedding` list<float32>."""
-
-    def __init__(self, path: Path, id_field: str | None):
-        self.path = path
-        self.id_field = id_field
-        self.writer: Any = None  # pyarrow.parquet.ParquetWriter, opened by the first chunk
-
-    def write(self, chunk: Chunk, vectors: np.ndarray) -> None:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        n, dim = vectors.shape  # [chunk_inputs, dim] float32
-        columns = {"index": pa.array(np.asarray(chunk.lines, np.int64) - 1, pa.int64())}
-        if self.id_field is not None:
-            columns[self.id_field] = pa.array(chunk.ids, None if chunk.ids else pa.string())
-        offsets = pa.array(np.arange(0, n * dim + 1, dim, dtype=np.int32))
-        values = pa.array(vectors.reshape(-1), pa.float32())
-        columns["embedding"] = pa.ListArray.from_arrays(offsets, values)
-        table = pa.table(columns)
-        if self.writer is None:
-            self.writer = pq.ParquetWriter(self.path, table.schema)
-        self.writer.write_table(table)
-
-    def close(self, dim: int) -> None:
-        if self.writer is None:  # no input at all: still a valid, empty file
-            self.write(Chunk(), np.zeros((0, dim), np.float32))
-        self.writer.close()
-
-    def discard(self) -> None:
-        """Remove a partly written file, so that it cannot pass for a result."""
-        if self.writer is not None:
-            self.writer.close()
-            self.path.unlink(missing_ok=True)
 
 
 def _show_examples(engine: Engine, args: argparse.Namespace, load_seconds: float) -> int:

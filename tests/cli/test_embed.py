@@ -187,7 +187,7 @@ def test_bad_model_folder_or_option_is_one_line(
     assert len(errors) == 4
     assert "model folder" in errors[0] and "no-such-model" in errors[0]
     assert "dtype 'float64' is not supported" in errors[1]
-    assert ".npy or .parquet" in errors[2]
+    assert "must end in .npy, .parquet or .jsonl" in errors[2]
     assert "cannot read" in errors[3]
 
 

@@ -1,0 +1,377 @@
+"""`vecpool embed` at corpus scale: Parquet and JSONL in and out, resuming after an
+interruption (in this process, and a real process killed by SIGKILL, SIGINT or SIGTERM), atomic
+outputs, overwrite refusal, output paths checked before the model loads, the --skip-empty
+index, and data parallel equal to one process."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from vecpool import Engine
+from vecpool.cli import main
+from vecpool.cli.corpus import ParquetInput, Position
+from vecpool.cli.output import WorkFolder
+
+WORDS = "the a of to and in model vector pooling engine batch token attention layer".split()
+NUM_ROWS = 36
+CHUNK = 3  # 12 parts
+
+
+def corpus_texts(n: int = NUM_ROWS) -> list[str]:
+    rng = np.random.default_rng(0)
+    return [" ".join(rng.choice(WORDS, size=int(rng.integers(3, 40)))) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    return Engine(device="cpu")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Parquet file: `doc_id` (int), `body` (text), `extra`; row groups of 10 rows."""
+    path = tmp_path_factory.mktemp("corpus") / "corpus.parquet"
+    texts = corpus_texts()
+    table = pa.table({"doc_id": list(range(1000, 1000 + NUM_ROWS)), "body": texts, "extra": texts})
+    pq.write_table(table, path, row_group_size=10)
+    return path
+
+
+def embed(engine: Engine | None, *args: str) -> int:
+    return main(["embed", *args], engine=engine)
+
+
+def vectors_of(path: Path) -> np.ndarray:
+    return np.array(pq.read_table(path)["embedding"].to_pylist(), dtype=np.float32)
+
+
+def cli_command(corpus: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "vecpool.cli",
+        "embed",
+        "-i",
+        str(corpus),
+        "--field",
+        "body",
+        "--id-field",
+        "doc_id",
+        "-o",
+        str(out),
+        "--chunk-size",
+        str(CHUNK),
+        "--device",
+        "cpu",
+        *extra,
+    ]
+
+
+def run_watched(command: list[str], out: Path, kill_after_part: int | None, sig: int) -> int:
+    """Run `command`; with `kill_after_part`, send `sig` once that part is committed. Polls the
+    output path all along: it must never hold anything but the whole result."""
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    record = out.with_name(out.name + ".partial") / f"part-{kill_after_part or 0:06d}.json"
+    deadline = time.monotonic() + 240
+    try:
+        while process.poll() is None and time.monotonic() < deadline:
+            if out.exists():
+                assert pq.read_table(out).num_rows == NUM_ROWS  # only ever the whole result
+            if kill_after_part is not None and record.exists():
+                process.send_signal(sig)
+                break
+            time.sleep(0.005)
+        returncode = process.wait(timeout=120)
+    finally:
+        process.kill()
+    stderr = process.stderr.read().decode() if process.stderr else ""
+    if kill_after_part is None:
+        assert returncode == 0, stderr
+    return returncode
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("reference") / "vectors.parquet"
+    run_watched(cli_command(corpus, out, "-q"), out, None, 0)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("sig", "returncode"),
+    [(signal.SIGKILL, -signal.SIGKILL), (signal.SIGINT, 130), (signal.SIGTERM, 130)],
+    ids=["SIGKILL", "SIGINT", "SIGTERM"],
+)
+def test_killed_and_restarted_equals_an_uninterrupted_run(
+    corpus: Path, uninterrupted: Path, tmp_path: Path, sig: int, returncode: int
+) -> None:
+    out = tmp_path / "vectors.parquet"
+    work = out.with_name("vectors.parquet.partial")
+    assert run_watched(cli_command(corpus, out, "-q"), out, 1, sig) == returncode
+    assert not out.exists()
+    committed = sorted(work.glob("part-*.json"))
+    assert 2 <= len(committed) < NUM_ROWS // CHUNK  # killed midway, after part 1
+    assert run_watched(cli_command(corpus, out, "-q"), out, None, 0) == 0
+    assert not work.exists()
+    table, expected = pq.read_table(out), pq.read_table(uninterrupted)
+    assert table.column_names == ["index", "doc_id", "embedding"]
+    assert table["index"].to_pylist() == list(range(NUM_ROWS))  # every row once, in order
+    assert table["doc_id"].to_pylist() == list(range(1000, 1000 + NUM_ROWS))
+    # The same chunks, each embedded alone by an engine in the same settings: bit-equal.
+    assert np.array_equal(vectors_of(out), vectors_of(uninterrupted))
+    assert table["doc_id"].equals(expected["doc_id"])
+
+
+def test_parquet_input_equals_engine_embed(engine: Engine, corpus: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out.jsonl"
+    args = ["-i", str(corpus), "--field", "body", "--id-field", "doc_id", "-o", str(out)]
+    assert embed(engine, *args, "--chunk-size", "32", "-q") == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [row["index"] for row in rows] == list(range(NUM_ROWS))
+    assert [row["doc_id"] for row in rows] == list(range(1000, 1000 + NUM_ROWS))
+    assert list(rows[0]) == ["index", "doc_id", "embedding"]
+    vectors = np.array([row["embedding"] for row in rows], dtype=np.float32)
+    # JSON floats round-trip float32 exactly; chunks of 32 vs one call of 72: fp32 rounding.
+    assert np.abs(vectors - engine.embed(corpus_texts())).max() < 1e-6
+
+
+@pytest.mark.parametrize("start", [0, 7, 10, 13, 29, 35, 36])
+def test_parquet_chunks_start_anywhere(corpus: Path, start: int) -> None:
+    """A resumed run starts at any row: inside a row group, past its first batch, at its end."""
+    reader = ParquetInput(str(corpus), "body", "doc_id")
+    chunks = list(reader.chunks(skip_empty=False, chunk_size=4, start=Position(start, start)))
+    assert [c.start.offset for c in chunks] == list(range(start, NUM_ROWS, 4))
+    assert [line for c in chunks for line in c.lines] == list(range(start + 1, NUM_ROWS + 1))
+    assert [i for c in chunks for i in c.ids] == list(range(1000 + start, 1000 + NUM_ROWS))
+    assert [t for c in chunks for t in c.inputs] == corpus_texts()[start:]
+
+
+def test_parquet_token_id_column(engine: Engine, tmp_path: Path) -> None:
+    texts = corpus_texts(5)
+    ids = [engine.tokenize(t) for t in texts]
+    source = tmp_path / "ids.parquet"
+    pq.write_table(pa.table({"prompt_token_ids": ids}), source)
+    out = tmp_path / "ids.npy"
+    assert embed(engine, "-i", str(source), "-o", str(out), "-q") == 0
+    assert np.abs(np.load(out) - engine.embed(texts)).max() < 1e-6
+
+
+def interrupt_after(monkeypatch: pytest.MonkeyPatch, parts: int) -> None:
+    """Make the run stop like Ctrl-C once `parts` parts are committed."""
+    original = WorkFolder.add_part
+
+    def add_part(self: WorkFolder, *args: object) -> None:
+        if len(self.parts) == parts:
+            raise KeyboardInterrupt
+        original(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(WorkFolder, "add_part", add_part)
+
+
+def test_resume_embeds_only_what_is_missing(
+    engine: Engine,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    texts = corpus_texts(20)
+    source = tmp_path / "texts.txt"
+    source.write_text("".join(t + "\n" for t in texts))
+    out = tmp_path / "out.npy"
+    args = ["-i", str(source), "-o", str(out), "--chunk-size", "4"]
+    with monkeypatch.context() as patch:
+        interrupt_after(patch, 2)
+        assert embed(engine, *args, "-q") == 130
+    assert not out.exists()
+    assert "8 lines are saved" in capsys.readouterr().err
+
+    seen: list[int] = []
+    original = engine.prepare_encode
+
+    def counting(inputs: list[object], **kwargs: object) -> object:
+        seen.append(len(inputs))
+        return original(inputs, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(engine, "prepare_encode", counting)
+    assert embed(engine, *args) == 0
+    assert seen == [4, 4, 4]  # lines 9..20 only
+    assert "resuming" in capsys.readouterr().err
+    vectors = np.load(out)
+    assert vectors.shape == (20, 384)
+    assert np.abs(vectors - engine.embed(texts)).max() < 1e-6
+    assert not out.with_name("out.npy.partial").exists()
+
+
+def test_resume_of_a_changed_input_or_option_is_refused(
+    engine: Engine,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    texts = corpus_texts(12)
+    source = tmp_path / "texts.txt"
+    source.write_text("".join(t + "\n" for t in texts))
+    out = tmp_path / "out.parquet"
+    args = ["-i", str(source), "-o", str(out), "--chunk-size", "4", "-q"]
+    with monkeypatch.context() as patch:
+        interrupt_after(patch, 1)
+        assert embed(engine, *args) == 130
+    capsys.readouterr()
+
+    assert embed(engine, *args, "--dimensions", "128") == 2
+    err = capsys.readouterr().err
+    assert "different --dimensions (was None, now 128)" in err and err.count("\n") == 1
+
+    source.write_text("".join(t + "\n" for t in reversed(texts)))  # same size, new content
+    os.utime(source, ns=(time.time_ns(), time.time_ns() + 10**9))
+    assert embed(engine, *args) == 2
+    assert "different input file" in capsys.readouterr().err
+    assert not out.exists() and out.with_name("out.parquet.partial").is_dir()
+
+    assert embed(engine, *args, "--restart") == 0
+    assert np.abs(vectors_of(out) - engine.embed(texts[::-1])).max() < 1e-6
+
+
+def test_existing_output_is_refused_and_survives_a_failed_run(
+    engine: Engine, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    source = tmp_path / "texts.txt"
+    source.write_text("one text\nanother text\n")
+    out = tmp_path / "out.npy"
+    out.write_bytes(b"precious")
+    assert embed(engine, "-i", str(source), "-o", str(out), "-q") == 2
+    err = capsys.readouterr().err
+    assert "exists (--overwrite replaces it)" in err and err.count("\n") == 1
+    assert out.read_bytes() == b"precious"
+
+    bad = tmp_path / "bad.txt"
+    bad.write_text("fine\n\nfine\n")  # a blank line fails the run
+    assert embed(engine, "-i", str(bad), "-o", str(out), "--overwrite", "-q") == 2
+    assert "line 2: blank input" in capsys.readouterr().err
+    assert out.read_bytes() == b"precious"
+    assert not out.with_name("out.npy.partial").exists()
+
+    assert embed(engine, "-i", str(source), "-o", str(out), "--overwrite", "-q") == 0
+    assert np.abs(np.load(out) - engine.embed(["one text", "another text"])).max() < 1e-6
+
+
+@pytest.mark.parametrize("where", ["missing folder", "folder is a file", "output is a folder"])
+def test_unusable_output_fails_before_the_model_loads(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    where: str,
+) -> None:
+    source = tmp_path / "texts.txt"
+    source.write_text("a text\n")
+    (tmp_path / "file").write_text("")
+    (tmp_path / "dir.npy").mkdir()
+    out = {
+        "missing folder": tmp_path / "no" / "such" / "out.npy",
+        "folder is a file": tmp_path / "file" / "out.npy",
+        "output is a folder": tmp_path / "dir.npy",
+    }[where]
+    loads: list[object] = []
+    monkeypatch.setattr(Engine, "from_args", classmethod(lambda cls, args: loads.append(args)))
+    start = time.perf_counter()
+    assert main(["embed", "-i", str(source), "-o", str(out)]) == 2
+    assert time.perf_counter() - start < 1.0
+    assert loads == []  # no model was loaded
+    err = capsys.readouterr().err
+    assert err.startswith("vecpool: error: --output") and err.count("\n") == 1
+    assert "Traceback" not in err
+
+
+def test_skip_empty_keeps_an_index_beside_npy(engine: Engine, tmp_path: Path) -> None:
+    lines = ["first", "", "third", "   ", "", "sixth"]
+    source = tmp_path / "texts.txt"
+    source.write_text("".join(line + "\n" for line in lines))
+    out = tmp_path / "kept.npy"
+    args = ["-i", str(source), "-o", str(out), "--skip-empty", "--chunk-size", "2", "-q"]
+    assert embed(engine, *args) == 0
+    index = np.load(tmp_path / "kept.index.npy")
+    assert index.dtype == np.int64 and index.tolist() == [0, 2, 5]
+    kept = [lines[i] for i in index]
+    assert np.abs(np.load(out) - engine.embed(kept)).max() < 1e-6
+    assert embed(engine, *args) == 2  # both files exist now: refused without --overwrite
+
+
+def test_data_parallel_equals_one_process(engine: Engine, corpus: Path, tmp_path: Path) -> None:
+    single, parallel = tmp_path / "single.parquet", tmp_path / "parallel.parquet"
+    args = ["-i", str(corpus), "--field", "body", "--chunk-size", "8", "--device", "cpu", "-q"]
+    assert embed(engine, *args, "-o", str(single)) == 0
+    assert embed(None, *args, "-o", str(parallel), "--data-parallel-size", "2") == 0
+    a, b = pq.read_table(single), pq.read_table(parallel)
+    assert b["index"].to_pylist() == list(range(NUM_ROWS))
+    assert pq.ParquetFile(parallel).num_row_groups == -(-NUM_ROWS // 8)
+    # The same chunks; the engine processes use fewer threads each: fp32 rounding at most.
+    assert np.abs(vectors_of(parallel) - vectors_of(single)).max() < 1e-6
+    assert a["index"].equals(b["index"])
+
+
+def test_data_parallel_engine_failure_is_one_line_and_leaves_no_process(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    source = tmp_path / "texts.txt"
+    source.write_text("a text\n")
+    missing = str(tmp_path / "no-such-model")
+    out = tmp_path / "out.npy"
+    args = [missing, "-i", str(source), "-o", str(out), "--device", "cpu", "-q"]
+    assert embed(None, *args, "--data-parallel-size", "2") == 2
+    err = capsys.readouterr().err
+    assert "no-such-model" in err and err.count("\n") == 1
+    assert multiprocessing.active_children() == []  # the engine processes were stopped
+    assert not out.exists() and not out.with_name("out.npy.partial").exists()
+
+
+def children_of(pid: int) -> list[int]:
+    """Live (not zombie) processes whose parent is `pid`, from /proc."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z":
+                found.append(int(entry.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_engine_processes_leave_when_the_parent_is_killed(corpus: Path, tmp_path: Path) -> None:
+    out = tmp_path / "vectors.parquet"
+    command = cli_command(corpus, out, "-q", "--data-parallel-size", "2")
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    record = out.with_name(out.name + ".partial") / "part-000000.json"
+    deadline = time.monotonic() + 240
+    while not record.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    workers = children_of(process.pid)
+    process.kill()
+    process.wait()
+    assert len(workers) >= 2  # the engine processes (and multiprocessing's helper)
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(pid) for pid in workers)
+    assert not out.exists()

@@ -1,0 +1,288 @@
+"""Reading a corpus for `vecpool embed`: text lines, JSONL or Parquet, as chunks of a fixed
+number of lines (rows), so that a chunk's place in the input never depends on a previous run.
+
+A reader starts from a `Position` (where a previous run stopped: a byte offset for text, a row
+for Parquet) and yields `Chunk`s; each chunk records the position after it, which is what a
+resumed run starts from.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from vecpool.cli.common import CommandError
+
+INPUT_FORMATS = ("text", "jsonl", "parquet")
+
+
+@dataclass(frozen=True)
+class Position:
+    """A place in the input: `lines` lines (rows) consumed, ending at `offset` (bytes for text
+    and JSONL, rows for Parquet)."""
+
+    lines: int = 0
+    offset: int = 0
+
+
+@dataclass
+class Chunk:
+    """The inputs of up to `--chunk-size` consecutive lines (rows), and where each came from."""
+
+    inputs: list[str | dict[str, Any]] = field(default_factory=list)
+    lines: list[int] = field(default_factory=list)  # 1-based line (row) of each input
+    ids: list[str | int] = field(default_factory=list)  # --id-field values, when asked for
+    start: Position = field(default_factory=Position)  # where the chunk begins
+    end: Position = field(default_factory=Position)  # where the next chunk begins
+
+    @property
+    def num_lines(self) -> int:
+        """Lines (rows) the chunk consumed, skipped ones included."""
+        return self.end.lines - self.start.lines
+
+
+def input_format(name: str, given: str | None) -> str:
+    """The input's format: `given` (--format), else by the file's suffix."""
+    if given is not None:
+        return given
+    if name.endswith(".parquet"):
+        return "parquet"
+    return "jsonl" if name.endswith(".jsonl") else "text"
+
+
+def file_identity(name: str) -> dict[str, Any]:
+    """What identifies an input file's content for a resumed run: path, size, modification
+    time. Standard input has none (it cannot be resumed)."""
+    if name == "-":
+        return {"path": "-"}
+    stat = os.stat(name)
+    return {"path": str(Path(name).resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def count_lines(path: Path) -> int:
+    """Lines in `path`, for the progress bar's total (a fast pass over the raw bytes)."""
+    count, last = 0, b"\n"
+    with path.open("rb") as f:
+        while block := f.read(1 << 20):
+            count += block.count(b"\n")
+            last = block[-1:]
+    return count + (last != b"\n")
+
+
+def read_line_chunks(
+    source: BinaryIO,
+    *,
+    jsonl: bool,
+    text_field: str = "text",
+    id_field: str | None = None,
+    skip_empty: bool = False,
+    chunk_size: int = 4096,
+    start: Position = Position(),
+) -> Iterator[Chunk]:
+    """Chunks of `chunk_size` lines from `source`, positioned at `start` (its byte offset is
+    where the caller has already sought to). A bad line raises `CommandError` naming it."""
+    parser = _LineParser(jsonl, text_field, id_field)
+    chunk = Chunk(start=start, end=start)
+    number, offset = start.lines, start.offset
+    for raw in source:
+        number += 1
+        offset += len(raw)
+        try:
+            text = raw.decode("utf-8-sig" if number == 1 else "utf-8").rstrip("\r\n")
+            item, id_value = parser.parse(text)
+        except UnicodeDecodeError as exc:
+            raise CommandError(f"line {number}: not UTF-8 text (byte {exc.start + 1})") from None
+        except ValueError as exc:
+            raise CommandError(f"line {number}: {exc}") from None
+        _add(chunk, item, id_value, number, skip_empty, "line")
+        chunk.end = Position(number, offset)
+        if chunk.num_lines == chunk_size:
+            yield chunk
+            chunk = Chunk(start=chunk.end, end=chunk.end)
+    if chunk.num_lines:
+        yield chunk
+
+
+def _add(
+    chunk: Chunk,
+    item: str | dict[str, Any] | None,
+    id_value: str | int | None,
+    number: int,
+    skip_empty: bool,
+    unit: str,
+) -> None:
+    if item is None:
+        if skip_empty:
+            return
+        raise CommandError(f"{unit} {number}: blank input (--skip-empty skips these)")
+    chunk.inputs.append(item)
+    chunk.lines.append(number)
+    if id_value is not None:
+        chunk.ids.append(id_value)
+
+
+class _LineParser:
+    """(input, id) of one text or JSONL line; the input is None when the text is blank."""
+
+    def __init__(self, jsonl: bool, text_field: str, id_field: str | None):
+        self.jsonl = jsonl
+        self.text_field = text_field
+        self.id_field = id_field
+        self.id_kind: str | None = None  # JSON type of the first id; every id must share it
+
+    def parse(self, text: str) -> tuple[str | dict[str, Any] | None, str | int | None]:
+        if not self.jsonl or not text.strip():
+            return (text if text.strip() else None), None
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"not valid JSON ({exc.msg}, column {exc.colno})") from None
+        id_field, text_field = self.id_field, self.text_field
+        if isinstance(value, str) and id_field is None:
+            return (value if value.strip() else None), None
+        if not isinstance(value, dict):
+            raise ValueError(
+                f"expected a JSON object{'' if id_field else ' or string'}, got {json_type(value)}"
+            )
+        item: str | dict[str, Any] | None
+        if "prompt_token_ids" in value:
+            item = {"prompt_token_ids": value["prompt_token_ids"]}
+        elif isinstance(value.get(text_field), str):
+            item = value[text_field] if value[text_field].strip() else None
+        elif text_field in value:
+            raise ValueError(f"{text_field!r} must be a string, got {json_type(value[text_field])}")
+        else:
+            raise ValueError(f"the object has no {text_field!r} field (nor 'prompt_token_ids')")
+        if id_field is None:
+            return item, None
+        id_value = value.get(id_field)
+        if not isinstance(id_value, str | int) or isinstance(id_value, bool):
+            raise ValueError(
+                f"{id_field!r} must be a string or an integer, got {json_type(id_value)}"
+            )
+        kind = json_type(id_value)
+        self.id_kind = self.id_kind or kind
+        if kind != self.id_kind:
+            raise ValueError(f"{id_field!r} is a {kind}; earlier ids are {self.id_kind}s")
+        return item, id_value
+
+
+def json_type(value: Any) -> str:
+    names = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array"}
+    return "null" if value is None else names.get(type(value), "object")
+
+
+class ParquetInput:
+    """A Parquet file read by record batches: the text column (--field, or a list<int>
+    `prompt_token_ids` column) and the --id-field column. Checked when opened, before any
+    model loads."""
+
+    def __init__(self, path: str, text_field: str, id_field: str | None):
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        try:
+            self.file = pq.ParquetFile(path)
+        except (OSError, pa.ArrowException) as exc:
+            raise CommandError(f"cannot read {path!r} as Parquet: {exc}") from None
+        schema = self.file.schema_arrow
+        names = schema.names
+        if text_field in names:
+            self.text_column = text_field
+            column_type = schema.field(text_field).type
+            if not (pa.types.is_string(column_type) or pa.types.is_large_string(column_type)):
+                raise CommandError(f"column {text_field!r} is {column_type}, not a string column")
+        elif "prompt_token_ids" in names:
+            self.text_column = "prompt_token_ids"
+            column_type = schema.field("prompt_token_ids").type
+            if not (pa.types.is_list(column_type) or pa.types.is_large_list(column_type)):
+                raise CommandError(f"column 'prompt_token_ids' is {column_type}, not a list")
+        else:
+            raise CommandError(
+                f"{path!r} has no column {text_field!r} (nor 'prompt_token_ids'); "
+                f"its columns: {', '.join(names)} (--field names the text column)"
+            )
+        self.id_field = id_field
+        if id_field is not None:
+            if id_field not in names:
+                raise CommandError(f"{path!r} has no column {id_field!r} (--id-field)")
+            id_type = schema.field(id_field).type
+            if not (
+                pa.types.is_integer(id_type)
+                or pa.types.is_string(id_type)
+                or pa.types.is_large_string(id_type)
+            ):
+                raise CommandError(
+                    f"--id-field column {id_field!r} is {id_type}, not ints or strings"
+                )
+        self.num_rows = int(self.file.metadata.num_rows)
+
+    def chunks(
+        self,
+        *,
+        skip_empty: bool,
+        chunk_size: int,
+        start: Position = Position(),
+    ) -> Iterator[Chunk]:
+        """Chunks of `chunk_size` rows from row `start.offset` on; memory holds about two."""
+        columns = [self.text_column] + ([self.id_field] if self.id_field else [])
+        first_group, skip = self._row_group_of(start.offset)
+        groups = range(first_group, self.file.metadata.num_row_groups)
+        batches = self.file.iter_batches(batch_size=chunk_size, row_groups=groups, columns=columns)
+        texts: list[Any] = []
+        ids: list[Any] = []
+        row = start.offset
+        for batch in batches:
+            drop = min(skip, batch.num_rows)  # rows before `start` in its row group
+            skip -= drop
+            texts.extend(batch.column(0).to_pylist()[drop:])
+            if self.id_field:
+                ids.extend(batch.column(1).to_pylist()[drop:])
+            while len(texts) >= chunk_size:
+                yield self._chunk(texts[:chunk_size], ids[:chunk_size], row, skip_empty)
+                del texts[:chunk_size], ids[:chunk_size]
+                row += chunk_size
+        if texts:
+            yield self._chunk(texts, ids, row, skip_empty)
+
+    def _row_group_of(self, row: int) -> tuple[int, int]:
+        """(row group holding `row`, rows of that group before it)."""
+        first = 0
+        for group in range(self.file.metadata.num_row_groups):
+            size = self.file.metadata.row_group(group).num_rows
+            if row < first + size:
+                return group, row - first
+            first += size
+        return self.file.metadata.num_row_groups, 0
+
+    def _chunk(self, texts: list[Any], ids: list[Any], row: int, skip_empty: bool) -> Chunk:
+        chunk = Chunk(start=Position(row, row), end=Position(row + len(texts), row + len(texts)))
+        for i, value in enumerate(texts):
+            number = row + i + 1
+            item: str | dict[str, Any] | None
+            if isinstance(value, str):
+                item = value if value.strip() else None
+            elif isinstance(value, list):
+                item = {"prompt_token_ids": value} if value else None
+            else:
+                item = None  # a null
+            id_value = ids[i] if self.id_field else None
+            if self.id_field and id_value is None and item is not None:
+                raise CommandError(f"row {number}: {self.id_field!r} is null")
+            _add(chunk, item, id_value, number, skip_empty, "row")
+        return chunk
+
+
+def open_lines(name: str) -> BinaryIO:
+    """The binary stream of a text or JSONL input; `-` is standard input."""
+    if name == "-":
+        return sys.stdin.buffer
+    try:
+        return open(name, "rb")
+    except OSError as exc:
+        raise CommandError(f"cannot read {name!r}: {exc.strerror}") from None

@@ -1,0 +1,256 @@
+"""Who embeds the chunks of `vecpool embed`: one engine in this process, or, with
+`--data-parallel-size N`, N engine processes (one per GPU: `cuda:0` .. `cuda:N-1`; on the CPU, N
+processes sharing the cores). Either way each chunk is embedded whole, on its own, by one engine,
+and results come back in input order.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import torch
+
+from vecpool.api import Engine, EngineArgs, PreparedCall
+from vecpool.cli.common import CommandError
+from vecpool.cli.corpus import Chunk
+from vecpool.errors import ConfigError, EngineError, InputError, ModelLoadError, VecpoolError
+
+# Chunks sent ahead to each engine process, so that none waits while results are written.
+CHUNKS_AHEAD_PER_PROCESS = 2
+# How often a waiting parent checks its engine processes, and they their parent (seconds).
+LIVENESS_INTERVAL = 0.5
+
+Result = tuple[Chunk, np.ndarray, int]  # a chunk, its vectors [rows, dim] float32, its tokens
+
+
+@dataclass(frozen=True)
+class EmbedOptions:
+    """The per-call options of `Engine.embed` that `vecpool embed` passes."""
+
+    dimensions: int | None = None
+    normalize: bool | None = None
+    truncate: bool = True  # cut inputs over the model's limit (else they fail)
+    prompt_name: str | None = None
+
+    def prepare(self, engine: Engine, inputs: list[Any]) -> PreparedCall[list[np.ndarray]]:
+        return engine.prepare_encode(
+            inputs,
+            task="embed",
+            dimensions=self.dimensions,
+            normalize=self.normalize,
+            truncate_prompt_tokens=-1 if self.truncate else None,
+            prompt_name=self.prompt_name,
+        )
+
+    def run(
+        self, engine: Engine, call: PreparedCall[list[np.ndarray]] | None
+    ) -> tuple[np.ndarray, int]:
+        """(vectors `[n, dim]` float32, prompt tokens) of a prepared call (None: no inputs)."""
+        dim = self.dimensions or engine.output_dim
+        if call is None or not call.requests:
+            return np.zeros((0, dim), np.float32), 0
+        tokens = sum(request.num_prompt_tokens for request in call.requests)
+        vectors: list[np.ndarray] = engine.run(call, show_progress=False)
+        return np.stack(vectors), tokens
+
+
+def located(exc: InputError, chunk: Chunk, unit: str) -> CommandError:
+    """The engine's error, located by input line (row) instead of by index in the chunk."""
+    if exc.index is None or not 0 <= exc.index < len(chunk.lines):
+        return CommandError(exc.reason)
+    where = f"{unit} {chunk.lines[exc.index]}" + (f" ({exc.field})" if exc.field else "")
+    return CommandError(f"{where}: {exc.reason}")
+
+
+class LocalEmbedder:
+    """One engine in this process. The next chunk is read and tokenized on a helper thread
+    while the engine runs the current one."""
+
+    def __init__(self, engine: Engine, options: EmbedOptions, unit: str):
+        self.engine = engine
+        self.options = options
+        self.unit = unit
+        self.output_dim = options.dimensions or engine.output_dim
+
+    def run(self, chunks: Iterator[Chunk]) -> Iterator[Result]:
+        def prepare() -> tuple[Chunk, PreparedCall[list[np.ndarray]] | None] | None:
+            chunk = next(chunks, None)
+            if chunk is None:
+                return None
+            try:
+                call = self.options.prepare(self.engine, chunk.inputs) if chunk.inputs else None
+            except InputError as exc:
+                raise located(exc, chunk, self.unit) from None
+            return chunk, call
+
+        with ThreadPoolExecutor(1, thread_name_prefix="vecpool-embed-read") as reader:
+            upcoming = reader.submit(prepare)
+            while (item := upcoming.result()) is not None:
+                chunk, call = item
+                upcoming = reader.submit(prepare)
+                try:
+                    vectors, tokens = self.options.run(self.engine, call)
+                except InputError as exc:
+                    raise located(exc, chunk, self.unit) from None
+                yield chunk, vectors, tokens
+
+    def close(self) -> None:
+        pass
+
+
+def worker_devices(args: EngineArgs, size: int) -> list[str]:
+    """The device of each of `size` engine processes: `cuda:i` for the i-th on a CUDA machine
+    (which must have `size` devices), else the CPU for all."""
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type != "cuda":
+        return [str(device)] * size
+    if device.index is not None:
+        raise CommandError(
+            f"--data-parallel-size {size} puts one engine on each of cuda:0 .. cuda:{size - 1}; "
+            f"pass --device cuda (or none), not {device}"
+        )
+    count = torch.cuda.device_count()
+    if count < size:
+        raise CommandError(
+            f"--data-parallel-size {size} needs {size} CUDA devices; this machine has {count}"
+        )
+    return [f"cuda:{i}" for i in range(size)]
+
+
+class ProcessEmbedder:
+    """N engine processes (spawned), each embedding whole chunks; results in input order.
+
+    A process that dies is reported (`EngineError`) at once, never waited on; the processes
+    leave when the parent closes them, and by themselves when the parent is gone."""
+
+    def __init__(self, engine_args: EngineArgs, options: EmbedOptions, size: int, unit: str):
+        self.options = options
+        self.unit = unit
+        devices = worker_devices(engine_args, size)
+        threads = max(1, torch.get_num_threads() // size)  # CPU processes share the cores
+        context = mp.get_context("spawn")
+        self.tasks: Any = context.Queue()
+        self.results: Any = context.Queue()
+        self.processes = [
+            context.Process(
+                target=_worker_main,
+                args=(engine_args, device, threads, options, self.tasks, self.results, os.getpid()),
+                name=f"vecpool-embed-{rank}",
+                daemon=True,
+            )
+            for rank, device in enumerate(devices)
+        ]
+        for process in self.processes:
+            process.start()
+        try:
+            dims = [self._receive()[2] for _ in self.processes]  # every engine loaded
+        except BaseException:
+            self.close()
+            raise
+        self.output_dim = dims[0]
+
+    def _receive(self) -> tuple[Any, ...]:
+        """The next message of any engine process; raises if one has died or failed."""
+        while True:
+            try:
+                message: tuple[Any, ...] = self.results.get(timeout=LIVENESS_INTERVAL)
+            except queue.Empty:
+                for rank, process in enumerate(self.processes):
+                    if not process.is_alive():
+                        raise EngineError(
+                            f"engine process {rank} died (exit code {process.exitcode})"
+                        ) from None
+                continue
+            if message[0] == "failed":
+                _, kind, text = message
+                error = {"ConfigError": ConfigError, "ModelLoadError": ModelLoadError}
+                raise error.get(kind, EngineError)(text)
+            return message
+
+    def run(self, chunks: Iterator[Chunk]) -> Iterator[Result]:
+        in_flight: dict[int, Chunk] = {}
+        done: dict[int, tuple[np.ndarray, int]] = {}
+        sent = next_out = 0
+        ahead = CHUNKS_AHEAD_PER_PROCESS * len(self.processes)
+        exhausted = False
+        while True:
+            while not exhausted and len(in_flight) + len(done) < ahead:
+                chunk = next(chunks, None)
+                if chunk is None:
+                    exhausted = True
+                    break
+                in_flight[sent] = chunk
+                self.tasks.put((sent, chunk.inputs))
+                sent += 1
+            if next_out == sent and exhausted:
+                return
+            while next_out not in done:
+                message = self._receive()
+                if message[0] == "input_error":
+                    _, seq, index, field, reason = message
+                    raise located(InputError(reason, index, field), in_flight[seq], self.unit)
+                _, seq, vectors, tokens = message
+                done[seq] = (vectors, tokens)
+            vectors, tokens = done.pop(next_out)
+            yield in_flight.pop(next_out), vectors, tokens
+            next_out += 1
+
+    def close(self) -> None:
+        """Stop the engine processes (they finish nothing further)."""
+        for process in self.processes:
+            if process.is_alive():
+                process.terminate()
+        for process in self.processes:
+            process.join(timeout=10)
+        self.tasks.cancel_join_thread()
+        self.results.cancel_join_thread()
+
+
+def _worker_main(
+    engine_args: EngineArgs,
+    device: str,
+    threads: int,
+    options: EmbedOptions,
+    tasks: Any,
+    results: Any,
+    parent_pid: int,
+) -> None:
+    """An engine process: load the engine, then embed the chunks it is sent until told to stop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides what an interrupt means
+    threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
+    torch.set_num_threads(threads)
+    try:
+        engine = Engine.from_args(replace(engine_args, device=device))
+    except VecpoolError as exc:
+        results.put(("failed", type(exc).__name__, str(exc)))
+        return
+    results.put(("ready", device, options.dimensions or engine.output_dim))
+    while (task := tasks.get()) is not None:
+        seq, inputs = task
+        try:
+            call = options.prepare(engine, inputs) if inputs else None
+            vectors, tokens = options.run(engine, call)
+        except InputError as exc:
+            results.put(("input_error", seq, exc.index, exc.field, exc.reason))
+            continue
+        except Exception as exc:
+            results.put(("failed", "EngineError", f"{type(exc).__name__}: {exc}"))
+            return
+        results.put(("done", seq, vectors, tokens))
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """End this process once its parent is gone (killed, even by SIGKILL)."""
+    while os.getppid() == parent_pid:
+        time.sleep(LIVENESS_INTERVAL)
+    os._exit(1)
