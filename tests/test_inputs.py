@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -236,3 +238,44 @@ def test_rerank_top_n_must_be_an_integer(minilm: vecpool.Engine) -> None:
         ):
             minilm.rerank("q", ["a", "b"], top_n=top_n)
     assert [i for i, _ in minilm.rerank("cats", ["a dog", "a cat"], top_n=1)] == [1]
+
+
+def test_lone_surrogate_is_an_input_error(minilm: vecpool.Engine) -> None:
+    # The tokenizer takes UTF-8, which a lone surrogate cannot be written as.
+    with pytest.raises(vecpool.InputError, match=r"input 1: the text is not valid Unicode"):
+        minilm.embed(["fine", "abc\ud800", "also fine"])
+    with pytest.raises(vecpool.InputError, match="not valid Unicode"):
+        minilm.tokenize("abc\udfff")
+    assert minilm.embed(["fine"]).shape == (1, 384)
+
+
+def test_text_over_the_character_limit_is_refused_before_tokenizing(
+    default_model_dir: Path,
+) -> None:
+    engine = vecpool.Engine(default_model_dir, device="cpu", max_input_chars=1000)
+    assert engine.inputs.limits.max_input_chars == 1000
+    engine.embed(["x" * 1000])  # at the limit: served
+    with pytest.raises(vecpool.InputError, match=r"input 1: the text has 1001 characters"):
+        engine.embed(["ok", "x" * 1001], truncate_prompt_tokens=-1)
+    with pytest.raises(vecpool.InputError, match="1001 characters"):
+        engine.tokenize("x" * 1001)
+    # The default: 100 characters per token of the model's length, at least 100,000.
+    assert vecpool.EngineArgs().input_char_limit(256) == 100_000
+    assert vecpool.EngineArgs().input_char_limit(32768) == 3_276_800
+
+
+@pytest.mark.parametrize("tag", [-1, 2**63])
+def test_step_tag_id_must_be_a_token_id(engine: vecpool.Engine, tag: int) -> None:
+    # -1 once meant "every token" inside the engine: it must not be reachable from outside.
+    with pytest.raises(vecpool.InputError, match=r"step_tag_id.*must be a token id"):
+        engine.encode([GOOD], task="token_embed", step_tag_id=tag)
+
+
+def test_non_finite_output_fails_its_request_alone(engine: vecpool.Engine) -> None:
+    # Finite but huge prompt embeds overflow float32 inside the model (LayerNorm's variance).
+    huge = {"prompt_embeds": torch.full((3, 32), 1e30)}
+    outs = engine.pool([GOOD, huge, [8, 9]], vecpool.PoolingParams())
+    assert outs[0].error is None and outs[2].error is None
+    assert isinstance(outs[1].error, vecpool.RequestFailedError)
+    assert "not finite" in str(outs[1].error) and outs[1].data is None
+    assert np.isfinite(outs[0].data).all() and np.isfinite(outs[2].data).all()

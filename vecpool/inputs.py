@@ -57,6 +57,9 @@ class InputLimits:
     max_model_len: int
     dtype: torch.dtype
     enable_prompt_embeds: bool
+    # Longer texts are refused before they are tokenized (tokenizing costs time and memory in
+    # proportion to the text, truncated or not); None: no limit.
+    max_input_chars: int | None = None
 
 
 @dataclass(frozen=True)
@@ -121,11 +124,20 @@ class TextTokenizer:
         """Encode with special tokens; with `max_tokens`, cut only the texts' own tokens (of a
         (text, text_pair) pair, the longer text first)."""
         tok = self._for_length(max_tokens, side)
-        return list(tok.encode_batch(list(texts), add_special_tokens=True))
+        try:
+            return list(tok.encode_batch(list(texts), add_special_tokens=True))
+        except TypeError:  # a text that is not valid Unicode (the tokenizer takes UTF-8)
+            for i, text in enumerate(texts):
+                _check_unicode(text, i)
+            raise
 
     def encode_plain(self, text: str) -> Encoding:
         """`text`'s own tokens, without special tokens (with character offsets)."""
-        return self._tok.encode(text, add_special_tokens=False)
+        try:
+            return self._tok.encode(text, add_special_tokens=False)
+        except TypeError:
+            _check_unicode(text, None)
+            raise
 
     def _for_length(self, max_tokens: int | None, side: TruncationSide) -> Tokenizer:
         if max_tokens is None:
@@ -264,6 +276,18 @@ class InputProcessor:
             prompts.append(Prompt(token_ids=ids, prompt_embeds=None, num_attended=num_attended))
         return prompts
 
+    def check_text_size(self, text: str | tuple[str, str], index: int | None = None) -> None:
+        """`InputError` for a text over the character limit, before any tokenizing."""
+        limit = self.limits.max_input_chars
+        n = sum(map(len, text)) if isinstance(text, tuple) else len(text)
+        if limit is not None and n > limit:
+            raise InputError(
+                f"the text has {n} characters, more than the limit of {limit} per input "
+                "(checked before tokenizing, whether or not it would be truncated)",
+                index=index,
+                field=None if index is not None else "prompt",
+            )
+
     def truncation_length(self, truncate_prompt_tokens: int) -> int:
         """The length `truncate_prompt_tokens` asks for (-1: the model's limit); `InputError`
         for a length the model does not accept."""
@@ -325,6 +349,8 @@ class InputProcessor:
             if not text:
                 raise InputError("the input is an empty string", index=i)
             texts.append(text if options.prompt is None else options.prompt + text)
+        for i, text in zip(indices, texts, strict=True):
+            self.check_text_size(text, i)
         pairs = [i for i, t in zip(indices, texts, strict=True) if isinstance(t, tuple)]
         if pairs and limit is not None and limit - self.tokenizer.num_pair_special_tokens < 2:
             raise InputError(
@@ -334,8 +360,8 @@ class InputProcessor:
             )
         try:
             encodings = self.tokenizer.encode_batch(texts, limit, options.truncation_side)
-        except InputError as exc:
-            raise exc.at(indices[0]) from None
+        except InputError as exc:  # indexed within `texts`, or about the whole call
+            raise exc.at(indices[exc.index or 0]) from None
         prompts = []
         for i, text, enc in zip(indices, texts, encodings, strict=True):
             self._check_length(len(enc.ids), i)
@@ -464,6 +490,19 @@ def _classify(item: Any, index: int) -> tuple[str, Any]:
         "or a dict with 'prompt', 'prompt_token_ids' or 'prompt_embeds'",
         index=index,
     )
+
+
+def _check_unicode(text: str | tuple[str, str], index: int | None) -> None:
+    """`InputError` for a text that cannot be written as UTF-8 (a lone surrogate)."""
+    for part in text if isinstance(text, tuple) else (text,):
+        try:
+            part.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InputError(
+                f"the text is not valid Unicode: {exc.reason} at character {exc.start} "
+                f"({part[exc.start]!r})",
+                index=index,
+            ) from None
 
 
 def _text_pair(item: Mapping[str, Any], index: int) -> tuple[str, str]:

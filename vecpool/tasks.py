@@ -36,6 +36,11 @@ class PoolingParams:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 raise InputError(f"must be an integer, got {value!r}", field=name)
+        if self.step_tag_id is not None and not 0 <= self.step_tag_id < 2**31:
+            raise InputError(
+                f"must be a token id (a non-negative integer), got {self.step_tag_id}",
+                field="step_tag_id",
+            )
         for name in ("normalize", "use_activation", "exclude_special_tokens"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):

@@ -46,9 +46,10 @@ class EngineArgs:
     llm_reranker: LLMRerankerConfig | None = None
     score_mode: str | None = None
     compile: bool | None = None  # torch.compile the layer stack; None: on CUDA, wide models
+    max_input_chars: int | None = None  # texts longer are refused; None: see `input_char_limit`
 
     def __post_init__(self) -> None:
-        for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs"):
+        for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "max_input_chars"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{name} must be positive, got {value}")
@@ -68,6 +69,13 @@ class EngineArgs:
                 "a prompt of the model's full length would never fit a step"
             )
         return SchedulerConfig(budget, self.max_num_seqs or num_seqs)
+
+    def input_char_limit(self, max_model_len: int) -> int:
+        """Characters a text input may have: the given limit, else 100 per token of the model's
+        length, and at least 100,000 (a token rarely spans more than a few characters, and a
+        text over the limit would be truncated anyway; tokenizing it first costs time and
+        memory in proportion to its length)."""
+        return self.max_input_chars or max(100_000, 100 * max_model_len)
 
     @property
     def model_name(self) -> str:
@@ -125,6 +133,13 @@ class EngineArgs:
             "--score-mode",
             choices=SCORE_MODES,
             help="how score and rerank compare texts (default: from the model)",
+        )
+        eng.add_argument(
+            "--max-input-chars",
+            type=int,
+            metavar="N",
+            help="refuse longer texts before tokenizing them (default: 100 per token of the "
+            "model's length, at least 100000)",
         )
         eng.add_argument(
             "--compile",

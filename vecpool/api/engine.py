@@ -92,6 +92,7 @@ class Engine(TaskCalls):
         llm_reranker: LLMRerankerConfig | None = None,
         score_mode: str | None = None,
         compile: bool | None = None,
+        max_input_chars: int | None = None,
     ):
         self.args = args = EngineArgs(
             model,
@@ -106,6 +107,7 @@ class Engine(TaskCalls):
             llm_reranker=llm_reranker,
             score_mode=score_mode,
             compile=compile,
+            max_input_chars=max_input_chars,
         )
         self.folder = ModelFolder.load(model if model is not None else default_model_path())
         self.device = resolve_device(device)
@@ -175,6 +177,7 @@ class Engine(TaskCalls):
                 max_model_len=self.max_model_len,
                 dtype=self.dtype,
                 enable_prompt_embeds=enable_prompt_embeds,
+                max_input_chars=args.input_char_limit(self.max_model_len),
             ),
             self.tokenizer,
             sides=side_formats(
@@ -205,6 +208,7 @@ class Engine(TaskCalls):
             llm_reranker=args.llm_reranker,
             score_mode=args.score_mode,
             compile=args.compile,
+            max_input_chars=args.max_input_chars,
         )
 
     def _max_model_len(self, asked: int | None) -> int:
@@ -459,6 +463,7 @@ class Engine(TaskCalls):
         if not text:
             raise InputError("the input is an empty string", field="prompt")
         instruction = self._instruction(prompt_name, prompt) or ""
+        self.inputs.check_text_size(instruction + text)
         return list(self.tokenizer.encode_batch([instruction + text])[0].ids)
 
     # ---- helpers -----------------------------------------------------------------------

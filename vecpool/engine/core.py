@@ -8,6 +8,8 @@ import threading
 from collections import deque
 from collections.abc import Callable
 
+import numpy as np
+
 from vecpool.engine.request import Request
 from vecpool.engine.scheduler import Scheduler, SchedulerOutput
 from vecpool.errors import EngineError, RequestFailedError
@@ -16,6 +18,11 @@ from vecpool.runner.model_runner import ModelRunner
 from vecpool.runner.pooling_runner import PooledResult, PoolingRunner
 
 logger = logging.getLogger(__name__)
+# A result is never NaN or infinite: such an output fails its request alone.
+_NOT_FINITE = (
+    "the model's output for this input is not finite (NaN or infinity): its values overflowed "
+    "the model's dtype (e.g. prompt embeds of a far larger magnitude than the model's own)"
+)
 
 
 class EngineCore:
@@ -88,8 +95,9 @@ class EngineCore:
             request.num_computed_tokens += chunk.num_tokens
             if result.error is not None:
                 request.fail(result.error)
+            elif result.output is None or not np.isfinite(result.output).all():
+                request.fail(RequestFailedError(_NOT_FINITE))
             else:
-                assert result.output is not None
                 request.finish(result.output)
 
     def _recover(self, sched: SchedulerOutput, exc: Exception) -> None:
