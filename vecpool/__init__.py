@@ -1,6 +1,6 @@
 """vecpool: an inference engine for pooling models (embeddings, scores, token vectors)."""
 
-from vecpool.api import Engine, EngineArgs, PoolingOutput, PreparedCall
+from vecpool.api import Engine, EngineArgs, EngineInfo, PoolingOutput, PreparedCall
 from vecpool.config import LLMRerankerConfig
 from vecpool.errors import (
     ConfigError,
@@ -19,6 +19,7 @@ __all__ = [
     "Engine",
     "EngineArgs",
     "EngineError",
+    "EngineInfo",
     "InputError",
     "LLMRerankerConfig",
     "ModelLoadError",

@@ -382,6 +382,17 @@ class InputProcessor:
     def _token_ids(self, value: Any, index: int, limit: int | None, side: TruncationSide) -> Prompt:
         ids = _truncate(_as_id_array(value, index), limit, side)
         self._check_length(int(ids.shape[0]), index)
+        self._check_vocabulary(ids, index, "prompt_token_ids")
+        return Prompt(token_ids=ids, prompt_embeds=None)
+
+    def vocabulary_ids(self, value: Any, field: str = "prompt_token_ids") -> np.ndarray:
+        """`value` as a `[n]` int64 array of ids of the model's vocabulary (any length), or an
+        `InputError` naming `field` and the first bad position."""
+        ids = _as_id_array(value, None, field)
+        self._check_vocabulary(ids, None, field)
+        return ids
+
+    def _check_vocabulary(self, ids: np.ndarray, index: int | None, field: str) -> None:
         bad = np.flatnonzero((ids < 0) | (ids >= self.limits.vocab_size))
         if bad.size:
             pos = int(bad[0])
@@ -389,9 +400,8 @@ class InputProcessor:
                 f"token id {int(ids[pos])} at position {pos} is outside the vocabulary "
                 f"[0, {self.limits.vocab_size})",
                 index=index,
-                field="prompt_token_ids",
+                field=field,
             )
-        return Prompt(token_ids=ids, prompt_embeds=None)
 
     def _prompt_embeds(
         self, value: Any, index: int, limit: int | None, side: TruncationSide
@@ -400,7 +410,8 @@ class InputProcessor:
         field = "prompt_embeds"
         if not limits.enable_prompt_embeds:
             raise InputError(
-                "prompt embeds are disabled on this engine (enable_prompt_embeds=False)",
+                "prompt embeds are disabled on this engine (enable_prompt_embeds=False; "
+                "a server accepts them when started with --enable-prompt-embeds)",
                 index=index,
                 field=field,
             )
@@ -523,8 +534,7 @@ def _is_float(x: torch.Tensor | np.ndarray) -> bool:
     return bool(np.issubdtype(x.dtype, np.floating))
 
 
-def _as_id_array(value: Any, index: int) -> np.ndarray:
-    field = "prompt_token_ids"
+def _as_id_array(value: Any, index: int | None, field: str = "prompt_token_ids") -> np.ndarray:
     if type(value) is list and value:
         try:
             arr = np.asarray(value)

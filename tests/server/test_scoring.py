@@ -95,6 +95,9 @@ def test_rerank_cohere_and_jina_shapes(
         jina = srv.post(path, {"query": QUERY, "documents": [{"text": d} for d in DOCS]})
         assert jina.status_code == 200, jina.text
         check_ranking(jina.json(), expected, documents=True)
+        # top_n 0 is every document, as null is (and as vLLM reads it).
+        every = srv.post(path, {"query": QUERY, "documents": DOCS, "top_n": 0})
+        check_ranking(every.json(), expected, documents=True)
         assert jina.json()["usage"]["total_tokens"] == int(jina.headers["x-prompt-tokens"]) > 0
 
 
@@ -139,12 +142,13 @@ def test_task_the_model_lacks(server: Server) -> None:
     [
         ("/rerank", {"query": "q", "documents": []}, "documents"),
         ("/v1/rerank", {"query": "q", "documents": [5]}, "documents[0]"),
-        ("/v2/rerank", {"query": "q", "documents": ["a"], "top_n": 0}, "top_n"),
         (
             "/v2/rerank",
             {"query": "q", "documents": ["a"], "truncate_prompt_tokens": 10**6},
             "truncate_prompt_tokens",
         ),
+        ("/v2/rerank", {"query": "q", "documents": ["a"], "top_n": -1}, "top_n"),
+        ("/v2/rerank", {"query": "q", "documents": ["a"], "top_n": 1.5}, "top_n"),
         ("/v2/rerank", {"documents": ["a"]}, "query"),
         ("/v2/rerank", {"query": "", "documents": ["a"]}, "query"),
         ("/v2/rerank", {"query": "q", "documents": ["a", ""]}, "documents[1]"),

@@ -17,7 +17,6 @@ from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 import vecpool
 from tests.helpers import assert_rel_close, save_hf_model
 from tests.models.test_decoders import ARCHS, VOCAB
-from vecpool import scoring
 
 QUERY = "what does a cat eat"
 DOCS = [
@@ -244,15 +243,3 @@ def test_embedding_models_score_by_cosine(minilm: vecpool.Engine) -> None:
     vectors = minilm.embed([QUERY, *DOCS])
     expected = vectors[1:] @ vectors[0]
     assert_rel_close(minilm.score(QUERY, DOCS), expected)
-
-
-def test_scoring_functions() -> None:
-    assert scoring.rank(np.array([0.1, 0.5, 0.5, -1.0]), top_n=3) == [(1, 0.5), (2, 0.5), (0, 0.1)]
-    weights = np.array([0.0, 0.3, 0.0, 1.2, 0.05, 0.3], dtype=np.float32)
-    assert list(scoring.sparse_vector(weights)) == [3, 1, 5, 4]
-    assert scoring.sparse_vector(weights, top_k=2) == {3: pytest.approx(1.2), 1: pytest.approx(0.3)}
-    assert list(scoring.sparse_vector(weights, threshold=0.1)) == [3, 1, 5]
-    assert scoring.sparse_vector(weights, top_k=0) == {}
-    q = np.array([[1.0, 0.0], [0.0, 1.0]])
-    d = [np.array([[0.5, 0.5], [1.0, 0.0]]), np.array([[0.0, 2.0]])]
-    assert scoring.maxsim(q, d).tolist() == [1.5, 2.0]

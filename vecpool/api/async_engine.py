@@ -1,4 +1,5 @@
-"""An asyncio front over `Engine`, for servers: the engine loop runs in its own thread; requests are futures.
+"""An asyncio front over `Engine`, in this process: the engine loop runs in its own thread;
+requests are futures.
 
 Tokenization and validation run in a thread pool, off the event loop; the loop thread steps the
 engine whenever work is queued; a finished request resolves its future on the event loop.
@@ -8,15 +9,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from vecpool.api.calls import CallContext, make_requests
 from vecpool.api.engine import Engine
-from vecpool.api.outputs import PoolingOutput, outcome
-from vecpool.engine.request import Request
+from vecpool.api.info import EngineInfo
+from vecpool.api.outputs import PoolingOutput, PromptRequest, RunTimes, outcome
+from vecpool.engine.request import Request, RequestStatus
 from vecpool.errors import VecpoolError
 from vecpool.inputs import TextOptions
 from vecpool.tasks import PoolingParams
@@ -32,8 +36,8 @@ class AsyncEngine:
     """Wraps an `Engine` for concurrent async callers. Call `start()` once, `shutdown()` at exit.
 
     `on_step(started, ended)` (perf_counter times), if given, is called by the loop thread after
-    every step that ran a batch; `step_started_at` is when the current (or last) step began, so a
-    request's done callback, which runs inside the step, can read when its step started.
+    every step that ran a batch; `on_request_done(request)` when each request is done (in the
+    loop thread, or where it was cancelled).
     """
 
     def __init__(
@@ -43,16 +47,26 @@ class AsyncEngine:
         max_queued: int = 4096,
         tokenizer_threads: int = 4,
         on_step: Callable[[float, float], object] | None = None,
+        on_request_done: Callable[[Request], object] | None = None,
     ):
         self.engine = engine
         self.max_queued = max_queued
         self.on_step = on_step
+        self.on_request_done = on_request_done
         self.step_started_at = 0.0  # time.perf_counter() when the current or last step began
         self._executor = ThreadPoolExecutor(tokenizer_threads, thread_name_prefix="vecpool-inputs")
         self._wake = threading.Condition()
         self._queued = 0  # requests submitted and not yet done
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="vecpool-engine", daemon=True)
+
+    @property
+    def info(self) -> EngineInfo:
+        return self.engine.info()
+
+    @property
+    def context(self) -> CallContext:
+        return self.engine.context
 
     @property
     def num_queued(self) -> int:
@@ -75,39 +89,52 @@ class AsyncEngine:
 
     async def make_requests(
         self, inputs: Any, params: PoolingParams, options: TextOptions | None = None
-    ) -> list[Request]:
+    ) -> list[PromptRequest]:
         """Validate and tokenize in the thread pool; raises `InputError` like `Engine`."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(
-            self._executor, self.engine.make_requests, inputs, params, options
+            self._executor, make_requests, self.engine.context, inputs, params, options
         )
 
-    async def run(self, requests: list[Request]) -> list[PoolingOutput]:
-        """Queue `requests` and wait for all of them. Cancelling the caller (e.g. a client that
-        disconnected) cancels its requests: waiting ones never run."""
+    async def run(
+        self, requests: Sequence[PromptRequest], times: RunTimes | None = None
+    ) -> list[PoolingOutput]:
+        """Queue `requests` and wait for all of them; their outputs in order. Cancelling the
+        caller (e.g. a client that disconnected) cancels its requests: waiting ones never run.
+        `times`, if given, receives where the time went."""
+        n = len(requests)
         with self._wake:
-            if self._queued + len(requests) > self.max_queued:
+            if self._queued + n > self.max_queued:
                 raise QueueFullError(
                     f"the queue is full ({self._queued} of {self.max_queued} requests waiting)"
                 )
-            self._queued += len(requests)
+            self._queued += n
+        submitted = time.perf_counter()
+        engine_requests = self.engine.submit(requests)
         loop = asyncio.get_running_loop()
+        timer = _Timer(self)
         futures = []
-        for request in requests:
+        for request in engine_requests:
             future: asyncio.Future[Request] = loop.create_future()
             # Leave the queue count first: a caller woken by its future sees it already down.
             request.add_done_callback(self._on_done)
+            request.add_done_callback(timer)
+            if self.on_request_done is not None:
+                request.add_done_callback(self.on_request_done)
             request.add_done_callback(_resolver(loop, future))
             futures.append(future)
-        self.engine.core.add_requests(requests)
+        self.engine.core.add_requests(engine_requests)
         with self._wake:
             self._wake.notify()
         try:
             done = await asyncio.gather(*futures)
         except asyncio.CancelledError:
-            for request in requests:
+            for request in engine_requests:
                 request.cancel()
             raise
+        if times is not None and timer.last_done:
+            times.queue = max(0.0, timer.first_step - submitted)
+            times.inference = timer.last_done - timer.first_step
         return [outcome(r) for r in done]
 
     async def pool(
@@ -138,6 +165,21 @@ class AsyncEngine:
                     self.on_step(self.step_started_at, time.perf_counter())
                 except Exception:
                     logger.exception("on_step callback raised; continuing")
+
+
+class _Timer:
+    """Done callback of one run's requests: when its first step began and its last one ended."""
+
+    def __init__(self, front: AsyncEngine):
+        self.front = front
+        self.first_step = math.inf
+        self.last_done = 0.0
+
+    def __call__(self, request: Request) -> None:
+        if request.status in (RequestStatus.FINISHED, RequestStatus.FAILED):
+            # Runs in the loop thread, inside the step that finished the request.
+            self.first_step = min(self.first_step, self.front.step_started_at)
+            self.last_done = max(self.last_done, time.perf_counter())
 
 
 def _resolver(loop: asyncio.AbstractEventLoop, future: asyncio.Future[Request]) -> Any:

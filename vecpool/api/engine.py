@@ -6,15 +6,18 @@ import importlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from vecpool.api import calls
 from vecpool.api.args import DEFAULT_MODEL_PACKAGE, EngineArgs
+from vecpool.api.calls import CallContext, SparseResult
+from vecpool.api.info import EngineInfo
 from vecpool.api.late_interaction import side_formats, skiplist_ids
-from vecpool.api.outputs import PoolingOutput, PreparedCall, T, outcome, output_data
+from vecpool.api.outputs import PoolingOutput, PreparedCall, PromptRequest, T, outcome
 from vecpool.config import LLMRerankerConfig, resolve_device, resolve_dtype
 from vecpool.engine.core import EngineCore
 from vecpool.engine.request import Request
@@ -30,9 +33,7 @@ from vecpool.pooling.build import PoolingDefaults, build_heads
 from vecpool.runner.compiled import compile_by_default
 from vecpool.runner.model_runner import ModelRunner
 from vecpool.runner.pooling_runner import PoolingRunner
-from vecpool.scoring import as_input_list
-from vecpool.task_calls import TaskCalls
-from vecpool.tasks import Head, PoolingParams, get_task
+from vecpool.tasks import TASKS, PoolingParams, get_task
 
 __all__ = [
     "DEFAULT_MODEL_PACKAGE",
@@ -63,9 +64,13 @@ def default_model_path() -> Path:
     return Path(package.get_model_path())
 
 
-class Engine(TaskCalls):
+class Engine:
     """Loads a pooling model and serves its tasks over flat, unpadded batches: `embed`,
     `encode` (per-token tasks), `classify`, `score`, `rerank`, `embed_sparse`.
+
+    Each call is prepared by the functions of `vecpool.api.calls` over the engine's
+    `CallContext` (`prepare_*`: validate and tokenize), run (`run`), and finished by the
+    prepared call. `info()` describes what the engine serves.
 
     Thread-safe: several threads may call it at once; their inputs share engine steps.
 
@@ -191,6 +196,10 @@ class Engine(TaskCalls):
             if late is not None and self.tokenizer is not None
             else None,
         )
+        self._info = self._describe(args)
+        # What the task calls prepare requests with (a front without the model builds the
+        # same from `info()` alone).
+        self.context = CallContext(self._info, self.inputs)
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> Engine:
@@ -223,7 +232,50 @@ class Engine(TaskCalls):
             return min(limit, self.folder.max_seq_length)
         return limit
 
-    # ---- offline API -------------------------------------------------------------------
+    # ---- what the engine serves ------------------------------------------------------
+
+    def info(self) -> EngineInfo:
+        """The model, its limits and the tasks it serves, as frozen, picklable values."""
+        return self._info
+
+    def _describe(self, args: EngineArgs) -> EngineInfo:
+        missing = self.missing_heads
+        unavailable = {
+            name: missing[spec.head] for name, spec in TASKS.items() if spec.head in missing
+        }
+        late = self.late_interaction
+        tokenizer_file = self.folder.tokenizer_file
+        return EngineInfo(
+            model_name=args.model_name,
+            model_path=str(self.folder.path.resolve()),
+            architecture=self.folder.architecture,
+            device=str(self.device),
+            dtype=str(self.dtype).removeprefix("torch."),
+            max_model_len=self.max_model_len,
+            hidden_size=self.hidden_size,
+            vocab_size=self.model.vocab_size,
+            output_dim=self.output_dim,
+            token_output_dim=self.token_output_dim,
+            num_labels=self.num_labels,
+            id2label=dict(self.id2label),
+            score_mode=self.score_mode,
+            tasks=tuple(sorted(name for name in TASKS if name not in unavailable)),
+            unavailable_tasks=unavailable,
+            matryoshka_dimensions=self.matryoshka_dimensions,
+            enable_prompt_embeds=self.inputs.limits.enable_prompt_embeds,
+            max_input_chars=self.inputs.limits.max_input_chars,
+            prompts=dict(self.folder.prompts),
+            default_prompt_name=self.folder.default_prompt_name,
+            llm_reranker=self.llm_reranker,
+            late_interaction=late is not None,
+            mean_maxsim=late is not None and late.mean_maxsim,
+            max_num_batched_tokens=self.scheduler_config.max_num_batched_tokens,
+            max_num_seqs=self.scheduler_config.max_num_seqs,
+            tokenizer_file=str(tokenizer_file) if tokenizer_file is not None else None,
+            input_sides=dict(self.inputs.sides),
+        )
+
+    # ---- embed and per-token tasks -----------------------------------------------------
 
     def embed(
         self,
@@ -281,7 +333,7 @@ class Engine(TaskCalls):
         after the first token, the query's [MASK] expansion, the side's length limit and
         prompt; the skiplist left out of documents). None (the default): the inputs as given.
         """
-        items = as_input_list(inputs)
+        items = calls.as_input_list(inputs)
 
         def prepare(start: int) -> PreparedCall[list[np.ndarray]]:
             return self.prepare_encode(
@@ -303,6 +355,292 @@ class Engine(TaskCalls):
             return self.run(prepare(0), show_progress=show_progress, desc=task)
         return self._run_pipelined(len(items), prepare, show_progress, task)
 
+    def prepare_encode(
+        self,
+        inputs: Any,
+        *,
+        task: str = "token_embed",
+        dimensions: int | None = None,
+        normalize: bool | None = None,
+        step_tag_id: int | None = None,
+        use_activation: bool | None = None,
+        input_type: str | None = None,
+        exclude_special_tokens: bool | None = None,
+        truncate_prompt_tokens: int | None = None,
+        truncation_side: TruncationSide = "right",
+        prompt_name: str | None = None,
+        prompt: str | None = None,
+    ) -> PreparedCall[list[np.ndarray]]:
+        """The requests of `encode`, not yet run, and how their outputs become its result."""
+        return calls.prepare_encode(
+            self.context,
+            inputs,
+            task=task,
+            dimensions=dimensions,
+            normalize=normalize,
+            step_tag_id=step_tag_id,
+            use_activation=use_activation,
+            input_type=input_type,
+            exclude_special_tokens=exclude_special_tokens,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+            truncation_side=truncation_side,
+            prompt_name=prompt_name,
+            prompt=prompt,
+        )
+
+    # ---- classify, score, rerank ---------------------------------------------------------
+
+    def classify(
+        self,
+        inputs: Any,
+        *,
+        use_activation: bool | None = None,
+        truncate_prompt_tokens: int | None = None,
+        truncation_side: TruncationSide = "right",
+        show_progress: bool | None = None,
+    ) -> np.ndarray:
+        """`[n, num_labels]` float32 class scores per input (probabilities by the model's
+        activation; raw logits with `use_activation=False`). Inputs may be texts, token ids,
+        prompt embeds or `{"text": ..., "text_pair": ...}` pairs."""
+        call = self.prepare_classify(
+            inputs,
+            use_activation=use_activation,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+            truncation_side=truncation_side,
+        )
+        return self.run(call, show_progress=show_progress, desc="classify")
+
+    def prepare_classify(
+        self,
+        inputs: Any,
+        *,
+        use_activation: bool | None = None,
+        truncate_prompt_tokens: int | None = None,
+        truncation_side: TruncationSide = "right",
+    ) -> PreparedCall[np.ndarray]:
+        return calls.prepare_classify(
+            self.context,
+            inputs,
+            use_activation=use_activation,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+            truncation_side=truncation_side,
+        )
+
+    def score(
+        self,
+        a: Any,
+        b: Any,
+        *,
+        use_activation: bool | None = None,
+        truncate_prompt_tokens: int | None = None,
+        truncation_side: TruncationSide = "right",
+        show_progress: bool | None = None,
+    ) -> np.ndarray:
+        """Relevance of `b` to `a`: one input against one or a list (1 -> 1, 1 -> N), or two
+        lists of one length pairwise (N -> N). `[num_pairs]` float32 (a cross-encoder with
+        several labels: `[num_pairs, num_labels]`).
+
+        How depends on the model (`Engine.score_mode`): a cross-encoder reads each pair as one
+        input, an LLM reranker reads its prompt template, a late-interaction model compares
+        token vectors (MaxSim), an embedding model compares embeddings (cosine).
+        """
+        call = self.prepare_score(
+            a,
+            b,
+            use_activation=use_activation,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+            truncation_side=truncation_side,
+        )
+        return self.run(call, show_progress=show_progress, desc="score")
+
+    def prepare_score(
+        self,
+        a: Any,
+        b: Any,
+        *,
+        use_activation: bool | None = None,
+        truncate_prompt_tokens: int | None = None,
+        truncation_side: TruncationSide = "right",
+    ) -> PreparedCall[np.ndarray]:
+        return calls.prepare_score(
+            self.context,
+            a,
+            b,
+            use_activation=use_activation,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+            truncation_side=truncation_side,
+        )
+
+    def rerank(
+        self,
+        query: Any,
+        documents: Sequence[Any],
+        top_n: int | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        truncation_side: TruncationSide = "right",
+        show_progress: bool | None = None,
+    ) -> list[tuple[int, float]]:
+        """`(document index, score)` pairs, best first, the first `top_n` of them (None or 0:
+        every document); scores as `score(query, documents)` gives them."""
+        call = self.prepare_rerank(
+            query,
+            documents,
+            top_n,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+            truncation_side=truncation_side,
+        )
+        return self.run(call, show_progress=show_progress, desc="rerank")
+
+    def prepare_rerank(
+        self,
+        query: Any,
+        documents: Sequence[Any],
+        top_n: int | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        truncation_side: TruncationSide = "right",
+    ) -> PreparedCall[list[tuple[int, float]]]:
+        return calls.prepare_rerank(
+            self.context,
+            query,
+            documents,
+            top_n,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+            truncation_side=truncation_side,
+        )
+
+    # ---- sparse --------------------------------------------------------------------------
+
+    @overload
+    def embed_sparse(
+        self,
+        inputs: Any,
+        *,
+        top_k: int | None = ...,
+        threshold: float = ...,
+        return_tokens: Literal[False] = ...,
+        exclude_special_tokens: bool = ...,
+        truncate_prompt_tokens: int | None = ...,
+        truncation_side: TruncationSide = ...,
+        show_progress: bool | None = ...,
+    ) -> list[dict[int, float]]: ...
+
+    @overload
+    def embed_sparse(
+        self,
+        inputs: Any,
+        *,
+        top_k: int | None = ...,
+        threshold: float = ...,
+        return_tokens: Literal[True],
+        exclude_special_tokens: bool = ...,
+        truncate_prompt_tokens: int | None = ...,
+        truncation_side: TruncationSide = ...,
+        show_progress: bool | None = ...,
+    ) -> list[dict[str, float]]: ...
+
+    def embed_sparse(
+        self,
+        inputs: Any,
+        *,
+        top_k: int | None = None,
+        threshold: float = 0.0,
+        return_tokens: bool = False,
+        exclude_special_tokens: bool = False,
+        truncate_prompt_tokens: int | None = None,
+        truncation_side: TruncationSide = "right",
+        show_progress: bool | None = None,
+    ) -> SparseResult:
+        """SPLADE vectors `{token_id: weight}` per input, heaviest first: weights above
+        `threshold`, the `top_k` largest if given; keyed by token strings with
+        `return_tokens=True`. Every token is pooled (as sentence-transformers' SpladePooling);
+        `exclude_special_tokens=True` leaves the tokenizer's special tokens out, and then needs
+        token ids (texts or id lists, not prompt embeds)."""
+        call = self.prepare_embed_sparse(
+            inputs,
+            top_k=top_k,
+            threshold=threshold,
+            return_tokens=return_tokens,
+            exclude_special_tokens=exclude_special_tokens,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+            truncation_side=truncation_side,
+        )
+        return self.run(call, show_progress=show_progress, desc="sparse")
+
+    def prepare_embed_sparse(
+        self,
+        inputs: Any,
+        *,
+        top_k: int | None = None,
+        threshold: float = 0.0,
+        return_tokens: bool = False,
+        exclude_special_tokens: bool = False,
+        truncate_prompt_tokens: int | None = None,
+        truncation_side: TruncationSide = "right",
+    ) -> PreparedCall[SparseResult]:
+        return calls.prepare_embed_sparse(
+            self.context,
+            inputs,
+            top_k=top_k,
+            threshold=threshold,
+            return_tokens=return_tokens,
+            exclude_special_tokens=exclude_special_tokens,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+            truncation_side=truncation_side,
+        )
+
+    # ---- running -------------------------------------------------------------------------
+
+    def run(self, call: PreparedCall[T], *, show_progress: bool | None = None, desc: str = "") -> T:
+        """Run a prepared call to its result; raises the first failed input's error."""
+        return call.finish(self._execute(self.submit(call.requests), desc, show_progress))
+
+    def pool(
+        self,
+        inputs: Any,
+        params: PoolingParams,
+        options: TextOptions | None = None,
+        *,
+        show_progress: bool | None = None,
+    ) -> list[PoolingOutput]:
+        """Run `inputs` under `params`; a failure is reported per input, never raised.
+
+        Invalid inputs (bad shape, unknown parameter, ...) still raise `InputError` before
+        anything runs, since nothing of the call can be trusted then.
+        """
+        requests = self.make_requests(inputs, params, options)
+        return self._execute(requests, params.task, show_progress)
+
+    def make_requests(
+        self, inputs: Any, params: PoolingParams, options: TextOptions | None = None
+    ) -> list[Request]:
+        """Validate and tokenize `inputs` into engine requests (not yet queued); `InputError`
+        on the first bad input. Safe to call from any thread."""
+        return self.submit(calls.make_requests(self.context, inputs, params, options))
+
+    def submit(self, requests: Sequence[PromptRequest]) -> list[Request]:
+        """Engine requests for prepared ones (not yet queued: `core.add_requests` does)."""
+        return [
+            Request(
+                request_id=self.core.next_request_id(),
+                prompt=r.prompt,
+                params=r.params,
+                task=get_task(r.params.task),
+                user_data=r.index,
+            )
+            for r in requests
+        ]
+
+    def _execute(
+        self, requests: list[Request], desc: str, show_progress: bool | None
+    ) -> list[PoolingOutput]:
+        self.core.add_requests(requests)
+        show = show_progress if show_progress is not None else len(requests) >= PROGRESS_THRESHOLD
+        with tqdm(total=len(requests), disable=not show, desc=desc, unit="input") as bar:
+            self.core.run_until_done(requests, on_progress=bar.update)
+        return [outcome(r) for r in requests]
+
     def _run_pipelined(
         self,
         total: int,
@@ -313,7 +651,7 @@ class Engine(TaskCalls):
         """Run a large call chunk by chunk, tokenizing the next chunk on a worker thread
         while the device runs the ones already queued. Errors name the input's index in the
         whole call; a failure cancels the call's queued requests."""
-        calls: list[tuple[int, PreparedCall[list[np.ndarray]]]] = []
+        chunks: list[tuple[int, PreparedCall[list[np.ndarray]], list[Request]]] = []
         done = [0]
 
         def count(_: Request) -> None:
@@ -333,116 +671,31 @@ class Engine(TaskCalls):
                         raise _shifted(exc, start) from None
                     if start + PIPELINE_CHUNK < total:
                         upcoming = worker.submit(prepare, start + PIPELINE_CHUNK)
-                    for request in call.requests:
+                    requests = self.submit(call.requests)
+                    for request in requests:
                         request.add_done_callback(count)
-                    self.core.add_requests(call.requests)
-                    calls.append((start, call))
+                    self.core.add_requests(requests)
+                    chunks.append((start, call, requests))
                     while not upcoming.done() and self.core.has_work():
                         self.core.step()
                         bar.update(done[0] - bar.n)
-                for _, call in calls:
-                    self.core.run_until_done(call.requests)
+                for _, _, requests in chunks:
+                    self.core.run_until_done(requests)
                     bar.update(done[0] - bar.n)
             except BaseException:
-                for _, call in calls:
-                    for request in call.requests:
+                for _, _, requests in chunks:
+                    for request in requests:
                         request.cancel()
                 raise
         results: list[np.ndarray] = []
-        for start, call in calls:
+        for start, call, requests in chunks:
             try:
-                results.extend(call.finish([outcome(r) for r in call.requests]))
+                results.extend(call.finish([outcome(r) for r in requests]))
             except InputError as exc:
                 raise _shifted(exc, start) from None
         return results
 
-    def prepare_encode(
-        self,
-        inputs: Any,
-        *,
-        task: str = "token_embed",
-        dimensions: int | None = None,
-        normalize: bool | None = None,
-        step_tag_id: int | None = None,
-        use_activation: bool | None = None,
-        input_type: str | None = None,
-        exclude_special_tokens: bool | None = None,
-        truncate_prompt_tokens: int | None = None,
-        truncation_side: TruncationSide = "right",
-        prompt_name: str | None = None,
-        prompt: str | None = None,
-    ) -> PreparedCall[list[np.ndarray]]:
-        """The requests of `encode`, not yet run, and how their outputs become its result."""
-        params = PoolingParams(
-            task=task,
-            dimensions=dimensions,
-            normalize=normalize,
-            step_tag_id=step_tag_id,
-            use_activation=use_activation,
-            input_type=input_type,
-            exclude_special_tokens=exclude_special_tokens,
-        )
-        # A side's own prompt, not the folder's default one, unless the call names one.
-        by_side = input_type is not None and prompt is None and prompt_name is None
-        instruction = None if by_side else self._instruction(prompt_name, prompt)
-        options = TextOptions(truncate_prompt_tokens, truncation_side, instruction)
-        return PreparedCall(self.make_requests(inputs, params, options), output_data)
-
-    def run(self, call: PreparedCall[T], *, show_progress: bool | None = None, desc: str = "") -> T:
-        """Run a prepared call to its result; raises the first failed input's error."""
-        return call.finish(self._execute(call.requests, desc, show_progress))
-
-    def pool(
-        self,
-        inputs: Any,
-        params: PoolingParams,
-        options: TextOptions | None = None,
-        *,
-        show_progress: bool | None = None,
-    ) -> list[PoolingOutput]:
-        """Run `inputs` under `params`; a failure is reported per input, never raised.
-
-        Invalid inputs (bad shape, unknown parameter, ...) still raise `InputError` before
-        anything runs, since nothing of the call can be trusted then.
-        """
-        requests = self.make_requests(inputs, params, options)
-        return self._execute(requests, params.task, show_progress)
-
-    def _execute(
-        self, requests: list[Request], desc: str, show_progress: bool | None
-    ) -> list[PoolingOutput]:
-        self.core.add_requests(requests)
-        show = show_progress if show_progress is not None else len(requests) >= PROGRESS_THRESHOLD
-        with tqdm(total=len(requests), disable=not show, desc=desc, unit="input") as bar:
-            self.core.run_until_done(requests, on_progress=bar.update)
-        return [outcome(r) for r in requests]
-
-    def make_requests(
-        self, inputs: Any, params: PoolingParams, options: TextOptions | None = None
-    ) -> list[Request]:
-        """Validate and tokenize `inputs` into requests (not yet submitted); `InputError` on
-        the first bad input. Safe to call from any thread."""
-        items = as_input_list(inputs)
-        task = get_task(params.task)
-        # Parameters belong to the whole call: checked once, before any input is touched.
-        task.check_params(params)
-        missing = self.missing_heads.get(task.head)
-        if missing is not None:
-            raise InputError(f"this model cannot serve task {task.name!r}: {missing}", field="task")
-        self._check_dimensions(params)
-        prompts = self.inputs.process(items, options or TextOptions(), params.input_type)
-        requests = []
-        for index, prompt in enumerate(prompts):
-            requests.append(
-                Request(
-                    request_id=self.core.next_request_id(),
-                    prompt=prompt,
-                    params=params,
-                    task=task,
-                    user_data=index,
-                )
-            )
-        return requests
+    # ---- tokens --------------------------------------------------------------------------
 
     def embed_tokens(self, token_ids: Sequence[int] | torch.Tensor | np.ndarray) -> torch.Tensor:
         """`[n, hidden]` (CPU, model dtype): the model's own input embeddings of `token_ids`.
@@ -458,51 +711,14 @@ class Engine(TaskCalls):
     ) -> list[int]:
         """The token ids a text input becomes (special tokens and instruction included),
         however long: counting tokens is one of its uses."""
-        if self.tokenizer is None:
-            raise InputError("the model folder has no tokenizer.json", field="prompt")
-        if not text:
-            raise InputError("the input is an empty string", field="prompt")
-        instruction = self._instruction(prompt_name, prompt) or ""
-        self.inputs.check_text_size(instruction + text)
-        return list(self.tokenizer.encode_batch([instruction + text])[0].ids)
+        return calls.tokenize(self.context, text, prompt_name=prompt_name, prompt=prompt)
 
-    # ---- helpers -----------------------------------------------------------------------
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        """The text of vocabulary ids (special tokens skipped); `InputError` for an id outside
+        the vocabulary."""
+        return calls.detokenize(self.context, token_ids)
 
-    def _instruction(self, prompt_name: str | None, prompt: str | None) -> str | None:
-        if prompt is not None and prompt_name is not None:
-            raise InputError("pass either prompt or prompt_name, not both", field="prompt_name")
-        if prompt is not None:
-            return prompt
-        name = prompt_name if prompt_name is not None else self.folder.default_prompt_name
-        if name is None:
-            return None
-        if name not in self.folder.prompts:
-            known = ", ".join(sorted(self.folder.prompts)) or "none"
-            raise InputError(
-                f"unknown prompt name {name!r}; the model's prompts: {known}", field="prompt_name"
-            )
-        return self.folder.prompts[name]
-
-    def _check_dimensions(self, params: PoolingParams) -> None:
-        d = params.dimensions
-        if d is None:
-            return
-        size = (
-            self.token_output_dim
-            if get_task(params.task).head == Head.TOKEN_EMBEDDING
-            else self.output_dim
-        )
-        if not 1 <= d <= size:
-            raise InputError(
-                f"dimensions={d} must be between 1 and the model's output size {size}",
-                field="dimensions",
-            )
-        if self.matryoshka_dimensions is not None and d not in self.matryoshka_dimensions:
-            raise InputError(
-                f"dimensions={d} is not one of the model's matryoshka dimensions "
-                f"{list(self.matryoshka_dimensions)}",
-                field="dimensions",
-            )
+    # ---- helpers -------------------------------------------------------------------------
 
     def _reranker_token_ids(self, config: LLMRerankerConfig) -> list[int]:
         """The vocabulary ids of the reranker's true (and false) token."""

@@ -1,4 +1,5 @@
-"""What a call returns per input, and a call prepared for the engine but not yet run."""
+"""What a call sends to the engine (`PromptRequest`), what it gets back per input
+(`PoolingOutput`), and a call prepared but not yet run (`PreparedCall`)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,22 @@ import numpy as np
 
 from vecpool.engine.request import Request
 from vecpool.errors import InputError, VecpoolError
+from vecpool.inputs import Prompt
+from vecpool.tasks import PoolingParams
 
 T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class PromptRequest:
+    """One validated input and what to compute from it: all an engine needs to run it.
+
+    Plain values (no engine state), so a front without the model can build it and send it
+    to the engine, in this process or another."""
+
+    index: int  # position of the input in its call (errors name it)
+    prompt: Prompt
+    params: PoolingParams
 
 
 @dataclass(slots=True)  # not frozen: one is built per input, and frozen init is slow
@@ -35,17 +50,25 @@ def outcome(request: Request) -> PoolingOutput:
     )
 
 
+@dataclass
+class RunTimes:
+    """Where one run's time went in the engine (seconds); filled in by the front that ran it."""
+
+    queue: float = 0.0  # from submission to the start of the first step that ran one of them
+    inference: float = 0.0  # from that step's start to the last request done
+
+
 @dataclass(frozen=True)
 class PreparedCall(Generic[T]):
-    """The requests of one offline call, validated and tokenized but not yet submitted, and how
-    their outputs become the call's result.
+    """The requests of one call, validated and tokenized but not yet run, and how their
+    outputs become the call's result.
 
-    `Engine.run(call)` runs it; an async front submits `call.requests` itself (e.g.
+    `Engine.run(call)` runs it; an async front runs `call.requests` itself (e.g.
     `AsyncEngine.run`) and passes the outputs, in request order, to `call.finish`, which raises
     the first failed input's error.
     """
 
-    requests: list[Request]
+    requests: list[PromptRequest]
     finish: Callable[[list[PoolingOutput]], T]
 
 

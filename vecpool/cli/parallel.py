@@ -59,7 +59,7 @@ class EmbedOptions:
         dim = self.dimensions or engine.output_dim
         if call is None or not call.requests:
             return np.zeros((0, dim), np.float32), 0
-        tokens = sum(request.num_prompt_tokens for request in call.requests)
+        tokens = sum(request.prompt.num_tokens for request in call.requests)
         vectors: list[np.ndarray] = engine.run(call, show_progress=False)
         return np.stack(vectors), tokens
 

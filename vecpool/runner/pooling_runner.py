@@ -52,7 +52,7 @@ class PoolingRunner:
                         field="prompt_embeds",
                     ),
                 )
-            else:  # the api refuses tasks without a head before anything is queued
+            else:  # its head exists: the api layer refuses a task the model has no head for
                 groups.setdefault(chunk.task.head, []).append(i)
         for head, seqs in groups.items():
             head_batch = HeadBatch(

@@ -21,7 +21,6 @@ import vecpool
 from vecpool.api import Engine
 from vecpool.api.async_engine import AsyncEngine
 from vecpool.errors import InputError
-from vecpool.server import routes, scoring
 from vecpool.server.config import ServerConfig
 from vecpool.server.errors import (
     ApiError,
@@ -32,7 +31,8 @@ from vecpool.server.errors import (
 )
 from vecpool.server.metrics import ServerMetrics
 from vecpool.server.middleware import ServerMiddleware, error_response
-from vecpool.server.serving import ServerState
+from vecpool.server.routes import ROUTERS
+from vecpool.server.state import ServerState
 
 # Not sent to anyone (the client is gone); nginx's code for "client closed request".
 STATUS_CLIENT_CLOSED = 499
@@ -40,7 +40,9 @@ STATUS_CLIENT_CLOSED = 499
 
 def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     """An app serving `engine`; run it with uvicorn (one process, one engine)."""
-    state = ServerState(engine, config, ServerMetrics(lambda: _queued(state)))
+    state = ServerState(
+        engine.info(), engine.context, config, ServerMetrics(lambda: _queued(state))
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -48,28 +50,27 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
             engine,
             max_queued=config.max_queued,
             on_step=state.metrics.on_step,
+            on_request_done=state.metrics.on_request_done,
         )
         front.start()
-        state.front = front
+        state.client = front
         state.executor = ThreadPoolExecutor(
             config.tokenizer_threads, thread_name_prefix="vecpool-server-inputs"
         )
         try:
             yield
         finally:
-            state.front = None
+            state.client = None
             state.executor.shutdown(wait=False, cancel_futures=True)
             await asyncio.to_thread(front.shutdown)
 
     app = FastAPI(title="vecpool", version=vecpool.__version__, lifespan=lifespan)
     app.state.vecpool = state
-    app.include_router(routes.router)
-    app.include_router(scoring.router)
+    for router in ROUTERS:
+        app.include_router(router)
     _add_error_handlers(app, state)
     # Read from each router: some FastAPI versions keep an included router as one route.
-    paths = (
-        getattr(r, "path", None) for x in (app, routes.router, scoring.router) for r in x.routes
-    )
+    paths = (getattr(r, "path", None) for x in (app, *ROUTERS) for r in x.routes)
     endpoints = frozenset(path for path in paths if isinstance(path, str))
     app.add_middleware(
         ServerMiddleware, metrics=state.metrics, api_key=config.api_key, endpoints=endpoints
@@ -78,7 +79,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
 
 
 def _queued(state: ServerState) -> float:
-    return float(state.front.num_queued) if state.front is not None else 0.0
+    return float(state.client.num_queued) if state.client is not None else 0.0
 
 
 def _add_error_handlers(app: FastAPI, state: ServerState) -> None:

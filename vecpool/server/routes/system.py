@@ -1,0 +1,46 @@
+"""`GET /v1/models`, `/health` and `/metrics`."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.requests import Request
+from starlette.responses import Response
+
+from vecpool.server.routes.common import dumps, json_response
+from vecpool.server.state import get_state
+
+router = APIRouter()
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> Response:
+    state = get_state(request)
+    info = state.info
+    models = [
+        {
+            "id": name,
+            "object": "model",
+            "created": state.created,
+            "owned_by": "vecpool",
+            "max_model_len": info.max_model_len,
+            "hidden_size": info.hidden_size,
+            "output_dim": info.output_dim,
+            "tasks": list(info.tasks),
+            "score_mode": info.score_mode,  # how /score and /rerank compare texts
+        }
+        for name in state.config.model_names
+    ]
+    return json_response(dumps({"object": "list", "data": models}))
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    """200 while the engine runs, 503 otherwise."""
+    get_state(request).running_client()
+    return json_response(dumps({"status": "ok"}))
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(get_state(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)

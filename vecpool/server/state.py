@@ -1,0 +1,97 @@
+"""What every endpoint shares: the engine it talks to, the settings, the metrics.
+
+The server never reads an engine's internals: it knows the engine through its `EngineInfo`,
+prepares calls with a `CallContext` (the functions of `vecpool.api.calls`), and runs their
+requests on an `EngineClient` — the in-process `AsyncEngine`, or a client of an engine core in
+another process.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from starlette.requests import Request as HttpRequest
+
+from vecpool.api import CallContext, EngineInfo, PoolingOutput, PromptRequest
+from vecpool.api.outputs import RunTimes
+from vecpool.server.config import ServerConfig
+from vecpool.server.errors import ApiError
+from vecpool.server.metrics import ServerMetrics
+from vecpool.server.protocol import TextParams
+
+
+class EngineClient(Protocol):
+    """How the server runs requests: an engine front (`AsyncEngine`, or a core process's
+    client). `run` raises `QueueFullError` when the queue cannot take the requests."""
+
+    max_queued: int
+
+    @property
+    def num_queued(self) -> int: ...
+
+    @property
+    def is_running(self) -> bool: ...
+
+    async def run(
+        self, requests: Sequence[PromptRequest], times: RunTimes | None = None
+    ) -> list[PoolingOutput]: ...
+
+
+@dataclass
+class ServerState:
+    """The engine's description and input stage, its client (set at startup), the settings
+    and the metrics."""
+
+    info: EngineInfo
+    context: CallContext
+    config: ServerConfig
+    metrics: ServerMetrics
+    client: EngineClient | None = None  # set at startup
+    executor: Executor | None = None  # decodes and tokenizes inputs; set at startup
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def running_client(self) -> EngineClient:
+        """The engine's client while the engine runs, or a 503."""
+        if self.client is None or not self.client.is_running:
+            raise ApiError(503, "the engine is not running", code="unavailable")
+        return self.client
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.config.model_names:
+            raise ApiError(
+                404,
+                f"the model {name!r} does not exist; this server serves "
+                f"{', '.join(map(repr, self.config.model_names))}",
+                param="model",
+                code="model_not_found",
+            )
+
+    def check_count(self, n: int, list_name: str = "input") -> None:
+        """A 400 for a list of inputs that is empty or longer than one request may hold."""
+        if n == 0:
+            raise ApiError(
+                400, f"{list_name} is an empty list", param=list_name, code="invalid_input"
+            )
+        if n > self.config.max_batch_inputs:
+            raise ApiError(
+                400,
+                f"{list_name} has {n} items, more than the limit of "
+                f"{self.config.max_batch_inputs} per request",
+                param=list_name,
+                code="too_many_inputs",
+            )
+
+    def truncate(self, body: TextParams) -> int | None:
+        """The call's truncate_prompt_tokens: -1 (the model's limit) under --auto-truncate."""
+        if body.truncate_prompt_tokens is None and self.config.auto_truncate:
+            return -1
+        return body.truncate_prompt_tokens
+
+
+def get_state(request: HttpRequest) -> ServerState:
+    state: ServerState = request.app.state.vecpool
+    return state
