@@ -329,6 +329,11 @@ def test_bidirectional_config(decoder: Loaded, flag: dict[str, Any], tmp_path: P
         ("llama", {"num_key_value_heads": 3}, "num_key_value_heads"),
         ("mistral", {"quantization_config": {"quant_method": "awq"}}, "awq"),
         ("llama", {"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+        (
+            "qwen3",
+            {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}},
+            "partial_rotary_factor",
+        ),
         ("gemma2", {"hidden_activation": "swiglu_oai"}, "swiglu_oai"),
         ("qwen3", {"hidden_size": None}, "hidden_size"),
     ],

@@ -124,9 +124,6 @@ def check_supported(hf: dict[str, Any]) -> None:
         raise ConfigError(
             f"quantized checkpoints (quantization_config: {method}) are not supported"
         )
-    rope = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
-    if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise ConfigError("partial rotary embeddings (partial_rotary_factor < 1) are not supported")
     if hf.get("is_causal") is True and hf.get("use_bidirectional_attention") is True:
         raise ConfigError(
             "config.json sets both is_causal=true and use_bidirectional_attention=true"

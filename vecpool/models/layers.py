@@ -124,7 +124,15 @@ class Rotary:
             hf_get(params, "rope_theta", default=hf_get(hf, "rope_theta", default=10000.0))
         )
         rope_type = params.get("rope_type", params.get("type", "default"))
-        if float(hf.get("partial_rotary_factor", 1.0)) != 1.0:
+        # The factor may sit at the top level or among the rope parameters.
+        if (
+            float(
+                hf_get(
+                    params, "partial_rotary_factor", default=hf.get("partial_rotary_factor", 1.0)
+                )
+            )
+            != 1.0
+        ):
             raise ConfigError(
                 "partial rotary embeddings (partial_rotary_factor < 1) are not supported"
             )
