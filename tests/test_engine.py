@@ -51,11 +51,24 @@ def test_small_budget_gives_the_same_results(tiny_bert) -> None:
     assert np.abs(a - b).max() <= 1e-6
 
 
-def test_budget_below_model_length_is_rejected(tiny_bert) -> None:
-    with pytest.raises(
-        vecpool.ConfigError, match="max_num_batched_tokens=32 is below max_model_len=64"
-    ):
-        vecpool.Engine(tiny_bert[0], device="cpu", max_num_batched_tokens=32)
+def test_encoder_prompt_over_the_budget_runs_alone(tiny_bert, monkeypatch) -> None:
+    """Bidirectional attention cannot be chunked: a prompt longer than the budget (but within
+    the model's 64) runs whole, alone in its own step, and gives what a larger budget gives."""
+    big = vecpool.Engine(tiny_bert[0], device="cpu")
+    small = vecpool.Engine(tiny_bert[0], device="cpu", max_num_batched_tokens=32)
+    assert small.scheduler_config.max_cached_tokens == 0 and small.model_runner.kv_cache is None
+    prompts = random_prompts(99, [5, 50, 7, 64, 3, 40], seed=12)
+    steps: list[list[int]] = []
+    original = small.model_runner.prepare
+
+    def record(step):
+        steps.append([c.num_tokens for c in step.chunks])
+        return original(step)
+
+    monkeypatch.setattr(small.model_runner, "prepare", record)
+    assert np.abs(small.embed(prompts) - big.embed(prompts)).max() <= 1e-6
+    # Longest first (one call's order): every over-budget prompt alone, then the rest.
+    assert steps == [[64], [50], [40], [7, 5, 3]]
 
 
 def test_concurrent_callers_share_the_engine(tiny_bert_engine: vecpool.Engine) -> None:

@@ -61,8 +61,16 @@ class SchedulerConfig:
 
     max_num_batched_tokens: int = 8192  # token budget of one flat batch
     max_num_seqs: int = 256  # request cap of one batch
+    # Keys and values kept for prompts that run in chunks (causal models), counted in prompt
+    # positions: a prompt reserves its length while it runs. 0: prompts run whole (one longer
+    # than the budget runs alone in its own step).
+    max_cached_tokens: int = 0
 
     def __post_init__(self) -> None:
+        if self.max_cached_tokens < 0:
+            raise ConfigError(
+                f"max_cached_tokens must be 0 or positive, got {self.max_cached_tokens}"
+            )
         if self.max_num_batched_tokens < 1:
             raise ConfigError(
                 f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}"

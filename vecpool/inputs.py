@@ -114,6 +114,12 @@ class TextTokenizer:
         self.num_pair_special_tokens = processor.num_special_tokens_to_add(True) if processor else 0
         self._truncating: dict[tuple[int, str], Tokenizer] = {}
         self._lock = threading.Lock()
+        # How many of a single text's special tokens come before its own tokens, and after.
+        mask = self._tok.encode("a", add_special_tokens=True).special_tokens_mask
+        self.num_leading_special_tokens = next(
+            (i for i, special in enumerate(mask) if not special), len(mask)
+        )
+        self.num_trailing_special_tokens = len(mask) - 1 - self.num_leading_special_tokens
 
     def encode_batch(
         self,
@@ -210,6 +216,41 @@ class InputProcessor:
             elif kind == "prompt_embeds":
                 prompts[i] = self._prompt_embeds(value, i, limit, side)
         return [p for p in prompts if p is not None]
+
+    def windows(
+        self, inputs: Sequence[Any], options: TextOptions, overlap: int
+    ) -> list[list[tuple[Prompt, int]]]:
+        """Every input as one prompt, or, when it is longer than the model's limit, as windows of
+        the limit's length: consecutive slices of its tokens, each sharing `overlap` tokens with
+        the one before; a text's special tokens (e.g. [CLS] and [SEP]) surround every slice.
+        Returns, per input, `(prompt, number of the input's own tokens in it)` pairs (a whole
+        input counts all its tokens). With `truncate_prompt_tokens`, inputs are truncated, not
+        split. `InputError` names the first bad input."""
+        if options.truncate_prompt_tokens is not None:
+            return [[(p, p.num_tokens)] for p in self.process(inputs, options)]
+        max_len = self.limits.max_model_len
+        unlimited = InputProcessor(replace(self.limits, max_model_len=sys.maxsize), self.tokenizer)
+        out: list[list[tuple[Prompt, int]]] = []
+        for i, (item, prompt) in enumerate(
+            zip(inputs, unlimited.process(inputs, options), strict=True)
+        ):
+            if prompt.num_tokens <= max_len:
+                out.append([(prompt, prompt.num_tokens)])
+                continue
+            kind = _classify(item, i)[0]
+            if kind == "pair":
+                raise InputError(
+                    f"the text pair has {prompt.num_tokens} tokens, more than the model's limit "
+                    f"of {max_len}; a pair cannot be split into windows, pass "
+                    "truncate_prompt_tokens (-1 for the limit) to truncate it",
+                    index=i,
+                )
+            head = tail = 0
+            if kind == "text" and self.tokenizer is not None:
+                head = self.tokenizer.num_leading_special_tokens
+                tail = self.tokenizer.num_trailing_special_tokens
+            out.append(split_windows(prompt, max_len, overlap, head, tail))
+        return out
 
     def _side(self, inputs: Sequence[Any], options: TextOptions, input_type: str) -> list[Prompt]:
         """Inputs of one side: the side's prompt in front of texts, its marker after the first
@@ -459,6 +500,50 @@ class InputProcessor:
             why = "is not finite in the model dtype" if source_finite else "contains NaN or inf"
             raise InputError(f"the tensor {why}", index=index, field=field)
         return Prompt(token_ids=None, prompt_embeds=embeds)
+
+
+def split_windows(
+    prompt: Prompt, window: int, overlap: int, head: int = 0, tail: int = 0
+) -> list[tuple[Prompt, int]]:
+    """`prompt` as windows of at most `window` tokens: its first `head` and last `tail` tokens
+    around each of consecutive slices of the tokens between them, a slice starting
+    `window - head - tail - overlap` tokens after the one before (at least 1) until one reaches
+    the end. Returns `(window prompt, slice length)` pairs."""
+    size = window - head - tail  # tokens of the input's own per window
+    if size < 1:
+        raise InputError(
+            f"a window of {window} tokens leaves no room besides {head + tail} special tokens"
+        )
+    n = prompt.num_tokens
+    body = n - head - tail
+    stride = max(size - overlap, 1)
+    starts = [0]
+    while starts[-1] + size < body:
+        starts.append(starts[-1] + stride)
+
+    def cut(x: Any, start: int, end: int) -> Any:  # the head, x[start:end] of the body, the tail
+        parts = [x[:head], x[head + start : head + end], x[n - tail :]]
+        if isinstance(x, torch.Tensor):
+            return torch.cat(parts)
+        return np.concatenate(parts)
+
+    windows = []
+    for start in starts:
+        end = min(start + size, body)
+        windows.append(
+            (
+                Prompt(
+                    token_ids=None
+                    if prompt.token_ids is None
+                    else cut(prompt.token_ids, start, end),
+                    prompt_embeds=None
+                    if prompt.prompt_embeds is None
+                    else cut(prompt.prompt_embeds, start, end),
+                ),
+                end - start,
+            )
+        )
+    return windows
 
 
 def _classify(item: Any, index: int) -> tuple[str, Any]:

@@ -47,28 +47,64 @@ class EngineArgs:
     score_mode: str | None = None
     compile: bool | None = None  # torch.compile the layer stack; None: on CUDA, wide models
     max_input_chars: int | None = None  # texts longer are refused; None: see `input_char_limit`
+    # Keys and values kept for prompts that run in chunks (causal models), in prompt
+    # positions; None: max_model_len; 0: no chunking (a prompt over the budget runs alone).
+    max_cached_tokens: int | None = None
+    # embed: split inputs longer than max_model_len into overlapping windows and combine their
+    # embeddings (an approximation; see README); a call's `windowed` overrides it.
+    windowed_embed: bool = False
+    embed_window_overlap: int | None = None  # tokens consecutive windows share; None: 1/8
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "max_input_chars"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{name} must be positive, got {value}")
+        for name in ("max_cached_tokens", "embed_window_overlap"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ConfigError(f"{name} must be 0 or positive, got {value}")
         if self.pooling is not None and self.pooling.upper() not in SEQUENCE_METHODS:
             raise ConfigError(f"pooling {self.pooling!r} is not one of {SEQUENCE_METHODS}")
         if self.score_mode is not None and self.score_mode not in SCORE_MODES:
             raise ConfigError(f"score_mode {self.score_mode!r} is not one of {SCORE_MODES}")
 
-    def scheduler_config(self, device: torch.device, max_model_len: int) -> SchedulerConfig:
-        """The step limits on `device`: the given ones, else the device's defaults (the token
-        budget raised to `max_model_len` when that is larger: every prompt must fit a step)."""
+    def scheduler_config(
+        self, device: torch.device, max_model_len: int, *, causal: bool
+    ) -> SchedulerConfig:
+        """The step limits on `device`: the given ones, else the device's defaults.
+
+        A causal model runs a prompt longer than the budget in chunks, its keys and values
+        cached (`max_cached_tokens`, by default enough for one prompt of `max_model_len`).
+        A bidirectional one cannot: its budget defaults to at least `max_model_len`, and a
+        prompt over a smaller budget runs alone in its own step."""
         budget, num_seqs = _STEP_DEFAULTS["cuda" if device.type == "cuda" else "cpu"]
-        budget = self.max_num_batched_tokens or max(budget, max_model_len)
-        if budget < max_model_len:
+        cached = 0
+        if causal and self.max_cached_tokens != 0:
+            budget = self.max_num_batched_tokens or budget
+            cached = max_model_len if self.max_cached_tokens is None else self.max_cached_tokens
+            if max_model_len > budget and cached < max_model_len:
+                raise ConfigError(
+                    f"max_cached_tokens={cached} is below max_model_len={max_model_len}: a "
+                    f"prompt longer than the token budget ({budget}) runs in chunks and keeps "
+                    "its keys and values for its whole length; raise max_cached_tokens, lower "
+                    "max_model_len, or set max_cached_tokens=0 to run such prompts alone"
+                )
+        else:
+            budget = self.max_num_batched_tokens or max(budget, max_model_len)
+        return SchedulerConfig(budget, self.max_num_seqs or num_seqs, max_cached_tokens=cached)
+
+    def window_overlap(self, max_model_len: int) -> int:
+        """Tokens consecutive windows of a windowed embedding share: the given count, else an
+        eighth of the model's length."""
+        overlap = self.embed_window_overlap
+        if overlap is None:
+            return max_model_len // 8
+        if overlap >= max_model_len:
             raise ConfigError(
-                f"max_num_batched_tokens={budget} is below max_model_len={max_model_len}; "
-                "a prompt of the model's full length would never fit a step"
+                f"embed_window_overlap={overlap} must be below max_model_len={max_model_len}"
             )
-        return SchedulerConfig(budget, self.max_num_seqs or num_seqs)
+        return overlap
 
     def input_char_limit(self, max_model_len: int) -> int:
         """Characters a text input may have: the given limit, else 100 per token of the model's
@@ -106,7 +142,29 @@ class EngineArgs:
             "--max-num-batched-tokens",
             type=int,
             metavar="N",
-            help="token budget of one engine step (default: 32768 on CUDA, 8192 on the CPU)",
+            help="token budget of one engine step (default: 32768 on CUDA, 8192 on the CPU; "
+            "raised to max_model_len for bidirectional models)",
+        )
+        eng.add_argument(
+            "--max-cached-tokens",
+            type=int,
+            metavar="N",
+            help="keys and values kept for prompts longer than the token budget, which a "
+            "causal model runs in chunks over several steps (prompt positions; default: "
+            "max_model_len; 0: run such prompts whole, alone in a step)",
+        )
+        eng.add_argument(
+            "--windowed-embed",
+            action=argparse.BooleanOptionalAction,
+            default=False,
+            help="embed inputs longer than max_model_len as the token-weighted mean of "
+            "overlapping windows (an approximation; default: such inputs are errors)",
+        )
+        eng.add_argument(
+            "--embed-window-overlap",
+            type=int,
+            metavar="N",
+            help="tokens consecutive windows share (default: an eighth of max_model_len)",
         )
         eng.add_argument(
             "--max-num-seqs",

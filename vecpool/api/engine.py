@@ -13,6 +13,7 @@ import torch
 from tqdm.auto import tqdm
 
 from vecpool.api import calls
+from vecpool.api import windowed as windowed_embed
 from vecpool.api.args import DEFAULT_MODEL_PACKAGE, EngineArgs
 from vecpool.api.calls import CallContext, SparseResult
 from vecpool.api.info import EngineInfo
@@ -98,6 +99,9 @@ class Engine:
         score_mode: str | None = None,
         compile: bool | None = None,
         max_input_chars: int | None = None,
+        max_cached_tokens: int | None = None,
+        windowed_embed: bool = False,
+        embed_window_overlap: int | None = None,
     ):
         self.args = args = EngineArgs(
             model,
@@ -113,6 +117,9 @@ class Engine:
             score_mode=score_mode,
             compile=compile,
             max_input_chars=max_input_chars,
+            max_cached_tokens=max_cached_tokens,
+            windowed_embed=windowed_embed,
+            embed_window_overlap=embed_window_overlap,
         )
         self.folder = ModelFolder.load(model if model is not None else default_model_path())
         self.device = resolve_device(device)
@@ -124,7 +131,10 @@ class Engine:
             TextTokenizer(self.folder.tokenizer_file) if self.folder.tokenizer_file else None
         )
         self.max_model_len = self._max_model_len(max_model_len)
-        self.scheduler_config = args.scheduler_config(self.device, self.max_model_len)
+        self.scheduler_config = args.scheduler_config(
+            self.device, self.max_model_len, causal=self.model.is_causal
+        )
+        self.window_overlap = args.window_overlap(self.max_model_len)
         dense = load_dense_stack(self.folder.dense, self.device)
         self.hidden_size = self.model.hidden_size
         self.output_dim = dense.output_dim(self.hidden_size)
@@ -218,6 +228,9 @@ class Engine:
             score_mode=args.score_mode,
             compile=args.compile,
             max_input_chars=args.max_input_chars,
+            max_cached_tokens=args.max_cached_tokens,
+            windowed_embed=args.windowed_embed,
+            embed_window_overlap=args.embed_window_overlap,
         )
 
     def _max_model_len(self, asked: int | None) -> int:
@@ -288,12 +301,30 @@ class Engine:
         prompt_name: str | None = None,
         prompt: str | None = None,
         show_progress: bool | None = None,
+        windowed: bool | None = None,
     ) -> np.ndarray:
         """One vector per input: `[n, dim]` float32, in input order.
 
         Inputs may be strings, token-id lists, `{"prompt_embeds": tensor}` dicts, or a mix.
         A failed input raises an `InputError` (a `ValueError`) naming its index.
+        `windowed=True` (default: the engine's `windowed_embed`) embeds an input longer than
+        the model's limit as the token-weighted mean of overlapping windows, an approximation
+        (`vecpool.api.windowed`).
         """
+        if windowed if windowed is not None else self.args.windowed_embed:
+            call = windowed_embed.prepare_embed_windowed(
+                self.context,
+                inputs,
+                overlap=self.window_overlap,
+                default_normalize=self.defaults.normalize,
+                dimensions=dimensions,
+                normalize=normalize,
+                truncate_prompt_tokens=truncate_prompt_tokens,
+                truncation_side=truncation_side,
+                prompt_name=prompt_name,
+                prompt=prompt,
+            )
+            return self.run(call, show_progress=show_progress, desc="embed")
         outputs = self.encode(
             inputs,
             task="embed",

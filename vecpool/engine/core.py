@@ -6,7 +6,7 @@ import itertools
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -16,6 +16,7 @@ from vecpool.errors import EngineError, RequestFailedError
 from vecpool.runner.batch import FlatBatch
 from vecpool.runner.model_runner import ModelRunner
 from vecpool.runner.pooling_runner import PooledResult, PoolingRunner
+from vecpool.runner.step import StepInput
 
 logger = logging.getLogger(__name__)
 # A result is never NaN or infinite: such an output fails its request alone.
@@ -40,6 +41,9 @@ class EngineCore:
         self.num_steps = 0  # steps that ran a batch
         # The next step, scheduled and built while the device runs the current one.
         self._prefetched: tuple[SchedulerOutput, FlatBatch] | None = None
+        # Ids of requests that are done, whose runner state is freed once the step in flight
+        # has pooled.
+        self._releasable: list[str] = []
 
     def next_request_id(self) -> str:
         return f"req-{next(self._ids)}"
@@ -56,15 +60,20 @@ class EngineCore:
             return self._prefetched is not None or self.scheduler.has_work()
 
     def step(self) -> int:
-        """Run one step; return how many requests it finished or failed.
+        """Run one step; return how many requests it ran (whole, or a chunk of their prompt).
 
         While the device computes this step, the next one is scheduled and its batch built,
-        so the host's share of a step overlaps the device's.
+        so the host's share of a step overlaps the device's. Once the step has pooled, the
+        runners free what requests that are done kept between steps (a chunked prompt's keys,
+        values and pooling state).
         """
         with self._step_lock:
             current = self._prefetched or self._prepare_next()
             self._prefetched = None
+            if current is not None and any(r.is_done for r in current[0].requests):
+                current = self._without_done(current)
             if current is None:
+                self._release()
                 return 0
             sched, batch = current
             self.num_steps += 1
@@ -74,27 +83,66 @@ class EngineCore:
                 results = self.pooling_runner.pool(hidden, batch, sched.step)
             except Exception as exc:  # an engine failure must not take the engine down
                 self._recover(sched, exc)
-                return len(sched.requests)
-            self._finish(sched, results)
+            else:
+                self._finish(sched, results)
+            self._release(sched.requests)
             return len(sched.requests)
 
     def _prepare_next(self) -> tuple[SchedulerOutput, FlatBatch] | None:
         """Schedule the next step and build its batch; None when nothing waits."""
         with self._queue_lock:
             sched = self.scheduler.schedule()
+        self._releasable.extend(sched.released)
         if sched.is_empty:
             return None
         try:
             return sched, self.model_runner.prepare(sched.step)
         except Exception as exc:
             self._recover(sched, exc)
+            self._releasable.extend(r.request_id for r in sched.requests)
             return None
+
+    def _without_done(
+        self, current: tuple[SchedulerOutput, FlatBatch]
+    ) -> tuple[SchedulerOutput, FlatBatch] | None:
+        """`current` without the requests that were cancelled or failed since it was built
+        (a failed chunk leaves its prompt nothing to continue from); None if none is left."""
+        sched = current[0]
+        keep = [i for i, r in enumerate(sched.requests) if not r.is_done]
+        self._releasable.extend(r.request_id for r in sched.requests if r.is_done)
+        if not keep:
+            return None
+        kept = SchedulerOutput(
+            [sched.requests[i] for i in keep], StepInput([sched.step.chunks[i] for i in keep])
+        )
+        try:
+            return kept, self.model_runner.prepare(kept.step)
+        except Exception as exc:
+            self._recover(kept, exc)
+            self._releasable.extend(r.request_id for r in kept.requests)
+            return None
+
+    def _release(self, ran: Sequence[Request] = ()) -> None:
+        """Free the runner state of requests that are done: those of the step that ran, and
+        those the scheduler dropped. A request the prefetched step holds keeps its state until
+        that step has run."""
+        done = [*self._releasable, *(r.request_id for r in ran if r.is_done)]
+        self._releasable = []
+        if not done:
+            return
+        if self._prefetched is not None:
+            in_flight = {c.request_id for c in self._prefetched[0].step.chunks}
+            done = [i for i in done if i not in in_flight]
+        self.model_runner.release(done)
+        self.pooling_runner.release(done)
 
     def _finish(self, sched: SchedulerOutput, results: list[PooledResult]) -> None:
         for request, chunk, result in zip(sched.requests, sched.step.chunks, results, strict=True):
             request.num_computed_tokens += chunk.num_tokens
             if result.error is not None:
                 request.fail(result.error)
+            elif not result.done:  # the prompt continues in a later step
+                continue
             elif result.output is None or not np.isfinite(result.output).all():
                 request.fail(RequestFailedError(_NOT_FINITE))
             else:
@@ -114,9 +162,20 @@ class EngineCore:
         )
         failed = self._run_halves(sched, exc)
         everyone = len(failed) == num
+        budget = self.scheduler.config.max_num_batched_tokens
         for request, error in failed:
             reason = f"{type(error).__name__}: {error}"
-            if everyone:
+            if num == 1 and request.num_prompt_tokens > budget:
+                request.fail(
+                    RequestFailedError(
+                        f"this input of {request.num_prompt_tokens} tokens ran alone in a step "
+                        f"over the token budget (max_num_batched_tokens={budget}), as a prompt "
+                        f"that cannot run in chunks does, and failed: {reason}. To serve it, "
+                        "truncate it (truncate_prompt_tokens), lower max_model_len, or give the "
+                        "engine a device with more memory"
+                    )
+                )
+            elif everyone:
                 request.fail(EngineError(f"the engine step failed: {reason}"))
             else:
                 request.fail(RequestFailedError(f"the model failed on this input alone: {reason}"))

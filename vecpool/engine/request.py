@@ -40,6 +40,9 @@ class Request:
     params: PoolingParams
     task: TaskSpec
     status: RequestStatus = RequestStatus.WAITING
+    # Prompt tokens handed to steps by the scheduler: ahead of `num_computed_tokens` while a
+    # step that holds some of them runs (a prompt runs whole, or in chunks over several steps).
+    num_scheduled_tokens: int = 0
     num_computed_tokens: int = 0  # prompt tokens already run through the model
     output: np.ndarray | None = None  # set once, when finished
     error: VecpoolError | None = None  # set once, when failed
@@ -51,8 +54,9 @@ class Request:
         self.num_prompt_tokens = self.prompt.num_tokens
 
     @property
-    def num_remaining_tokens(self) -> int:
-        return self.num_prompt_tokens - self.num_computed_tokens
+    def num_unscheduled_tokens(self) -> int:
+        """Prompt tokens no step has been given yet."""
+        return self.num_prompt_tokens - self.num_scheduled_tokens
 
     @property
     def is_done(self) -> bool:

@@ -1,7 +1,19 @@
 """The scheduler: plain CPU Python that decides what runs in the next step.
 
-It fills a token budget (`max_num_batched_tokens`) and a request cap (`max_num_seqs`) from the
-waiting queue, first come first served, and says how many tokens of each request run.
+A step holds at most `max_num_batched_tokens` prompt tokens (the token budget) and
+`max_num_seqs` sequences. Prompts that fit run whole, first come first served. With a
+key/value cache (`max_cached_tokens > 0`, causal models), a longer prompt runs in chunks over
+several steps, each chunk attending to the keys and values its earlier chunks left:
+
+- Prompts being chunked get a chunk every step, oldest first; while other prompts wait, they
+  keep at most `CHUNKED_SHARE` of the budget (and of the sequence cap), so short prompts keep
+  flowing past a long one and the long one still progresses.
+- Waiting prompts fill the rest, first come first served, whole. A prompt longer than what
+  waiting prompts may take starts chunking when the cache has room for its whole length (its
+  reservation lasts until it is done); else it is held, first come first served among held
+  prompts, while shorter prompts pass it.
+- A prompt longer than the budget that cannot be chunked (bidirectional attention, or too long
+  for the cache) runs alone in a step of its own.
 """
 
 from __future__ import annotations
@@ -13,6 +25,9 @@ from vecpool.config import SchedulerConfig
 from vecpool.engine.request import Request, RequestStatus
 from vecpool.runner.step import ScheduledChunk, StepInput
 
+# The most of a step's budget (and sequence cap) prompts being chunked take while others wait.
+CHUNKED_SHARE = 0.5
+
 
 @dataclass(frozen=True)
 class SchedulerOutput:
@@ -20,6 +35,10 @@ class SchedulerOutput:
 
     requests: list[Request] = field(default_factory=list)  # [num_seqs], in batch order
     step: StepInput = field(default_factory=StepInput)  # plain data for the runners
+    # Requests that ran in chunks and are done (finished, failed, cancelled) by the time this
+    # step was scheduled, in no step from now on: their runner state can be freed once the
+    # step in flight has pooled.
+    released: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -31,44 +50,124 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    """Fills each step from the waiting queue, first come first served, under the token
-    budget and the request cap of `SchedulerConfig`. Plain CPU Python: it never touches
+    """Fills each step from the waiting queue and the prompts being chunked, under the limits
+    of `SchedulerConfig` (see the module's docstring). Plain CPU Python: it never touches
     tensors."""
 
     def __init__(self, config: SchedulerConfig):
         self.config = config
         self.waiting: deque[Request] = deque()
+        # Prompts to be chunked that wait for room in the cache, first come first served.
+        self.held: deque[Request] = deque()
+        # Prompts that started chunking, oldest first, until they are done.
+        self.chunked: list[Request] = []
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
     def has_work(self) -> bool:
-        return bool(self.waiting)
+        return bool(self.waiting or self.held or self.chunked)
+
+    @property
+    def num_reserved_tokens(self) -> int:
+        """Cache positions the prompts being chunked hold (their full lengths)."""
+        return sum(r.num_prompt_tokens for r in self.chunked)
+
+    def can_chunk(self, request: Request) -> bool:
+        """Whether `request` may run in chunks: the cache could hold its whole prompt, and every
+        token of it is attended to (query expansion not attended to needs the whole prompt)."""
+        return (
+            request.num_prompt_tokens <= self.config.max_cached_tokens
+            and request.prompt.num_attended is None
+        )
 
     def schedule(self) -> SchedulerOutput:
-        """Take whole prompts from the head of the queue while they fit the budget."""
-        budget = self.config.max_num_batched_tokens
-        requests: list[Request] = []
-        chunks: list[ScheduledChunk] = []
-        while self.waiting and len(chunks) < self.config.max_num_seqs:
+        """The next step: chunks of prompts being chunked, whole waiting prompts, and the start
+        of long ones, as the module's docstring says."""
+        cfg = self.config
+        budget, cap = cfg.max_num_batched_tokens, cfg.max_num_seqs
+        released = self._drop_done()
+        step = _StepBuilder()
+        self._admit_held()
+        running = [r for r in self.chunked if r.num_unscheduled_tokens > 0]
+        others_wait = bool(self.waiting or self.held)
+        need = sum(r.num_unscheduled_tokens for r in running)
+        share = int(budget * CHUNKED_SHARE) if others_wait else budget
+        reserve = min(need, max(share, 1))
+        seq_reserve = min(len(running), max(int(cap * CHUNKED_SHARE), 1))
+        # Waiting prompts, first come first served, within what the chunked ones leave.
+        short_budget = budget - reserve
+        while self.waiting and step.num_seqs < cap - seq_reserve:
             request = self.waiting[0]
+            n = request.num_prompt_tokens
             if request.is_done:  # cancelled while waiting
                 self.waiting.popleft()
-                continue
-            if request.num_remaining_tokens > budget:
+            elif n <= short_budget - step.num_tokens:
+                step.take(self.waiting.popleft(), n)
+            elif n <= short_budget:  # fits a later step whole: wait for it
                 break
-            self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            requests.append(request)
-            chunks.append(
-                ScheduledChunk(
-                    request.request_id,
-                    request.prompt,
-                    request.params,
-                    request.task,
-                    request.num_computed_tokens,
-                    request.num_remaining_tokens,
-                )
+            elif self.can_chunk(request):  # longer than waiting prompts may take: chunk it
+                self.waiting.popleft()
+                if not self.held and self.num_reserved_tokens + n <= cfg.max_cached_tokens:
+                    self.chunked.append(request)
+                    running.append(request)
+                else:
+                    self.held.append(request)
+            else:  # runs whole, in a step of its own when over the budget
+                if n > budget and step.num_seqs == 0 and not running:
+                    step.take(self.waiting.popleft(), n)
+                    return step.output(released)
+                break
+        # Chunks of the prompts being chunked, oldest first, from what is left.
+        for request in running:
+            left = budget - step.num_tokens
+            if left <= 0 or step.num_seqs >= cap:
+                break
+            step.take(request, min(request.num_unscheduled_tokens, left))
+        return step.output(released)
+
+    def _drop_done(self) -> list[str]:
+        """Forget prompts that are done; the ids of those that had started chunking."""
+        released = [r.request_id for r in self.chunked if r.is_done]
+        if released:
+            self.chunked = [r for r in self.chunked if not r.is_done]
+        if any(r.is_done for r in self.held):
+            self.held = deque(r for r in self.held if not r.is_done)
+        return released
+
+    def _admit_held(self) -> None:
+        """Start held prompts, first come first served, while the cache has room."""
+        while self.held:
+            request = self.held[0]
+            if self.num_reserved_tokens + request.num_prompt_tokens > self.config.max_cached_tokens:
+                return
+            self.chunked.append(self.held.popleft())
+
+
+class _StepBuilder:
+    """The chunks of the step being scheduled."""
+
+    def __init__(self) -> None:
+        self.requests: list[Request] = []
+        self.chunks: list[ScheduledChunk] = []
+        self.num_tokens = 0
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.chunks)
+
+    def take(self, request: Request, num_tokens: int) -> None:
+        """The next `num_tokens` of `request`'s prompt run in this step."""
+        start = request.num_scheduled_tokens
+        request.num_scheduled_tokens += num_tokens
+        request.status = RequestStatus.RUNNING
+        self.requests.append(request)
+        self.chunks.append(
+            ScheduledChunk(
+                request.request_id, request.prompt, request.params, request.task, start, num_tokens
             )
-            budget -= request.num_remaining_tokens
-        return SchedulerOutput(requests, StepInput(chunks))
+        )
+        self.num_tokens += num_tokens
+
+    def output(self, released: list[str]) -> SchedulerOutput:
+        return SchedulerOutput(self.requests, StepInput(self.chunks), released)

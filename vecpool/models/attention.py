@@ -5,6 +5,10 @@ starts. On CUDA with a half dtype the work goes to `torch.nn.attention.varlen.va
 (FlashAttention). Everywhere else — the CPU, float32, logit soft-capping — an exact fallback
 scatters the tokens into a padded `[num_seqs, max_len]` layout by index arithmetic, runs masked
 attention, and gathers the rows back.
+
+A causal prompt longer than a step's token budget runs in chunks over several steps: each chunk
+attends to its own rows and to the keys and values its earlier chunks left in `KVBuffers`
+(`ChunkedKV` says which), with the chunk's queries aligned to the end of its keys.
 """
 
 from __future__ import annotations
@@ -39,6 +43,89 @@ def varlen_available(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cuda" and dtype in _FLASH_DTYPES and _varlen_kernel() is not None
 
 
+class KVBuffers:
+    """The keys and values a prompt that runs in chunks keeps for its later chunks: per layer,
+    one `[capacity, num_kv_heads, head_dim]` buffer of each (rotary already applied), written
+    at the prompt's positions. A layer's buffers are allocated at its first write, in the
+    dtype and on the device of its keys; the model runner owns them and frees them when the
+    request is done."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity  # prompt positions the buffers hold
+        self.keys: list[torch.Tensor] = []  # per layer [capacity, num_kv_heads, head_dim]
+        self.values: list[torch.Tensor] = []  # per layer, as `keys`
+
+    def layer(self, index: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The key and value buffers of layer `index` (allocated shaped as `like`'s rows)."""
+        while len(self.keys) <= index:
+            shape = (self.capacity, *like.shape[1:])
+            self.keys.append(like.new_empty(shape))
+            self.values.append(like.new_empty(shape))
+        return self.keys[index], self.values[index]
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+    def free(self) -> None:
+        self.keys.clear()
+        self.values.clear()
+
+
+@dataclass
+class ChunkedKV:
+    """How one step's chunks meet the keys and values of their prompts' earlier chunks.
+
+    A chunk that starts at prompt position `s` attends to its own rows and to the `s` cached
+    positions before them; its queries are the last rows of a longer key sequence, so causal
+    masks and sliding windows align to the end (FlashAttention's convention when a sequence has
+    fewer queries than keys). Layers call `extend` in order; each call reads and writes the
+    next layer's buffers. Built by the model runner for a step with chunked prompts.
+    """
+
+    buffers: list[KVBuffers | None]  # [num_seqs]: the prompt's buffers when it runs in chunks
+    starts: list[int]  # [num_seqs]: prompt positions before the chunk, all cached
+    keep: list[bool]  # [num_seqs]: the chunk's keys and values are kept for a later chunk
+    cu_seqlens_q: list[int]  # [num_seqs + 1]: the chunks' boundaries in the flat batch (host)
+    cu_seqlens_k: torch.Tensor  # [num_seqs + 1] int32: boundaries of each sequence's keys
+    max_seqlen_k: int  # longest key sequence (cached positions and the chunk's own)
+    key_seq_ids: torch.Tensor  # [num_keys] int64: the sequence of each key row
+    key_pos: torch.Tensor  # [num_keys] int64: each key row's prompt position
+    _layer: int = field(default=0, repr=False)  # the layer `extend` serves next
+
+    def rewind(self) -> None:
+        """Start again from the first layer (a forward pass over the step begins)."""
+        self._layer = 0
+
+    def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keep this layer's keys and values of chunks that continue, and return the keys and
+        values every chunk attends to: `[num_keys, num_kv_heads, head_dim]` each, a sequence's
+        cached positions before its own rows, in batch order."""
+        layer = self._layer
+        self._layer += 1
+        cu = self.cu_seqlens_q
+        k_parts: list[torch.Tensor] = []
+        v_parts: list[torch.Tensor] = []
+        copied = 0  # rows of `k` / `v` already in the parts
+        for i, buffers in enumerate(self.buffers):
+            if buffers is None:
+                continue
+            start, lo, hi = self.starts[i], cu[i], cu[i + 1]
+            cached_k, cached_v = buffers.layer(layer, k)
+            if self.keep[i]:
+                cached_k[start : start + hi - lo] = k[lo:hi]
+                cached_v[start : start + hi - lo] = v[lo:hi]
+            if start:
+                k_parts += [k[copied:lo], cached_k[:start]]
+                v_parts += [v[copied:lo], cached_v[:start]]
+                copied = lo
+        if not k_parts:  # no chunk has cached positions: the keys are the rows themselves
+            return k, v
+        k_parts.append(k[copied:])
+        v_parts.append(v[copied:])
+        return torch.cat(k_parts), torch.cat(v_parts)
+
+
 @dataclass
 class AttentionMetadata:
     """Where each sequence of a flat batch lies. Built once per step by the model runner."""
@@ -53,6 +140,8 @@ class AttentionMetadata:
     key_rows: torch.Tensor | None = None  # [num_keys] int64
     cu_seqlens_k: torch.Tensor | None = None  # [num_seqs + 1] int32, boundaries in key_rows
     max_seqlen_k: int = 0
+    # Chunked prompts: the keys and values of their earlier chunks. None: every prompt is whole.
+    kv: ChunkedKV | None = None
     # Padded-fallback masks, built at most once per (causal, window) per step.
     _masks: dict[tuple[bool, int | None], torch.Tensor] = field(default_factory=dict, repr=False)
 
@@ -61,26 +150,34 @@ class AttentionMetadata:
         return self.cu_seqlens.shape[0] - 1
 
     def padded_mask(self, causal: bool, window: int | None) -> torch.Tensor:
-        """`[num_seqs, 1, max_len, max_len]` bool, True where a query may attend to a key."""
+        """`[num_seqs, 1, max_len, max_key_len]` bool, True where a query may attend to a key.
+
+        Queries are aligned to the end of their keys: with cached positions before a chunk,
+        query `i` of a sequence with `q` queries and `n` keys sits at key position
+        `i + n - q`."""
         key = (causal, window)
         mask = self._masks.get(key)
         if mask is None:
             device = self.cu_seqlens.device
             lengths = (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).long()  # [num_seqs]
-            cu_k = self.cu_seqlens if self.cu_seqlens_k is None else self.cu_seqlens_k
+            if self.kv is not None:
+                cu_k, max_k = self.kv.cu_seqlens_k, self.kv.max_seqlen_k
+            else:  # keys in the queries' layout, perhaps fewer of them (key_rows)
+                cu_k = self.cu_seqlens if self.cu_seqlens_k is None else self.cu_seqlens_k
+                max_k = self.max_seqlen
             key_lengths = (cu_k[1:] - cu_k[:-1]).long()  # [num_seqs]
-            idx = torch.arange(self.max_seqlen, device=device)
-            q_idx, k_idx = idx[:, None], idx[None, :]  # [L, 1], [1, L]
-            allowed = k_idx[None] < key_lengths[:, None, None]  # [B, 1, L] keys attended to
+            offsets = key_lengths - lengths if self.kv is not None else torch.zeros_like(lengths)
+            q_idx = torch.arange(self.max_seqlen, device=device)[None, :, None]  # [1, Lq, 1]
+            k_idx = torch.arange(max_k, device=device)[None, None, :]  # [1, 1, Lk]
+            q_pos = q_idx + offsets[:, None, None]  # [B, Lq, 1]: the query's key position
+            allowed = k_idx < key_lengths[:, None, None]  # [B, 1, Lk] keys attended to
             if causal:
-                allowed = allowed & (k_idx <= q_idx)
+                allowed = allowed & (k_idx <= q_pos)
             if window is not None:
-                allowed = allowed & ((q_idx - k_idx).abs() < window)
-            # Padding rows attend to themselves so that no softmax row is empty.
-            padding = q_idx[None] >= lengths[:, None, None]  # [B, L, 1]
-            allowed = allowed | (
-                torch.eye(self.max_seqlen, dtype=torch.bool, device=device) & padding
-            )
+                allowed = allowed & ((q_pos - k_idx).abs() < window)
+            # Padding rows attend to the first key so that no softmax row is empty.
+            padding = q_idx >= lengths[:, None, None]  # [B, Lq, 1]
+            allowed = allowed | (padding & (k_idx == 0))
             mask = allowed[:, None]
             self._masks[key] = mask
         return mask
@@ -97,15 +194,40 @@ def flat_attention(
     window: int | None = None,  # attend to the last `window` positions (itself included)
     softcap: float | None = None,  # tanh soft-capping of the attention logits
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Attention of every sequence of a flat batch with itself."""
+    """Attention of every sequence of a flat batch with itself (and, for a chunk of a longer
+    prompt, with its prompt's earlier positions)."""
+    if meta.kv is not None:
+        return _cached_attention(
+            q, k, v, meta, causal=causal, scale=scale, window=window, softcap=softcap
+        )
     if meta.use_varlen and softcap is None:
-        return _flash_attention(q, k, v, meta, causal=causal, scale=scale, window=window)
+        cu_k, max_k = meta.cu_seqlens, meta.max_seqlen
+        if meta.key_rows is not None:
+            # Keys cut short only where every query sees every key (ColBERT's encoders):
+            # causal or windowed attention would align the two lengths differently.
+            assert meta.cu_seqlens_k is not None and not causal and window is None
+            k, v = k[meta.key_rows], v[meta.key_rows]
+            cu_k, max_k = meta.cu_seqlens_k, meta.max_seqlen_k
+        return _flash_attention(
+            q, k, v, meta, cu_k, max_k, causal=causal, scale=scale, window=window
+        )
     return _padded_attention(
-        q, k, v, meta, causal=causal, scale=scale, window=window, softcap=softcap
+        q,
+        k,
+        v,
+        meta,
+        meta.seq_ids,
+        meta.pos_in_seq,
+        meta.max_seqlen,
+        causal=causal,
+        scale=scale,
+        window=window,
+        softcap=softcap,
     )
 
 
-def _flash_attention(
+@torch.compiler.disable
+def _cached_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -114,10 +236,57 @@ def _flash_attention(
     causal: bool,
     scale: float,
     window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Attention of chunks with their cached positions. It writes the runner's buffers, so it
+    runs outside compiled graphs (a compiled block breaks its graph here, on such steps only)."""
+    kv = meta.kv
+    assert kv is not None
+    k, v = kv.extend(k, v)
+    if meta.use_varlen and softcap is None:
+        return _flash_attention(
+            q,
+            k,
+            v,
+            meta,
+            kv.cu_seqlens_k,
+            kv.max_seqlen_k,
+            causal=causal,
+            scale=scale,
+            window=window,
+        )
+    return _padded_attention(
+        q,
+        k,
+        v,
+        meta,
+        kv.key_seq_ids,
+        kv.key_pos,
+        kv.max_seqlen_k,
+        causal=causal,
+        scale=scale,
+        window=window,
+        softcap=softcap,
+    )
+
+
+def _flash_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,  # [num_keys, num_kv_heads, head_dim]
+    v: torch.Tensor,
+    meta: AttentionMetadata,
+    cu_k: torch.Tensor,  # [num_seqs + 1] int32: key boundaries
+    max_k: int,
+    *,
+    causal: bool,
+    scale: float,
+    window: int | None,
 ) -> torch.Tensor:
     kernel = _varlen_kernel()
     assert kernel is not None  # guarded by varlen_available when the runner chose it
     varlen_attn, has_gqa = kernel
+    # FlashAttention aligns a causal mask and a window to the end of the keys when a sequence
+    # has fewer queries than keys: query i of q sees keys up to i + n_k - n_q.
     left = -1 if window is None else window - 1
     right = 0 if causal else left
     extra: dict[str, Any] = {}
@@ -128,13 +297,6 @@ def _flash_attention(
             group = q.shape[1] // k.shape[1]
             k = k.repeat_interleave(group, dim=1)
             v = v.repeat_interleave(group, dim=1)
-    cu_k, max_k = meta.cu_seqlens, meta.max_seqlen
-    if meta.key_rows is not None:
-        # Keys cut short only where every query sees every key (ColBERT's encoders): causal or
-        # windowed attention would align the two lengths differently.
-        assert meta.cu_seqlens_k is not None and not causal and window is None
-        k, v = k[meta.key_rows], v[meta.key_rows]
-        cu_k, max_k = meta.cu_seqlens_k, meta.max_seqlen_k
     out = varlen_attn(
         q,
         k,
@@ -153,28 +315,35 @@ def _flash_attention(
 
 def _padded_attention(
     q: torch.Tensor,
-    k: torch.Tensor,
+    k: torch.Tensor,  # [num_keys, num_kv_heads, head_dim]
     v: torch.Tensor,
     meta: AttentionMetadata,
+    key_seq_ids: torch.Tensor,  # [num_keys] int64: each key row's sequence
+    key_pos: torch.Tensor,  # [num_keys] int64: its position among the sequence's keys
+    max_k: int,
     *,
     causal: bool,
     scale: float,
     window: int | None,
     softcap: float | None,
 ) -> torch.Tensor:
-    num_seqs, max_len = meta.num_seqs, meta.max_seqlen
+    num_seqs = meta.num_seqs
 
-    def to_padded(x: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> [B, H, L, D]
-        padded = x.new_zeros(num_seqs, max_len, x.shape[1], x.shape[2])
-        padded[meta.seq_ids, meta.pos_in_seq] = x
+    def to_padded(
+        x: torch.Tensor, seq: torch.Tensor, pos: torch.Tensor, length: int
+    ) -> torch.Tensor:  # [T, H, D] -> [B, H, L, D]
+        padded = x.new_zeros(num_seqs, length, x.shape[1], x.shape[2])
+        padded[seq, pos] = x
         return padded.transpose(1, 2)
 
-    qp, kp, vp = to_padded(q), to_padded(k), to_padded(v)
+    qp = to_padded(q, meta.seq_ids, meta.pos_in_seq, meta.max_seqlen)
+    kp = to_padded(k, key_seq_ids, key_pos, max_k)
+    vp = to_padded(v, key_seq_ids, key_pos, max_k)
     if kp.shape[1] != qp.shape[1]:
         group = qp.shape[1] // kp.shape[1]
         kp = kp.repeat_interleave(group, dim=1)
         vp = vp.repeat_interleave(group, dim=1)
-    mask = meta.padded_mask(causal, window)  # [B, 1, L, L]
+    mask = meta.padded_mask(causal, window)  # [B, 1, Lq, Lk]
     if softcap is None:
         out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale)
     else:

@@ -6,6 +6,11 @@ language-model logits, projection) to those rows only, then the task's post-proc
 (activation, matryoshka truncation, normalization), and copies its result to the host once.
 Several heads serve one step, so that one model folder answers embed, classify and sparse
 requests in the same batch. Which heads a model has is decided in `vecpool.pooling.build`.
+
+A sequence may be one chunk of a longer prompt. Sequence heads then merge what they reduce with
+what the prompt's earlier chunks left (`HeadBatch.merge`, see `vecpool.pooling.carry`) and
+answer at its last chunk; per-token heads (`per_token`) answer every chunk's rows, which the
+pooling runner joins.
 """
 
 from __future__ import annotations
@@ -20,10 +25,12 @@ import torch
 from vecpool.errors import ConfigError
 from vecpool.models.layers import activation, activation_name
 from vecpool.models.st import DenseStack
+from vecpool.pooling.carry import Carry
 from vecpool.pooling.methods import (
+    METHODS,
     PoolingMetadata,
     on_device,
-    pool_sequences,
+    prompt_lengths,
     sequence_rows,
     token_rows,
 )
@@ -50,10 +57,24 @@ class HeadBatch:
     meta: PoolingMetadata
     seqs: torch.Tensor  # [k] int64 on the device: batch positions of the head's sequences
     params: list[PoolingParams]  # [k]
+    # Accumulators across the chunks of prompts run over several steps; None: every sequence
+    # is a whole prompt.
+    carry: Carry | None = None
 
     @property
     def num_seqs(self) -> int:
         return len(self.params)
+
+    def merge(self, name: str, values: torch.Tensor, how: str) -> torch.Tensor:
+        """`[k, ...]` values of this step's chunks merged with their prompts' earlier chunks'
+        (see `Carry.merge`)."""
+        return values if self.carry is None else self.carry.merge(name, values, how)
+
+    def final_only(self, outputs: list[np.ndarray]) -> list[np.ndarray | None]:
+        """`outputs` of the sequences that end their prompts; None for those that continue."""
+        if self.carry is None:
+            return list(outputs)
+        return [out if final else None for out, final in zip(outputs, self.carry.final, strict=True)]
 
     def flags(self, name: str, default: bool) -> torch.Tensor:  # [k] bool on the device
         values = [
@@ -63,8 +84,13 @@ class HeadBatch:
 
 
 class TaskHead(Protocol):
-    def __call__(self, b: HeadBatch, /) -> list[np.ndarray]:
-        """One output per sequence of `b`, in its order."""
+    # True: one output row per token, each chunk's rows answered as it runs (the pooling
+    # runner joins a prompt's chunks); False: one output per prompt, at its last chunk.
+    per_token: bool
+
+    def __call__(self, b: HeadBatch, /) -> list[np.ndarray | None]:
+        """One output per sequence of `b`, in its order (None: a sequence head's sequence whose
+        prompt continues in a later step)."""
         ...
 
 
@@ -109,6 +135,8 @@ def truncate_and_normalize(
 class EmbedHead:
     """The model's pooling, the folder's Dense projections, matryoshka truncation, normalize."""
 
+    per_token = False
+
     def __init__(self, pooler: str, dense: DenseStack, normalize: bool, output_dim: int):
         self.pooler, self.dense, self.normalize, self.output_dim = (
             pooler,
@@ -117,8 +145,11 @@ class EmbedHead:
             output_dim,
         )
 
-    def __call__(self, b: HeadBatch) -> list[np.ndarray]:
-        pooled = pool_sequences(self.pooler, b.hidden, b.meta)[b.seqs]  # [k, hidden] float32
+    def __call__(self, b: HeadBatch) -> list[np.ndarray | None]:
+        method = METHODS[self.pooler]
+        chunk = method.reduce(b.hidden, b.meta)[b.seqs]  # [k, hidden] float32
+        merged = b.merge("pooled", chunk, method.merge)
+        pooled = method.finish(merged, prompt_lengths(b.meta)[b.seqs])
         dims = [p.dimensions or self.output_dim for p in b.params]
         out = truncate_and_normalize(
             self.dense(pooled),
@@ -126,37 +157,44 @@ class EmbedHead:
             b.flags("normalize", self.normalize),
         )
         host = out.cpu().numpy()
-        return [host[i, :d] for i, d in enumerate(dims)]
+        return b.final_only([host[i, :d] for i, d in enumerate(dims)])
 
 
 class ClassifierHead:
     """One row per sequence (CLS or LAST) through a classifier, then its activation."""
 
+    per_token = False
+
     def __init__(self, classify: RowFn, pooler: str, activation: str):
         self.classify, self.pooler, self.activation = classify, pooler, activation
 
-    def __call__(self, b: HeadBatch) -> list[np.ndarray]:
-        logits = self.classify(b.hidden[sequence_rows(self.pooler, b.meta, b.seqs)]).float()  # [k, num_labels]
+    def __call__(self, b: HeadBatch) -> list[np.ndarray | None]:
+        rows = b.hidden[sequence_rows(self.pooler, b.meta, b.seqs)]  # [k, hidden]
+        # A prompt's first row is its first chunk's; its last row, its last chunk's.
+        rows = b.merge("row", rows, "first" if self.pooler == "CLS" else "last")
+        logits = self.classify(rows).float()  # [k, num_labels]
         scores = torch.where(
             b.flags("use_activation", True)[:, None], activate(logits, self.activation), logits
         )
-        return list(scores.cpu().numpy())
+        return b.final_only(list(scores.cpu().numpy()))
 
 
 class LogitScoreHead:
     """An LLM reranker: the last position's logits of a "true" token (and a "false" one) give
     the log-odds `l_true - l_false` (or `l_true` alone), scored through a sigmoid."""
 
+    per_token = False
+
     def __init__(self, compute_logits: LogitsFn, vocab_ids: torch.Tensor):
         self.compute_logits = compute_logits
         self.vocab_ids = vocab_ids  # [1 or 2] int64: the true token, then the false one
 
-    def __call__(self, b: HeadBatch) -> list[np.ndarray]:
-        rows = b.hidden[sequence_rows("LAST", b.meta, b.seqs)]
+    def __call__(self, b: HeadBatch) -> list[np.ndarray | None]:
+        rows = b.hidden[sequence_rows("LAST", b.meta, b.seqs)]  # a prompt's last chunk's is it
         logits = self.compute_logits(rows, self.vocab_ids).float()  # [k, 1 or 2]
         raw = logits[:, :1] if logits.shape[1] == 1 else logits[:, :1] - logits[:, 1:2]
         scores = torch.where(b.flags("use_activation", True)[:, None], torch.sigmoid(raw), raw)
-        return list(scores.cpu().numpy())
+        return b.final_only(list(scores.cpu().numpy()))
 
 
 class TokenEmbedHead:
@@ -165,6 +203,8 @@ class TokenEmbedHead:
 
     A late-interaction model may leave the tokens of a skiplist (punctuation) out of the vectors
     of one side: of the requests whose `input_type` is in `skip_sides`."""
+
+    per_token = True
 
     def __init__(
         self,
@@ -177,7 +217,7 @@ class TokenEmbedHead:
         self.project, self.normalize, self.output_dim = project, normalize, output_dim
         self.skiplist, self.skip_sides = skiplist, skip_sides
 
-    def __call__(self, b: HeadBatch) -> list[np.ndarray]:
+    def __call__(self, b: HeadBatch) -> list[np.ndarray | None]:
         keep = None
         skipping = [p.input_type in self.skip_sides for p in b.params]
         if self.skiplist is not None and any(skipping):
@@ -201,10 +241,12 @@ class TokenEmbedHead:
 class TokenClassifierHead:
     """Per-token class scores (all tokens, or STEP-tagged ones) from a token classifier."""
 
+    per_token = True
+
     def __init__(self, classify_tokens: RowFn, activation: str):
         self.classify_tokens, self.activation = classify_tokens, activation
 
-    def __call__(self, b: HeadBatch) -> list[np.ndarray]:
+    def __call__(self, b: HeadBatch) -> list[np.ndarray | None]:
         selected, row_seq, counts = _token_rows(b)
         logits = self.classify_tokens(b.hidden[selected]).float()  # [num_selected, num_labels]
         use = b.flags("use_activation", True)[row_seq]
@@ -218,6 +260,8 @@ class SparseHead:
     sequence by `max` or `sum` into one `[vocab]` vector. A request with
     `exclude_special_tokens` pools over its non-special tokens only. The vocabulary logits of a
     step's tokens are computed `slice_tokens` rows at a time to bound memory."""
+
+    per_token = False
 
     def __init__(
         self,
@@ -233,7 +277,7 @@ class SparseHead:
         self.log1p_twice = {"relu": False, "log1p_relu": True}[activation_function]
         self.slice_tokens = slice_tokens
 
-    def __call__(self, b: HeadBatch) -> list[np.ndarray]:
+    def __call__(self, b: HeadBatch) -> list[np.ndarray | None]:
         meta, device = b.meta, b.seqs.device
         num_all = int(meta.lengths.shape[0])
         local = torch.full((num_all,), -1, dtype=torch.int64, device=device)
@@ -261,7 +305,8 @@ class SparseHead:
             else:
                 index = row_local[start:end, None].expand_as(weights)
                 out.scatter_reduce_(0, index, weights, reduce="amax")
-        return list(out.cpu().numpy())
+        out = b.merge("weights", out, "sum" if self.reduce == "sum" else "max")
+        return b.final_only(list(out.cpu().numpy()))
 
 
 def _token_rows(

@@ -2,7 +2,7 @@
 arithmetic on its sequence boundaries.
 
 Sequence methods (CLS, MEAN, LAST, MAX, MEAN_SQRT_LEN, WEIGHTED_MEAN) reduce each sequence to
-one float32 vector; `sequence_rows` picks the one row a classifier reads (CLS or LAST);
+one float32 vector, in parts that merge across the chunks of a prompt run over several steps; `sequence_rows` picks the one row a classifier reads (CLS or LAST);
 `token_rows` picks the rows of per-token outputs (ALL, or STEP: the positions holding a tag).
 None of them loops over requests in Python. What is computed from the rows is a head's business
 (`vecpool.pooling.heads`).
@@ -29,6 +29,35 @@ class PoolingMetadata:
     lengths: torch.Tensor  # [num_seqs] int64
     seq_ids: torch.Tensor  # [num_tokens] int64
     input_ids: torch.Tensor  # [num_tokens] int64; 0 on rows that came as prompt embeds
+    # [num_seqs] int64: the prompt position each sequence's rows start at (a chunk of a longer
+    # prompt); None: every sequence is a whole prompt.
+    starts: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class SequenceMethod:
+    """A sequence method, split so that a prompt run in chunks pools exactly as it would whole:
+    `reduce` a chunk's rows to one float32 vector, `merge` the vectors of a prompt's chunks in
+    order, `finish` the merged vector knowing the prompt's length. A whole prompt is one chunk."""
+
+    # (hidden [num_tokens, hidden], meta) -> [num_seqs, hidden] float32, one vector per chunk
+    reduce: Callable[[torch.Tensor, PoolingMetadata], torch.Tensor]
+    merge: str  # "sum", "max", "first" (the first chunk's vector), "last" (the last chunk's)
+    # (merged [k, hidden] float32, prompt lengths [k] int64) -> pooled [k, hidden] float32
+    finish: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lambda merged, _: merged
+
+
+def merge_values(how: str, earlier: torch.Tensor, chunk: torch.Tensor) -> torch.Tensor:
+    """What earlier chunks left (`earlier`) combined with a chunk's values, elementwise."""
+    if how == "sum":
+        return earlier + chunk
+    if how == "max":
+        return torch.maximum(earlier, chunk)
+    if how == "first":
+        return earlier
+    if how == "last":
+        return chunk
+    raise ValueError(f"unknown merge {how!r}")
 
 
 def _cls(hidden: torch.Tensor, meta: PoolingMetadata) -> torch.Tensor:
@@ -39,43 +68,59 @@ def _last(hidden: torch.Tensor, meta: PoolingMetadata) -> torch.Tensor:
     return hidden[meta.cu_seqlens[1:] - 1].float()
 
 
-def _mean(hidden: torch.Tensor, meta: PoolingMetadata) -> torch.Tensor:
+def _sum(hidden: torch.Tensor, meta: PoolingMetadata) -> torch.Tensor:
     # Segment sums accumulate in float32 whatever the model dtype; deterministic on every device.
-    sums = torch.segment_reduce(hidden.float(), "sum", lengths=meta.lengths, axis=0)
-    return sums / meta.lengths[:, None].float()
+    return torch.segment_reduce(hidden.float(), "sum", lengths=meta.lengths, axis=0)
 
 
 def _max(hidden: torch.Tensor, meta: PoolingMetadata) -> torch.Tensor:
     return torch.segment_reduce(hidden.float(), "max", lengths=meta.lengths, axis=0)
 
 
-def _mean_sqrt_len(hidden: torch.Tensor, meta: PoolingMetadata) -> torch.Tensor:
-    sums = torch.segment_reduce(hidden.float(), "sum", lengths=meta.lengths, axis=0)
-    return sums / meta.lengths[:, None].float().sqrt()
-
-
-def _weighted_mean(hidden: torch.Tensor, meta: PoolingMetadata) -> torch.Tensor:
-    # sentence-transformers' weighting: the i-th token of a sequence weighs i (from 1).
+def _position_weighted_sum(hidden: torch.Tensor, meta: PoolingMetadata) -> torch.Tensor:
+    # sentence-transformers' weighting: the token at prompt position p weighs p + 1.
     rows = torch.arange(hidden.shape[0], device=hidden.device)
-    weights = (rows - meta.cu_seqlens[meta.seq_ids] + 1).float()  # [num_tokens]
-    sums = torch.segment_reduce(hidden.float() * weights[:, None], "sum", lengths=meta.lengths)
-    total = meta.lengths.float() * (meta.lengths.float() + 1) / 2
-    return sums / total[:, None]
+    positions = rows - meta.cu_seqlens[meta.seq_ids]
+    if meta.starts is not None:
+        positions = positions + meta.starts[meta.seq_ids]
+    weights = (positions + 1).float()  # [num_tokens]
+    return torch.segment_reduce(hidden.float() * weights[:, None], "sum", lengths=meta.lengths)
 
 
-_METHODS: dict[str, Callable[[torch.Tensor, PoolingMetadata], torch.Tensor]] = {
-    "CLS": _cls,
-    "MEAN": _mean,
-    "LAST": _last,
-    "MAX": _max,
-    "MEAN_SQRT_LEN": _mean_sqrt_len,
-    "WEIGHTED_MEAN": _weighted_mean,
+def _per_token(merged: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    return merged / lengths[:, None].float()
+
+
+def _per_sqrt_len(merged: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    return merged / lengths[:, None].float().sqrt()
+
+
+def _per_weight(merged: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    n = lengths.float()
+    return merged / (n * (n + 1) / 2)[:, None]
+
+
+METHODS: dict[str, SequenceMethod] = {
+    "CLS": SequenceMethod(_cls, "first"),
+    "MEAN": SequenceMethod(_sum, "sum", _per_token),
+    "LAST": SequenceMethod(_last, "last"),
+    "MAX": SequenceMethod(_max, "max"),
+    "MEAN_SQRT_LEN": SequenceMethod(_sum, "sum", _per_sqrt_len),
+    "WEIGHTED_MEAN": SequenceMethod(_position_weighted_sum, "sum", _per_weight),
 }
 
 
+def prompt_lengths(meta: PoolingMetadata) -> torch.Tensor:
+    """`[num_seqs]` int64: the prompt length up to the end of each sequence's rows (a whole
+    prompt's length, or where a chunk ends)."""
+    return meta.lengths if meta.starts is None else meta.starts + meta.lengths
+
+
 def pool_sequences(kind: str, hidden: torch.Tensor, meta: PoolingMetadata) -> torch.Tensor:
-    """`[num_seqs, hidden]` float32: every sequence of the batch pooled by method `kind`."""
-    return _METHODS[kind](hidden, meta)
+    """`[num_seqs, hidden]` float32: every sequence of the batch, each a whole prompt, pooled by
+    method `kind`."""
+    method = METHODS[kind]
+    return method.finish(method.reduce(hidden, meta), prompt_lengths(meta))
 
 
 def sequence_rows(method: str, meta: PoolingMetadata, seqs: torch.Tensor) -> torch.Tensor:

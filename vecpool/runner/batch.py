@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from vecpool.models.attention import AttentionMetadata
+from vecpool.errors import EngineError
+from vecpool.models.attention import AttentionMetadata, ChunkedKV
 from vecpool.pooling.methods import PoolingMetadata
+from vecpool.runner.kv_cache import KVCache
 from vecpool.runner.step import StepInput
 
 
@@ -36,8 +39,11 @@ def build_flat_batch(
     *,
     use_varlen: bool,
     with_token_types: bool,
+    kv_cache: KVCache | None = None,
 ) -> FlatBatch:
-    """Concatenate the scheduled chunks into flat tensors on `device`."""
+    """Concatenate the scheduled chunks into flat tensors on `device`. A chunk of a longer
+    prompt gets its buffers in `kv_cache` (a model with causal attention; None: every chunk
+    must be a whole prompt)."""
     chunks = step.chunks
     lengths = np.fromiter((c.num_tokens for c in chunks), dtype=np.int64, count=len(chunks))
     starts = np.fromiter((c.start for c in chunks), dtype=np.int64, count=len(chunks))
@@ -92,6 +98,8 @@ def build_flat_batch(
         key_rows, cu_seqlens_k = to_device(rows), to_device(cu_k).to(torch.int32)
     seq_ids_device = to_device(seq_ids)
     input_ids = to_device(np.concatenate(ids_parts))
+    starts_device = to_device(starts)
+    kv = _chunked_kv(step, starts, lengths, cu, kv_cache, to_device)
     return FlatBatch(
         input_ids=input_ids,
         positions=to_device(positions),
@@ -109,12 +117,52 @@ def build_flat_batch(
             key_rows=key_rows,
             cu_seqlens_k=cu_seqlens_k,
             max_seqlen_k=0 if key_lengths is None else int(key_lengths.max()),
+            kv=kv,
         ),
         pooling=PoolingMetadata(
             cu_seqlens=cu_device,
             lengths=to_device(lengths),
             seq_ids=seq_ids_device,
             input_ids=input_ids,
+            starts=starts_device,
         ),
         has_token_ids=[c.prompt.token_ids is not None for c in chunks],
+    )
+
+
+def _chunked_kv(
+    step: StepInput,
+    starts: np.ndarray,  # [num_seqs] int64
+    lengths: np.ndarray,  # [num_seqs] int64
+    cu: np.ndarray,  # [num_seqs + 1] int64
+    kv_cache: KVCache | None,
+    to_device: Callable[[np.ndarray], torch.Tensor],
+) -> ChunkedKV | None:
+    """The cached keys and values the step's chunks read and write; None when every chunk is a
+    whole prompt. A chunk's keys are its prompt's positions up to its end."""
+    ends = starts + lengths
+    totals = np.fromiter((c.prompt.num_tokens for c in step.chunks), np.int64, len(step.chunks))
+    chunked = (starts > 0) | (ends < totals)
+    if not chunked.any():
+        return None
+    if kv_cache is None:
+        raise EngineError(
+            "a step holds part of a prompt, but this model's attention is bidirectional: its "
+            "prompts run whole"
+        )
+    cu_k = np.zeros(len(ends) + 1, dtype=np.int64)
+    np.cumsum(ends, out=cu_k[1:])
+    key_pos = np.arange(int(cu_k[-1])) - np.repeat(cu_k[:-1], ends)
+    return ChunkedKV(
+        buffers=[
+            kv_cache.buffers(c.request_id, c.prompt.num_tokens) if is_chunked else None
+            for c, is_chunked in zip(step.chunks, chunked.tolist(), strict=True)
+        ],
+        starts=starts.tolist(),
+        keep=(ends < totals).tolist(),
+        cu_seqlens_q=cu.tolist(),
+        cu_seqlens_k=to_device(cu_k).to(torch.int32),
+        max_seqlen_k=int(ends.max()),
+        key_seq_ids=to_device(np.repeat(np.arange(len(ends)), ends)),
+        key_pos=to_device(key_pos),
     )

@@ -11,6 +11,7 @@ from vecpool.models.attention import varlen_available
 from vecpool.models.base import PoolingModel
 from vecpool.runner.batch import FlatBatch, build_flat_batch
 from vecpool.runner.compiled import compile_blocks
+from vecpool.runner.kv_cache import KVCache
 from vecpool.runner.step import StepInput
 
 
@@ -18,7 +19,9 @@ class ModelRunner:
     """Owns the model and its device: builds a step's flat batch and runs the forward.
 
     `prepare` (host work, then non-blocking copies) and `forward` (queued on the device) are
-    separate so that the engine can build the next step while the device runs this one."""
+    separate so that the engine can build the next step while the device runs this one.
+    A causal model's prompts may run in chunks: their keys and values stay in `kv_cache`
+    until the engine releases them (`release`)."""
 
     def __init__(
         self,
@@ -35,6 +38,8 @@ class ModelRunner:
         self.compiled = compile_backend is not None
         if compile_backend is not None:
             compile_blocks(model, backend=compile_backend)
+        # Bidirectional attention cannot run a prompt in chunks: such models keep no cache.
+        self.kv_cache: KVCache | None = KVCache() if model.is_causal else None
 
     @torch.inference_mode()
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
@@ -48,11 +53,19 @@ class ModelRunner:
             self.device,
             use_varlen=self.use_varlen,
             with_token_types=self.model.uses_token_type_ids,
+            kv_cache=self.kv_cache,
         )
+
+    def release(self, request_ids: list[str]) -> None:
+        """Free the cached keys and values of requests that are done."""
+        if self.kv_cache is not None:
+            self.kv_cache.release(request_ids)
 
     @torch.inference_mode()
     def forward(self, batch: FlatBatch) -> torch.Tensor:
         """`[num_tokens, hidden]` final hidden states (queued on the device, not waited for)."""
+        if batch.attn.kv is not None:
+            batch.attn.kv.rewind()
         x = self.model.embed_input_ids(batch.input_ids)
         if batch.prompt_embeds is not None:
             assert batch.embeds_rows is not None

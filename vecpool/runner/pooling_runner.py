@@ -4,16 +4,22 @@ It reads each request's task declaration where it is used: a request whose task 
 ids but whose prompt came as embeddings fails here, alone, and the rest of the step goes on.
 The step's requests are grouped by the head their task declares; each head runs once on its
 group (see `vecpool.pooling.heads`).
+
+A prompt that runs in chunks over several steps keeps its pooling state here, from its first
+chunk to its last: a sequence head's accumulators (`vecpool.pooling.carry`), or a per-token
+head's rows so far. A step's updates are committed only once the whole step has pooled.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from vecpool.errors import RequestFailedError
+from vecpool.errors import EngineError, RequestFailedError
+from vecpool.pooling.carry import Carry
 from vecpool.pooling.heads import HeadBatch, TaskHead
 from vecpool.runner.batch import FlatBatch
 from vecpool.runner.step import StepInput
@@ -26,6 +32,15 @@ class PooledResult:
 
     output: np.ndarray | None  # [dim] or [num_selected_tokens, dim] float32
     error: RequestFailedError | None
+    done: bool = True  # False: the prompt continues in a later step (no output yet)
+
+
+@dataclass
+class PromptState:
+    """What the earlier chunks of one prompt left for its later ones."""
+
+    carried: dict[str, torch.Tensor] = field(default_factory=dict)  # a sequence head's
+    rows: list[np.ndarray] = field(default_factory=list)  # a per-token head's outputs so far
 
 
 class PoolingRunner:
@@ -35,13 +50,33 @@ class PoolingRunner:
     def __init__(self, heads: dict[Head, TaskHead], device: torch.device):
         self.heads = heads  # by the head a task declares; only those the model has
         self.device = device
+        # Prompts running in chunks, by request id: from their first chunk to their release.
+        self._states: dict[str, PromptState] = {}
+
+    @property
+    def num_states(self) -> int:
+        """Prompts whose pooling state is kept between steps."""
+        return len(self._states)
+
+    def release(self, request_ids: Iterable[str]) -> None:
+        """Forget the state of requests that are done."""
+        for request_id in request_ids:
+            self._states.pop(request_id, None)
 
     @torch.inference_mode()
     def pool(self, hidden: torch.Tensor, batch: FlatBatch, step: StepInput) -> list[PooledResult]:
         chunks = step.chunks
         results: list[PooledResult | None] = [None] * len(chunks)
+        earlier: list[PromptState | None] = [None] * len(chunks)
         groups: dict[Head, list[int]] = {}
         for i, (chunk, has_ids) in enumerate(zip(chunks, batch.has_token_ids, strict=True)):
+            if chunk.start > 0:
+                earlier[i] = self._states.get(chunk.request_id)
+                if earlier[i] is None:
+                    raise EngineError(
+                        f"request {chunk.request_id} continues at position {chunk.start} "
+                        "without the pooling state of its earlier chunks"
+                    )
             if not has_ids and chunk.task.needs_token_ids(chunk.params):
                 results[i] = PooledResult(
                     None,
@@ -54,14 +89,42 @@ class PoolingRunner:
                 )
             else:  # its head exists: the api layer refuses a task the model has no head for
                 groups.setdefault(chunk.task.head, []).append(i)
+        updates: dict[int, PromptState] = {}  # by batch position: prompts that continue
         for head, seqs in groups.items():
+            task_head = self.heads[head]
+            final = [chunks[i].ends_prompt for i in seqs]
+            carry = None
+            if not all(final) or any(earlier[i] is not None for i in seqs):
+                carry = Carry([_carried(earlier[i]) for i in seqs], final)
             head_batch = HeadBatch(
                 hidden=hidden,
                 meta=batch.pooling,
                 seqs=torch.tensor(seqs, dtype=torch.int64).to(self.device, non_blocking=True),
                 params=[chunks[i].params for i in seqs],
+                carry=carry,
             )
-            for i, output in zip(seqs, self.heads[head](head_batch), strict=True):
-                results[i] = PooledResult(output, None)
+            outputs = task_head(head_batch)
+            for j, (i, output) in enumerate(zip(seqs, outputs, strict=True)):
+                state = earlier[i]
+                if task_head.per_token and (state is not None or not final[j]):
+                    assert output is not None
+                    rows = [*(state.rows if state is not None else []), output]
+                    if final[j]:
+                        output = np.concatenate(rows)
+                    else:
+                        updates[i] = PromptState(rows=rows)
+                elif not final[j]:
+                    assert carry is not None
+                    updates[i] = PromptState(carried=carry.updates[j])
+                results[i] = PooledResult(output if final[j] else None, None, done=final[j])
+        for i, chunk in enumerate(chunks):  # the whole step pooled: commit
+            if i in updates:
+                self._states[chunk.request_id] = updates[i]
+            elif chunk.start > 0:
+                self._states.pop(chunk.request_id, None)
         assert all(r is not None for r in results)
         return [r for r in results if r is not None]
+
+
+def _carried(state: PromptState | None) -> dict[str, torch.Tensor] | None:
+    return None if state is None else state.carried

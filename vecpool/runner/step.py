@@ -15,7 +15,8 @@ from vecpool.tasks import PoolingParams, TaskSpec
 
 @dataclass(frozen=True, slots=True)
 class ScheduledChunk:
-    """`num_tokens` tokens of one prompt, from position `start`, run in this step."""
+    """`num_tokens` tokens of one prompt, from position `start`, run in this step: the whole
+    prompt, or one chunk of a longer one."""
 
     request_id: str  # the engine's id of the request, for state that outlives a step
     prompt: Prompt
@@ -23,6 +24,11 @@ class ScheduledChunk:
     task: TaskSpec
     start: int  # first prompt position run in this step
     num_tokens: int
+
+    @property
+    def ends_prompt(self) -> bool:
+        """Whether the chunk runs its prompt to the end (a whole prompt does)."""
+        return self.start + self.num_tokens == self.prompt.num_tokens
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,93 @@
+"""Windowed embedding: an input longer than the model's limit embedded as the token-weighted
+mean of overlapping windows.
+
+An approximation, offered for the embed task only: no token of one window attends to a token
+of another, so the result is not what a model with a longer limit would give. Each window of an
+over-long input is at most `max_model_len` tokens (a text's special tokens around a slice of its
+own tokens), a slice sharing `overlap` tokens with the one before; window `w`, holding `n_w` of
+the input's own tokens, is embedded without normalization to `e_w`, and the input's embedding is
+
+    e = sum_w n_w e_w / sum_w n_w
+
+then truncated to `dimensions` and L2-normalized as any embedding is. An input within the
+limit is embedded as usual.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from vecpool.api import calls
+from vecpool.api.calls import CallContext
+from vecpool.api.outputs import PoolingOutput, PreparedCall, PromptRequest, output_data
+from vecpool.inputs import TextOptions, TruncationSide
+from vecpool.tasks import PoolingParams
+
+
+def combine_windows(
+    vectors: np.ndarray,  # [num_windows, dim] float32: the windows' embeddings, not normalized
+    weights: np.ndarray,  # [num_windows]: each window's count of the input's own tokens
+    dimensions: int | None,
+    normalize: bool,
+) -> np.ndarray:  # [dimensions or dim] float32
+    """The embedding of a windowed input, as the module's docstring defines it."""
+    mean = (weights.astype(np.float64)[:, None] * vectors).sum(axis=0) / float(weights.sum())
+    if dimensions is not None:
+        mean = mean[:dimensions]
+    if normalize:
+        mean = mean / max(float(np.linalg.norm(mean)), 1e-12)
+    return mean.astype(np.float32)
+
+
+def prepare_embed_windowed(
+    ctx: CallContext,
+    inputs: Any,
+    *,
+    overlap: int,
+    default_normalize: bool,
+    dimensions: int | None = None,
+    normalize: bool | None = None,
+    truncate_prompt_tokens: int | None = None,
+    truncation_side: TruncationSide = "right",
+    prompt_name: str | None = None,
+    prompt: str | None = None,
+) -> PreparedCall[np.ndarray]:
+    """The requests of `Engine.embed(..., windowed=True)` and its result, `[n, dim]` float32:
+    inputs within the model's limit as `embed` gives them, longer ones windowed.
+    `default_normalize` is the model's normalization when the call does not say."""
+    params = PoolingParams(task="embed", dimensions=dimensions, normalize=normalize)
+    options = TextOptions(
+        truncate_prompt_tokens, truncation_side, calls.instruction(ctx, prompt_name, prompt)
+    )
+    calls.make_requests(ctx, [], params, options)  # the call's parameters, as any embed call's
+    raw = PoolingParams(task="embed", normalize=False)  # a window's embedding, to be combined
+    requests: list[PromptRequest] = []
+    weights: list[np.ndarray | None] = []  # per input: its windows' weights; None: not windowed
+    items = calls.as_input_list(inputs)
+    for index, windows in enumerate(ctx.inputs.windows(items, options, overlap)):
+        if len(windows) == 1:
+            requests.append(PromptRequest(index, windows[0][0], params))
+            weights.append(None)
+        else:
+            requests.extend(PromptRequest(index, window, raw) for window, _ in windows)
+            weights.append(np.array([n for _, n in windows]))
+    normalize_windowed = default_normalize if normalize is None else normalize
+
+    def finish(outputs: list[PoolingOutput]) -> np.ndarray:
+        data = output_data(outputs)
+        vectors, at = [], 0
+        for w in weights:
+            if w is None:
+                vectors.append(data[at])
+                at += 1
+            else:
+                parts = np.stack(data[at : at + len(w)])
+                vectors.append(combine_windows(parts, w, dimensions, normalize_windowed))
+                at += len(w)
+        if not vectors:
+            return np.zeros((0, dimensions or ctx.info.output_dim), dtype=np.float32)
+        return np.stack(vectors)
+
+    return PreparedCall(requests, finish)
