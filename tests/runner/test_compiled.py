@@ -72,3 +72,20 @@ def test_compiled_blocks_match_eager_and_keep_embeds_bit_exact(qwen3_folder: Pat
     # The block's forward compiled once for all three layers (parameters are graph inputs):
     # one graph while the padded fallback builds its mask, one once it is cached.
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 2
+
+
+def test_compiled_blocks_run_chunked_prompts(qwen3_folder: Path) -> None:
+    """Chunks of prompts over the budget attend to cached keys outside the compiled graphs (a
+    graph break there, and only there); results stay bit-exact with the eager model's."""
+    eager = vecpool.Engine(qwen3_folder, device="cpu", compile=False, max_num_batched_tokens=16)
+    compiled = vecpool.Engine(qwen3_folder, device="cpu", compile=False, max_num_batched_tokens=16)
+    compile_blocks(compiled.model, backend="eager")
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    for seed, lengths in enumerate([[100, 7, 30], [57, 3]]):
+        prompts = random_prompts(VOCAB, lengths, seed=seed)
+        expected = engine_hidden(eager, prompts)
+        for e, a in zip(expected, engine_hidden(compiled, prompts), strict=True):
+            assert np.array_equal(a, e)
+    breaks = torch._dynamo.utils.counters["graph_break"]
+    assert breaks and all("_cached_attention" in reason for reason in breaks)

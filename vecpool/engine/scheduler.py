@@ -5,13 +5,13 @@ A step holds at most `max_num_batched_tokens` prompt tokens (the token budget) a
 key/value cache (`max_cached_tokens > 0`, causal models), a longer prompt runs in chunks over
 several steps, each chunk attending to the keys and values its earlier chunks left:
 
-- Prompts being chunked get a chunk every step, oldest first; while other prompts wait, they
-  keep at most `CHUNKED_SHARE` of the budget (and of the sequence cap), so short prompts keep
-  flowing past a long one and the long one still progresses.
-- Waiting prompts fill the rest, first come first served, whole. A prompt longer than what
-  waiting prompts may take starts chunking when the cache has room for its whole length (its
-  reservation lasts until it is done); else it is held, first come first served among held
-  prompts, while shorter prompts pass it.
+- Prompts being chunked are kept `CHUNKED_SHARE` of every step's budget (and of its sequence
+  cap). Waiting prompts come first in the rest, whole, first come first served; the prompts
+  being chunked, oldest first, then take whatever is left. So short prompts keep flowing past
+  a long one, and the long one still progresses (by the whole budget when nothing waits).
+- A waiting prompt longer than what waiting prompts may take starts chunking when the cache
+  has room for its whole length (its reservation lasts until it is done); else it is held,
+  first come first served among held prompts, while shorter prompts pass it.
 - A prompt longer than the budget that cannot be chunked (bidirectional attention, or too long
   for the cache) runs alone in a step of its own.
 """
@@ -25,7 +25,8 @@ from vecpool.config import SchedulerConfig
 from vecpool.engine.request import Request, RequestStatus
 from vecpool.runner.step import ScheduledChunk, StepInput
 
-# The most of a step's budget (and sequence cap) prompts being chunked take while others wait.
+# The share of a step's budget (and sequence cap) kept for prompts being chunked while others
+# wait: half, so that neither a long prompt nor a stream of short ones holds the other back.
 CHUNKED_SHARE = 0.5
 
 
