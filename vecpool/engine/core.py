@@ -6,7 +6,7 @@ import itertools
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import numpy as np
 
@@ -85,7 +85,7 @@ class EngineCore:
                 self._recover(sched, exc)
             else:
                 self._finish(sched, results)
-            self._release(sched.requests)
+            self._release(sched)
             return len(sched.requests)
 
     def _prepare_next(self) -> tuple[SchedulerOutput, FlatBatch] | None:
@@ -122,11 +122,17 @@ class EngineCore:
             self._releasable.extend(r.request_id for r in kept.requests)
             return None
 
-    def _release(self, ran: Sequence[Request] = ()) -> None:
-        """Free the runner state of requests that are done: those of the step that ran, and
-        those the scheduler dropped. A request the prefetched step holds keeps its state until
-        that step has run."""
-        done = [*self._releasable, *(r.request_id for r in ran if r.is_done)]
+    def _release(self, ran: SchedulerOutput | None = None) -> None:
+        """Free the runner state of requests that are done: those of the step that ran (`ran`)
+        that ran in chunks, and those the scheduler dropped. A request the prefetched step
+        holds keeps its state until that step has run. (A whole prompt keeps nothing.)"""
+        done = self._releasable
+        if ran is not None:
+            done += [
+                r.request_id
+                for r, c in zip(ran.requests, ran.step.chunks, strict=True)
+                if r.is_done and not (c.start == 0 and c.ends_prompt)
+            ]
         self._releasable = []
         if not done:
             return
