@@ -132,6 +132,7 @@ def serve_processes(
     interrupted (SIGINT, SIGTERM) or until every API process has exited."""
     from vecpool.server.engine_process import EngineProcessConfig, run_engine_process
 
+    logging.basicConfig(level=options.log_level.upper(), format="%(levelname)s:     %(message)s")
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="vecpool-serve-") as tmp:
         # Every process records its metrics here and /metrics sums them; prometheus-client
@@ -155,6 +156,7 @@ def serve_processes(
             name="vecpool-engine",
         )
         engine.start()
+        logger.info("engine process started (pid %s), loading the model", engine.pid)
         ready_w.close()
         engine_alive_w.close()  # the engine process holds the only writer now
         info = _wait_ready(engine, ready)
@@ -177,11 +179,13 @@ def serve_processes(
         for api in apis:
             api.start()
         logger.info(
-            "serving %s on http://%s:%d: one engine process, %d API-server processes",
+            "serving %s on http://%s:%d: engine process (pid %s), API-server processes "
+            "(pids %s)",
             info.model_name,
             options.host,
             options.port,
-            len(apis),
+            engine.pid,
+            ", ".join(str(api.pid) for api in apis),
         )
         try:
             return _supervise(engine, apis)
