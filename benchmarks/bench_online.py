@@ -15,12 +15,15 @@ vocabulary entries of the MiniLM tokenizer, so a text of L tokens is L tokens):
   [32, 512]) from 32 clients; against offline `embed` of the same passages.
 
 Each client sends its next request as soon as its last one is answered (a closed loop), over
-its own keep-alive connection. Every round is preceded by a warm-up round. The report has, per
-round: requests/s, tokens/s, latency p50 / p90 / p99 / max, the count of each connection error
-type and of each non-200 status, and the ratio to offline tokens/s; a sample of answers is
-checked against the offline outputs. `--server-args` passes options to `vecpool serve` (e.g.
-`--api-server-count 2 --batch-wait-ms 2`); the server runs as its own process tree, the clients
-and the offline engine in this process, one after the other.
+its own keep-alive connection (`--client httpx`, what real clients use, or `raw`: a minimal
+HTTP/1.1 client that leaves more of a small machine to the server). The server runs as its own
+process tree (`--server-args` adds `vecpool serve` options, e.g. `--api-server-count 2
+--batch-wait-ms 2`); the offline engine and the clients run in this process, never at once.
+For each client count, after a warm-up round, `--repeats` rounds each sit between two offline
+runs of the same work, and a round's ratio is to the mean of those two (on a shared machine the
+load moves both alike); a row keeps the median round (and every round's numbers): requests/s,
+tokens/s, latency p50 / p90 / p99 / max, each connection error type and non-200 status counted,
+the ratio to offline tokens/s, and the largest difference of sampled answers from offline.
 """
 
 from __future__ import annotations
@@ -28,8 +31,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
-import gc
 import json
+import multiprocessing as mp
 import os
 import platform
 import signal
@@ -39,6 +42,8 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -242,13 +247,17 @@ async def run_round(
         await asyncio.gather(*(raw_client() for _ in range(clients)))
         result.seconds = time.perf_counter() - start
         return result
-    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
-    timeout = httpx.Timeout(300.0)
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as http:
+    # One client, one connection: the clients of a server are separate programs (and a pool
+    # of many connections in one httpx client costs its process far more per request). Built
+    # before the clock starts: making one costs milliseconds of CPU (its SSL context).
+    https = [httpx.AsyncClient(base_url=url, timeout=300.0) for _ in range(clients)]
+    try:
         start = time.perf_counter()
         deadline = start + max_seconds
-        await asyncio.gather(*(client(http) for _ in range(clients)))
+        await asyncio.gather(*(client(http) for http in https))
         result.seconds = time.perf_counter() - start
+    finally:
+        await asyncio.gather(*(http.aclose() for http in https))
     return result
 
 
@@ -295,134 +304,262 @@ class RawConnection:
         self.writer.close()
 
 
-def measure(
-    url: str, workload: Workload, clients: int, args: argparse.Namespace, sample: int = 0
+def _round_in_process(
+    url: str, workload: Workload, clients: int, limit: int, max_seconds: float, raw: bool
 ) -> Round:
-    warm = min(len(workload.bodies), max(2 * clients, 64))
-    asyncio.run(run_round(url, workload, clients, limit=warm, max_seconds=args.max_seconds))
     return asyncio.run(
-        run_round(url, workload, clients, limit=args.n, max_seconds=args.max_seconds, sample=sample)
+        run_round(url, workload, clients, limit=limit, max_seconds=max_seconds, raw=raw)
     )
+
+
+def load(
+    url: str,
+    workload: Workload,
+    clients: int,
+    *,
+    limit: int,
+    args: argparse.Namespace,
+    pool: ProcessPoolExecutor | None,
+) -> Round:
+    """One round of `clients` clients, spread over the processes of `pool` (a client process
+    of Python saturates its core long before a GPU server does) or run here."""
+    raw = args.client == "raw"
+    if pool is None:
+        return asyncio.run(
+            run_round(url, workload, clients, limit=limit, max_seconds=args.max_seconds, raw=raw)
+        )
+    n = args.client_processes
+    futures = [
+        pool.submit(
+            _round_in_process,
+            url,
+            Workload(workload.path, workload.bodies[w::n], 0),
+            clients // n + (w < clients % n),
+            limit // n + (w < limit % n),
+            args.max_seconds,
+            raw,
+        )
+        for w in range(n)
+    ]
+    rounds = [f.result() for f in futures]
+    total = Round(clients, seconds=max(r.seconds for r in rounds))
+    for r in rounds:
+        total.latencies += r.latencies
+        total.tokens += r.tokens
+        total.connection_errors.update(r.connection_errors)
+        total.statuses.update(r.statuses)
+    return total
 
 
 def decode_base64(data: str) -> np.ndarray:
     return np.frombuffer(base64.b64decode(data), dtype="<f4")
 
 
-# ---- offline --------------------------------------------------------------------------------
+# ---- offline, and the rounds next to it -----------------------------------------------------
 
 
-def timed(fn: Any, repeats: int, device: str) -> tuple[float, Any]:
-    """The median seconds of `repeats` timed calls after one warm-up, and the last result."""
+def engine_metrics(url: str) -> dict[str, float]:
+    """The engine's counters from the server's /metrics: steps, inputs and tokens they ran,
+    seconds spent in them."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    wanted = {
+        "vecpool_engine_steps_total": "steps",
+        "vecpool_batch_tokens_sum": "tokens",
+        "vecpool_engine_step_seconds_sum": "step_seconds",
+    }
+    out = dict.fromkeys([*wanted.values(), "inputs"], 0.0)
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
+        for sample in family.samples:
+            if sample.name in wanted:
+                out[wanted[sample.name]] += sample.value
+            elif sample.name == "vecpool_engine_requests_total" and sample.labels.get(
+                "outcome"
+            ) in ("finished", "failed"):
+                out["inputs"] += sample.value
+    return out
+
+
+def timed(fn: Callable[[], Any], device: str) -> tuple[float, Any]:
+    """Seconds of one call of `fn`, and its result."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    start = time.perf_counter()
     out = fn()
-    times = []
-    for _ in range(repeats):
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        out = fn()
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times)), out
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    return time.perf_counter() - start, out
 
 
-def free_engine(engine: Any) -> None:
-    del engine
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+@dataclass
+class Scenario:
+    """One workload, run by clients against the server and offline by an engine in this
+    process, on the same inputs."""
+
+    name: str
+    workload: Workload
+    items: int  # inputs (embed, batched) or calls (rerank) of the whole workload
+    offline: Callable[[], Any]  # the same work offline; its result checks the answers
+    diff: Callable[[dict[int, dict[str, Any]], Any], float]  # sampled answers vs offline
+    clients: list[int]
+
+
+def run_scenario(
+    scenario: Scenario, url: str, args: argparse.Namespace, report: dict[str, Any]
+) -> None:
+    """For each client count, `--repeats` times: offline, a round of clients, offline again;
+    each round's ratio is to the mean of the offline runs around it (a shared machine's load
+    moves both alike), and the row keeps the median round's numbers."""
+    _, expected = timed(scenario.offline, args.device)  # warm-up, and the reference outputs
+    w = scenario.workload
+    # The answers checked against offline: a round of one client process keeps them.
+    sample_round = asyncio.run(
+        run_round(
+            url, w, 8, limit=64, max_seconds=args.max_seconds, sample=64, raw=args.client == "raw"
+        )
+    )
+    diff = scenario.diff(sample_round.answers, expected)
+    pool = None
+    if args.client_processes > 1:
+        pool = ProcessPoolExecutor(args.client_processes, mp_context=mp.get_context("spawn"))
+    try:
+        _run_counts(scenario, url, args, report, pool, diff)
+    finally:
+        if pool is not None:
+            pool.shutdown()
+
+
+def _run_counts(
+    scenario: Scenario,
+    url: str,
+    args: argparse.Namespace,
+    report: dict[str, Any],
+    pool: ProcessPoolExecutor | None,
+    diff: float,
+) -> None:
+    w = scenario.workload
+    for clients in scenario.clients:
+        warm = min(len(w.bodies), max(2 * clients, 64))
+        load(url, w, clients, limit=warm, args=args, pool=pool)
+        rounds = []
+        for _ in range(args.repeats):
+            before, _ = timed(scenario.offline, args.device)
+            m0 = engine_metrics(url)
+            r = load(url, w, clients, limit=args.n, args=args, pool=pool)
+            m1 = engine_metrics(url)
+            after, _ = timed(scenario.offline, args.device)
+            offline_s = (before + after) / 2
+            row = {"scenario": scenario.name, **r.summary()}
+            row["offline_seconds"] = [before, after]
+            row["offline_tokens_per_s"] = w.tokens / offline_s
+            row["offline_items_per_s"] = scenario.items / offline_s
+            row["ratio_to_offline"] = row["tokens_per_s"] / row["offline_tokens_per_s"]
+            row["max_abs_diff_vs_offline"] = diff
+            steps = m1["steps"] - m0["steps"]
+            row["engine"] = {
+                "steps": steps,
+                "inputs_per_step": (m1["inputs"] - m0["inputs"]) / max(steps, 1),
+                "tokens_per_step": (m1["tokens"] - m0["tokens"]) / max(steps, 1),
+                "step_ms": (m1["step_seconds"] - m0["step_seconds"]) / max(steps, 1) * 1000,
+                "busy": (m1["step_seconds"] - m0["step_seconds"]) / r.seconds,
+            }
+            rounds.append(row)
+        rounds.sort(key=lambda x: x["ratio_to_offline"])
+        row = dict(rounds[len(rounds) // 2])
+        row["rounds"] = [
+            {k: x[k] for k in ("tokens_per_s", "offline_tokens_per_s", "ratio_to_offline")}
+            | {"p99_ms": x["latency_ms"]["p99"], "errors": x["connection_error_count"]}
+            | {"inputs_per_step": x["engine"]["inputs_per_step"]}
+            for x in rounds
+        ]
+        row["connection_error_count"] = sum(x["connection_error_count"] for x in rounds)
+        report["rows"].append(row)
+        _print(row)
 
 
 # ---- scenarios ------------------------------------------------------------------------------
 
 
-def bench_embed(
-    model: Path, texts: list[str], args: argparse.Namespace, tmp: Path, report: dict[str, Any]
-) -> None:
-    """Single-query and batched embeddings against offline `embed` of the same texts."""
+def embed_scenarios(
+    engine: Any, queries: list[str], args: argparse.Namespace, report: dict[str, Any]
+) -> list[Scenario]:
+    """Single-query embeddings and batched passages, against offline `embed`."""
     import vecpool
 
-    scenarios = [s for s in ("embed", "batched") if s in args.scenarios]
-    if not scenarios:
-        return
-    queries = texts[: args.n]
-    engine = vecpool.Engine(model, device=args.device, dtype=args.dtype)
-    limit = engine.info().max_model_len
-    offline: dict[str, tuple[float, np.ndarray, int]] = {}
-    if "embed" in scenarios:
-        seconds, vectors = timed(lambda: engine.embed(queries), args.repeats, args.device)
+    out = []
+    if "embed" in args.scenarios:
         prompts = engine.context.inputs.process(queries, vecpool.TextOptions())
-        tokens = sum(p.num_tokens for p in prompts)
-        offline["embed"] = (seconds, vectors, tokens)
-    passages: list[str] = []
-    if "batched" in scenarios:
-        passages = report["_passages"][: args.n * 4]
-        seconds, vectors = timed(
-            lambda: engine.embed(passages, truncate_prompt_tokens=-1), args.repeats, args.device
+        work = Workload(
+            "/v1/embeddings",
+            [{"input": q, "encoding_format": "base64"} for q in queries],
+            sum(p.num_tokens for p in prompts),
         )
-        tokens = int(np.minimum(report["_passage_lengths"][: len(passages)], limit).sum())
-        offline["batched"] = (seconds, vectors, tokens)
-    free_engine(engine)
-
-    server = ServerProcess(model, args, tmp / "server-embed.log")
-    report["server_command"] = server.command
-    try:
-        server.wait_ready()
-        if "embed" in scenarios:
-            seconds, vectors, tokens = offline["embed"]
-            work = Workload(
-                "/v1/embeddings",
-                [{"input": q, "encoding_format": "base64"} for q in queries],
-                tokens,
-            )
-            for clients in args.clients:
-                r = measure(server.url, work, clients, args, sample=64)
-                row = _row("embed", r, tokens / seconds, len(queries) / seconds)
-                row["max_abs_diff_vs_offline"] = max(
+        out.append(
+            Scenario(
+                "embed",
+                work,
+                len(queries),
+                lambda: engine.embed(queries, show_progress=False),
+                lambda answers, vectors: max(
                     float(np.abs(decode_base64(a["data"][0]["embedding"]) - vectors[i]).max())
-                    for i, a in r.answers.items()
-                )
-                report["rows"].append(row)
-                _print(row)
-        if "batched" in scenarios:
-            seconds, vectors, tokens = offline["batched"]
-            bodies = [
+                    for i, a in answers.items()
+                ),
+                args.clients,
+            )
+        )
+    if "batched" in args.scenarios:
+        passages = report["_passages"]
+        limit = engine.info().max_model_len
+        work = Workload(
+            "/v1/embeddings",
+            [
                 {
                     "input": passages[i : i + BATCH_INPUTS],
                     "encoding_format": "base64",
                     "truncate_prompt_tokens": -1,
                 }
                 for i in range(0, len(passages), BATCH_INPUTS)
-            ]
-            work = Workload("/v1/embeddings", bodies, tokens)
-            r = measure(server.url, work, args.batched_clients, args)
-            row = _row("batched", r, tokens / seconds, len(passages) / seconds)
-            report["rows"].append(row)
-            _print(row)
-    finally:
-        server.stop()
+            ],
+            int(np.minimum(report["_passage_lengths"], limit).sum()),
+        )
+        out.append(
+            Scenario(
+                "batched",
+                work,
+                len(passages),
+                lambda: engine.embed(passages, truncate_prompt_tokens=-1, show_progress=False),
+                lambda answers, vectors: max(
+                    float(
+                        np.abs(decode_base64(d["embedding"]) - vectors[i * BATCH_INPUTS + j]).max()
+                    )
+                    for i, a in answers.items()
+                    for j, d in enumerate(a["data"])
+                ),
+                [args.batched_clients],
+            )
+        )
+    return out
 
 
-def bench_rerank(args: argparse.Namespace, tmp: Path, report: dict[str, Any]) -> None:
-    """Single-query rerank (20 documents) against offline `rerank` of the same calls."""
+def rerank_scenario(engine: Any, args: argparse.Namespace) -> Scenario:
+    """Single-query rerank (a query and 20 documents) against offline `rerank` of the same
+    calls, prepared and run as one batch (the engine's own best for them)."""
     import tokenizers
 
     import vecpool
 
-    folder = args.rerank_model_dir or write_cross_encoder(tmp / "cross-encoder", args)
-    tokenizer = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tokenizer = tokenizers.Tokenizer.from_file(str(engine.info().tokenizer_file))
     tokenizer.no_truncation()
-    num_calls = min(args.n, args.rerank_calls)
+    tokenizer.no_padding()
+    num_calls = args.rerank_calls
     q_texts, _ = make_inputs(tokenizer, workload_lengths("queries", num_calls, seed=3), seed=3)
     d_texts, _ = make_inputs(tokenizer, doc_lengths(num_calls * RERANK_DOCS, seed=4), seed=4)
     calls = [
         (q_texts[i], d_texts[i * RERANK_DOCS : (i + 1) * RERANK_DOCS]) for i in range(num_calls)
     ]
-    engine = vecpool.Engine(folder, device=args.device, dtype=args.dtype)
 
     def offline() -> list[list[tuple[int, float]]]:
-        # Every call prepared, then run together: the engine's own best for these calls.
         prepared = [engine.prepare_rerank(q, docs) for q, docs in calls]
         requests = [r for p in prepared for r in p.requests]
 
@@ -433,29 +570,47 @@ def bench_rerank(args: argparse.Namespace, tmp: Path, report: dict[str, Any]) ->
                 at += len(p.requests)
             return results
 
-        return engine.run(vecpool.PreparedCall(requests, finish))
+        return engine.run(vecpool.PreparedCall(requests, finish), show_progress=False)
 
-    seconds, expected = timed(offline, args.repeats, args.device)
-    tokens = sum(len(r.prompt.token_ids) for p in calls for r in engine.prepare_rerank(*p).requests)
-    free_engine(engine)
-    server = ServerProcess(folder, args, tmp / "server-rerank.log")
+    tokens = sum(r.prompt.num_tokens for c in calls for r in engine.prepare_rerank(*c).requests)
+    work = Workload(
+        "/rerank",
+        [{"query": q, "documents": docs, "return_documents": False} for q, docs in calls],
+        tokens,
+    )
+    return Scenario(
+        "rerank",
+        work,
+        num_calls,
+        offline,
+        lambda answers, expected: max(
+            abs(res["relevance_score"] - dict(expected[i])[res["index"]])
+            for i, a in answers.items()
+            for res in a["results"]
+        ),
+        args.rerank_clients,
+    )
+
+
+def serve_and_run(
+    model: Path,
+    make: Callable[[Any], list[Scenario]],
+    args: argparse.Namespace,
+    log: Path,
+    report: dict[str, Any],
+) -> None:
+    """Load `model` offline here and in a server, and run `make(engine)`'s scenarios."""
+    import vecpool
+
+    scenarios = make(vecpool.Engine(model, device=args.device, dtype=args.dtype))
+    if not scenarios:
+        return
+    server = ServerProcess(model, args, log)
+    report.setdefault("server_commands", []).append(server.command)
     try:
         server.wait_ready()
-        work = Workload(
-            "/rerank",
-            [{"query": q, "documents": docs, "return_documents": False} for q, docs in calls],
-            tokens,
-        )
-        for clients in args.rerank_clients:
-            r = measure(server.url, work, clients, args, sample=32)
-            row = _row("rerank", r, tokens / seconds, num_calls / seconds)
-            row["max_abs_diff_vs_offline"] = max(
-                abs(res["relevance_score"] - dict(expected[i])[res["index"]])
-                for i, a in r.answers.items()
-                for res in a["results"]
-            )
-            report["rows"].append(row)
-            _print(row)
+        for scenario in scenarios:
+            run_scenario(scenario, server.url, args, report)
     finally:
         server.stop()
 
@@ -474,21 +629,15 @@ def write_cross_encoder(dest: Path, args: argparse.Namespace) -> Path:
     return dest
 
 
-def _row(scenario: str, r: Round, offline_tokens_s: float, offline_requests_s: float) -> dict:
-    row = {"scenario": scenario, **r.summary()}
-    row["offline_tokens_per_s"] = offline_tokens_s
-    row["offline_items_per_s"] = offline_requests_s
-    row["ratio_to_offline"] = row["tokens_per_s"] / offline_tokens_s
-    return row
-
-
 def _print(row: dict[str, Any]) -> None:
     lat = row["latency_ms"]
     print(
         f"{row['scenario']:8s} clients={row['clients']:4d} {row['requests_per_s']:9.1f} req/s "
         f"{row['tokens_per_s']:10.0f} tok/s ({row['ratio_to_offline']:.0%} of offline) "
         f"p50 {lat['p50']:.1f} ms p99 {lat['p99']:.1f} ms "
-        f"errors {row['connection_errors']} statuses {row['statuses']}",
+        f"errors {row['connection_errors']} statuses {row['statuses']} | "
+        f"{row['engine']['inputs_per_step']:.1f} inputs/step, step {row['engine']['step_ms']:.1f} "
+        f"ms, engine busy {row['engine']['busy']:.0%}",
         flush=True,
     )
 
@@ -508,10 +657,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--clients", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--rerank-clients", type=int, nargs="+", default=[64])
     parser.add_argument("--batched-clients", type=int, default=32)
-    parser.add_argument("--n", type=int, default=4096, help="requests per round (at most)")
+    parser.add_argument("--batched-inputs", type=int, default=8192, help="passages in all")
+    parser.add_argument("--n", type=int, default=4096, help="queries, and requests per round")
     parser.add_argument("--rerank-calls", type=int, default=1024, help="distinct rerank calls")
     parser.add_argument("--max-seconds", type=float, default=120.0, help="per round")
-    parser.add_argument("--repeats", type=int, default=3, help="offline timings (median)")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds per client count")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None, help="default: the engine's for the device")
     parser.add_argument("--server-args", default="", help="more `vecpool serve` options")
@@ -520,6 +670,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         choices=("httpx", "raw"),
         default="httpx",
         help="httpx (what real clients use) or a minimal HTTP/1.1 client (less CPU)",
+    )
+    parser.add_argument(
+        "--client-processes",
+        type=int,
+        default=max(1, min(8, (os.cpu_count() or 1) // 4)),
+        help="processes the clients are spread over (default: one per 4 CPU cores, 1 to 8)",
     )
     parser.add_argument("--tokenizer", type=Path, help="default: the packaged MiniLM's folder")
     parser.add_argument("--output", type=Path, help="write the report here as JSON")
@@ -551,7 +707,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "rows": [],
     }
     queries, _ = make_inputs(tokenizer, workload_lengths("queries", args.n))
-    passage_lengths = workload_lengths("passages", args.n * 4, seed=1)
+    passage_lengths = workload_lengths("passages", args.batched_inputs, seed=1)
     report["_passages"], _ = make_inputs(tokenizer, passage_lengths, seed=1)
     report["_passage_lengths"] = passage_lengths
     with tempfile.TemporaryDirectory(prefix="vecpool-online-") as tmp_name:
@@ -563,9 +719,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         elif model is None:  # the packaged default model
             model = args.tokenizer
         try:
-            bench_embed(model, queries, args, tmp, report)
+            serve_and_run(
+                model,
+                lambda engine: embed_scenarios(engine, queries, args, report),
+                args,
+                tmp / "server-embed.log",
+                report,
+            )
             if "rerank" in args.scenarios:
-                bench_rerank(args, tmp, report)
+                folder = args.rerank_model_dir or write_cross_encoder(tmp / "cross-encoder", args)
+                serve_and_run(
+                    folder,
+                    lambda engine: [rerank_scenario(engine, args)],
+                    args,
+                    tmp / "server-rerank.log",
+                    report,
+                )
         finally:
             del report["_passages"], report["_passage_lengths"]
             report["machine"]["load_average_at_end"] = os.getloadavg()

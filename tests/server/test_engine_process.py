@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing as mp
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from vecpool.api import PoolingOutput, PromptRequest, calls
 from vecpool.api.async_engine import EngineDeadError, QueueFullError
 from vecpool.errors import EngineError, InputError, RequestFailedError
 from vecpool.inputs import Prompt
-from vecpool.server import wire
+from vecpool.server import engine_process, wire
 from vecpool.server.engine_client import EngineProcessClient
 from vecpool.server.engine_process import EngineLoop, EngineProcessConfig
 from vecpool.tasks import PoolingParams
@@ -113,9 +114,12 @@ def test_a_full_queue_refuses(tiny_bert_engine: vecpool.Engine, address: str) ->
         loop.stop()
 
 
-def test_a_cancelled_call_is_dropped(tiny_bert_engine: vecpool.Engine, address: str) -> None:
+def test_a_cancelled_call_is_dropped(
+    tiny_bert_engine: vecpool.Engine, address: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     ctx = tiny_bert_engine.context
-    # The engine waits a second for more before it steps: the cancel arrives before any step.
+    # The engine gathers for a second before it steps: the cancel arrives before any step.
+    monkeypatch.setattr(engine_process, "GATHER_GAP", 2.0)
     loop = RunningLoop(tiny_bert_engine, address, batch_wait=1.0)
     steps = tiny_bert_engine.core.num_steps
     try:
@@ -137,25 +141,34 @@ def test_a_cancelled_call_is_dropped(tiny_bert_engine: vecpool.Engine, address: 
     assert loop.loop.queued == 0 and not loop.loop.calls
 
 
-def test_an_idle_engine_waits_for_more_before_it_steps(
-    tiny_bert_engine: vecpool.Engine, address: str
+def test_an_idle_engine_gathers_a_burst_into_one_step(
+    tiny_bert_engine: vecpool.Engine, address: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # Wide enough to hold on a loaded machine: calls 20 ms apart belong to one burst.
+    monkeypatch.setattr(engine_process, "GATHER_GAP", 0.1)
     ctx = tiny_bert_engine.context
-    loop = RunningLoop(tiny_bert_engine, address, batch_wait=0.5)
+    loop = RunningLoop(tiny_bert_engine, address, batch_wait=2.0)
     steps = tiny_bert_engine.core.num_steps
     try:
 
-        async def two_calls(client: EngineProcessClient) -> None:
-            a = calls.make_requests(ctx, random_prompts(99, [5]), PoolingParams())
-            b = calls.make_requests(ctx, random_prompts(99, [7]), PoolingParams())
-            first = asyncio.ensure_future(client.run(a))
-            await asyncio.sleep(0.05)  # well inside the wait
-            await asyncio.gather(first, client.run(b))
+        async def scenario(client: EngineProcessClient) -> float:
+            burst = []
+            for seed in range(4):
+                requests = calls.make_requests(ctx, random_prompts(99, [5], seed), PoolingParams())
+                burst.append(asyncio.ensure_future(client.run(requests)))
+                await asyncio.sleep(0.02)
+            await asyncio.gather(*burst)
+            assert tiny_bert_engine.core.num_steps == steps + 1  # the burst: one step
+            # One call alone: the engine steps after a pause in arrivals, not after 2 s.
+            started = time.monotonic()
+            await client.run(calls.make_requests(ctx, random_prompts(99, [6]), PoolingParams()))
+            return time.monotonic() - started
 
-        _run(address, two_calls)
+        alone = _run(address, scenario)
     finally:
         loop.stop()
-    assert tiny_bert_engine.core.num_steps == steps + 1
+    assert tiny_bert_engine.core.num_steps == steps + 2
+    assert isinstance(alone, float) and alone < 1.0
 
 
 def test_the_engine_exit_fails_calls_in_flight(

@@ -1,7 +1,8 @@
 """`vecpool serve`: the command line of the HTTP server.
 
-`add_serve_arguments(parser)` adds the options to a parser; `serve(args)` loads the engine and
-runs uvicorn until stopped. Nothing of the `server` extra is imported until `serve` runs.
+`add_serve_arguments(parser)` adds the options to a parser; `serve(args)` runs the server's
+processes (`vecpool.server.launcher`) until stopped. Nothing of the `server` extra is imported
+until `serve` runs.
 """
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ import sys
 
 from vecpool.api import EngineArgs
 from vecpool.errors import VecpoolError
+from vecpool.server import launcher
 
 DEFAULT_BATCH_INPUTS = 2048
-DEFAULT_BATCH_WAIT_MS = 0.0
 SERVE_DESCRIPTION = """\
 Serve a pooling model over HTTP: OpenAI /v1/embeddings, /pooling, /rerank (Cohere, Jina),
 /score, /classify, /tokenize, /detokenize, /v1/models, /health, /metrics (Prometheus).
@@ -82,15 +83,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     procs.add_argument(
         "--batch-wait-ms",
         type=float,
-        default=DEFAULT_BATCH_WAIT_MS,
+        default=launcher.DEFAULT_BATCH_WAIT_MS,
         metavar="MS",
-        help="when the engine is idle and a request arrives, wait this long for more before "
-        "it steps (default: %(default)s)",
+        help="when the engine is idle and requests arrive, take more while they keep coming "
+        "(each within 1 ms of the last), for at most this long, before it steps "
+        "(default: %(default)s)",
     )
     http.add_argument(
         "--timeout-keep-alive",
         type=float,
-        default=75.0,
+        default=launcher.DEFAULT_KEEP_ALIVE,
         metavar="SECONDS",
         help="close idle keep-alive connections after this long; keep it above your clients' "
         "and load balancers' idle timeouts (default: %(default)s)",
@@ -109,8 +111,6 @@ def serve(args: argparse.Namespace) -> int:
     try:
         import uvicorn  # noqa: F401
         import zmq  # noqa: F401
-
-        from vecpool.server import launcher
     except ImportError as exc:
         print(
             f"vecpool serve: the server needs the `server` extra (pip install 'vecpool[server]'): {exc}",

@@ -3,8 +3,9 @@
 Its loop is single-threaded, so nothing contends with the model for the interpreter: receive
 every message that arrived (ZeroMQ's own I/O thread, outside Python, buffers them while a step
 runs), step with everything queued, send each API process the calls that finished. When the
-engine was idle and a call arrives, it waits up to `batch_wait` seconds for more before it steps
-(unless a step's worth has arrived): a step that starts with one request runs with one request.
+engine was idle and a call arrives, it takes more while they keep coming, up to `batch_wait`
+seconds (or a step's worth) before it steps: a step that starts with one request runs with one
+request, while the others of a burst are a millisecond behind.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ from vecpool.server import wire
 from vecpool.server.metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)
+# While an idle engine gathers a step, a pause this long in arrivals ends the wait: one client
+# alone waits this much, many clients keep adding to the step up to `batch_wait`.
+GATHER_GAP = 0.001
 
 
 @dataclass(frozen=True)
@@ -118,15 +122,17 @@ class EngineLoop:
                 self._cancel(identity, message.call_id)
 
     def _gather(self, poller: zmq.Poller, deadline: float) -> None:
-        """Wait for more calls until `deadline`, or until a step's worth has arrived."""
+        """Take more calls while they keep coming (each within `GATHER_GAP` of the last),
+        until `deadline` or until a step's worth has arrived."""
         while self.arrived_tokens < self.step_tokens and self.queued < self.step_requests:
             left = deadline - time.perf_counter()
             if left <= 0:
                 return
-            if self.socket in dict(poller.poll(math.ceil(left * 1000))):
+            timeout = math.ceil(min(left, GATHER_GAP) * 1000)  # zmq_poll counts milliseconds
+            if self.socket in dict(poller.poll(timeout)):
                 self._receive()
             else:
-                return  # the deadline passed, or the parent closed: the loop will see it
+                return  # a pause in arrivals (or the parent closed: the loop will see it)
 
     def _submit(self, identity: bytes, message: wire.Submit) -> bool:
         n = len(message.requests)

@@ -46,6 +46,13 @@ logger = logging.getLogger("vecpool.server")
 LISTEN_BACKLOG = 4096
 # Seconds to wait for processes to stop on their own before they are killed.
 STOP_SECONDS = 30
+# The longest an idle engine gathers arriving requests into a step (`--batch-wait-ms`).
+DEFAULT_BATCH_WAIT_MS = 2.0
+# Seconds an idle keep-alive connection stays open (`--timeout-keep-alive`). Longer than
+# clients keep idle connections in their pools (httpx and the OpenAI client: 5 s, aiohttp:
+# 15 s): a client then always retires a connection first, and never sends on one the server is
+# closing (which the server's kernel answers with a reset).
+DEFAULT_KEEP_ALIVE = 75.0
 
 
 @dataclass(frozen=True)
@@ -55,11 +62,8 @@ class ServeOptions:
     host: str = "127.0.0.1"
     port: int = 8000
     api_server_count: int = 1  # API-server processes; 0: one process, the engine in a thread
-    batch_wait_ms: float = 0.0  # an idle engine waits this long for more requests
-    # Seconds an idle keep-alive connection stays open. Longer than clients keep idle
-    # connections in their pools (httpx and the OpenAI client: 5 s, aiohttp: 15 s): a client
-    # then always closes first, and never sends on a connection the server is closing.
-    timeout_keep_alive: float = 75.0
+    batch_wait_ms: float = DEFAULT_BATCH_WAIT_MS  # an idle engine gathers a step this long
+    timeout_keep_alive: float = DEFAULT_KEEP_ALIVE  # seconds an idle connection stays open
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -179,8 +183,7 @@ def serve_processes(
         for api in apis:
             api.start()
         logger.info(
-            "serving %s on http://%s:%d: engine process (pid %s), API-server processes "
-            "(pids %s)",
+            "serving %s on http://%s:%d: engine process (pid %s), API-server processes (pids %s)",
             info.model_name,
             options.host,
             options.port,
