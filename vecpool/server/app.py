@@ -12,6 +12,7 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -24,7 +25,6 @@ from vecpool.api import CallContext, Engine, EngineInfo
 from vecpool.api.async_engine import AsyncEngine
 from vecpool.errors import InputError
 from vecpool.server.config import ServerConfig
-from vecpool.server.engine_client import EngineProcessClient
 from vecpool.server.errors import (
     ApiError,
     ClientDisconnectedError,
@@ -36,6 +36,9 @@ from vecpool.server.metrics import ServerMetrics
 from vecpool.server.middleware import ServerMiddleware, error_response
 from vecpool.server.routes import ROUTERS
 from vecpool.server.state import ServerState
+
+if TYPE_CHECKING:  # the process layout's modules (ZeroMQ, msgspec) load only where used
+    from vecpool.server.engine_client import EngineProcessClient
 
 # Not sent to anyone (the client is gone); nginx's code for "client closed request".
 STATUS_CLIENT_CLOSED = 499
