@@ -26,7 +26,7 @@ import socket
 import sys
 import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
@@ -134,66 +134,91 @@ def serve_processes(
 ) -> int:
     """The engine process and `options.api_server_count` API processes, supervised until
     interrupted (SIGINT, SIGTERM) or until every API process has exited."""
-    from vecpool.server.engine_process import EngineProcessConfig, run_engine_process
-
     logging.basicConfig(level=options.log_level.upper(), format="%(levelname)s:     %(message)s")
-    ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="vecpool-serve-") as tmp:
         # Every process records its metrics here and /metrics sums them; prometheus-client
         # reads the variable when a child imports it.
         metrics_dir = Path(tmp) / "metrics"
         metrics_dir.mkdir()
-        os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
-        engine_config = EngineProcessConfig(
-            address=f"ipc://{tmp}/engine",
-            max_queued=config.max_queued,
-            batch_wait=options.batch_wait_ms / 1000,
+        with _environ("PROMETHEUS_MULTIPROC_DIR", str(metrics_dir)):  # for the children
+            return _serve_processes(engine_args, config, options, sock, tmp, metrics_dir)
+
+
+@contextlib.contextmanager
+def _environ(name: str, value: str) -> Iterator[None]:
+    """`name=value` in this process's environment (which children start with) until exit."""
+    previous = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = previous
+
+
+def _serve_processes(  # the body of `serve_processes`, inside its directory and environment
+    engine_args: EngineArgs,
+    config: ServerConfig,
+    options: ServeOptions,
+    sock: socket.socket,
+    tmp: str,
+    metrics_dir: Path,
+) -> int:
+    from vecpool.server.engine_process import EngineProcessConfig, run_engine_process
+
+    ctx = mp.get_context("spawn")
+    engine_config = EngineProcessConfig(
+        address=f"ipc://{tmp}/engine",
+        max_queued=config.max_queued,
+        batch_wait=options.batch_wait_ms / 1000,
+    )
+    # Children see EOF on these when their writer's process is gone (this one; the engine).
+    parent_alive, parent_writer = ctx.Pipe(duplex=False)
+    engine_alive, engine_alive_w = ctx.Pipe(duplex=False)
+    ready, ready_w = ctx.Pipe(duplex=False)
+    engine = ctx.Process(
+        target=run_engine_process,
+        args=(engine_args, engine_config, ready_w, parent_alive, engine_alive_w),
+        kwargs={"log_level": options.log_level},
+        name="vecpool-engine",
+    )
+    engine.start()
+    logger.info("engine process started (pid %s), loading the model", engine.pid)
+    ready_w.close()
+    engine_alive_w.close()  # the engine process holds the only writer now
+    info = _wait_ready(engine, ready)
+    if not isinstance(info, EngineInfo):
+        parent_writer.close()
+        return info
+    apis = [
+        ctx.Process(
+            target=run_api_process,
+            args=(info, config, options, sock, engine_config.address),
+            kwargs={
+                "engine_alive": engine_alive,
+                "parent_alive": parent_alive,
+                "metrics_dir": str(metrics_dir),
+            },
+            name=f"vecpool-api-{i}",
         )
-        # Children see EOF on these when their writer's process is gone (this one; the engine).
-        parent_alive, parent_writer = ctx.Pipe(duplex=False)
-        engine_alive, engine_alive_w = ctx.Pipe(duplex=False)
-        ready, ready_w = ctx.Pipe(duplex=False)
-        engine = ctx.Process(
-            target=run_engine_process,
-            args=(engine_args, engine_config, ready_w, parent_alive, engine_alive_w),
-            kwargs={"log_level": options.log_level},
-            name="vecpool-engine",
-        )
-        engine.start()
-        logger.info("engine process started (pid %s), loading the model", engine.pid)
-        ready_w.close()
-        engine_alive_w.close()  # the engine process holds the only writer now
-        info = _wait_ready(engine, ready)
-        if not isinstance(info, EngineInfo):
-            parent_writer.close()
-            return info
-        apis = [
-            ctx.Process(
-                target=run_api_process,
-                args=(info, config, options, sock, engine_config.address),
-                kwargs={
-                    "engine_alive": engine_alive,
-                    "parent_alive": parent_alive,
-                    "metrics_dir": str(metrics_dir),
-                },
-                name=f"vecpool-api-{i}",
-            )
-            for i in range(options.api_server_count)
-        ]
-        for api in apis:
-            api.start()
-        logger.info(
-            "serving %s on http://%s:%d: engine process (pid %s), API-server processes (pids %s)",
-            info.model_name,
-            options.host,
-            options.port,
-            engine.pid,
-            ", ".join(str(api.pid) for api in apis),
-        )
-        try:
-            return _supervise(engine, apis)
-        finally:
-            parent_writer.close()
+        for i in range(options.api_server_count)
+    ]
+    for api in apis:
+        api.start()
+    logger.info(
+        "serving %s on http://%s:%d: engine process (pid %s), API-server processes (pids %s)",
+        info.model_name,
+        options.host,
+        options.port,
+        engine.pid,
+        ", ".join(str(api.pid) for api in apis),
+    )
+    try:
+        return _supervise(engine, apis)
+    finally:
+        parent_writer.close()
 
 
 def _wait_ready(engine: BaseProcess, ready: Connection) -> EngineInfo | int:
