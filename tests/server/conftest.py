@@ -72,12 +72,14 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_server(log_dir: Path, *args: str, api_key: str | None = None) -> Server:
+def start_server(
+    log_dir: Path, *args: str, api_key: str | None = None, log_level: str = "warning"
+) -> Server:
     """Start `python -m vecpool serve ARGS` and wait until /health answers."""
     port = _free_port()
     log = log_dir / f"server-{port}.log"
     cmd = [sys.executable, "-m", "vecpool", "serve", *args, "--port", str(port)]
-    cmd += ["--log-level", "warning"] + (["--api-key", api_key] if api_key else [])
+    cmd += ["--log-level", log_level] + (["--api-key", api_key] if api_key else [])
     with log.open("wb") as out:
         process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     server = Server(process, f"http://127.0.0.1:{port}", log, api_key)

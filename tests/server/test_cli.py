@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import base64
 import io
+import os
 import subprocess
 import sys
 
@@ -47,6 +48,8 @@ def test_serve_refuses_bad_settings(
 ) -> None:
     assert serve(parse(*argv)) == 2
     assert words in capsys.readouterr().err
+    # The children's metrics directory is theirs: this process's environment is as it was.
+    assert "PROMETHEUS_MULTIPROC_DIR" not in os.environ
 
 
 def test_config_checks() -> None:

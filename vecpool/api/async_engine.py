@@ -21,7 +21,7 @@ from vecpool.api.engine import Engine
 from vecpool.api.info import EngineInfo
 from vecpool.api.outputs import PoolingOutput, PromptRequest, RunTimes, outcome
 from vecpool.engine.request import Request, RequestStatus
-from vecpool.errors import VecpoolError
+from vecpool.errors import EngineError, VecpoolError
 from vecpool.inputs import TextOptions
 from vecpool.tasks import PoolingParams
 
@@ -30,6 +30,10 @@ logger = logging.getLogger(__name__)
 
 class QueueFullError(VecpoolError):
     """The engine's queue holds `max_queued` requests already; try again later."""
+
+
+class EngineDeadError(EngineError):
+    """The engine stopped (its process exited): nothing more will run."""
 
 
 class AsyncEngine:

@@ -1,7 +1,8 @@
 """`vecpool serve`: the command line of the HTTP server.
 
-`add_serve_arguments(parser)` adds the options to a parser; `serve(args)` loads the engine and
-runs uvicorn until stopped. Nothing of the `server` extra is imported until `serve` runs.
+`add_serve_arguments(parser)` adds the options to a parser; `serve(args)` runs the server's
+processes (`vecpool.server.launcher`) until stopped. Nothing of the `server` extra is imported
+until `serve` runs.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import sys
 
 from vecpool.api import EngineArgs
 from vecpool.errors import VecpoolError
+from vecpool.server import launcher
 
 DEFAULT_BATCH_INPUTS = 2048
 SERVE_DESCRIPTION = """\
@@ -69,6 +71,32 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="truncate inputs longer than --max-model-len instead of refusing them",
     )
+    procs = parser.add_argument_group("processes and batching")
+    procs.add_argument(
+        "--api-server-count",
+        type=int,
+        metavar="N",
+        help="API-server processes (HTTP, validation, tokenization) beside the engine process; "
+        "0: one process, the engine in a thread (default: 1 when the model runs on the CPU, "
+        "else one per 4 CPU cores, at most 4)",
+    )
+    procs.add_argument(
+        "--batch-wait-ms",
+        type=float,
+        default=launcher.DEFAULT_BATCH_WAIT_MS,
+        metavar="MS",
+        help="when the engine is idle and requests arrive, take more while they keep coming "
+        "(each within 1 ms of the last), for at most this long, before it steps "
+        "(default: %(default)s)",
+    )
+    http.add_argument(
+        "--timeout-keep-alive",
+        type=float,
+        default=launcher.DEFAULT_KEEP_ALIVE,
+        metavar="SECONDS",
+        help="close idle keep-alive connections after this long; keep it above your clients' "
+        "and load balancers' idle timeouts (default: %(default)s)",
+    )
     http.add_argument(
         "--tokenizer-threads",
         type=int,
@@ -79,18 +107,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
-    """Load the engine and serve it until interrupted; the exit status."""
+    """Serve until interrupted (the processes of `vecpool.server.launcher`); the exit status."""
     try:
-        import uvicorn
-
-        from vecpool.server.app import create_app
+        import uvicorn  # noqa: F401
+        import zmq  # noqa: F401
     except ImportError as exc:
         print(
             f"vecpool serve: the server needs the `server` extra (pip install 'vecpool[server]'): {exc}",
             file=sys.stderr,
         )
         return 2
-    from vecpool.api import Engine
     from vecpool.server.config import ServerConfig
 
     try:
@@ -108,10 +134,22 @@ def serve(args: argparse.Namespace) -> int:
             auto_truncate=args.auto_truncate,
             tokenizer_threads=args.tokenizer_threads,
         )
-        engine = Engine.from_args(engine_args)
+        count = args.api_server_count
+        options = launcher.ServeOptions(
+            host=args.host,
+            port=args.port,
+            api_server_count=(
+                launcher.default_api_server_count(engine_args.device) if count is None else count
+            ),
+            batch_wait_ms=args.batch_wait_ms,
+            timeout_keep_alive=args.timeout_keep_alive,
+            log_level=args.log_level,
+        )
+        sock = launcher.bind_socket(args.host, args.port)
     except VecpoolError as exc:
         print(f"vecpool serve: {exc}", file=sys.stderr)
         return 2
-    app = create_app(engine, config)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
-    return 0
+    with sock:
+        if options.api_server_count == 0:
+            return launcher.serve_in_process(engine_args, config, options, sock)
+        return launcher.serve_processes(engine_args, config, options, sock)

@@ -1,15 +1,18 @@
-"""`create_app`: the FastAPI application over one `Engine`.
+"""The FastAPI application: `create_app` over an `Engine` in this process, `create_api_app` for
+an API-server process whose engine runs in the engine process.
 
-The `AsyncEngine` front is created and started when the app starts (its lifespan) and shut
-down when it stops. Every refusal is an OpenAI-shaped JSON error (see `errors.py`).
+Either way the app knows the engine through its `EngineInfo`, prepares calls with a
+`CallContext`, and runs them on an `EngineClient` started with the app (its lifespan) and
+stopped with it. Every refusal is an OpenAI-shaped JSON error (see `errors.py`).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -18,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 import vecpool
-from vecpool.api import Engine
+from vecpool.api import CallContext, Engine, EngineInfo
 from vecpool.api.async_engine import AsyncEngine
 from vecpool.errors import InputError
 from vecpool.server.config import ServerConfig
@@ -34,36 +37,85 @@ from vecpool.server.middleware import ServerMiddleware, error_response
 from vecpool.server.routes import ROUTERS
 from vecpool.server.state import ServerState
 
+if TYPE_CHECKING:  # the process layout's modules (ZeroMQ, msgspec) load only where used
+    from vecpool.server.engine_client import EngineProcessClient
+
 # Not sent to anyone (the client is gone); nginx's code for "client closed request".
 STATUS_CLIENT_CLOSED = 499
 
+Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
+
 
 def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
-    """An app serving `engine`; run it with uvicorn (one process, one engine)."""
-    state = ServerState(
-        engine.info(), engine.context, config, ServerMetrics(lambda: _queued(state))
-    )
+    """An app serving `engine` in this process (its loop in a thread: `AsyncEngine`); run it
+    with uvicorn."""
+    metrics = ServerMetrics(lambda: _queued(state))
+    state = ServerState(engine.info(), engine.context, config, metrics)
+    assert metrics.engine is not None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        assert metrics.engine is not None
         front = AsyncEngine(
             engine,
             max_queued=config.max_queued,
-            on_step=state.metrics.on_step,
-            on_request_done=state.metrics.on_request_done,
+            on_step=metrics.engine.on_step,
+            on_request_done=metrics.engine.on_request_done,
         )
         front.start()
         state.client = front
-        state.executor = ThreadPoolExecutor(
-            config.tokenizer_threads, thread_name_prefix="vecpool-server-inputs"
-        )
-        try:
-            yield
-        finally:
-            state.client = None
-            state.executor.shutdown(wait=False, cancel_futures=True)
-            await asyncio.to_thread(front.shutdown)
+        async with _executor(state):
+            try:
+                yield
+            finally:
+                state.client = None
+                await asyncio.to_thread(front.shutdown)
 
+    return _build(state, lifespan)
+
+
+def create_api_app(
+    info: EngineInfo,
+    config: ServerConfig,
+    client: EngineProcessClient,
+    *,
+    multiprocess_dir: str | None = None,
+) -> FastAPI:
+    """An API-server process's app: calls prepared here (tokenizer and rules from `info`, no
+    model), run on the engine process through `client`. `multiprocess_dir`: where every
+    process of the server records its metrics (`/metrics` sums them)."""
+    metrics = ServerMetrics(multiprocess_dir=multiprocess_dir)
+    state = ServerState(info, CallContext.from_info(info), config, metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await client.start()
+        state.client = client
+        async with _executor(state):
+            try:
+                yield
+            finally:
+                state.client = None
+                await client.close()
+
+    return _build(state, lifespan)
+
+
+@asynccontextmanager
+async def _executor(state: ServerState) -> AsyncIterator[None]:
+    """The thread pool that decodes and tokenizes inputs, for the app's lifetime."""
+    executor = ThreadPoolExecutor(
+        state.config.tokenizer_threads, thread_name_prefix="vecpool-server-inputs"
+    )
+    state.executor = executor
+    try:
+        yield
+    finally:
+        state.executor = None
+        executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _build(state: ServerState, lifespan: Lifespan) -> FastAPI:
     app = FastAPI(title="vecpool", version=vecpool.__version__, lifespan=lifespan)
     app.state.vecpool = state
     for router in ROUTERS:
@@ -73,7 +125,10 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     paths = (getattr(r, "path", None) for x in (app, *ROUTERS) for r in x.routes)
     endpoints = frozenset(path for path in paths if isinstance(path, str))
     app.add_middleware(
-        ServerMiddleware, metrics=state.metrics, api_key=config.api_key, endpoints=endpoints
+        ServerMiddleware,
+        metrics=state.metrics,
+        api_key=state.config.api_key,
+        endpoints=endpoints,
     )
     return app
 

@@ -1,9 +1,14 @@
 """Prometheus metrics of one server, in a registry of its own (no global state).
 
-HTTP: requests by endpoint and status, latency. Per request: seconds spent in the queue, in
-tokenization (input processing, prompt-embeds decoding included) and in inference. Engine:
-queue size, steps, tokens per step (batch tokens), request outcomes (finished, failed, and
-cancelled: dropped because the client went away).
+HTTP (`ServerMetrics`, in each API process): requests by endpoint and status, latency; per
+request, seconds spent in tokenization (input processing, prompt-embeds decoding included), in
+the queue and in inference. Engine (`EngineMetrics`, where the engine runs): queue size, steps,
+tokens per step (batch tokens), request outcomes (finished, failed, and cancelled: dropped
+because the client went away).
+
+With several processes, each records into prometheus-client's multiprocess directory (the
+`PROMETHEUS_MULTIPROC_DIR` the launcher sets for them) and `/metrics`, answered by any API
+process, sums them all.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from vecpool.engine.request import Request, RequestStatus
 
@@ -19,8 +25,20 @@ _TOKENS = tuple(float(2**i) for i in range(4, 18))
 
 
 class ServerMetrics:
-    def __init__(self, queue_size: Callable[[], float]):
+    """The HTTP side's metrics, and (one process) the engine's, in one registry.
+
+    `engine_queue_size` (one process): the engine's queue size, read at each scrape; the
+    engine's metrics are then recorded here too (`self.engine`). `multiprocess_dir`: render
+    the sum of every process's metrics in that directory."""
+
+    def __init__(
+        self,
+        engine_queue_size: Callable[[], float] | None = None,
+        *,
+        multiprocess_dir: str | None = None,
+    ):
         self.registry = CollectorRegistry()
+        self.multiprocess_dir = multiprocess_dir
         r = self.registry
         self.http_requests = Counter(
             "vecpool_http_requests", "HTTP requests answered", ["endpoint", "status"], registry=r
@@ -62,8 +80,35 @@ class ServerMetrics:
             ["endpoint"],
             registry=r,
         )
-        queued = Gauge("vecpool_queue_size", "Inputs queued or running in the engine", registry=r)
-        queued.set_function(queue_size)
+        self.engine = (
+            EngineMetrics(self.registry, engine_queue_size)
+            if engine_queue_size is not None
+            else None
+        )
+
+    def render(self) -> bytes:
+        if self.multiprocess_dir is None:
+            return generate_latest(self.registry)
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, self.multiprocess_dir)
+        return generate_latest(registry)
+
+
+class EngineMetrics:
+    """The engine's metrics, recorded by whatever runs its loop (the in-process front's
+    hooks, or the engine process). `queue_size`: read at each scrape; without it, the loop
+    sets the gauge itself (`set_queue_size`)."""
+
+    def __init__(self, registry: CollectorRegistry, queue_size: Callable[[], float] | None = None):
+        r = registry
+        self.queue_size = Gauge(
+            "vecpool_queue_size",
+            "Inputs queued or running in the engine",
+            multiprocess_mode="livesum",
+            registry=r,
+        )
+        if queue_size is not None:
+            self.queue_size.set_function(queue_size)
         self.engine_steps = Counter("vecpool_engine_steps", "Engine steps run", registry=r)
         self.step_seconds = Histogram(
             "vecpool_engine_step_seconds",
@@ -92,11 +137,11 @@ class ServerMetrics:
             self._step_tokens += request.num_prompt_tokens
 
     def on_step(self, started: float, ended: float) -> None:
-        """The `AsyncEngine` step hook (loop thread): after the step's done callbacks ran."""
+        """After each step that ran a batch (loop thread), its done callbacks run."""
         self.engine_steps.inc()
         self.step_seconds.observe(ended - started)
         self.batch_tokens.observe(self._step_tokens)
         self._step_tokens = 0
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def set_queue_size(self, n: int) -> None:
+        self.queue_size.set(n)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hmac
+import logging
 import time
 
 from starlette.responses import Response
@@ -11,6 +12,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from vecpool.server.config import PUBLIC_PATHS
 from vecpool.server.errors import ApiError
 from vecpool.server.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
 
 
 def error_response(error: ApiError) -> Response:
@@ -49,12 +52,15 @@ class ServerMiddleware:
         path = scope["path"]
         endpoint = path if path in self.endpoints else "other"
         status = 500  # what an exception that escapes the app becomes
+        started = answered = False
         start = time.perf_counter()
 
         async def send_and_record(message: Message) -> None:
-            nonlocal status
+            nonlocal status, started, answered
             if message["type"] == "http.response.start":
-                status = message["status"]
+                status, started = message["status"], True
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                answered = True
             await send(message)
 
         try:
@@ -68,6 +74,16 @@ class ServerMiddleware:
                 await error_response(error)(scope, receive, send_and_record)
             else:
                 await self.app(scope, receive, send_and_record)
+        except Exception:
+            # Answered here, not raised on: the HTTP server would close the keep-alive
+            # connection after its 500, under a client that may already be sending its next
+            # request on it, and that request would be reset.
+            logger.exception("unexpected error answering %s", path)
+            if started and not answered:
+                raise  # half an answer is out: only closing the connection ends it
+            if not started:
+                error = ApiError(500, "internal server error", code="internal_error")
+                await error_response(error)(scope, receive, send_and_record)
         finally:
             self.metrics.http_requests.labels(endpoint, str(status)).inc()
             self.metrics.http_seconds.labels(endpoint).observe(time.perf_counter() - start)

@@ -22,7 +22,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import Response
 
 from vecpool.api import PreparedCall
-from vecpool.api.async_engine import QueueFullError
+from vecpool.api.async_engine import EngineDeadError, QueueFullError
 from vecpool.api.outputs import RunTimes
 from vecpool.errors import InputError, VecpoolError
 from vecpool.server.codec import encode_array
@@ -33,6 +33,12 @@ from vecpool.server.state import EngineClient, ServerState
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
 _PARSE_INLINE_BYTES = 64 * 1024
+# A call whose body is this small is prepared on the event loop: tokenizing a few short texts
+# takes tens of microseconds, less than the hop to a thread and back (which, under load, also
+# queues behind other calls and contends for the interpreter). Larger ones go to the pool.
+_PREPARE_INLINE_BYTES = 16 * 1024
+# Outputs of this many values or fewer are encoded on the event loop, larger ones in a thread.
+_RENDER_INLINE_VALUES = 16 * 1024
 
 
 @dataclass
@@ -171,13 +177,35 @@ async def _disconnected(request: HttpRequest) -> None:
         pass
 
 
-async def in_executor(state: ServerState, fn: Callable[[], T], list_name: str = "input") -> T:
-    """`fn()` in the input thread pool, its `InputError` as a 400."""
-    loop = asyncio.get_running_loop()
+def _small(request: HttpRequest) -> bool:
+    length = request.headers.get("content-length")
+    return length is not None and length.isdigit() and int(length) <= _PREPARE_INLINE_BYTES
+
+
+async def off_loop(state: ServerState, request: HttpRequest, fn: Callable[[], T]) -> T:
+    """`fn()` (decoding, tokenizing): on the event loop for a small body, else in the input
+    thread pool."""
+    if _small(request):
+        return fn()
+    return await asyncio.get_running_loop().run_in_executor(state.executor, fn)
+
+
+async def in_executor(
+    state: ServerState, request: HttpRequest, fn: Callable[[], T], list_name: str = "input"
+) -> T:
+    """`fn()` off the event loop unless the body is small (`off_loop`), its `InputError` as
+    a 400."""
     try:
-        return await loop.run_in_executor(state.executor, fn)
+        return await off_loop(state, request, fn)
     except InputError as exc:
         raise input_error(exc, list_name) from None
+
+
+async def render(vectors: list[np.ndarray], fn: Callable[[], bytes]) -> bytes:
+    """`fn()` (encoding `vectors` into a response): on the event loop when they are small."""
+    if sum(v.size for v in vectors) <= _RENDER_INLINE_VALUES:
+        return fn()
+    return await asyncio.to_thread(fn)
 
 
 async def run_call(
@@ -194,21 +222,21 @@ async def run_call(
     client = state.running_client()
     _check_queue(client, num_inputs)
     return await until_disconnected(
-        request, _run_call(state, client, endpoint, prepare, to_api_error)
+        request, _run_call(state, client, request, endpoint, prepare, to_api_error)
     )
 
 
 async def _run_call(
     state: ServerState,
     client: EngineClient,
+    request: HttpRequest,
     endpoint: str,
     prepare: Callable[[], PreparedCall[T]],
     to_api_error: Callable[[InputError], ApiError],
 ) -> tuple[T, Timings]:
     start = time.perf_counter()
-    loop = asyncio.get_running_loop()
     try:
-        call = await loop.run_in_executor(state.executor, prepare)
+        call = await off_loop(state, request, prepare)
     except InputError as exc:
         raise to_api_error(exc) from None
     prepared = time.perf_counter()
@@ -217,6 +245,8 @@ async def _run_call(
         outputs = await client.run(call.requests, times)
     except QueueFullError as exc:  # the queue filled while we tokenized
         raise _queue_full(str(exc)) from None
+    except EngineDeadError as exc:  # the engine process exited: fail now, do not hang
+        raise ApiError(503, f"the engine is not running: {exc}", code="unavailable") from None
     try:
         result = call.finish(outputs)  # raises the first failed input's error
     except InputError as exc:

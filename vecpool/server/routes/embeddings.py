@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import numpy as np
@@ -15,7 +14,13 @@ from vecpool.errors import InputError
 from vecpool.server.codec import Item, decode_inputs, parse_inputs
 from vecpool.server.errors import input_error
 from vecpool.server.protocol import EmbeddingRequest
-from vecpool.server.routes.common import json_response, read_body, render_vectors, run_call
+from vecpool.server.routes.common import (
+    json_response,
+    read_body,
+    render,
+    render_vectors,
+    run_call,
+)
 from vecpool.server.state import ServerState, get_state
 
 router = APIRouter()
@@ -51,14 +56,16 @@ async def create_embeddings(request: Request) -> Response:
         )
 
     vectors, timings = await run_call(state, request, "/v1/embeddings", prepare, len(items))
-    content = await asyncio.to_thread(
-        render_vectors,
+    content = await render(
         vectors,
-        body,
-        timings,
-        prefix="embd",
-        item_object="embedding",
-        key="embedding",
-        model=body.model or state.config.model_name,
+        lambda: render_vectors(
+            vectors,
+            body,
+            timings,
+            prefix="embd",
+            item_object="embedding",
+            key="embedding",
+            model=body.model or state.config.model_name,
+        ),
     )
     return json_response(content, timings.headers())

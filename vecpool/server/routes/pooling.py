@@ -3,8 +3,6 @@ token)."""
 
 from __future__ import annotations
 
-import asyncio
-
 import numpy as np
 from fastapi import APIRouter
 from starlette.requests import Request
@@ -13,7 +11,13 @@ from starlette.responses import Response
 from vecpool.api import PreparedCall, calls
 from vecpool.server.codec import decode_inputs
 from vecpool.server.protocol import PoolingRequest
-from vecpool.server.routes.common import json_response, read_body, render_vectors, run_call
+from vecpool.server.routes.common import (
+    json_response,
+    read_body,
+    render,
+    render_vectors,
+    run_call,
+)
 from vecpool.server.routes.embeddings import parse_items
 from vecpool.server.state import get_state
 
@@ -43,14 +47,16 @@ async def create_pooling(request: Request) -> Response:
         )
 
     vectors, timings = await run_call(state, request, "/pooling", prepare, len(items))
-    content = await asyncio.to_thread(
-        render_vectors,
+    content = await render(
         vectors,
-        body,
-        timings,
-        prefix="pool",
-        item_object="pooling",
-        key="data",
-        model=body.model or state.config.model_name,
+        lambda: render_vectors(
+            vectors,
+            body,
+            timings,
+            prefix="pool",
+            item_object="pooling",
+            key="data",
+            model=body.model or state.config.model_name,
+        ),
     )
     return json_response(content, timings.headers())

@@ -22,6 +22,7 @@ async def tokenize(request: Request) -> Response:
     state.check_model(body.model)
     tokens = await in_executor(
         state,
+        request,
         lambda: calls.tokenize(state.context, body.prompt, prompt_name=body.prompt_name),
         "prompt",
     )
@@ -35,5 +36,7 @@ async def detokenize(request: Request) -> Response:
     state = get_state(request)
     body = await read_body(request, DetokenizeRequest, state.config.max_payload_bytes)
     state.check_model(body.model)
-    text = await in_executor(state, lambda: calls.detokenize(state.context, body.tokens), "tokens")
+    text = await in_executor(
+        state, request, lambda: calls.detokenize(state.context, body.tokens), "tokens"
+    )
     return json_response(dumps({"prompt": text}))

@@ -1,0 +1,81 @@
+"""The keep-alive race: connections reset when a server's idle timeout equals its clients'.
+
+    python benchmarks/keepalive_race.py --timeout-keep-alive 5     # uvicorn's default: resets
+    python benchmarks/keepalive_race.py                            # vecpool's default (75 s)
+
+`--clients` httpx clients (one connection each, httpx's idle expiry: 5 s) send a request
+together, then pause about 5 s, again and again. The server arms its idle timer when it sends a
+response; a client arms its own when it has read the response, which, in a burst of hundreds,
+is milliseconds later. A connection the client still takes for fresh is then closed by the
+server just as the client sends on it, and the server's kernel answers that request with a
+reset (httpx's `ReadError`). A server timeout well above the clients' leaves them no such
+moment: the client always retires an idle connection first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.bench_online import ServerProcess
+
+PAUSES = (4.95, 4.98, 4.99, 5.0, 4.995, 4.97, 4.985)
+
+
+async def pauses(url: str, clients: int) -> Counter[str]:
+    import httpx
+
+    outcomes: Counter[str] = Counter()
+    https = [httpx.AsyncClient(base_url=url, timeout=60) for _ in range(clients)]
+
+    async def one(http: httpx.AsyncClient) -> None:
+        try:
+            response = await http.post("/v1/embeddings", json={"input": "hello world"})
+            outcomes[str(response.status_code)] += 1
+        except httpx.TransportError as exc:
+            outcomes[type(exc).__name__] += 1
+
+    try:
+        await asyncio.gather(*(one(http) for http in https))
+        for pause in PAUSES:
+            await asyncio.sleep(pause)
+            await asyncio.gather(*(one(http) for http in https))
+    finally:
+        await asyncio.gather(*(http.aclose() for http in https))
+    return outcomes
+
+
+def main(argv: list[str] | None = None) -> dict[str, int]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model-dir", type=Path, help="default: the packaged model")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--clients", type=int, default=256)
+    parser.add_argument("--timeout-keep-alive", type=float, help="the server's (default: its own)")
+    parser.add_argument("--server-args", default="", help="more `vecpool serve` options")
+    args = parser.parse_args(argv)
+    if args.timeout_keep_alive is not None:
+        args.server_args += f" --timeout-keep-alive {args.timeout_keep_alive}"
+    args.dtype = None
+    import tempfile
+
+    import vecpool
+
+    model = args.model_dir or vecpool.api.default_model_path()
+    with tempfile.TemporaryDirectory() as tmp:
+        server = ServerProcess(model, args, Path(tmp) / "server.log")
+        try:
+            server.wait_ready()
+            outcomes = asyncio.run(pauses(server.url, args.clients))
+        finally:
+            server.stop()
+    print(json.dumps(dict(outcomes)))
+    return dict(outcomes)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,241 @@
+"""The engine process's loop and its client, in one process (the loop in a thread): what an
+API process sends comes back as the engine computes it; cancelling drops the work; a full
+queue refuses; an idle engine waits for more before it steps; the engine's exit fails the
+calls in flight; the messages carry arrays exactly."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import vecpool
+from tests.helpers import random_prompts
+from vecpool.api import PoolingOutput, PromptRequest, calls
+from vecpool.api.async_engine import EngineDeadError, QueueFullError
+from vecpool.errors import EngineError, InputError, RequestFailedError
+from vecpool.inputs import Prompt
+from vecpool.server import engine_process, wire
+from vecpool.server.engine_client import EngineProcessClient
+from vecpool.server.engine_process import EngineLoop, EngineProcessConfig
+from vecpool.tasks import PoolingParams
+
+
+class RunningLoop:
+    """An `EngineLoop` serving in a thread until `stop()`."""
+
+    def __init__(self, engine: vecpool.Engine, address: str, **config: float):
+        settings = {"max_queued": 64, "batch_wait": 0.0, **config}
+        self.loop = EngineLoop(
+            engine,
+            EngineProcessConfig(address, int(settings["max_queued"]), settings["batch_wait"]),
+            metrics=None,
+        )
+        self.parent, self._parent_writer = mp.Pipe(duplex=False)
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.loop.run(self.parent)
+        finally:
+            self.loop.close()
+
+    def stop(self) -> None:
+        self._parent_writer.close()  # the loop sees its "parent" gone and returns
+        self.thread.join(timeout=10)
+        assert not self.thread.is_alive()
+
+
+@pytest.fixture
+def address(tmp_path: Path) -> str:
+    return f"ipc://{tmp_path}/engine"
+
+
+@pytest.fixture
+def serving(tiny_bert_engine: vecpool.Engine, address: str) -> Iterator[RunningLoop]:
+    loop = RunningLoop(tiny_bert_engine, address)
+    yield loop
+    loop.stop()
+
+
+def _run(address: str, fn) -> object:  # type: ignore[no-untyped-def]
+    async def main() -> object:
+        client = EngineProcessClient(address, None, max_queued=8)
+        await client.start()
+        try:
+            return await fn(client)
+        finally:
+            await client.close()
+
+    return asyncio.run(main())
+
+
+def test_calls_come_back_as_the_engine_computes_them(
+    serving: RunningLoop, tiny_bert_engine: vecpool.Engine, address: str
+) -> None:
+    groups = [random_prompts(99, [3 + i, 11, 6], seed=50 + i) for i in range(3)]
+    expected = [tiny_bert_engine.embed(g) for g in groups]
+    ctx = tiny_bert_engine.context
+
+    async def calls_at_once(client: EngineProcessClient) -> list[list[PoolingOutput]]:
+        prepared = [calls.prepare_encode(ctx, g, task="embed") for g in groups]
+        return list(await asyncio.gather(*(client.run(p.requests) for p in prepared)))
+
+    results = _run(address, calls_at_once)
+    assert isinstance(results, list)
+    for outs, exp in zip(results, expected, strict=True):
+        assert [o.index for o in outs] == [0, 1, 2]
+        assert np.abs(np.stack([o.data for o in outs]) - exp).max() <= 1e-6
+
+
+def test_a_full_queue_refuses(tiny_bert_engine: vecpool.Engine, address: str) -> None:
+    ctx = tiny_bert_engine.context
+    loop = RunningLoop(tiny_bert_engine, address, max_queued=8)
+    try:
+
+        async def scenario(client: EngineProcessClient) -> None:
+            nine = calls.make_requests(ctx, random_prompts(99, [4] * 9), PoolingParams())
+            with pytest.raises(QueueFullError, match=r"the queue is full \(0 of 8"):
+                await client.run(nine)
+            outs = await client.run(nine[:8])
+            assert all(o.error is None for o in outs)
+            assert client.num_queued == 0
+
+        _run(address, scenario)
+    finally:
+        loop.stop()
+
+
+def test_a_cancelled_call_is_dropped(
+    tiny_bert_engine: vecpool.Engine, address: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ctx = tiny_bert_engine.context
+    # The engine gathers for a second before it steps: the cancel arrives before any step.
+    monkeypatch.setattr(engine_process, "GATHER_GAP", 2.0)
+    loop = RunningLoop(tiny_bert_engine, address, batch_wait=1.0)
+    steps = tiny_bert_engine.core.num_steps
+    try:
+
+        async def scenario(client: EngineProcessClient) -> None:
+            two = calls.make_requests(ctx, random_prompts(99, [4, 6]), PoolingParams())
+            task = asyncio.ensure_future(client.run(two))
+            await asyncio.sleep(0.1)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert client.num_queued == 0
+            await asyncio.sleep(1.2)  # past the wait: the engine has taken its turn
+
+        _run(address, scenario)
+    finally:
+        loop.stop()
+    assert tiny_bert_engine.core.num_steps == steps  # nothing ran
+    assert loop.loop.queued == 0 and not loop.loop.calls
+
+
+def test_an_idle_engine_gathers_a_burst_into_one_step(
+    tiny_bert_engine: vecpool.Engine, address: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Wide enough to hold on a loaded machine: calls 20 ms apart belong to one burst.
+    monkeypatch.setattr(engine_process, "GATHER_GAP", 0.1)
+    ctx = tiny_bert_engine.context
+    loop = RunningLoop(tiny_bert_engine, address, batch_wait=2.0)
+    steps = tiny_bert_engine.core.num_steps
+    try:
+
+        async def scenario(client: EngineProcessClient) -> float:
+            burst = []
+            for seed in range(4):
+                requests = calls.make_requests(ctx, random_prompts(99, [5], seed), PoolingParams())
+                burst.append(asyncio.ensure_future(client.run(requests)))
+                await asyncio.sleep(0.02)
+            await asyncio.gather(*burst)
+            assert tiny_bert_engine.core.num_steps == steps + 1  # the burst: one step
+            # One call alone: the engine steps after a pause in arrivals, not after 2 s.
+            started = time.monotonic()
+            await client.run(calls.make_requests(ctx, random_prompts(99, [6]), PoolingParams()))
+            return time.monotonic() - started
+
+        alone = _run(address, scenario)
+    finally:
+        loop.stop()
+    assert tiny_bert_engine.core.num_steps == steps + 2
+    assert isinstance(alone, float) and alone < 1.0
+
+
+def test_the_engine_exit_fails_calls_in_flight(
+    tiny_bert_engine: vecpool.Engine, address: str
+) -> None:
+    alive, alive_writer = mp.Pipe(duplex=False)
+    requests = calls.make_requests(
+        tiny_bert_engine.context, random_prompts(99, [4]), PoolingParams()
+    )
+
+    async def main() -> None:
+        client = EngineProcessClient(address, alive, max_queued=8)
+        await client.start()
+        try:
+            call = asyncio.ensure_future(client.run(requests))  # no engine answers it
+            await asyncio.sleep(0.05)
+            assert client.is_running and not call.done()
+            alive_writer.close()  # what the engine process's exit does
+            with pytest.raises(EngineDeadError):
+                await asyncio.wait_for(call, timeout=5)
+            assert not client.is_running
+            with pytest.raises(EngineDeadError):
+                await client.run(requests)
+        finally:
+            await client.close()
+
+    asyncio.run(main())
+
+
+def test_messages_carry_prompts_and_outputs_exactly() -> None:
+    embeds = torch.randn(3, 8).to(torch.bfloat16)
+    sent = [
+        PromptRequest(
+            0,
+            Prompt(np.array([101, 7, 102]), None, np.array([0, 0, 1]), num_attended=2),
+            PoolingParams(task="token_embed", dimensions=4),
+        ),
+        PromptRequest(1, Prompt(None, embeds), PoolingParams(task="token_embed", dimensions=4)),
+        PromptRequest(2, Prompt(np.array([5, 6]), None), PoolingParams(task="embed")),
+    ]
+    message = wire.to_engine.decode(wire.encoder.encode(wire.submit(3, sent)))
+    assert isinstance(message, wire.Submit) and message.call_id == 3
+    got = wire.prompt_requests(message)
+    assert [r.params for r in got] == [r.params for r in sent]
+    assert len(message.params) == 2  # one entry per run of equal parameters
+    assert np.array_equal(got[0].prompt.token_ids, [101, 7, 102])
+    assert np.array_equal(got[0].prompt.token_type_ids, [0, 0, 1])
+    assert got[0].prompt.num_attended == 2
+    assert got[1].prompt.prompt_embeds is not None
+    assert got[1].prompt.prompt_embeds.dtype == torch.bfloat16
+    assert torch.equal(got[1].prompt.prompt_embeds, embeds)
+
+    data = np.random.default_rng(0).standard_normal((4, 3)).astype(np.float32)
+    outputs = [
+        PoolingOutput(0, data, None, 7),
+        PoolingOutput(1, None, InputError("bad", index=1, field="prompt_embeds"), 3),
+        PoolingOutput(2, None, RequestFailedError("failed alone", index=2), 2),
+        PoolingOutput(3, None, EngineError("the step failed"), 2),
+    ]
+    done = wire.CallDone(3, [wire.wire_output(o) for o in outputs], 0.001, 0.002)
+    back = wire.replies.decode(wire.encoder.encode(wire.Replies(5, [done])))
+    assert back.queued == 5
+    (reply,) = back.calls
+    assert isinstance(reply, wire.CallDone)
+    got_out = [wire.pooling_output(o) for o in reply.outputs]
+    assert got_out[0].data is not None and np.array_equal(got_out[0].data, data)
+    assert got_out[0].num_prompt_tokens == 7
+    for original, copy in zip(outputs[1:], got_out[1:], strict=True):
+        assert type(copy.error) is type(original.error)
+        assert str(copy.error) == str(original.error)

@@ -1,0 +1,170 @@
+"""The server as processes: an engine process and API-server processes on one port.
+
+Many single-input clients at once get, each, what the engine gives their input alone, with no
+connection error, in shared engine steps; the engine process's death turns /health to 503 and
+fails the calls in flight at once; the supervisor's death takes every process with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+import vecpool
+from tests.server.conftest import Server, assert_error, start_server
+
+CLIENTS = 64
+SECONDS = 4.0
+# An input batched with others runs through matrix products of other shapes, whose float32
+# sums round differently: 2e-7 at most measured on this model; 1e-6 bounds it.
+BATCHING_TOLERANCE = 1e-6
+WORDS = "cats dogs eat fish bread a man woman runs quickly over under river city".split()
+
+
+def _texts(n: int) -> list[str]:
+    rng = np.random.default_rng(7)
+    return [f"{' '.join(rng.choice(WORDS, size=int(rng.integers(2, 30))))} {i}" for i in range(n)]
+
+
+def _pids(server: Server) -> tuple[int, list[int]]:
+    """(engine pid, API pids) from the supervisor's log."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        found = re.search(
+            r"engine process \(pid (\d+)\), API-server processes \(pids ([\d, ]+)\)",
+            server.log.read_text(),
+        )
+        if found:
+            return int(found[1]), [int(p) for p in found[2].split(", ")]
+        time.sleep(0.1)
+    raise AssertionError(f"no pids in the log:\n{server.log.read_text()}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return not (stat.exists() and stat.read_text().split(")")[-1].split()[0] == "Z")
+
+
+@pytest.fixture(scope="module")
+def two_apis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    srv = start_server(
+        tmp_path_factory.mktemp("processes"), "--api-server-count", "2", log_level="info"
+    )
+    yield srv
+    srv.stop()
+
+
+def test_concurrent_single_input_clients(two_apis: Server, minilm: vecpool.Engine) -> None:
+    texts = _texts(256)
+    alone = {t: minilm.embed([t])[0] for t in texts}
+    answers: list[tuple[str, np.ndarray]] = []
+    errors: Counter[str] = Counter()
+    before = two_apis.metric("vecpool_engine_steps_total")
+
+    async def client(http: httpx.AsyncClient, first: int, deadline: float) -> None:
+        i = first
+        while time.monotonic() < deadline:
+            text = texts[i % len(texts)]
+            i += CLIENTS
+            try:
+                response = await http.post("/v1/embeddings", json={"input": text})
+            except httpx.TransportError as exc:
+                errors[type(exc).__name__] += 1
+                continue
+            if response.status_code != 200:
+                errors[f"status {response.status_code}"] += 1
+                continue
+            vector = np.asarray(response.json()["data"][0]["embedding"], dtype=np.float32)
+            answers.append((text, vector))
+
+    async def main() -> None:
+        limits = httpx.Limits(max_connections=CLIENTS, max_keepalive_connections=CLIENTS)
+        async with httpx.AsyncClient(base_url=two_apis.url, limits=limits, timeout=60) as http:
+            deadline = time.monotonic() + SECONDS
+            await asyncio.gather(*(client(http, i, deadline) for i in range(CLIENTS)))
+
+    asyncio.run(main())
+    assert errors == Counter()
+    assert len(answers) >= CLIENTS
+    worst = max(float(np.abs(vector - alone[text]).max()) for text, vector in answers)
+    assert worst <= BATCHING_TOLERANCE
+    steps = two_apis.metric("vecpool_engine_steps_total") - before
+    assert 0 < steps < len(answers) / 2  # the engine ran them together, not one by one
+    assert two_apis.metric(
+        "vecpool_http_requests_total", endpoint="/v1/embeddings", status="200"
+    ) >= len(answers)
+
+
+def test_engine_death_fails_calls_at_once(tmp_path: Path) -> None:
+    server = start_server(tmp_path, "--max-num-seqs", "1", log_level="info")
+    try:
+        engine_pid, api_pids = _pids(server)
+        long = [101] + [7592] * 254 + [102]
+        results: list[tuple[httpx.Response, float]] = []
+
+        def slow_call() -> None:
+            response = server.post("/v1/embeddings", {"input": [long] * 256})
+            results.append((response, time.monotonic()))
+
+        thread = threading.Thread(target=slow_call)
+        thread.start()
+        server.wait_for("vecpool_queue_size", lambda v: v > 0)  # queued: 256 steps of one input
+        os.kill(engine_pid, signal.SIGKILL)
+        killed = time.monotonic()
+        thread.join(timeout=30)
+        assert not thread.is_alive()
+        response, answered = results[0]
+        assert_error(response, 503)
+        assert "engine" in response.json()["error"]["message"]
+        assert answered - killed < 2.0  # failed at once, not after the 256 inputs' time
+        health = server.client.get("/health")
+        assert health.status_code == 503 and health.json()["error"]["code"] == "unavailable"
+        started = time.monotonic()
+        assert_error(server.post("/v1/embeddings", {"input": "hello"}), 503)
+        assert time.monotonic() - started < 2.0
+        assert all(_alive(pid) for pid in api_pids)  # the API servers go on, answering 503
+    finally:
+        server.stop()
+    deadline = time.monotonic() + 30
+    while any(_alive(pid) for pid in api_pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in api_pids)
+
+
+def test_supervisor_death_takes_every_process(tmp_path: Path) -> None:
+    server = start_server(tmp_path, log_level="info")
+    engine_pid, api_pids = _pids(server)
+    server.client.close()
+    server.process.kill()  # SIGKILL: no chance to stop its children itself
+    server.process.wait()
+    deadline = time.monotonic() + 30
+    while any(_alive(p) for p in (engine_pid, *api_pids)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in (engine_pid, *api_pids))
+
+
+def test_one_process_mode(tmp_path: Path, minilm: vecpool.Engine) -> None:
+    server = start_server(tmp_path, "--api-server-count", "0")
+    try:
+        response = server.post("/v1/embeddings", {"input": ["one process", "two"]})
+        assert response.status_code == 200, response.text
+        got = np.array([d["embedding"] for d in response.json()["data"]], dtype=np.float32)
+        assert np.abs(got - minilm.embed(["one process", "two"])).max() <= 1e-6
+        assert server.metric("vecpool_engine_steps_total") >= 1
+    finally:
+        server.stop()

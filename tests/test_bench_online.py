@@ -1,0 +1,28 @@
+"""The online benchmark runs anywhere: a tiny model on the CPU, its numbers consistent with
+each other, every answer equal to the offline engine's."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from benchmarks.bench_online import main
+
+
+def test_bench_online_runs_on_cpu_and_reports_consistent_numbers(tmp_path: Path) -> None:
+    out = tmp_path / "online.json"
+    argv = ["--synthetic", "tiny-bert", "--device", "cpu", "--scenarios", "embed", "batched"]
+    argv += ["--clients", "4", "16", "--batched-clients", "2", "--batched-inputs", "64"]
+    argv += ["--n", "48", "--repeats", "2", "--client-processes", "1", "--output", str(out)]
+    report = main(argv)
+    assert json.loads(out.read_text())["rows"] == json.loads(json.dumps(report["rows"]))
+    rows = {(r["scenario"], r["clients"]): r for r in report["rows"]}
+    assert set(rows) == {("embed", 4), ("embed", 16), ("batched", 2)}
+    for (scenario, _), row in rows.items():
+        assert row["connection_error_count"] == 0 and row["statuses"] == {"200": row["requests"]}
+        assert row["requests"] == (48 if scenario == "embed" else 2)
+        assert row["requests_per_s"] == row["requests"] / row["seconds"]
+        assert row["ratio_to_offline"] == row["tokens_per_s"] / row["offline_tokens_per_s"]
+        assert len(row["rounds"]) == 2
+        assert row["max_abs_diff_vs_offline"] <= 1e-6
+        assert row["engine"]["steps"] >= 1 and row["engine"]["inputs_per_step"] >= 1

@@ -1,0 +1,126 @@
+"""The API process's side of the engine process: an `EngineClient` over a ZeroMQ socket.
+
+`run` sends a call's prepared requests and awaits its reply; cancelling it (a client that went
+away) tells the engine to drop them. A pipe whose only writer is the engine process tells the
+client at once when that process exits: every call in flight then fails with
+`EngineDeadError`, and `is_running` turns false (so `/health` answers 503).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+from multiprocessing.connection import Connection
+
+import zmq
+import zmq.asyncio
+
+from vecpool.api.async_engine import EngineDeadError, QueueFullError
+from vecpool.api.outputs import PoolingOutput, PromptRequest, RunTimes
+from vecpool.server import wire
+
+logger = logging.getLogger(__name__)
+
+
+class EngineProcessClient:
+    """Runs requests on the engine process at `address`. `start()` inside the event loop
+    that will use it; `close()` at exit."""
+
+    def __init__(self, address: str, engine_alive: Connection | None, *, max_queued: int):
+        self.address = address
+        self.max_queued = max_queued
+        self._engine_alive = engine_alive
+        self._ids = itertools.count()
+        self._pending: dict[int, asyncio.Future[wire.CallDone | wire.CallRefused]] = {}
+        self._in_flight = 0  # requests of this process's calls not yet answered
+        self._engine_queued = 0  # the engine's queue, all API processes, at its last reply
+        self._context: zmq.asyncio.Context | None = None
+        self._socket: zmq.asyncio.Socket | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._dead = False
+
+    async def start(self) -> None:
+        self._context = zmq.asyncio.Context()
+        self._socket = self._context.socket(zmq.DEALER)
+        self._socket.setsockopt(zmq.SNDHWM, 0)
+        self._socket.setsockopt(zmq.RCVHWM, 0)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.connect(self.address)
+        self._reader = asyncio.create_task(self._read_replies())
+        if self._engine_alive is not None:
+            loop = asyncio.get_running_loop()
+            loop.add_reader(self._engine_alive.fileno(), self._on_engine_exit)
+
+    async def close(self) -> None:
+        if self._engine_alive is not None and not self._dead:
+            asyncio.get_running_loop().remove_reader(self._engine_alive.fileno())
+        if self._reader is not None:
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+        if self._socket is not None:
+            self._socket.close(linger=0)
+        if self._context is not None:
+            self._context.term()
+
+    @property
+    def num_queued(self) -> int:
+        return max(self._in_flight, self._engine_queued)
+
+    @property
+    def is_running(self) -> bool:
+        return self._socket is not None and not self._dead
+
+    async def run(
+        self, requests: Sequence[PromptRequest], times: RunTimes | None = None
+    ) -> list[PoolingOutput]:
+        """Run `requests` on the engine; their outputs in order. `QueueFullError` when the
+        engine's queue cannot take them, `EngineDeadError` when the engine process is gone."""
+        if self._dead or self._socket is None:
+            raise EngineDeadError("the engine process is not running")
+        call_id = next(self._ids)
+        future: asyncio.Future[wire.CallDone | wire.CallRefused] = (
+            asyncio.get_running_loop().create_future()
+        )
+        self._pending[call_id] = future
+        n = len(requests)
+        self._in_flight += n
+        start = time.perf_counter()
+        try:
+            await self._socket.send(wire.encoder.encode(wire.submit(call_id, list(requests))))
+            reply = await future
+        except asyncio.CancelledError:
+            if self._pending.pop(call_id, None) is not None and not self._dead:
+                self._socket.send(wire.encoder.encode(wire.Cancel(call_id)), zmq.NOBLOCK)
+            raise
+        finally:
+            self._in_flight -= n
+        if isinstance(reply, wire.CallRefused):
+            raise QueueFullError(reply.reason)
+        if times is not None:
+            times.inference = reply.inference
+            times.queue = max(0.0, time.perf_counter() - start - reply.inference)
+        return [wire.pooling_output(o) for o in reply.outputs]
+
+    async def _read_replies(self) -> None:
+        assert self._socket is not None
+        while True:
+            message = wire.replies.decode(await self._socket.recv())
+            self._engine_queued = message.queued
+            for reply in message.calls:
+                future = self._pending.pop(reply.call_id, None)
+                if future is not None and not future.done():
+                    future.set_result(reply)
+
+    def _on_engine_exit(self) -> None:
+        """The engine process closed its end of the pipe: it exited."""
+        assert self._engine_alive is not None
+        asyncio.get_running_loop().remove_reader(self._engine_alive.fileno())
+        self._dead = True
+        logger.error("the engine process exited; %d calls in flight fail", len(self._pending))
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(EngineDeadError("the engine process exited"))
+        self._pending.clear()

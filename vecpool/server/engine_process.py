@@ -1,0 +1,253 @@
+"""The engine process: one `Engine`, fed by the API-server processes over a ZeroMQ socket.
+
+Its loop is single-threaded, so nothing contends with the model for the interpreter: receive
+every message that arrived (ZeroMQ's own I/O thread, outside Python, buffers them while a step
+runs), step with everything queued, send each API process the calls that finished. When the
+engine was idle and a call arrives, it takes more while they keep coming, up to `batch_wait`
+seconds (or a step's worth) before it steps: a step that starts with one request runs with one
+request, while the others of a burst are a millisecond behind.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import signal
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+import zmq
+
+from vecpool.api import Engine, EngineArgs
+from vecpool.api.outputs import outcome
+from vecpool.engine.request import Request, RequestStatus
+from vecpool.errors import VecpoolError
+from vecpool.server import wire
+from vecpool.server.metrics import EngineMetrics
+
+logger = logging.getLogger(__name__)
+# While an idle engine gathers a step, a pause this long in arrivals ends the wait: one client
+# alone waits this much, many clients keep adding to the step up to `batch_wait`.
+GATHER_GAP = 0.001
+
+
+@dataclass(frozen=True)
+class EngineProcessConfig:
+    """How the engine process listens and batches."""
+
+    address: str  # the ZeroMQ address it binds, e.g. "ipc:///tmp/.../engine"
+    max_queued: int  # requests queued or running before a call is refused
+    batch_wait: float  # seconds an idle engine waits for more requests before it steps
+    metrics: bool = True  # record the engine's metrics (into the multiprocess directory)
+
+
+@dataclass(eq=False)
+class _Call:
+    """One API call in the engine: its requests, and when its first step started."""
+
+    identity: bytes  # the API process that sent it
+    call_id: int
+    requests: list[Request]
+    arrived: float
+    remaining: int = 0
+    first_step: float = math.inf
+    last_done: float = 0.0
+    cancelled: bool = False
+
+
+class EngineLoop:
+    """Serves one engine to the API processes connected to `config.address`."""
+
+    def __init__(self, engine: Engine, config: EngineProcessConfig, metrics: EngineMetrics | None):
+        self.engine = engine
+        self.config = config
+        self.metrics = metrics
+        self.context = zmq.Context()
+        self.socket = self.context.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.SNDHWM, 0)  # never drop a reply; admission bounds the queue
+        self.socket.setsockopt(zmq.RCVHWM, 0)
+        self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a gone process raises
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.bind(config.address)
+        self.calls: dict[tuple[bytes, int], _Call] = {}
+        self.queued = 0  # requests queued or running
+        self.arrived_tokens = 0  # tokens that arrived since the last step started
+        self.outbox: dict[bytes, list[wire.CallDone | wire.CallRefused]] = defaultdict(list)
+        self.step_started = 0.0
+        info = engine.info()
+        self.step_tokens, self.step_requests = info.max_num_batched_tokens, info.max_num_seqs
+
+    def run(self, parent: Connection | None = None) -> None:
+        """Serve until `parent` (a pipe whose other end the parent holds) closes."""
+        poller = zmq.Poller()
+        poller.register(self.socket, zmq.POLLIN)
+        if parent is not None:
+            poller.register(parent.fileno(), zmq.POLLIN)
+        core = self.engine.core
+        while True:
+            idle = not core.has_work()
+            events = dict(poller.poll(None if idle else 0))
+            if parent is not None and parent.fileno() in events:
+                return  # the parent is gone (or closed the pipe to stop us)
+            arrived = self._receive()
+            if idle and arrived and self.config.batch_wait > 0:
+                self._gather(poller, time.perf_counter() + self.config.batch_wait)
+            if arrived and self.metrics is not None:
+                self.metrics.set_queue_size(self.queued)
+            if core.has_work():
+                self._step()
+            self._flush()
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+        self.context.term()
+
+    # ---- receiving ---------------------------------------------------------------------
+
+    def _receive(self) -> bool:
+        """Take every message waiting; whether a call arrived."""
+        arrived = False
+        while True:
+            try:
+                identity, payload = self.socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return arrived
+            message = wire.to_engine.decode(payload)
+            if isinstance(message, wire.Submit):
+                arrived |= self._submit(identity, message)
+            else:
+                self._cancel(identity, message.call_id)
+
+    def _gather(self, poller: zmq.Poller, deadline: float) -> None:
+        """Take more calls while they keep coming (each within `GATHER_GAP` of the last),
+        until `deadline` or until a step's worth has arrived."""
+        while self.arrived_tokens < self.step_tokens and self.queued < self.step_requests:
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                return
+            timeout = math.ceil(min(left, GATHER_GAP) * 1000)  # zmq_poll counts milliseconds
+            if self.socket in dict(poller.poll(timeout)):
+                self._receive()
+            else:
+                return  # a pause in arrivals (or the parent closed: the loop will see it)
+
+    def _submit(self, identity: bytes, message: wire.Submit) -> bool:
+        n = len(message.requests)
+        if self.queued + n > self.config.max_queued:
+            reason = f"the queue is full ({self.queued} of {self.config.max_queued} inputs waiting)"
+            self.outbox[identity].append(wire.CallRefused(message.call_id, reason))
+            return False
+        requests = self.engine.submit(wire.prompt_requests(message))
+        call = _Call(identity, message.call_id, requests, time.perf_counter(), remaining=n)
+        self.calls[(identity, message.call_id)] = call
+        self.queued += n
+        for request in requests:
+            self.arrived_tokens += request.num_prompt_tokens
+            request.add_done_callback(functools.partial(self._on_done, call))
+            if self.metrics is not None:
+                request.add_done_callback(self.metrics.on_request_done)
+        self.engine.core.add_requests(requests)
+        if not requests:  # an empty call is done at once
+            self._reply(call)
+        return True
+
+    def _cancel(self, identity: bytes, call_id: int) -> None:
+        call = self.calls.get((identity, call_id))
+        if call is not None:
+            call.cancelled = True
+            for request in call.requests:
+                request.cancel()
+
+    # ---- stepping and replying ---------------------------------------------------------
+
+    def _step(self) -> None:
+        self.step_started = time.perf_counter()
+        self.arrived_tokens = 0
+        try:
+            ran = self.engine.core.step()
+        except Exception:  # the loop must outlive any one step
+            logger.exception("engine step raised outside the model; continuing")
+            return
+        if ran and self.metrics is not None:
+            self.metrics.on_step(self.step_started, time.perf_counter())
+
+    def _on_done(self, call: _Call, request: Request) -> None:
+        """A request of `call` is done (in a step, or cancelled)."""
+        self.queued -= 1
+        if request.status in (RequestStatus.FINISHED, RequestStatus.FAILED):
+            call.first_step = min(call.first_step, self.step_started)
+            call.last_done = time.perf_counter()
+        call.remaining -= 1
+        if call.remaining == 0:
+            self._reply(call)
+
+    def _reply(self, call: _Call) -> None:
+        del self.calls[(call.identity, call.call_id)]
+        if call.cancelled:  # nobody waits for it
+            return
+        outputs = [wire.wire_output(outcome(r)) for r in call.requests]
+        ran = call.last_done > 0
+        queue = call.first_step - call.arrived if ran else 0.0
+        inference = call.last_done - call.first_step if ran else 0.0
+        self.outbox[call.identity].append(
+            wire.CallDone(call.call_id, outputs, max(queue, 0.0), inference)
+        )
+
+    def _flush(self) -> None:
+        if self.metrics is not None:
+            self.metrics.set_queue_size(self.queued)
+        for identity, calls in self.outbox.items():
+            try:
+                self.socket.send_multipart(
+                    [identity, wire.encoder.encode(wire.Replies(self.queued, calls))]
+                )
+            except zmq.ZMQError as exc:  # that API process is gone
+                logger.warning("dropping %d replies to a gone API process: %s", len(calls), exc)
+        self.outbox.clear()
+
+
+def run_engine_process(
+    engine_args: EngineArgs,
+    config: EngineProcessConfig,
+    ready: Connection,
+    parent: Connection,
+    engine_alive: Connection,
+    *,
+    log_level: str = "info",
+) -> None:
+    """The engine process's entry point: load the engine, report `("ready", EngineInfo)` (or
+    `("invalid", message)` for a bad setting or folder, `("error", message)` for anything
+    else) on `ready`, then serve until the parent goes away. `engine_alive`
+    is held, never written: its readers see it close when this process exits, however."""
+    # Ctrl-C reaches every process of the group: the supervisor stops the API processes
+    # first (they drain their connections), then this one.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(
+        level=log_level.upper(), format="%(levelname)s:     [engine] %(name)s: %(message)s"
+    )
+    try:
+        engine = Engine.from_args(engine_args)
+        metrics = None
+        if config.metrics:
+            from prometheus_client import CollectorRegistry
+
+            metrics = EngineMetrics(CollectorRegistry())
+        loop = EngineLoop(engine, config, metrics)
+    except VecpoolError as exc:  # a setting or the model folder: the user's to fix
+        ready.send(("invalid", str(exc)))
+        ready.close()
+        return
+    except Exception as exc:
+        ready.send(("error", f"{type(exc).__name__}: {exc}"))
+        ready.close()
+        return
+    ready.send(("ready", engine.info()))
+    ready.close()
+    try:
+        loop.run(parent)
+    finally:
+        loop.close()
+        engine_alive.close()

@@ -1,0 +1,312 @@
+"""How `vecpool serve` runs: the processes of the server and the socket they share.
+
+With `api_server_count` N >= 1 (the default), the server is N + 2 processes:
+
+- this one, the supervisor: binds the listening socket, starts the others, and stops them;
+- the engine process: loads the model and runs the engine loop alone
+  (`engine_process.EngineLoop`), fed over a ZeroMQ socket (`ipc://`, a local Unix socket);
+- N API-server processes: uvicorn on the inherited listening socket (the kernel hands each new
+  connection to one of them), doing HTTP, validation, tokenization and response encoding with
+  no model (`app.create_api_app`), their calls run by the engine process.
+
+Pipes tell each process when another is gone: the API processes see the engine process exit
+(they answer 503 and fail calls in flight at once), and every child sees this one exit (they
+stop). With `api_server_count` 0, one process serves: the engine loop in a thread beside the
+event loop (`app.create_app`), as `vecpool.server.app` offers it for embedding in Python.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing as mp
+import os
+import signal
+import socket
+import sys
+import tempfile
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import torch
+
+from vecpool.api import EngineArgs, EngineInfo
+from vecpool.errors import ConfigError
+from vecpool.server.config import ServerConfig
+
+logger = logging.getLogger("vecpool.server")
+
+# Connections waiting to be accepted before the kernel refuses more (capped by somaxconn).
+LISTEN_BACKLOG = 4096
+# Seconds to wait for processes to stop on their own before they are killed.
+STOP_SECONDS = 30
+# The longest an idle engine gathers arriving requests into a step (`--batch-wait-ms`).
+DEFAULT_BATCH_WAIT_MS = 2.0
+# Seconds an idle keep-alive connection stays open (`--timeout-keep-alive`). Longer than
+# clients keep idle connections in their pools (httpx and the OpenAI client: 5 s, aiohttp:
+# 15 s): a client then always retires a connection first, and never sends on one the server is
+# closing (which the server's kernel answers with a reset).
+DEFAULT_KEEP_ALIVE = 75.0
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """How the server runs (not what it serves: `EngineArgs`, `ServerConfig`)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_server_count: int = 1  # API-server processes; 0: one process, the engine in a thread
+    batch_wait_ms: float = DEFAULT_BATCH_WAIT_MS  # an idle engine gathers a step this long
+    timeout_keep_alive: float = DEFAULT_KEEP_ALIVE  # seconds an idle connection stays open
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if self.api_server_count < 0:
+            raise ConfigError(f"--api-server-count must be 0 or more, got {self.api_server_count}")
+        if not 0 <= self.batch_wait_ms <= 1000:
+            raise ConfigError(f"--batch-wait-ms must be in [0, 1000], got {self.batch_wait_ms}")
+        if self.timeout_keep_alive <= 0:
+            raise ConfigError(
+                f"--timeout-keep-alive must be positive, got {self.timeout_keep_alive}"
+            )
+
+
+def default_api_server_count(device: str | torch.device | None) -> int:
+    """API-server processes for this machine: one where the model runs on the CPU (it needs
+    the cores); on a GPU host, one per four CPU cores, from one to four."""
+    from vecpool.config import resolve_device
+
+    if resolve_device(device).type == "cpu":
+        return 1
+    return min(4, max(1, (os.cpu_count() or 1) // 4))
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The listening socket every API process accepts on."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # IPPROTO_TCP named, not left 0: asyncio sets TCP_NODELAY on the accepted connections only
+    # then; without it a response's second write waits for the client's delayed ACK (~40 ms).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    sock.listen(LISTEN_BACKLOG)
+    sock.set_inheritable(True)
+    return sock
+
+
+def uvicorn_config(app: Any, options: ServeOptions) -> Any:
+    import uvicorn
+
+    return uvicorn.Config(
+        app,
+        log_level=options.log_level,
+        timeout_keep_alive=int(options.timeout_keep_alive),
+        backlog=LISTEN_BACKLOG,
+    )
+
+
+def serve_in_process(
+    engine_args: EngineArgs, config: ServerConfig, options: ServeOptions, sock: socket.socket
+) -> int:
+    """One process: load the engine here and serve it until interrupted."""
+    import uvicorn
+
+    from vecpool.api import Engine
+    from vecpool.server.app import create_app
+
+    app = create_app(Engine.from_args(engine_args), config)
+    uvicorn.Server(uvicorn_config(app, options)).run(sockets=[sock])
+    return 0
+
+
+def serve_processes(
+    engine_args: EngineArgs, config: ServerConfig, options: ServeOptions, sock: socket.socket
+) -> int:
+    """The engine process and `options.api_server_count` API processes, supervised until
+    interrupted (SIGINT, SIGTERM) or until every API process has exited."""
+    logging.basicConfig(level=options.log_level.upper(), format="%(levelname)s:     %(message)s")
+    with tempfile.TemporaryDirectory(prefix="vecpool-serve-") as tmp:
+        # Every process records its metrics here and /metrics sums them; prometheus-client
+        # reads the variable when a child imports it.
+        metrics_dir = Path(tmp) / "metrics"
+        metrics_dir.mkdir()
+        with _environ("PROMETHEUS_MULTIPROC_DIR", str(metrics_dir)):  # for the children
+            return _serve_processes(engine_args, config, options, sock, tmp, metrics_dir)
+
+
+@contextlib.contextmanager
+def _environ(name: str, value: str) -> Iterator[None]:
+    """`name=value` in this process's environment (which children start with) until exit."""
+    previous = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = previous
+
+
+def _serve_processes(  # the body of `serve_processes`, inside its directory and environment
+    engine_args: EngineArgs,
+    config: ServerConfig,
+    options: ServeOptions,
+    sock: socket.socket,
+    tmp: str,
+    metrics_dir: Path,
+) -> int:
+    from vecpool.server.engine_process import EngineProcessConfig, run_engine_process
+
+    ctx = mp.get_context("spawn")
+    engine_config = EngineProcessConfig(
+        address=f"ipc://{tmp}/engine",
+        max_queued=config.max_queued,
+        batch_wait=options.batch_wait_ms / 1000,
+    )
+    # Children see EOF on these when their writer's process is gone (this one; the engine).
+    parent_alive, parent_writer = ctx.Pipe(duplex=False)
+    engine_alive, engine_alive_w = ctx.Pipe(duplex=False)
+    ready, ready_w = ctx.Pipe(duplex=False)
+    engine = ctx.Process(
+        target=run_engine_process,
+        args=(engine_args, engine_config, ready_w, parent_alive, engine_alive_w),
+        kwargs={"log_level": options.log_level},
+        name="vecpool-engine",
+    )
+    engine.start()
+    logger.info("engine process started (pid %s), loading the model", engine.pid)
+    ready_w.close()
+    engine_alive_w.close()  # the engine process holds the only writer now
+    info = _wait_ready(engine, ready)
+    if not isinstance(info, EngineInfo):
+        parent_writer.close()
+        return info
+    apis = [
+        ctx.Process(
+            target=run_api_process,
+            args=(info, config, options, sock, engine_config.address),
+            kwargs={
+                "engine_alive": engine_alive,
+                "parent_alive": parent_alive,
+                "metrics_dir": str(metrics_dir),
+            },
+            name=f"vecpool-api-{i}",
+        )
+        for i in range(options.api_server_count)
+    ]
+    for api in apis:
+        api.start()
+    logger.info(
+        "serving %s on http://%s:%d: engine process (pid %s), API-server processes (pids %s)",
+        info.model_name,
+        options.host,
+        options.port,
+        engine.pid,
+        ", ".join(str(api.pid) for api in apis),
+    )
+    try:
+        return _supervise(engine, apis)
+    finally:
+        parent_writer.close()
+
+
+def _wait_ready(engine: BaseProcess, ready: Connection) -> EngineInfo | int:
+    """The engine's info once it has loaded, or (after saying why) the exit status: 2 for a
+    bad setting or model folder, 1 for any other failure."""
+    try:
+        status, value = ready.recv()
+    except EOFError:
+        engine.join()
+        print(f"vecpool serve: the engine process exited ({engine.exitcode})", file=sys.stderr)
+        return 1
+    finally:
+        ready.close()
+    if status != "ready":
+        engine.join()
+        print(f"vecpool serve: {value}", file=sys.stderr)
+        return 2 if status == "invalid" else 1
+    assert isinstance(value, EngineInfo)
+    return value
+
+
+def _supervise(engine: BaseProcess, apis: Sequence[BaseProcess]) -> int:
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    status = 0
+    try:
+        engine_reported = False
+        while not stop.is_set():
+            wait([p.sentinel for p in (engine, *apis) if p.exitcode is None], timeout=0.5)
+            if engine.exitcode is not None and not engine_reported:
+                engine_reported = True
+                logger.error(
+                    "the engine process exited (%s); the API servers answer 503 until stopped",
+                    engine.exitcode,
+                )
+            if all(api.exitcode is not None for api in apis):
+                status = 1
+                logger.error("every API-server process has exited; stopping")
+                break
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        _stop([*apis, engine])
+    return status
+
+
+def _stop(processes: Sequence[BaseProcess]) -> None:
+    """SIGTERM each (uvicorn drains its connections), then SIGKILL what is left."""
+    for p in processes:
+        if p.exitcode is None and p.pid is not None:
+            os.kill(p.pid, signal.SIGTERM)
+    for p in processes:
+        p.join(STOP_SECONDS)
+        if p.exitcode is None:
+            p.kill()
+            p.join()
+
+
+def run_api_process(
+    info: EngineInfo,
+    config: ServerConfig,
+    options: ServeOptions,
+    sock: socket.socket,
+    engine_address: str,
+    *,
+    engine_alive: Connection,
+    parent_alive: Connection,
+    metrics_dir: str,
+) -> None:
+    """An API-server process's entry point: uvicorn on `sock` until stopped, or until the
+    supervisor is gone."""
+    import uvicorn
+
+    from vecpool.server.app import create_api_app
+    from vecpool.server.engine_client import EngineProcessClient
+
+    client = EngineProcessClient(engine_address, engine_alive, max_queued=config.max_queued)
+    app = create_api_app(info, config, client, multiprocess_dir=metrics_dir)
+    server = uvicorn.Server(uvicorn_config(app, options))
+
+    def watch_parent() -> None:
+        with contextlib.suppress(EOFError, OSError):
+            parent_alive.recv()
+        server.should_exit = True
+
+    threading.Thread(target=watch_parent, name="vecpool-parent-watch", daemon=True).start()
+    server.run(sockets=[sock])

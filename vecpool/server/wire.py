@@ -1,0 +1,179 @@
+"""The messages between API-server processes and the engine process, as MessagePack.
+
+An API process sends a `Submit` (one call: its prepared requests) or a `Cancel`; the engine
+process answers each API process with `Replies`: every call of it that finished in a step (its
+outputs, where its time went) or that the queue refused, and the queue's size. Arrays travel as
+raw little-endian bytes with their shape and dtype: no pickle, nothing executable.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+import torch
+
+from vecpool.api.outputs import PoolingOutput, PromptRequest
+from vecpool.errors import EngineError, InputError, RequestFailedError, VecpoolError
+from vecpool.inputs import Prompt
+from vecpool.tasks import PoolingParams
+
+_ERRORS: dict[str, type[VecpoolError]] = {
+    "input": InputError,
+    "request_failed": RequestFailedError,
+    "engine": EngineError,
+}
+
+
+class WireRequest(msgspec.Struct, array_like=True):
+    """One `PromptRequest`: its prompt's arrays as bytes, its parameters by position in the
+    call's `params`."""
+
+    index: int
+    params: int
+    token_ids: bytes | None  # int64
+    token_type_ids: bytes | None  # int64
+    embeds: bytes | None  # [num_tokens, hidden] in `embeds_dtype`
+    embeds_dtype: str | None
+    embeds_shape: tuple[int, int] | None
+    num_attended: int | None
+
+
+class Submit(msgspec.Struct, tag=True, array_like=True):
+    """Run one call's requests; answer with a `CallDone` (or `CallRefused`) of `call_id`."""
+
+    call_id: int
+    params: list[PoolingParams]
+    requests: list[WireRequest]
+
+
+class Cancel(msgspec.Struct, tag=True, array_like=True):
+    """Drop a call's requests (its client went away); no answer follows."""
+
+    call_id: int
+
+
+class WireError(msgspec.Struct, array_like=True):
+    kind: str  # a key of `_ERRORS`
+    reason: str
+    field: str | None
+
+
+class WireOutput(msgspec.Struct, array_like=True):
+    index: int
+    data: bytes | None  # float32
+    shape: tuple[int, ...] | None
+    error: WireError | None
+    num_prompt_tokens: int
+
+
+class CallDone(msgspec.Struct, tag=True, array_like=True):
+    call_id: int
+    outputs: list[WireOutput]
+    queue: float  # seconds from arrival to the start of the call's first step
+    inference: float  # seconds from that step's start to the call's last output
+
+
+class CallRefused(msgspec.Struct, tag=True, array_like=True):
+    """The queue could not take the call; nothing of it ran."""
+
+    call_id: int
+    reason: str
+
+
+class Replies(msgspec.Struct, array_like=True):
+    queued: int  # requests queued or running in the engine, all API processes together
+    calls: list[CallDone | CallRefused]
+
+
+ToEngine = Submit | Cancel
+encoder = msgspec.msgpack.Encoder()
+to_engine = msgspec.msgpack.Decoder(ToEngine)
+replies = msgspec.msgpack.Decoder(Replies)
+
+
+def _array_bytes(array: np.ndarray | None) -> bytes | None:
+    return None if array is None else np.ascontiguousarray(array, dtype="<i8").tobytes()
+
+
+def _array(data: bytes | None) -> np.ndarray | None:
+    return None if data is None else np.frombuffer(data, dtype="<i8")
+
+
+def submit(call_id: int, requests: list[PromptRequest]) -> Submit:
+    """The message of one call's requests."""
+    params: list[PoolingParams] = []
+    wire = []
+    for r in requests:
+        if not params or params[-1] != r.params:
+            params.append(r.params)
+        p = r.prompt
+        embeds = p.prompt_embeds
+        wire.append(
+            WireRequest(
+                index=r.index,
+                params=len(params) - 1,
+                token_ids=_array_bytes(p.token_ids),
+                token_type_ids=_array_bytes(p.token_type_ids),
+                embeds=None if embeds is None else _tensor_bytes(embeds),
+                embeds_dtype=None if embeds is None else str(embeds.dtype).removeprefix("torch."),
+                embeds_shape=None if embeds is None else (embeds.shape[0], embeds.shape[1]),
+                num_attended=p.num_attended,
+            )
+        )
+    return Submit(call_id, params, wire)
+
+
+def prompt_requests(message: Submit) -> list[PromptRequest]:
+    """The requests of a `Submit`, as the API process prepared them."""
+    out = []
+    for w in message.requests:
+        embeds = None
+        if w.embeds is not None:
+            assert w.embeds_dtype is not None and w.embeds_shape is not None
+            dtype = getattr(torch, w.embeds_dtype)
+            raw = torch.frombuffer(bytearray(w.embeds), dtype=torch.uint8)
+            embeds = raw.view(dtype).reshape(w.embeds_shape)
+        prompt = Prompt(
+            token_ids=_array(w.token_ids),
+            prompt_embeds=embeds,
+            token_type_ids=_array(w.token_type_ids),
+            num_attended=w.num_attended,
+        )
+        out.append(PromptRequest(w.index, prompt, message.params[w.params]))
+    return out
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> bytes:
+    return bytes(tensor.detach().contiguous().view(torch.uint8).numpy().tobytes())
+
+
+def wire_output(out: PoolingOutput) -> WireOutput:
+    data = shape = error = None
+    if out.data is not None:
+        array = np.ascontiguousarray(out.data, dtype="<f4")
+        data, shape = array.tobytes(), tuple(array.shape)
+    if out.error is not None:
+        kind = "engine"
+        if isinstance(out.error, RequestFailedError):
+            kind = "request_failed"
+        elif isinstance(out.error, InputError):
+            kind = "input"
+        field = out.error.field if isinstance(out.error, InputError) else None
+        reason = out.error.reason if isinstance(out.error, InputError) else str(out.error)
+        error = WireError(kind, reason, field)
+    return WireOutput(out.index, data, shape, error, out.num_prompt_tokens)
+
+
+def pooling_output(w: WireOutput) -> PoolingOutput:
+    data = None
+    if w.data is not None:
+        assert w.shape is not None
+        data = np.frombuffer(w.data, dtype="<f4").reshape(w.shape)
+    error: VecpoolError | None = None
+    if w.error is not None:
+        cls = _ERRORS[w.error.kind]
+        if issubclass(cls, InputError):
+            error = cls(w.error.reason, index=w.index, field=w.error.field)
+        else:
+            error = cls(w.error.reason)
+    return PoolingOutput(w.index, data, error, w.num_prompt_tokens)
