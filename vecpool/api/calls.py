@@ -635,9 +635,14 @@ def prepare_embed_sparse(
     exclude_special_tokens: bool = False,
     truncate_prompt_tokens: int | None = None,
     truncation_side: TruncationSide = "right",
+    prompt_name: str | None = None,
+    prompt: str | None = None,
 ) -> PreparedCall[SparseResult]:
     """The requests of `Engine.embed_sparse`, and its result: `{token: weight}` per input."""
     check_top_k(top_k)
+    # Only a prompt the call names: sparse calls never took the folder's default prompt.
+    named = prompt_name is not None or prompt is not None
+    named_prompt = instruction(ctx, prompt_name, prompt) if named else None
     tokenizer = ctx.tokenizer
     if return_tokens and tokenizer is None:
         raise InputError(
@@ -648,7 +653,7 @@ def prepare_embed_sparse(
         ctx,
         inputs,
         PoolingParams(task="sparse", exclude_special_tokens=exclude_special_tokens),
-        TextOptions(truncate_prompt_tokens, truncation_side),
+        TextOptions(truncate_prompt_tokens, truncation_side, named_prompt),
     )
 
     def finish(outputs: list[PoolingOutput]) -> SparseResult:

@@ -136,7 +136,9 @@ class ClassifierHead:
         self.classify, self.pooler, self.activation = classify, pooler, activation
 
     def __call__(self, b: HeadBatch) -> list[np.ndarray]:
-        logits = self.classify(b.hidden[sequence_rows(self.pooler, b.meta, b.seqs)]).float()  # [k, num_labels]
+        logits = self.classify(
+            b.hidden[sequence_rows(self.pooler, b.meta, b.seqs)]
+        ).float()  # [k, num_labels]
         scores = torch.where(
             b.flags("use_activation", True)[:, None], activate(logits, self.activation), logits
         )
