@@ -4,7 +4,7 @@ vLLM's and Text Embeddings Inference's containers do), and `GET /ping`.
 `/invocations` reads the body's keys: `inputs` is Text Embeddings Inference's (the route of the
 model's kind); `query` is a rerank (`documents`: Cohere, Jina, vLLM; `texts`: TEI); the score
 names (`text_1`, `data_1`, `queries`) a score; `texts` a Cohere embed; `input` with `task` is
-`/pooling`, else `/v1/embeddings` when the model embeds, else `/classify`.
+`/pooling`, else `/classify` when the model has a classifier head, else `/v1/embeddings`.
 """
 
 from __future__ import annotations
@@ -67,10 +67,10 @@ async def invocations(request: Request) -> Response:
     if "input" in keys:
         if "task" in keys:
             return await pooling(request, data)
-        if "embed" in state.info.tasks:
-            return await embeddings(request, data)
         if "classify" in state.info.tasks:
             return await classify(request, data)
+        if "embed" in state.info.tasks:
+            return await embeddings(request, data)
         return await pooling(request, data)
     raise ApiError(
         400,

@@ -53,12 +53,12 @@ def inputs_error(exc: InputError) -> ApiError:
 
 def model_kind(info: EngineInfo) -> str:
     """What TEI would call the model: "reranker" (one relevance score per pair), "classifier"
-    (several labels), "splade" (sparse vectors only) or "embedding"."""
+    (several labels), "splade" (a masked-LM head) or "embedding"."""
     if info.score_mode == "llm" or (info.score_mode == "cross_encoder" and info.num_labels == 1):
         return "reranker"
     if "classify" in info.tasks and info.num_labels > 1:
         return "classifier"
-    if "embed" not in info.tasks and "sparse" in info.tasks:
+    if "sparse" in info.tasks:  # a masked-LM head: served for its SPLADE vectors
         return "splade"
     return "embedding"
 
