@@ -237,7 +237,8 @@ def test_every_route_publishes_its_body_schema(server: Server) -> None:
     spec = server.client.get("/openapi.json").json()
     posts = {path: ops["post"] for path, ops in spec["paths"].items() if "post" in ops}
     assert set(posts) == {
-        *("/v1/embeddings", "/pooling", "/classify", "/score", "/tokenize", "/detokenize"),
+        *("/v1/embeddings", "/embeddings", "/pooling", "/classify", "/score", "/v1/score"),
+        *("/tokenize", "/detokenize"),
         *("/rerank", "/v1/rerank", "/v2/rerank", "/v1/embed", "/v2/embed", "/invocations"),
         *("/embed", "/embed_all", "/embed_sparse", "/predict", "/decode", "/"),
     }
@@ -257,3 +258,16 @@ def test_every_route_publishes_its_body_schema(server: Server) -> None:
         ["items", "queries"],
     ]
     assert server.client.get("/docs").status_code == 200
+
+
+def test_embedding_use_activation_is_vllms_normalize(
+    server: Server, minilm: vecpool.Engine
+) -> None:
+    body = {"input": TEXTS, "use_activation": False, "priority": 3}
+    response = server.post("/v1/embeddings", body)
+    assert response.status_code == 200, response.text
+    got = np.asarray([d["embedding"] for d in response.json()["data"]], np.float32)
+    assert np.abs(got - minilm.embed(TEXTS, normalize=False)).max() <= 1e-6
+    contradiction = {"input": TEXTS, "use_activation": False, "normalize": True}
+    assert_error(server.post("/v1/embeddings", contradiction), 400, "use_activation")
+    assert server.client.get("/").status_code == 200  # TEI's health check at the root

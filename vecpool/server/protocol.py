@@ -40,6 +40,7 @@ class TextParams(ApiModel):
         None, description="prefix text inputs with this instruction prompt of the model folder"
     )
     user: str | None = None  # OpenAI's end-user tag; accepted and not used
+    priority: int | None = Field(None, description="vLLM's, Cohere's: accepted and not used")
 
 
 class OutputParams(TextParams):
@@ -65,6 +66,9 @@ class EmbeddingRequest(OutputParams):
     """`POST /v1/embeddings`, OpenAI's shape plus vecpool's extensions."""
 
     input: Any = Field(..., description=INPUT_DOC)
+    use_activation: bool | None = Field(
+        None, description="vLLM's name of normalize for embeddings (false: raw pooled vectors)"
+    )
     precision: Precision = Field(
         "float32",
         description="quantized vectors as sentence-transformers' quantize_embeddings makes "
@@ -136,7 +140,6 @@ class RerankRequest(TextParams):
     max_chunks_per_doc: int | None = Field(
         None, description="Cohere v1: refused unless null (vecpool does not chunk documents)"
     )
-    priority: int | None = Field(None, description="Cohere, vLLM: accepted and not used")
 
 
 class ScoreParams(TextParams):

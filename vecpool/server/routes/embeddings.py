@@ -32,6 +32,7 @@ def parse_items(state: ServerState, value: Any) -> list[Item]:
 
 
 @router.post("/v1/embeddings", openapi_extra=openapi_body(EmbeddingRequest))
+@router.post("/embeddings", openapi_extra=openapi_body(EmbeddingRequest))  # TEI's, Infinity's
 async def create_embeddings(request: Request) -> Response:
     state = get_state(request)
     return await embeddings(request, await read_json(request, state.config.max_payload_bytes))
@@ -44,6 +45,15 @@ async def embeddings(request: Request, data: dict[str, Any]) -> Response:
     state.check_model(body.model)
     items = parse_items(state, body.input)
     ranges = quantization(state, body)
+    normalize = body.normalize
+    if body.use_activation is not None:
+        if normalize is not None and normalize != body.use_activation:
+            raise ApiError(
+                400,
+                f"use_activation={body.use_activation} contradicts normalize={normalize}",
+                param="use_activation",
+            )
+        normalize = body.use_activation
 
     def prepare() -> PreparedCall[list[np.ndarray]]:
         return calls.prepare_encode(
@@ -51,13 +61,13 @@ async def embeddings(request: Request, data: dict[str, Any]) -> Response:
             decode_inputs(items),
             task="embed",
             dimensions=body.dimensions,
-            normalize=body.normalize,
+            normalize=normalize,
             truncate_prompt_tokens=state.truncate(body),
             truncation_side=body.truncation_side,
             prompt_name=body.prompt_name,
         )
 
-    vectors, timings = await run_call(state, request, "/v1/embeddings", prepare, len(items))
+    vectors, timings = await run_call(state, request, request.url.path, prepare, len(items))
     if body.precision != "float32":
         stacked = postprocess.quantize(np.stack(vectors), body.precision, ranges)
         vectors = list(stacked)

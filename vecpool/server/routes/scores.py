@@ -137,6 +137,7 @@ def activation(use_activation: bool | None, raw_scores: bool | None) -> bool | N
 
 
 @router.post("/score", openapi_extra=openapi_body(*(shape for shape, _, _ in SCORE_SHAPES)))
+@router.post("/v1/score", openapi_extra=openapi_body(*(shape for shape, _, _ in SCORE_SHAPES)))
 async def create_score(request: Request) -> Response:
     """The first side scored against each of the second (or pairwise for two equal lists).
     Its sides are named `text_1` / `text_2`, `data_1` / `data_2`, `queries` / `documents` or
@@ -184,7 +185,7 @@ async def score(request: Request, data: dict[str, Any]) -> Response:
         {"text_1": not isinstance(first, str), "text_2": not isinstance(second, str)},
     )
     scores, timings = await run_call(
-        state, request, "/score", prepare, len(firsts) + len(seconds), to_api_error
+        state, request, request.url.path, prepare, len(firsts) + len(seconds), to_api_error
     )
     content = {
         "id": response_id("score"),
@@ -219,7 +220,7 @@ async def classify(request: Request, data: dict[str, Any]) -> Response:
             truncation_side=body.truncation_side,
         )
 
-    probs, timings = await run_call(state, request, "/classify", prepare, len(items))
+    probs, timings = await run_call(state, request, request.url.path, prepare, len(items))
     rendered = await asyncio.to_thread(_classes, probs, state.info.id2label)
     content = {
         "id": response_id("classify"),

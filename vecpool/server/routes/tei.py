@@ -366,6 +366,13 @@ async def decode(request: Request, data: dict[str, Any]) -> Response:
     return json_response(dumps(await in_executor(state, run, "ids")))
 
 
+@router.get("/")
+async def health(request: Request) -> Response:
+    """TEI's health check at the root: 200 while the engine runs, 503 otherwise."""
+    get_state(request).running_client()
+    return json_response(dumps({"status": "ok"}))
+
+
 @router.get("/info")
 async def info(request: Request) -> Response:
     """The model and the server's limits, as TEI describes them."""
