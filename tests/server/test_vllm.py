@@ -271,3 +271,20 @@ def test_embedding_use_activation_is_vllms_normalize(
     contradiction = {"input": TEXTS, "use_activation": False, "normalize": True}
     assert_error(server.post("/v1/embeddings", contradiction), 400, "use_activation")
     assert server.client.get("/").status_code == 200  # TEI's health check at the root
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/rerank", {"query": QUERY, "documents": DOCS}),
+        ("/score", {"text_1": QUERY, "text_2": DOCS}),
+        ("/classify", {"input": DOCS}),
+    ],
+)
+def test_fields_a_route_does_not_use_are_refused(
+    cross_server: Server, path: str, body: dict
+) -> None:
+    message = assert_error(
+        cross_server.post(path, {**body, "prompt_name": "query"}), 400, "prompt_name"
+    )
+    assert "not permitted" in message

@@ -36,15 +36,16 @@ class TextParams(ApiModel):
         None, description="keep this many tokens of each input; -1: the model's limit"
     )
     truncation_side: Literal["left", "right"] = "right"
-    prompt_name: str | None = Field(
-        None, description="prefix text inputs with this instruction prompt of the model folder"
-    )
     user: str | None = None  # OpenAI's end-user tag; accepted and not used
     priority: int | None = Field(None, description="vLLM's, Cohere's: accepted and not used")
 
 
 class OutputParams(TextParams):
     """How vectors come back."""
+
+    prompt_name: str | None = Field(
+        None, description="prefix text inputs with this instruction prompt of the model folder"
+    )
 
     encoding_format: EncodingFormat = Field(
         "float",
