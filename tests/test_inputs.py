@@ -65,7 +65,7 @@ GOOD = [5, 6, 7]
         ([True, False], r"input 1 \(prompt_token_ids\): token ids must be a flat list of ints"),
         (
             list(range(3, 3 + 65)),
-            r"input 1: the input has 65 tokens, more than the model's limit of 64; pass truncate_prompt_tokens",
+            r"input 1: the input has 65 tokens, more than the model's maximum context length of 64 tokens; pass truncate_prompt_tokens",
         ),
         (
             {"prompt": "a", "prompt_embeds": None},

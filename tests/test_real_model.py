@@ -54,7 +54,10 @@ def test_long_text_truncation_matches_sentence_transformers(
 ) -> None:
     # sentence-transformers truncates at max_seq_length (256); so do we when asked to.
     long_text = " ".join(["the quick brown fox jumps over the lazy dog"] * 60)
-    with pytest.raises(vecpool.InputError, match=r"input 1: .*more than the model's limit of 256"):
+    with pytest.raises(
+        vecpool.InputError,
+        match=r"input 1: .*more than the model's maximum context length of 256 tokens",
+    ):
         minilm.embed(["short", long_text])
     assert len(minilm.tokenize(long_text)) == 542  # tokenize counts past the limit
     ours = minilm.embed([long_text], truncate_prompt_tokens=-1)

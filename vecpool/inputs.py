@@ -97,6 +97,19 @@ class SideFormat:
     attend_expansion: bool = True  # False: no token attends to the expansion tokens
 
 
+def too_long(n: int, limit: int, index: int | None, side: str | None = None) -> InputError:
+    """The error of an input over the length limit (of the model, or of a late-interaction
+    model's query or document `side`). Its wording carries "maximum context length", the
+    phrase of OpenAI and vLLM that clients match on to truncate and retry."""
+    what = "input" if side is None else side
+    scope = "" if side is None else f" for a {side}"
+    return InputError(
+        f"the {what} has {n} tokens, more than the model's maximum context length{scope} of "
+        f"{limit} tokens; pass truncate_prompt_tokens (-1 for the limit) to truncate it",
+        index=index,
+    )
+
+
 class TextTokenizer:
     """A `tokenizers` tokenizer, with its file's padding and truncation switched off.
 
@@ -240,7 +253,7 @@ class InputProcessor:
             kind = _classify(item, i)[0]
             if kind == "pair":
                 raise InputError(
-                    f"the text pair has {prompt.num_tokens} tokens, more than the model's limit "
+                    f"the text pair has {prompt.num_tokens} tokens, more than the model's maximum context length "
                     f"of {max_len}; a pair cannot be split into windows, pass "
                     "truncate_prompt_tokens (-1 for the limit) to truncate it",
                     index=i,
@@ -300,12 +313,7 @@ class InputProcessor:
                 ids = np.insert(ids, 1, side.marker_id)
             n = prompt.num_tokens if ids is None else int(ids.shape[0])
             if n > max_tokens:
-                raise InputError(
-                    f"the {input_type} has {n} tokens{marker}, more than this model's limit "
-                    f"of {max_tokens} for a {input_type}; pass "
-                    "truncate_prompt_tokens (-1 for the limit) to truncate it",
-                    index=i,
-                )
+                raise too_long(n, max_tokens, i, input_type)
             if ids is None:
                 prompts.append(prompt)
                 continue
@@ -361,12 +369,7 @@ class InputProcessor:
         if n == 0:
             raise InputError("the input is empty (no tokens)", index=index)
         if n > self.limits.max_model_len:
-            raise InputError(
-                f"the input has {n} tokens, more than the model's limit of "
-                f"{self.limits.max_model_len}; pass truncate_prompt_tokens (-1 for the limit) "
-                "to truncate it",
-                index=index,
-            )
+            raise too_long(n, self.limits.max_model_len, index)
 
     def _texts(
         self,

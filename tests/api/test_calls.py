@@ -4,6 +4,7 @@ about a call is decided there."""
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 
 import numpy as np
@@ -107,3 +108,24 @@ def test_sparse_top_k_is_checked_once_when_prepared() -> None:
         with pytest.raises(vecpool.InputError, match="top_k must be a non-negative integer"):
             calls.check_top_k(top_k)
     calls.check_top_k(0)
+
+
+def test_role_prompts_and_token_details(minilm: vecpool.Engine) -> None:
+    info = minilm.info()
+    assert calls.role_prompt_name(info, "query") is None  # the folder has no prompts
+    prompted = dataclasses.replace(
+        info, prompts={"query": "q: ", "passage": "p: ", "document": "d: ", "clustering": "c: "}
+    )
+    assert calls.role_prompt_name(prompted, "query") == "query"
+    assert calls.role_prompt_name(prompted, "document") == "document"  # before "passage"
+    del prompted.prompts["document"]
+    assert calls.role_prompt_name(prompted, "document") == "passage"
+    assert calls.role_prompt_name(prompted, "classification") is None
+    assert calls.role_prompt_name(prompted, "clustering") == "clustering"
+    assert calls.role_prompt_name(prompted, None) is None
+    text = calls.tokenize_text(minilm.context, "cats eat")
+    assert (text.ids, text.tokens) == ([101, 8870, 4521, 102], ["[CLS]", "cats", "eat", "[SEP]"])
+    assert text.special == [True, False, False, True]
+    assert [text.text[a:b] for a, b in text.offsets[1:-1]] == ["cats", "eat"]
+    assert minilm.tokenize("cats eat", add_special_tokens=False) == [8870, 4521]
+    assert minilm.detokenize([101, 8870, 102], skip_special_tokens=False) == "[CLS] cats [SEP]"

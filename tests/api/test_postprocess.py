@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import vecpool
 import vecpool.scoring
 from vecpool.api import calls, postprocess
 
@@ -34,3 +35,45 @@ def test_postprocess_functions() -> None:
 def test_the_former_module_re_exports_them() -> None:
     assert vecpool.scoring.rank is postprocess.rank
     assert vecpool.scoring.pair_up is calls.pair_up
+
+
+@pytest.mark.parametrize("precision", ["float32", "int8", "uint8", "binary", "ubinary"])
+def test_quantize_equals_sentence_transformers(precision: str, minilm: vecpool.Engine) -> None:
+    from sentence_transformers.util.quantization import quantize_embeddings
+
+    texts = ["A man is eating food.", "A man eats bread.", "The sky is blue.", "cats", "dogs"]
+    vectors = minilm.embed(texts)
+    calibration = minilm.embed(["a calibration sentence", "another one", "a third one"])
+    ranges = np.vstack((vectors.min(axis=0) * 0.5, vectors.max(axis=0) * 0.5))
+    for kwargs in ({}, {"ranges": ranges}, {"calibration_embeddings": calibration}):
+        if precision != "float32" or not kwargs:
+            expected = quantize_embeddings(vectors, precision, **kwargs)
+            got = postprocess.quantize(vectors, precision, **kwargs)
+            assert got.dtype == expected.dtype and np.array_equal(got, expected), kwargs
+    # The engine's own: the same function over the call's vectors.
+    expected = quantize_embeddings(vectors, precision)
+    assert np.array_equal(minilm.embed(texts, precision=precision), expected)
+    if precision in ("int8", "uint8"):
+        got = minilm.embed(texts, precision=precision, ranges=ranges)
+        assert np.array_equal(got, quantize_embeddings(vectors, precision, ranges=ranges))
+        with pytest.raises(vecpool.InputError, match="single embedding") as caught:
+            minilm.embed(texts[:1], precision=precision)
+        assert caught.value.field == "ranges"
+    if precision.endswith("binary"):
+        assert expected.shape == (len(texts), 384 // 8)
+
+
+def test_quantization_arguments_are_checked(minilm: vecpool.Engine) -> None:
+    for kwargs, words in (
+        ({"precision": "int4"}, "precision must be one of"),
+        ({"precision": "int8", "ranges": np.zeros((2, 3))}, "2 rows"),
+        ({"precision": "binary", "ranges": np.zeros((2, 384))}, "apply to int8 and uint8"),
+    ):
+        with pytest.raises(vecpool.InputError, match=words):
+            minilm.embed(["a", "b"], **kwargs)
+    # A dimension count that is not a multiple of 8 packs with zero bits at the end.
+    vectors = np.array([[1.0, -1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.5]])
+    assert postprocess.quantize(vectors, "ubinary").tolist() == [[0b10111111, 0b11000000]]
+    assert postprocess.quantize(vectors, "binary").tolist() == [
+        [0b10111111 - 128, 0b11000000 - 128]
+    ]

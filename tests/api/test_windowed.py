@@ -90,7 +90,7 @@ def test_windowed_prompt_embeds_and_engine_default(tmp_path: Path, engine: vecpo
     as_ids, as_embeds = windowed.embed([ids, embeds])
     assert np.abs(as_ids - expected).max() <= 1e-6
     assert np.array_equal(as_ids, as_embeds)
-    with pytest.raises(vecpool.InputError, match="more than the model's limit"):
+    with pytest.raises(vecpool.InputError, match="maximum context length"):
         windowed.embed([ids], windowed=False)
     # Truncation asked for wins over windows.
     (cut,) = windowed.embed([ids], truncate_prompt_tokens=-1)

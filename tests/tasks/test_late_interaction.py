@@ -171,9 +171,11 @@ def test_the_sides_are_written_as_configured(pylate_folder: Path, native_folder:
 def test_lengths_are_limits_unless_truncated(pylate_folder: Path) -> None:
     reference = MultiVectorEncoder(str(pylate_folder), device="cpu")
     engine = vecpool.Engine(pylate_folder, device="cpu")
-    with pytest.raises(vecpool.InputError, match="limit of 12 for a query"):
+    with pytest.raises(vecpool.InputError, match="maximum context length for a query of 12 tokens"):
         engine.encode([LONG_QUERY], task="token_embed", input_type="query")
-    with pytest.raises(vecpool.InputError, match="limit of 40 for a document"):
+    with pytest.raises(
+        vecpool.InputError, match="maximum context length for a document of 40 tokens"
+    ):
         engine.encode([LONG_DOC], task="token_embed", input_type="document")
     # Truncated to the side's limit, as the reference always does.
     query = engine.encode(
@@ -328,7 +330,9 @@ def test_hf_colbert_artifact_metadata(
         mask_punctuation=False,
     )
     _assert_vectors_equal([query, doc], [expected_query, expected_doc])
-    with pytest.raises(vecpool.InputError, match="limit of 40 for a document"):
+    with pytest.raises(
+        vecpool.InputError, match="maximum context length for a document of 40 tokens"
+    ):
         engine.encode([LONG_DOC], task="token_embed", input_type="document")
 
 

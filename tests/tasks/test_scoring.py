@@ -243,3 +243,76 @@ def test_embedding_models_score_by_cosine(minilm: vecpool.Engine) -> None:
     vectors = minilm.embed([QUERY, *DOCS])
     expected = vectors[1:] @ vectors[0]
     assert_rel_close(minilm.score(QUERY, DOCS), expected)
+
+
+LONG = "word " * 200  # over the tiny models' 128 tokens and MiniLM's 256
+
+
+@pytest.mark.parametrize("engine_name", ["cross_encoder_engine", "minilm"])
+def test_errors_name_the_side_at_fault(engine_name: str, request: pytest.FixtureRequest) -> None:
+    engine: vecpool.Engine = request.getfixturevalue(engine_name)
+    long = LONG * 2
+    with pytest.raises(vecpool.InputError, match="maximum context length") as caught:
+        engine.score(long, DOCS)
+    assert (caught.value.field, caught.value.index) == ("text_1", 0)
+    with pytest.raises(vecpool.InputError, match="maximum context length") as caught:
+        engine.score(QUERY, [DOCS[0], long])
+    assert (caught.value.field, caught.value.index) == ("text_2", 1)
+    with pytest.raises(vecpool.InputError, match="maximum context length") as caught:
+        engine.rerank(long, DOCS)
+    assert (caught.value.field, caught.value.index) == ("query", None)
+    with pytest.raises(vecpool.InputError, match="maximum context length") as caught:
+        engine.rerank(QUERY, [DOCS[0], long])
+    assert (caught.value.field, caught.value.index) == ("documents", 1)
+    with pytest.raises(vecpool.InputError) as caught:
+        engine.rerank(QUERY, [DOCS[0], ""])
+    assert (caught.value.field, caught.value.index) == ("documents", 1)
+
+
+def test_a_pair_too_long_together_blames_the_document(
+    cross_encoder_engine: vecpool.Engine,
+) -> None:
+    # Each side fits alone (under 128 tokens); together they do not: the document is cut.
+    half = "word " * 70
+    with pytest.raises(vecpool.InputError, match="maximum context length") as caught:
+        cross_encoder_engine.score(half, half)
+    assert (caught.value.field, caught.value.index) == ("text_2", 0)
+
+
+def test_a_classifier_with_several_labels_does_not_score(
+    tmp_path: Path, default_model_dir: Path
+) -> None:
+    from tests.tasks.conftest import tiny_bert_head, with_minilm_tokenizer
+
+    hf = tiny_bert_head(transformers.BertForSequenceClassification, num_labels=2)
+    folder = with_minilm_tokenizer(save_hf_model(hf, tmp_path / "two_labels"), default_model_dir)
+    engine = vecpool.Engine(folder, device="cpu")
+    assert engine.score(QUERY, DOCS).shape == (len(DOCS), 2)  # the Python API: every label
+    for call in (
+        lambda: engine.prepare_rerank(QUERY, DOCS),
+        lambda: vecpool.api.calls.prepare_score(engine.context, QUERY, DOCS, one_score=True),
+    ):
+        with pytest.raises(vecpool.InputError, match="classifier with 2 labels") as caught:
+            call()
+        assert (caught.value.field, caught.value.index) == (None, None)
+
+
+def test_rerank_use_activation_and_max_tokens_per_doc(
+    cross_encoder_engine: vecpool.Engine, minilm: vecpool.Engine
+) -> None:
+    engine = cross_encoder_engine
+    raw = engine.score(QUERY, DOCS, use_activation=False)
+    ranked = engine.rerank(QUERY, DOCS, use_activation=False)
+    assert [s for _, s in ranked] == sorted(raw.tolist(), reverse=True)
+    assert max(raw) > 1  # logits, not probabilities
+    # Documents cut to their first 3 tokens, at a token boundary of the text.
+    cut = [minilm.detokenize(minilm.tokenize(d)[1:4]) for d in DOCS]
+    assert cut[1] == "the stock market"
+    for model in (engine, minilm):
+        expected = model.rerank(QUERY, cut)
+        got = model.rerank(QUERY, DOCS, max_tokens_per_doc=3)
+        assert [i for i, _ in got] == [i for i, _ in expected]
+        assert np.allclose([s for _, s in got], [s for _, s in expected], atol=1e-6)
+    with pytest.raises(vecpool.InputError, match="positive integer") as caught:
+        minilm.rerank(QUERY, DOCS, max_tokens_per_doc=0)
+    assert caught.value.field == "max_tokens_per_doc"

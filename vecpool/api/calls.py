@@ -124,28 +124,91 @@ def _check_dimensions(info: EngineInfo, params: PoolingParams) -> None:
         )
 
 
+@dataclass(frozen=True)
+class TokenizedText:
+    """A text as the model's tokenizer writes it: one entry per token, in order."""
+
+    text: str  # the text tokenized: the instruction prompt, if any, then the input
+    ids: list[int]
+    tokens: list[str]  # the vocabulary entry of each token
+    special: list[bool]  # whether each token is a special token ([CLS], [SEP], ...)
+    offsets: list[tuple[int, int]]  # (start, end) characters of `text` each token covers
+
+
 def tokenize(
-    ctx: CallContext, text: str, *, prompt_name: str | None = None, prompt: str | None = None
+    ctx: CallContext,
+    text: str,
+    *,
+    prompt_name: str | None = None,
+    prompt: str | None = None,
+    add_special_tokens: bool = True,
 ) -> list[int]:
     """The token ids a text input becomes (special tokens and instruction included), however
     long: counting tokens is one of its uses."""
+    return tokenize_text(
+        ctx, text, prompt_name=prompt_name, prompt=prompt, add_special_tokens=add_special_tokens
+    ).ids
+
+
+def tokenize_text(
+    ctx: CallContext,
+    text: str,
+    *,
+    prompt_name: str | None = None,
+    prompt: str | None = None,
+    add_special_tokens: bool = True,
+) -> TokenizedText:
+    """`tokenize`, with each token's vocabulary entry, whether it is special, and the
+    characters it covers. `add_special_tokens=False`: the text's own tokens only."""
     tokenizer = ctx.tokenizer
     if tokenizer is None:
         raise InputError("the model folder has no tokenizer.json", field="prompt")
     if not isinstance(text, str) or not text:
         raise InputError("the input is an empty string", field="prompt")
     prefix = instruction(ctx, prompt_name, prompt) or ""
-    ctx.inputs.check_text_size(prefix + text)
-    return list(tokenizer.encode_batch([prefix + text])[0].ids)
+    full = prefix + text
+    ctx.inputs.check_text_size(full)
+    if add_special_tokens:
+        encoding = tokenizer.encode_batch([full])[0]
+    else:
+        encoding = tokenizer.encode_plain(full)
+    return TokenizedText(
+        text=full,
+        ids=list(encoding.ids),
+        tokens=list(encoding.tokens),
+        special=[bool(m) for m in encoding.special_tokens_mask],
+        offsets=[(int(a), int(b)) for a, b in encoding.offsets],
+    )
 
 
-def detokenize(ctx: CallContext, token_ids: Sequence[int]) -> str:
-    """The text of vocabulary ids (special tokens skipped)."""
+def detokenize(
+    ctx: CallContext, token_ids: Sequence[int], *, skip_special_tokens: bool = True
+) -> str:
+    """The text of vocabulary ids (special tokens skipped unless `skip_special_tokens=False`)."""
     tokenizer = ctx.tokenizer
     if tokenizer is None:
         raise InputError("the model folder has no tokenizer.json", field="tokens")
     ids = ctx.inputs.vocabulary_ids(token_ids, field="tokens")
-    return tokenizer.decode(ids.tolist())
+    return tokenizer.decode(ids.tolist(), skip_special_tokens=skip_special_tokens)
+
+
+# Which of a model's instruction prompts serves each retrieval role, in order of preference.
+_ROLE_PROMPTS = {
+    "query": ("query",),
+    "document": ("document", "passage"),
+    "classification": ("classification",),
+    "clustering": ("clustering",),
+}
+
+
+def role_prompt_name(info: EngineInfo, role: str | None) -> str | None:
+    """The model's prompt for a retrieval `role` ("query", "document", "classification",
+    "clustering"): a prompt of that name ("document" or "passage" for documents) when the
+    folder has one, else None (no prompt named; the folder's default prompt applies)."""
+    for name in _ROLE_PROMPTS.get(role or "", ()):
+        if name in info.prompts:
+            return name
+    return None
 
 
 # ---- embed and per-token tasks ---------------------------------------------------------
@@ -182,6 +245,32 @@ def prepare_encode(
     prefix = None if by_side else instruction(ctx, prompt_name, prompt)
     options = TextOptions(truncate_prompt_tokens, truncation_side, prefix)
     return PreparedCall(make_requests(ctx, inputs, params, options), output_data)
+
+
+def check_quantization(precision: Any, ranges: Any, dim: int) -> np.ndarray | None:
+    """The checked `ranges` (`[2, dim]` float32, or None) of a quantized embed call at
+    `precision` (one of `postprocess.PRECISIONS`)."""
+    if precision not in postprocess.PRECISIONS:
+        raise InputError(
+            f"precision must be one of {', '.join(postprocess.PRECISIONS)}, got {precision!r}",
+            field="precision",
+        )
+    if ranges is None:
+        return None
+    if precision not in ("int8", "uint8"):
+        raise InputError(
+            f"ranges apply to int8 and uint8 precision, not {precision}", field="ranges"
+        )
+    try:
+        array = np.asarray(ranges, dtype=np.float32)
+    except (TypeError, ValueError):
+        array = None
+    if array is None or array.shape != (2, dim) or not np.isfinite(array).all():
+        raise InputError(
+            f"ranges must be 2 rows (per-dimension minimum, maximum) of {dim} finite numbers",
+            field="ranges",
+        )
+    return array
 
 
 # ---- classify ---------------------------------------------------------------------------
@@ -250,6 +339,19 @@ def text_pairs(lefts: list[Any], rights: list[Any]) -> list[dict[str, str]]:
     return out
 
 
+def check_one_score(info: EngineInfo) -> None:
+    """`InputError` unless the model gives one relevance score per pair: a sequence classifier
+    with several labels is not a cross-encoder, and which label is "relevant" is not ours to
+    guess."""
+    if info.score_mode == "cross_encoder" and info.num_labels > 1:
+        labels = ", ".join(info.id2label.get(i, f"LABEL_{i}") for i in range(info.num_labels))
+        raise InputError(
+            f"this model is a classifier with {info.num_labels} labels ({labels}), not a "
+            "cross-encoder: scoring and reranking need one relevance score per pair; classify "
+            "the pairs as text pairs to get every label's score"
+        )
+
+
 def prepare_score(
     ctx: CallContext,
     a: Any,
@@ -258,10 +360,17 @@ def prepare_score(
     use_activation: bool | None = None,
     truncate_prompt_tokens: int | None = None,
     truncation_side: TruncationSide = "right",
+    one_score: bool = False,
 ) -> PreparedCall[np.ndarray]:
     """The requests of `Engine.score`, and its result: `[num_pairs]` float32 (a cross-encoder
-    with several labels: `[num_pairs, num_labels]`)."""
+    with several labels: `[num_pairs, num_labels]`, or an `InputError` with `one_score`).
+
+    Errors name the side at fault: `field` "text_1" for the first side, "text_2" for the
+    second, with the index of the pair (a pair that is too long as a whole is the first side's
+    fault when that side alone leaves no room, else the second's)."""
     info = ctx.info
+    if one_score:
+        check_one_score(info)
     lefts, rights = pair_up(a, b)
     options = TextOptions(truncate_prompt_tokens, truncation_side)
     if not rights:
@@ -278,7 +387,11 @@ def prepare_score(
                 inputs = _fit_reranker_prompts(ctx, pairs, inputs, limit, truncation_side)
                 options = TextOptions()
         params = PoolingParams(task="score", use_activation=use_activation)
-        return PreparedCall(make_requests(ctx, inputs, params, options), _pair_scores)
+        try:
+            requests = make_requests(ctx, inputs, params, options)
+        except InputError as exc:
+            raise _pair_error(ctx, exc, pairs) from None
+        return PreparedCall(requests, _pair_scores)
     if use_activation is not None:
         raise InputError(
             f"use_activation applies to cross-encoder and LLM scores, not to "
@@ -291,8 +404,14 @@ def prepare_score(
     sides = late and info.late_interaction
     left_params = PoolingParams(task=task, input_type="query" if sides else None)
     right_params = PoolingParams(task=task, input_type="document" if sides else None)
-    left_requests = make_requests(ctx, lefts, left_params, options)
-    right_requests = make_requests(ctx, rights, right_params, options)
+    try:
+        left_requests = make_requests(ctx, lefts, left_params, options)
+    except InputError as exc:
+        raise on_side(exc, "text_1") from None
+    try:
+        right_requests = make_requests(ctx, rights, right_params, options)
+    except InputError as exc:
+        raise on_side(exc, "text_2") from None
     mean = sides and info.mean_maxsim
     num_lefts = len(left_requests)
 
@@ -313,6 +432,53 @@ def prepare_score(
         return postprocess.cosine(np.stack(left), np.stack(right))
 
     return PreparedCall(left_requests + right_requests, finish)
+
+
+# Fields that name an input itself rather than a part of it or a parameter of the call.
+_INPUT_FIELDS = (None, "prompt", "prompt_token_ids")
+
+
+def on_side(exc: InputError, side: str) -> InputError:
+    """An error about the inputs of one side of a score call ("text_1" or "text_2"), its
+    field naming that side; errors about a parameter of the call are left as they are."""
+    if exc.index is None and exc.field is not None:
+        return exc
+    field = side if exc.field in _INPUT_FIELDS else f"{side}.{exc.field}"
+    return type(exc)(exc.reason, index=exc.index, field=field)
+
+
+def _pair_error(ctx: CallContext, exc: InputError, pairs: list[dict[str, str]]) -> InputError:
+    """An error about pair `exc.index`, its field naming the side at fault."""
+    if exc.index is None:
+        return exc
+    side = {"text": "text_1", "text_pair": "text_2"}.get(exc.field or "")
+    if side is None and exc.field in _INPUT_FIELDS:
+        side = _side_at_fault(ctx, pairs[exc.index]["text"])
+    if side is None:
+        return exc
+    return type(exc)(exc.reason, index=exc.index, field=side)
+
+
+def _side_at_fault(ctx: CallContext, query: str) -> str:
+    """Which side of a pair that cannot be served as a whole is at fault: the first (the
+    query) when it alone is not valid Unicode, or leaves no room for a document (characters
+    or tokens); else the second."""
+    try:
+        query.encode("utf-8")
+    except UnicodeEncodeError:
+        return "text_1"
+    chars = ctx.inputs.limits.max_input_chars
+    if chars is not None and len(query) >= chars:
+        return "text_1"
+    tokenizer, reranker = ctx.tokenizer, ctx.info.llm_reranker
+    if tokenizer is None:
+        return "text_2"
+    if ctx.info.score_mode == "llm" and reranker is not None:
+        alone = tokenizer.encode_plain(reranker.format(query, "")).ids
+        needed = len(alone) + tokenizer.num_special_tokens
+    else:  # the query, the pair's special tokens, and one token of a document
+        needed = len(tokenizer.encode_plain(query).ids) + tokenizer.num_pair_special_tokens + 1
+    return "text_1" if needed > ctx.info.max_model_len else "text_2"
 
 
 def _fit_reranker_prompts(
@@ -369,33 +535,85 @@ def prepare_rerank(
     documents: Sequence[Any],
     top_n: int | None = None,
     *,
+    use_activation: bool | None = None,
+    max_tokens_per_doc: int | None = None,
     truncate_prompt_tokens: int | None = None,
     truncation_side: TruncationSide = "right",
 ) -> PreparedCall[list[tuple[int, float]]]:
     """The requests of `Engine.rerank`, and its result: `(document index, score)` pairs, best
-    first, the first `top_n` of them (None or 0: all)."""
+    first, the first `top_n` of them (None or 0: all). `max_tokens_per_doc`: each document is
+    cut to that many of its own tokens first (Cohere's rule). Errors about the query carry
+    `field="query"`, about a document `field="documents"` and its index."""
     if isinstance(documents, str) or not isinstance(documents, Sequence):
         raise InputError("documents must be a list", field="documents")
     check_top_n(top_n)
     if len(as_input_list(query)) != 1:
         raise InputError("rerank takes one query", field="query")
-    info = ctx.info
-    if info.num_labels > 1 and info.score_mode == "cross_encoder":
-        raise InputError(
-            f"this cross-encoder has {info.num_labels} labels; rerank needs one score per document"
+    check_one_score(ctx.info)
+    docs = list(documents)
+    if max_tokens_per_doc is not None:
+        docs = cut_documents(ctx, docs, max_tokens_per_doc)
+    try:
+        scores = prepare_score(
+            ctx,
+            query,
+            docs,
+            use_activation=use_activation,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+            truncation_side=truncation_side,
         )
-    scores = prepare_score(
-        ctx,
-        query,
-        list(documents),
-        truncate_prompt_tokens=truncate_prompt_tokens,
-        truncation_side=truncation_side,
-    )
+    except InputError as exc:
+        raise _rerank_error(exc) from None
 
     def finish(outputs: list[PoolingOutput]) -> list[tuple[int, float]]:
-        return postprocess.rank(scores.finish(outputs), top_n)
+        try:
+            return postprocess.rank(scores.finish(outputs), top_n)
+        except InputError as exc:
+            raise _rerank_error(exc) from None
 
     return PreparedCall(scores.requests, finish)
+
+
+def _rerank_error(exc: InputError) -> InputError:
+    """A score error in rerank's words: text_1 is the query, text_2 the documents."""
+    side, _, rest = (exc.field or "").partition(".")
+    if side == "text_1":
+        return type(exc)(exc.reason, field="query" + (f".{rest}" if rest else ""))
+    if side == "text_2":
+        return type(exc)(
+            exc.reason, index=exc.index, field="documents" + (f".{rest}" if rest else "")
+        )
+    return exc
+
+
+def cut_documents(ctx: CallContext, documents: list[Any], max_tokens: Any) -> list[Any]:
+    """Each document cut to its first `max_tokens` tokens (its own tokens, special tokens not
+    counted): a text at the end of its last kept token, token ids by count."""
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise InputError(
+            f"max_tokens_per_doc must be a positive integer, got {max_tokens!r}",
+            field="max_tokens_per_doc",
+        )
+    tokenizer = ctx.tokenizer
+    out = []
+    for i, doc in enumerate(documents):
+        if isinstance(doc, str) and doc:
+            if tokenizer is None:
+                raise InputError(
+                    "cutting documents to max_tokens_per_doc needs the model's tokenizer",
+                    field="max_tokens_per_doc",
+                )
+            try:
+                ctx.inputs.check_text_size(doc, i)
+            except InputError as exc:
+                raise InputError(exc.reason, index=i, field="documents") from None
+            offsets = tokenizer.encode_plain(doc).offsets  # [(start, end)] per token
+            if len(offsets) > max_tokens:
+                doc = doc[: offsets[max_tokens - 1][1]]
+        elif isinstance(doc, list) and len(doc) > max_tokens:
+            doc = doc[:max_tokens]
+        out.append(doc)
+    return out
 
 
 # ---- sparse -----------------------------------------------------------------------------
@@ -417,9 +635,14 @@ def prepare_embed_sparse(
     exclude_special_tokens: bool = False,
     truncate_prompt_tokens: int | None = None,
     truncation_side: TruncationSide = "right",
+    prompt_name: str | None = None,
+    prompt: str | None = None,
 ) -> PreparedCall[SparseResult]:
     """The requests of `Engine.embed_sparse`, and its result: `{token: weight}` per input."""
     check_top_k(top_k)
+    # Only a prompt the call names: sparse calls never took the folder's default prompt.
+    named = prompt_name is not None or prompt is not None
+    named_prompt = instruction(ctx, prompt_name, prompt) if named else None
     tokenizer = ctx.tokenizer
     if return_tokens and tokenizer is None:
         raise InputError(
@@ -430,7 +653,7 @@ def prepare_embed_sparse(
         ctx,
         inputs,
         PoolingParams(task="sparse", exclude_special_tokens=exclude_special_tokens),
-        TextOptions(truncate_prompt_tokens, truncation_side),
+        TextOptions(truncate_prompt_tokens, truncation_side, named_prompt),
     )
 
     def finish(outputs: list[PoolingOutput]) -> SparseResult:

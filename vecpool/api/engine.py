@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from vecpool.api import calls
+from vecpool.api import calls, postprocess
 from vecpool.api import windowed as windowed_embed
 from vecpool.api.args import DEFAULT_MODEL_PACKAGE, EngineArgs
 from vecpool.api.calls import CallContext, SparseResult
@@ -286,6 +286,7 @@ class Engine:
             max_num_seqs=self.scheduler_config.max_num_seqs,
             tokenizer_file=str(tokenizer_file) if tokenizer_file is not None else None,
             input_sides=dict(self.inputs.sides),
+            pooling=self.defaults.pooler,
         )
 
     # ---- embed and per-token tasks -----------------------------------------------------
@@ -300,6 +301,8 @@ class Engine:
         truncation_side: TruncationSide = "right",
         prompt_name: str | None = None,
         prompt: str | None = None,
+        precision: str = "float32",
+        ranges: np.ndarray | None = None,
         show_progress: bool | None = None,
         windowed: bool | None = None,
     ) -> np.ndarray:
@@ -310,7 +313,14 @@ class Engine:
         `windowed=True` (default: the engine's `windowed_embed`) embeds an input longer than
         the model's limit as the token-weighted mean of overlapping windows, an approximation
         (`vecpool.api.windowed`).
+
+        `precision` "int8", "uint8", "binary" or "ubinary": the vectors quantized as
+        sentence-transformers' `quantize_embeddings` does (`vecpool.api.postprocess.quantize`);
+        int8 / uint8 use `ranges` (`[2, dim]`: each dimension's minimum and maximum) when
+        given, else the minimum and maximum of this call's vectors.
         """
+        dim = dimensions or self.output_dim
+        checked_ranges = calls.check_quantization(precision, ranges, dim)
         if windowed if windowed is not None else self.args.windowed_embed:
             call = windowed_embed.prepare_embed_windowed(
                 self.context,
@@ -324,20 +334,23 @@ class Engine:
                 prompt_name=prompt_name,
                 prompt=prompt,
             )
-            return self.run(call, show_progress=show_progress, desc="embed")
-        outputs = self.encode(
-            inputs,
-            task="embed",
-            dimensions=dimensions,
-            normalize=normalize,
-            truncate_prompt_tokens=truncate_prompt_tokens,
-            truncation_side=truncation_side,
-            prompt_name=prompt_name,
-            prompt=prompt,
-            show_progress=show_progress,
-        )
-        dim = dimensions or self.output_dim
-        return np.stack(outputs) if outputs else np.zeros((0, dim), dtype=np.float32)
+            vectors = self.run(call, show_progress=show_progress, desc="embed")
+        else:
+            outputs = self.encode(
+                inputs,
+                task="embed",
+                dimensions=dimensions,
+                normalize=normalize,
+                truncate_prompt_tokens=truncate_prompt_tokens,
+                truncation_side=truncation_side,
+                prompt_name=prompt_name,
+                prompt=prompt,
+                show_progress=show_progress,
+            )
+            vectors = np.stack(outputs) if outputs else np.zeros((0, dim), dtype=np.float32)
+        if precision == "float32":
+            return vectors
+        return postprocess.quantize(vectors, precision, checked_ranges)
 
     def encode(
         self,
@@ -508,16 +521,21 @@ class Engine:
         documents: Sequence[Any],
         top_n: int | None = None,
         *,
+        use_activation: bool | None = None,
+        max_tokens_per_doc: int | None = None,
         truncate_prompt_tokens: int | None = None,
         truncation_side: TruncationSide = "right",
         show_progress: bool | None = None,
     ) -> list[tuple[int, float]]:
         """`(document index, score)` pairs, best first, the first `top_n` of them (None or 0:
-        every document); scores as `score(query, documents)` gives them."""
+        every document); scores as `score(query, documents)` gives them.
+        `max_tokens_per_doc`: each document cut to that many of its own tokens first."""
         call = self.prepare_rerank(
             query,
             documents,
             top_n,
+            use_activation=use_activation,
+            max_tokens_per_doc=max_tokens_per_doc,
             truncate_prompt_tokens=truncate_prompt_tokens,
             truncation_side=truncation_side,
         )
@@ -529,6 +547,8 @@ class Engine:
         documents: Sequence[Any],
         top_n: int | None = None,
         *,
+        use_activation: bool | None = None,
+        max_tokens_per_doc: int | None = None,
         truncate_prompt_tokens: int | None = None,
         truncation_side: TruncationSide = "right",
     ) -> PreparedCall[list[tuple[int, float]]]:
@@ -537,6 +557,8 @@ class Engine:
             query,
             documents,
             top_n,
+            use_activation=use_activation,
+            max_tokens_per_doc=max_tokens_per_doc,
             truncate_prompt_tokens=truncate_prompt_tokens,
             truncation_side=truncation_side,
         )
@@ -738,16 +760,27 @@ class Engine:
         return self.model_runner.embed_tokens(torch.from_numpy(prompt.token_ids)).cpu()
 
     def tokenize(
-        self, text: str, *, prompt_name: str | None = None, prompt: str | None = None
+        self,
+        text: str,
+        *,
+        prompt_name: str | None = None,
+        prompt: str | None = None,
+        add_special_tokens: bool = True,
     ) -> list[int]:
         """The token ids a text input becomes (special tokens and instruction included),
         however long: counting tokens is one of its uses."""
-        return calls.tokenize(self.context, text, prompt_name=prompt_name, prompt=prompt)
+        return calls.tokenize(
+            self.context,
+            text,
+            prompt_name=prompt_name,
+            prompt=prompt,
+            add_special_tokens=add_special_tokens,
+        )
 
-    def detokenize(self, token_ids: Sequence[int]) -> str:
-        """The text of vocabulary ids (special tokens skipped); `InputError` for an id outside
-        the vocabulary."""
-        return calls.detokenize(self.context, token_ids)
+    def detokenize(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        """The text of vocabulary ids (special tokens skipped unless `skip_special_tokens` is
+        false); `InputError` for an id outside the vocabulary."""
+        return calls.detokenize(self.context, token_ids, skip_special_tokens=skip_special_tokens)
 
     # ---- helpers -------------------------------------------------------------------------
 

@@ -48,6 +48,7 @@ class EngineInfo:
     tokenizer_file: str | None  # the folder's tokenizer.json, if any
     # How a late-interaction model writes each side ("query", "document") at the input stage.
     input_sides: dict[str, SideFormat] = field(default_factory=dict)
+    pooling: str = ""  # how `embed` pools token states: "CLS", "MEAN", "LAST", ...
 
     @property
     def torch_dtype(self) -> torch.dtype:

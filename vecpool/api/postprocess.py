@@ -74,3 +74,63 @@ def sparse_tokens(
         token = id_to_token(token_id)
         out[token if token is not None else f"[{token_id}]"] = weight
     return out
+
+
+# ---- quantized embeddings -----------------------------------------------------------------
+
+PRECISIONS = ("float32", "int8", "uint8", "binary", "ubinary")
+
+
+def quantization_ranges(
+    embeddings: np.ndarray, calibration_embeddings: np.ndarray | None = None
+) -> np.ndarray:
+    """`[2, dim]`: the per-dimension minimum and maximum of `calibration_embeddings`, or of
+    `embeddings` themselves (which takes more than one vector)."""
+    data = embeddings if calibration_embeddings is None else calibration_embeddings
+    if data.ndim != 2 or (data.shape[0] < 2 and calibration_embeddings is None):
+        raise InputError(
+            "int8 / uint8 ranges cannot be computed from a single embedding; pass ranges "
+            "([2, dim]: per-dimension minimum and maximum) or calibration embeddings",
+            field="ranges",
+        )
+    return np.vstack((data.min(axis=0), data.max(axis=0)))
+
+
+def quantize(
+    embeddings: np.ndarray,
+    precision: str,
+    ranges: np.ndarray | None = None,
+    calibration_embeddings: np.ndarray | None = None,
+) -> np.ndarray:
+    """`[n, dim]` float embeddings at a lower `precision`, as sentence-transformers'
+    `quantize_embeddings` defines them:
+
+    - `int8` / `uint8`: each dimension's range (`ranges[0]` to `ranges[1]`; else the minimum
+      and maximum of `calibration_embeddings`, else of `embeddings`) cut into 256 buckets,
+      `floor((x - min) / ((max - min) / 255))` clipped to [0, 255]; int8 is that minus 128.
+    - `binary` / `ubinary`: one bit per dimension (1 where `x > 0`), packed eight to a byte,
+      first dimension in the high bit: `[n, ceil(dim / 8)]`; binary is the byte minus 128.
+    - `float32`: the embeddings as float32.
+    """
+    if precision == "float32":
+        return embeddings.astype(np.float32)
+    if precision in ("int8", "uint8"):
+        if ranges is None:
+            ranges = quantization_ranges(embeddings, calibration_embeddings)
+        ranges = np.asarray(ranges, dtype=np.float32)
+        starts = ranges[0]
+        steps = (ranges[1] - starts) / 255
+        steps = np.where(steps == 0, 1, steps)
+        buckets = np.clip(np.floor((embeddings - starts) / steps), 0, 255)
+        if precision == "uint8":
+            return buckets.astype(np.uint8)
+        return (buckets - 128).astype(np.int8)
+    bits = np.packbits(embeddings > 0, axis=-1)
+    if precision == "ubinary":
+        return bits
+    return (bits.astype(np.int16) - 128).astype(np.int8)
+
+
+def unit_ranges(dim: int) -> np.ndarray:
+    """`[2, dim]` ranges of -1 to 1: where every component of a unit vector lies."""
+    return np.vstack((np.full(dim, -1.0, np.float32), np.full(dim, 1.0, np.float32)))

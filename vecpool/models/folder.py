@@ -471,6 +471,8 @@ def _positive_int(value: Any, name: str, source: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ModelLoadError(f"{source}: {name} must be a positive integer, got {value!r}")
     return value
+
+
 # SpladePooling's fields: those that set the math, and those that do not change the result.
 _SPLADE_CHOICES = {
     "pooling_strategy": ("max", "sum"),

@@ -74,7 +74,9 @@ class HeadBatch:
         """`outputs` of the sequences that end their prompts; None for those that continue."""
         if self.carry is None:
             return list(outputs)
-        return [out if final else None for out, final in zip(outputs, self.carry.final, strict=True)]
+        return [
+            out if final else None for out, final in zip(outputs, self.carry.final, strict=True)
+        ]
 
     def flags(self, name: str, default: bool) -> torch.Tensor:  # [k] bool on the device
         values = [

@@ -2,7 +2,8 @@
 
 Prompt embeds arrive as base64 of a `.npy` file (read with `allow_pickle=False`) or of a
 `torch.save` tensor (read with `weights_only=True`, the vLLM client convention). Vectors leave
-as float lists or as base64 of little-endian float32 / float16 / bfloat16 bytes.
+as float lists, or as bytes (base64, or the raw body of vLLM's `bytes` format) of float32 /
+float16 / bfloat16 / fp8 values in the byte order asked for, or of quantized int8 / uint8.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +19,7 @@ import numpy as np
 import torch
 
 from vecpool.errors import InputError
-from vecpool.server.protocol import INPUT_DOC, EmbedDtype, EncodingFormat
+from vecpool.server.protocol import INPUT_DOC, EmbedDtype, EncodingFormat, Endianness
 
 _NPY_MAGIC = b"\x93NUMPY"
 _EMBEDS_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -151,32 +153,47 @@ def decode_prompt_embeds(data: str, index: int) -> np.ndarray | torch.Tensor:
     return tensor
 
 
-def encode_array(array: np.ndarray, encoding: EncodingFormat, dtype: EmbedDtype) -> Any:
-    """A float32 array as nested float lists (values rounded to `dtype`) or base64 bytes."""
-    if encoding == "base64":
-        return base64.b64encode(to_bytes(array, dtype)).decode("ascii")
-    if dtype != "float32":
+_FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def encode_array(
+    array: np.ndarray,
+    encoding: EncodingFormat,
+    dtype: EmbedDtype = "float32",
+    endianness: Endianness = "native",
+) -> Any:
+    """A vector (or `[n, dim]` array) as nested lists (floats rounded to `dtype`; quantized
+    integers as they are) or as base64 of its bytes (`to_bytes`)."""
+    if encoding != "float":
+        return base64.b64encode(to_bytes(array, dtype, endianness)).decode("ascii")
+    if array.dtype.kind == "f" and dtype != "float32":
         array = round_to(array, dtype)
     return array.tolist()
 
 
-def to_bytes(array: np.ndarray, dtype: EmbedDtype) -> bytes:
-    """Little-endian bytes of `array` in `dtype`, row-major."""
+def to_bytes(array: np.ndarray, dtype: EmbedDtype, endianness: Endianness = "native") -> bytes:
+    """The bytes of `array` in `dtype` (float arrays; a quantized int8 / uint8 array is one
+    byte per value as it is), row-major, in the byte order `endianness` ("native": this
+    machine's, as vLLM defines it)."""
+    if array.dtype.kind in "iu":
+        return np.ascontiguousarray(array).tobytes()
+    order = "<" if (sys.byteorder if endianness == "native" else endianness) == "little" else ">"
+    if dtype in _FP8:
+        values = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32)).to(_FP8[dtype])
+        return values.view(torch.uint8).numpy().tobytes()
     if dtype == "bfloat16":
         halves = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32)).bfloat16()
-        return halves.view(torch.int16).numpy().astype("<i2").tobytes()
-    return np.ascontiguousarray(array, dtype="<f2" if dtype == "float16" else "<f4").tobytes()
+        return halves.view(torch.int16).numpy().astype(f"{order}i2").tobytes()
+    float_type = f"{order}f2" if dtype == "float16" else f"{order}f4"
+    return np.ascontiguousarray(array, dtype=float_type).tobytes()
 
 
 def round_to(array: np.ndarray, dtype: EmbedDtype) -> np.ndarray:
     """`array` rounded to `dtype` and back to float32."""
-    if dtype == "bfloat16":
-        return (
-            torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
-            .bfloat16()
-            .float()
-            .numpy()
-        )
+    if dtype in _FP8 or dtype == "bfloat16":
+        target = _FP8.get(dtype, torch.bfloat16)
+        values = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
+        return values.to(target).float().numpy()
     if dtype == "float16":
         return array.astype(np.float16).astype(np.float32)
     return array

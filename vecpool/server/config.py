@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 from vecpool.errors import ConfigError
 
-# Paths served without an API key: liveness probes and Prometheus scrapes.
-PUBLIC_PATHS = frozenset({"/health", "/metrics"})
+# Paths served without an API key: liveness probes (/ping: SageMaker's) and Prometheus scrapes.
+PUBLIC_PATHS = frozenset({"/health", "/ping", "/metrics"})
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,12 @@ validation errors (malformed JSON, wrong types, unknown fields) are 400, never 4
 
 from __future__ import annotations
 
+import functools
 import json
+import uuid
+from collections.abc import Awaitable, Callable
 from http import HTTPStatus
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from vecpool.errors import InputError
 
@@ -99,6 +102,29 @@ def input_error(exc: InputError, list_name: str = "input") -> ApiError:
     return ApiError(400, str(exc), param=param, code="invalid_input")
 
 
+def side_errors(
+    names: dict[str, str], indexed: dict[str, bool]
+) -> Callable[[InputError], ApiError]:
+    """Maps an error naming a side of the call (`names`: the api's field -> the request's) to
+    a 400 whose `param` is the request's field, with the item's index where the field was a
+    list (`indexed`). An error about no input and no field is about the model: no param."""
+
+    def to_api_error(exc: InputError) -> ApiError:
+        side, _, rest = (exc.field or "").partition(".")
+        if side in names:
+            param = names[side]
+            if exc.index is not None and indexed.get(side, True):
+                param += f"[{exc.index}]"
+            if rest:
+                param += f".{rest}"
+            return ApiError(400, f"{param}: {exc.reason}", param=param, code="invalid_input")
+        if exc.field is None and exc.index is None:
+            return ApiError(400, exc.reason, code="unsupported_by_model")
+        return input_error(exc)
+
+    return to_api_error
+
+
 def validation_param(loc: tuple[int | str, ...]) -> str | None:
     """A pydantic error location as a param: `("input", 2, "text")` -> `"input[2].text"`.
 
@@ -116,3 +142,83 @@ def validation_param(loc: tuple[int | str, ...]) -> str | None:
 
 def _is_union_member(part: str) -> bool:
     return part in {"str", "int", "float", "bool"} or not part.isidentifier() or part[0].isupper()
+
+
+# ---- the peers' own error shapes ---------------------------------------------------------
+
+
+class PeerError(ApiError):
+    """An `ApiError` answered in a peer API's body shape, on that peer's routes."""
+
+    def __init__(self, error: ApiError, status: int, body: dict[str, Any]):
+        super().__init__(
+            status,
+            error.message,
+            param=error.param,
+            code=error.code,
+            type=error.type,
+            headers=error.headers,
+        )
+        self._body = body
+
+    def body(self) -> dict[str, Any]:
+        return self._body
+
+
+# Text Embeddings Inference's error types and their statuses.
+_TEI_BY_CODE = {
+    "invalid_json": (400, "validation"),
+    "empty_input": (400, "empty"),
+    "payload_too_large": (413, "validation"),
+    "too_many_inputs": (413, "validation"),
+    "invalid_input": (413, "validation"),  # TEI's validation errors (e.g. too long) are 413
+    "unsupported_by_model": (424, "backend"),
+    "engine_error": (424, "backend"),
+    "queue_full": (429, "overloaded"),
+    "unavailable": (503, "unhealthy"),
+}
+
+
+def tei_error(error: ApiError) -> ApiError:
+    """`error` as Text Embeddings Inference answers: `{"error": message, "error_type": ...}`
+    with its status for that type (validation 413 or 422, empty 400, backend 424,
+    overloaded 429, unhealthy 503)."""
+    if isinstance(error, PeerError):
+        return error
+    if error.param == "task":  # a route the model cannot serve ("not a re-ranker model")
+        status, kind = 424, "backend"
+    elif error.code in _TEI_BY_CODE:
+        status, kind = _TEI_BY_CODE[error.code]
+    elif error.status == 400:  # a body of the wrong types, as TEI's JSON extractor answers
+        status, kind = 422, "validation"
+    else:
+        status, kind = error.status, "backend" if error.status >= 500 else "validation"
+    return PeerError(error, status, {"error": error.message, "error_type": kind})
+
+
+def cohere_error(error: ApiError) -> ApiError:
+    """`error` as Cohere answers: `{"id": ..., "message": ...}`, the same status."""
+    if isinstance(error, PeerError):
+        return error
+    return PeerError(error, error.status, {"id": uuid.uuid4().hex, "message": error.message})
+
+
+Handler = TypeVar("Handler", bound=Callable[..., Awaitable[Any]])
+
+
+def answered_as(shape: Callable[[ApiError], ApiError]) -> Callable[[Handler], Handler]:
+    """A decorator: the handler's refusals (`ApiError`, and `InputError` as a 400) in `shape`."""
+
+    def wrap(handler: Handler) -> Handler:
+        @functools.wraps(handler)
+        async def shaped(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return await handler(*args, **kwargs)
+            except ApiError as exc:
+                raise shape(exc) from None
+            except InputError as exc:
+                raise shape(input_error(exc)) from None
+
+        return cast(Handler, shaped)
+
+    return wrap

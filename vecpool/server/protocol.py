@@ -1,17 +1,22 @@
-"""Request bodies, as pydantic models (strict types, unknown fields refused).
+"""Request bodies, as pydantic models (strict types, unknown fields refused), one per API shape.
 
 `input` fields are typed `Any` here and parsed by `codec.parse_inputs`, which names the index of
 a bad item; everything else is checked by pydantic, whose errors become 400s naming the field.
+Bodies are parsed by hand (`routes.common.read_body`), not by FastAPI; `openapi_body` publishes
+each route's models in the OpenAPI document all the same.
 """
 
 from __future__ import annotations
 
+from functools import cache
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-EncodingFormat = Literal["float", "base64"]
-EmbedDtype = Literal["float32", "float16", "bfloat16"]
+EncodingFormat = Literal["float", "base64", "bytes", "bytes_only"]
+EmbedDtype = Literal["float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2"]
+Endianness = Literal["native", "big", "little"]
+Precision = Literal["float32", "int8", "uint8", "binary", "ubinary"]
 
 INPUT_DOC = (
     "a string, a list of strings, a token array, a list of token arrays, or a list mixing "
@@ -31,18 +36,28 @@ class TextParams(ApiModel):
         None, description="keep this many tokens of each input; -1: the model's limit"
     )
     truncation_side: Literal["left", "right"] = "right"
-    prompt_name: str | None = Field(
-        None, description="prefix text inputs with this instruction prompt of the model folder"
-    )
     user: str | None = None  # OpenAI's end-user tag; accepted and not used
+    priority: int | None = Field(None, description="vLLM's, Cohere's: accepted and not used")
 
 
 class OutputParams(TextParams):
     """How vectors come back."""
 
-    encoding_format: EncodingFormat = "float"
+    prompt_name: str | None = Field(
+        None, description="prefix text inputs with this instruction prompt of the model folder"
+    )
+
+    encoding_format: EncodingFormat = Field(
+        "float",
+        description="float: JSON numbers; base64: the bytes of each vector; bytes (vLLM): the "
+        "body is every vector's bytes, one after another, and the `metadata` header says "
+        "where each lies; bytes_only: the same without the header",
+    )
     embed_dtype: EmbedDtype = Field(
         "float32", description="dtype of the values: the bytes of base64, the rounding of floats"
+    )
+    endianness: Endianness = Field(
+        "native", description="byte order of base64 and bytes values (native: the server's)"
     )
     dimensions: int | None = None
     normalize: bool | None = None
@@ -52,6 +67,19 @@ class EmbeddingRequest(OutputParams):
     """`POST /v1/embeddings`, OpenAI's shape plus vecpool's extensions."""
 
     input: Any = Field(..., description=INPUT_DOC)
+    use_activation: bool | None = Field(
+        None, description="vLLM's name of normalize for embeddings (false: raw pooled vectors)"
+    )
+    precision: Precision = Field(
+        "float32",
+        description="quantized vectors as sentence-transformers' quantize_embeddings makes "
+        "them: int8 / uint8 (integers), binary / ubinary (bits packed eight to a byte)",
+    )
+    ranges: list[list[float]] | None = Field(
+        None,
+        description="int8 / uint8: [minimums, maximums], one per dimension; default -1 and 1 "
+        "(the range of a unit vector's components)",
+    )
 
 
 class PoolingRequest(OutputParams):
@@ -69,9 +97,13 @@ class PoolingRequest(OutputParams):
 
 
 class TokenizeRequest(ApiModel):
+    """`POST /tokenize`, vLLM's shape."""
+
     model: str | None = None
     prompt: str
     prompt_name: str | None = None
+    add_special_tokens: bool = True
+    return_token_strs: bool = Field(False, description="also return each token's string")
 
 
 class DetokenizeRequest(ApiModel):
@@ -79,25 +111,79 @@ class DetokenizeRequest(ApiModel):
     tokens: list[int]
 
 
-class RerankDocument(ApiModel):
+class RerankDocument(BaseModel):
+    """A document as an object: `text`, and any other fields (returned as given)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
     text: str
 
 
 class RerankRequest(TextParams):
-    """`POST /rerank`, `/v1/rerank`, `/v2/rerank`: the Cohere and Jina shapes."""
+    """`POST /rerank`, `/v1/rerank`, `/v2/rerank`: the Cohere, Jina, vLLM and Infinity
+    shape (`query` and `documents`)."""
 
     query: str
     documents: list[str | RerankDocument]
     top_n: int | None = Field(None, description="how many to return; null or 0: every document")
     return_documents: bool = True
+    use_activation: bool | None = Field(
+        None, description="apply the score head's activation (false: raw logits)"
+    )
+    raw_scores: bool | None = Field(
+        None, description="Infinity's name: true is use_activation false"
+    )
+    max_tokens_per_doc: int | None = Field(
+        None, description="Cohere: cut each document to this many of its own tokens first"
+    )
+    rank_fields: list[str] | None = Field(
+        None, description='Cohere v1: only ["text"], the field every document is ranked by'
+    )
+    max_chunks_per_doc: int | None = Field(
+        None, description="Cohere v1: refused unless null (vecpool does not chunk documents)"
+    )
 
 
-class ScoreRequest(TextParams):
+class ScoreParams(TextParams):
+    use_activation: bool | None = None
+
+
+ScoreSide = str | list[str]
+
+
+class TextScoreRequest(ScoreParams):
     """`POST /score`: `text_1` against each of `text_2` (or pairwise for two equal lists)."""
 
-    text_1: str | list[str]
-    text_2: str | list[str]
-    use_activation: bool | None = None
+    text_1: ScoreSide
+    text_2: ScoreSide
+
+
+class DataScoreRequest(ScoreParams):
+    """`POST /score`, vLLM's `data_1` / `data_2` names."""
+
+    data_1: ScoreSide
+    data_2: ScoreSide
+
+
+class QueriesDocumentsScoreRequest(ScoreParams):
+    """`POST /score`, vLLM's `queries` / `documents` names."""
+
+    queries: ScoreSide
+    documents: ScoreSide
+
+
+class QueriesItemsScoreRequest(ScoreParams):
+    """`POST /score`, vLLM's `queries` / `items` names."""
+
+    queries: ScoreSide
+    items: ScoreSide
+
+
+SCORE_SHAPES: tuple[tuple[type[ScoreParams], str, str], ...] = (
+    (TextScoreRequest, "text_1", "text_2"),
+    (DataScoreRequest, "data_1", "data_2"),
+    (QueriesDocumentsScoreRequest, "queries", "documents"),
+    (QueriesItemsScoreRequest, "queries", "items"),
+)
 
 
 class ClassifyRequest(TextParams):
@@ -106,3 +192,123 @@ class ClassifyRequest(TextParams):
 
     input: Any = Field(..., description=INPUT_DOC)
     use_activation: bool | None = None
+
+
+# ---- Cohere ----------------------------------------------------------------------------
+
+CohereEmbeddingType = Literal["float", "int8", "uint8", "binary", "ubinary", "base64"]
+
+
+class CohereEmbedRequest(ApiModel):
+    """`POST /v1/embed`, `/v2/embed`: Cohere's shape (text only)."""
+
+    model: str | None = None
+    texts: list[str] | None = None
+    images: list[str] | None = Field(None, description="refused: vecpool embeds text")
+    inputs: list[Any] | None = Field(None, description="refused: vecpool embeds texts")
+    input_type: (
+        Literal["search_document", "search_query", "classification", "clustering", "image"] | None
+    ) = Field(
+        None,
+        description="the model's prompt of that role: query, document (or passage), "
+        "classification, clustering; none when the model has no such prompt",
+    )
+    embedding_types: list[CohereEmbeddingType] | None = None
+    truncate: Literal["NONE", "START", "END"] = "END"
+    max_tokens: int | None = Field(None, description="cut each text to this many tokens")
+    output_dimension: int | None = None
+    priority: int | None = Field(None, description="accepted and not used")
+
+
+# ---- Text Embeddings Inference -----------------------------------------------------------
+
+TruncationDirection = Literal["left", "right", "Left", "Right"]
+TEI_INPUTS_DOC = "a string, a token array, or a list of strings and token arrays"
+
+
+class TeiTextParams(ApiModel):
+    truncate: bool | None = Field(
+        None, description="cut inputs over the model's limit; null: the server's --auto-truncate"
+    )
+    truncation_direction: TruncationDirection = "right"
+
+
+class TeiEmbedRequest(TeiTextParams):
+    """`POST /embed` (and `/` of an embedding model): Text Embeddings Inference's shape."""
+
+    inputs: Any = Field(..., description=TEI_INPUTS_DOC)
+    prompt_name: str | None = None
+    normalize: bool = True
+    dimensions: int | None = None
+
+
+class TeiTokensRequest(TeiTextParams):
+    """`POST /embed_all`, `/embed_sparse`."""
+
+    inputs: Any = Field(..., description=TEI_INPUTS_DOC)
+    prompt_name: str | None = None
+
+
+class TeiPredictRequest(TeiTextParams):
+    """`POST /predict` (and `/` of a classifier)."""
+
+    inputs: Any = Field(
+        ...,
+        description="a string, a pair [string, string], or a batch [[string], "
+        "[string, string], ...]",
+    )
+    raw_scores: bool = False
+
+
+class TeiRerankRequest(TeiTextParams):
+    """`POST /rerank` with `texts`: Text Embeddings Inference's shape."""
+
+    query: str
+    texts: list[str]
+    raw_scores: bool = False
+    return_text: bool = False
+
+
+class TeiTokenizeRequest(ApiModel):
+    """`POST /tokenize` with `inputs`: Text Embeddings Inference's shape."""
+
+    inputs: str | list[str]
+    add_special_tokens: bool = True
+    prompt_name: str | None = None
+
+
+class TeiDecodeRequest(ApiModel):
+    """`POST /decode`."""
+
+    ids: list[int] | list[list[int]]
+    skip_special_tokens: bool = True
+
+
+# ---- OpenAPI -------------------------------------------------------------------------------
+
+
+def openapi_body(*models: type[BaseModel]) -> dict[str, Any]:
+    """The `openapi_extra` of a route whose body is one of `models` (parsed by hand): their
+    JSON schemas, inlined, as its request body."""
+    schemas = [_schema(model) for model in models]
+    schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+@cache
+def _schema(model: type[BaseModel]) -> dict[str, Any]:
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/$defs/"):
+                return inline(defs[ref.removeprefix("#/$defs/")])
+            return {key: inline(value) for key, value in node.items()}
+        if isinstance(node, list):
+            return [inline(value) for value in node]
+        return node
+
+    result: dict[str, Any] = inline(schema)
+    return result

@@ -25,7 +25,7 @@ from vecpool.api import PreparedCall
 from vecpool.api.async_engine import EngineDeadError, QueueFullError
 from vecpool.api.outputs import RunTimes
 from vecpool.errors import InputError, VecpoolError
-from vecpool.server.codec import encode_array
+from vecpool.server.codec import encode_array, to_bytes
 from vecpool.server.errors import ApiError, ClientDisconnectedError, input_error, validation_param
 from vecpool.server.protocol import OutputParams
 from vecpool.server.state import EngineClient, ServerState
@@ -68,7 +68,7 @@ def json_response(content: bytes, headers: dict[str, str] | None = None) -> Resp
     return Response(content, media_type="application/json", headers=headers)
 
 
-def dumps(body: dict[str, Any]) -> bytes:
+def dumps(body: Any) -> bytes:
     return json.dumps(body, allow_nan=False, separators=(",", ":")).encode()
 
 
@@ -85,19 +85,52 @@ def render_vectors(
     item_object: str,
     key: str,
     model: str,
-) -> bytes:
-    """The OpenAI list shape of one vector (or one `[n, dim]` array) per input."""
+) -> Response:
+    """The OpenAI list shape of one vector (or one `[n, dim]` array) per input; with
+    `encoding_format` bytes / bytes_only, vLLM's: the body is every vector's bytes in input
+    order, and (bytes) the `metadata` header the JSON of where each lies and its shape."""
+    headers = timings.headers()
+    if body.encoding_format in ("bytes", "bytes_only"):
+        chunks: list[bytes] = []
+        items: list[dict[str, Any]] = []
+        offset = 0
+        for index, vector in enumerate(vectors):
+            raw = to_bytes(vector, body.embed_dtype, body.endianness)
+            items.append(
+                {
+                    "index": index,
+                    "embed_dtype": body.embed_dtype
+                    if vector.dtype.kind == "f"
+                    else str(vector.dtype),
+                    "endianness": body.endianness,
+                    "start": offset,
+                    "end": offset + len(raw),
+                    "shape": list(vector.shape),
+                }
+            )
+            chunks.append(raw)
+            offset += len(raw)
+        if body.encoding_format == "bytes":
+            metadata = {
+                "id": response_id(prefix),
+                "created": int(time.time()),
+                "model": model,
+                "data": items,
+                "usage": timings.usage(),
+            }
+            headers["metadata"] = json.dumps(metadata, separators=(",", ":"))
+        return Response(b"".join(chunks), media_type="application/octet-stream", headers=headers)
     data = []
     for index, vector in enumerate(vectors):
         item: dict[str, Any] = {
             "object": item_object,
             "index": index,
-            key: encode_array(vector, body.encoding_format, body.embed_dtype),
+            key: encode_array(vector, body.encoding_format, body.embed_dtype, body.endianness),
         }
         if body.encoding_format == "base64" and vector.ndim > 1:
             item["shape"] = list(vector.shape)
         data.append(item)
-    return dumps(
+    content = dumps(
         {
             "id": response_id(prefix),
             "object": "list",
@@ -107,10 +140,17 @@ def render_vectors(
             "usage": timings.usage(),
         }
     )
+    return json_response(content, headers)
 
 
 async def read_body(request: HttpRequest, model: type[M], limit: int) -> M:
     """The JSON body as `model`: 413 past `limit` bytes, 400 for anything malformed."""
+    return validate(model, await read_json(request, limit))
+
+
+async def read_json(request: HttpRequest, limit: int) -> dict[str, Any]:
+    """The JSON object of the body: 413 past `limit` bytes, 400 unless a JSON object. Routes
+    that take several body shapes read it so, then `validate` the shape its keys name."""
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
         raise _too_large(int(length), limit)
@@ -122,17 +162,22 @@ async def read_body(request: HttpRequest, model: type[M], limit: int) -> M:
         chunks.append(chunk)
     raw = b"".join(chunks)
     if size > _PARSE_INLINE_BYTES:  # a large body (prompt embeds) is parsed off the event loop
-        return await asyncio.to_thread(_parse, raw, model)
-    return _parse(raw, model)
+        return await asyncio.to_thread(_parse_json, raw)
+    return _parse_json(raw)
 
 
-def _parse(raw: bytes, model: type[M]) -> M:
+def _parse_json(raw: bytes) -> dict[str, Any]:
     try:
         data = json.loads(raw)
     except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
         raise ApiError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise ApiError(400, "the body must be a JSON object", code="invalid_json")
+    return data
+
+
+def validate(model: type[M], data: dict[str, Any]) -> M:
+    """`data` as `model`, or a 400 naming the first field that is wrong."""
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -201,7 +246,7 @@ async def in_executor(
         raise input_error(exc, list_name) from None
 
 
-async def render(vectors: list[np.ndarray], fn: Callable[[], bytes]) -> bytes:
+async def render(vectors: list[np.ndarray], fn: Callable[[], T]) -> T:
     """`fn()` (encoding `vectors` into a response): on the event loop when they are small."""
     if sum(v.size for v in vectors) <= _RENDER_INLINE_VALUES:
         return fn()

@@ -3,6 +3,8 @@ token)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 from fastapi import APIRouter
 from starlette.requests import Request
@@ -10,24 +12,24 @@ from starlette.responses import Response
 
 from vecpool.api import PreparedCall, calls
 from vecpool.server.codec import decode_inputs
-from vecpool.server.protocol import PoolingRequest
-from vecpool.server.routes.common import (
-    json_response,
-    read_body,
-    render,
-    render_vectors,
-    run_call,
-)
+from vecpool.server.protocol import PoolingRequest, openapi_body
+from vecpool.server.routes.common import read_json, render, render_vectors, run_call, validate
 from vecpool.server.routes.embeddings import parse_items
 from vecpool.server.state import get_state
 
 router = APIRouter()
 
 
-@router.post("/pooling")
+@router.post("/pooling", openapi_extra=openapi_body(PoolingRequest))
 async def create_pooling(request: Request) -> Response:
     state = get_state(request)
-    body = await read_body(request, PoolingRequest, state.config.max_payload_bytes)
+    return await pooling(request, await read_json(request, state.config.max_payload_bytes))
+
+
+async def pooling(request: Request, data: dict[str, Any]) -> Response:
+    """Any task's raw output for a parsed body (also reached through `/invocations`)."""
+    state = get_state(request)
+    body = validate(PoolingRequest, data)
     state.check_model(body.model)
     items = parse_items(state, body.input)
 
@@ -47,7 +49,7 @@ async def create_pooling(request: Request) -> Response:
         )
 
     vectors, timings = await run_call(state, request, "/pooling", prepare, len(items))
-    content = await render(
+    return await render(
         vectors,
         lambda: render_vectors(
             vectors,
@@ -59,4 +61,3 @@ async def create_pooling(request: Request) -> Response:
             model=body.model or state.config.model_name,
         ),
     )
-    return json_response(content, timings.headers())

@@ -1,15 +1,17 @@
-"""Scores over pairs and classes: rerank (Cohere and Jina shapes), score, classify.
+"""Scores over pairs and classes: rerank (Cohere, Jina, vLLM, Infinity and Text Embeddings
+Inference shapes), score (vLLM's four pairs of names), classify.
 
 Each route prepares its call (`calls.prepare_rerank` / `prepare_score` / `prepare_classify`)
 and runs it like any other (queue, cancellation on disconnect, timings); the rules of pairing
-and ranking are the api layer's, and this file only maps its errors onto the request's fields.
+and ranking are the api layer's, whose errors name the side at fault ("query" or "documents"
+of rerank, "text_1" or "text_2" of score): this file only renames those to the request's
+fields.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -18,42 +20,70 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from vecpool.api import PreparedCall, calls
-from vecpool.errors import InputError
 from vecpool.server.codec import decode_inputs
-from vecpool.server.errors import ApiError, input_error
-from vecpool.server.protocol import ClassifyRequest, RerankRequest, ScoreRequest
-from vecpool.server.routes.common import dumps, json_response, read_body, response_id, run_call
+from vecpool.server.errors import ApiError, side_errors
+from vecpool.server.protocol import (
+    SCORE_SHAPES,
+    ClassifyRequest,
+    RerankRequest,
+    ScoreParams,
+    TeiRerankRequest,
+    openapi_body,
+)
+from vecpool.server.routes import tei as tei_routes
+from vecpool.server.routes.common import (
+    dumps,
+    json_response,
+    read_json,
+    response_id,
+    run_call,
+    validate,
+)
 from vecpool.server.routes.embeddings import parse_items
 from vecpool.server.state import get_state
 
 router = APIRouter()
 
 
-def _pair_error(first: str, second: str) -> Callable[[InputError], ApiError]:
-    """Maps an engine error about a (first, second) pair to the request's field names: the
-    engine calls the sides text_1 / text_2 (or text / text_pair), and indexes the pairs."""
-
-    def to_api_error(exc: InputError) -> ApiError:
-        if exc.field in ("text_1", "text"):
-            param = first if first == "query" or exc.index is None else f"{first}[{exc.index}]"
-        elif exc.field in ("text_2", "text_pair") or (exc.field is None and exc.index is not None):
-            param = second if exc.index is None else f"{second}[{exc.index}]"
-        else:
-            return input_error(exc)
-        return ApiError(400, str(exc), param=param, code="invalid_input")
-
-    return to_api_error
+RERANK_ERRORS = side_errors({"query": "query", "documents": "documents"}, {"query": False})
 
 
-@router.post("/rerank")
-@router.post("/v1/rerank")
-@router.post("/v2/rerank")
-async def rerank(request: Request) -> Response:
-    """Documents ranked by relevance to the query, best first (Cohere and Jina shapes)."""
+@router.post("/rerank", openapi_extra=openapi_body(RerankRequest, TeiRerankRequest))
+@router.post("/v1/rerank", openapi_extra=openapi_body(RerankRequest))
+@router.post("/v2/rerank", openapi_extra=openapi_body(RerankRequest))
+async def create_rerank(request: Request) -> Response:
+    """Documents ranked by relevance to the query, best first. A body with `texts` is Text
+    Embeddings Inference's and gets its answer; with `documents`, Cohere's, Jina's, vLLM's."""
     state = get_state(request)
-    body = await read_body(request, RerankRequest, state.config.max_payload_bytes)
+    return await rerank_any(request, await read_json(request, state.config.max_payload_bytes))
+
+
+async def rerank_any(request: Request, data: dict[str, Any]) -> Response:
+    """A rerank body of either shape: `texts` (TEI) or `documents` (the others)."""
+    if "texts" in data and "documents" not in data:
+        return await tei_routes.rerank(request, data)
+    return await rerank(request, data)
+
+
+async def rerank(request: Request, data: dict[str, Any]) -> Response:
+    state = get_state(request)
+    body = validate(RerankRequest, data)
     state.check_model(body.model)
     state.check_count(len(body.documents), "documents")
+    if body.rank_fields not in (None, ["text"]):
+        raise ApiError(
+            400,
+            f"rank_fields={body.rank_fields}: documents are ranked by their text only",
+            param="rank_fields",
+        )
+    if body.max_chunks_per_doc is not None:
+        raise ApiError(
+            400,
+            "max_chunks_per_doc: vecpool does not chunk documents; use max_tokens_per_doc or "
+            "truncate_prompt_tokens to cut long documents",
+            param="max_chunks_per_doc",
+        )
+    use_activation = activation(body.use_activation, body.raw_scores)
     texts = [d if isinstance(d, str) else d.text for d in body.documents]
 
     def prepare() -> PreparedCall[list[tuple[int, float]]]:
@@ -62,73 +92,122 @@ async def rerank(request: Request) -> Response:
             body.query,
             texts,
             body.top_n,
+            use_activation=use_activation,
+            max_tokens_per_doc=body.max_tokens_per_doc,
             truncate_prompt_tokens=state.truncate(body),
             truncation_side=body.truncation_side,
         )
 
     ranked, timings = await run_call(
-        state, request, request.url.path, prepare, len(texts) + 1, _pair_error("query", "documents")
+        state, request, request.url.path, prepare, len(texts) + 1, RERANK_ERRORS
     )
     results = []
     for index, score in ranked:
         item: dict[str, Any] = {"index": index, "relevance_score": score}
         if body.return_documents:
-            item["document"] = {"text": texts[index]}
+            document = body.documents[index]
+            item["document"] = (
+                {"text": document} if isinstance(document, str) else document.model_dump()
+            )
         results.append(item)
     content = {
         "id": response_id("rerank"),
         "model": body.model or state.config.model_name,
         "results": results,
-        "usage": {"total_tokens": timings.prompt_tokens},
-        "meta": {"billed_units": {"search_units": 1}},
+        "usage": timings.usage(),
+        "meta": {
+            "billed_units": {"search_units": 1},
+            "tokens": {"input_tokens": timings.prompt_tokens},
+        },
     }
     return json_response(dumps(content), timings.headers())
 
 
-@router.post("/score")
-async def score(request: Request) -> Response:
-    """`text_1` scored against each `text_2` (or pairwise, for two lists of one length)."""
+def activation(use_activation: bool | None, raw_scores: bool | None) -> bool | None:
+    """`use_activation` from it or its other name, `raw_scores` (true: no activation)."""
+    if raw_scores is None:
+        return use_activation
+    if use_activation is not None and use_activation == raw_scores:
+        raise ApiError(
+            400,
+            f"use_activation={use_activation} contradicts raw_scores={raw_scores}",
+            param="raw_scores",
+        )
+    return not raw_scores
+
+
+@router.post("/score", openapi_extra=openapi_body(*(shape for shape, _, _ in SCORE_SHAPES)))
+@router.post("/v1/score", openapi_extra=openapi_body(*(shape for shape, _, _ in SCORE_SHAPES)))
+async def create_score(request: Request) -> Response:
+    """The first side scored against each of the second (or pairwise for two equal lists).
+    Its sides are named `text_1` / `text_2`, `data_1` / `data_2`, `queries` / `documents` or
+    `queries` / `items` (vLLM's names); errors name the request's fields."""
     state = get_state(request)
-    body = await read_body(request, ScoreRequest, state.config.max_payload_bytes)
+    return await score(request, await read_json(request, state.config.max_payload_bytes))
+
+
+def score_shape(data: dict[str, Any]) -> tuple[type[ScoreParams], str, str]:
+    """The shape of a score body, from its keys (that of text_1 / text_2 when none fits)."""
+    for shape in SCORE_SHAPES:
+        _, first, second = shape
+        if first in data and second in data:
+            return shape
+    for shape in SCORE_SHAPES:
+        if shape[1] in data or shape[2] in data:
+            return shape
+    return SCORE_SHAPES[0]
+
+
+async def score(request: Request, data: dict[str, Any]) -> Response:
+    state = get_state(request)
+    model, first_name, second_name = score_shape(data)
+    body = validate(model, data)
     state.check_model(body.model)
-    first = [body.text_1] if isinstance(body.text_1, str) else body.text_1
-    second = [body.text_2] if isinstance(body.text_2, str) else body.text_2
-    state.check_count(len(first), "text_1")
-    state.check_count(len(second), "text_2")
+    first, second = getattr(body, first_name), getattr(body, second_name)
+    firsts = [first] if isinstance(first, str) else first
+    seconds = [second] if isinstance(second, str) else second
+    state.check_count(len(firsts), first_name)
+    state.check_count(len(seconds), second_name)
 
     def prepare() -> PreparedCall[np.ndarray]:
         return calls.prepare_score(
             state.context,
-            first,
-            second,
+            firsts,
+            seconds,
             use_activation=body.use_activation,
             truncate_prompt_tokens=state.truncate(body),
             truncation_side=body.truncation_side,
+            one_score=True,
         )
 
-    scores, timings = await run_call(
-        state, request, "/score", prepare, len(first) + len(second), _pair_error("text_1", "text_2")
+    to_api_error = side_errors(
+        {"text_1": first_name, "text_2": second_name},
+        {"text_1": not isinstance(first, str), "text_2": not isinstance(second, str)},
     )
-    data = [
-        {"index": i, "object": "score", "score": np.asarray(s).tolist()}
-        for i, s in enumerate(scores)
-    ]
+    scores, timings = await run_call(
+        state, request, request.url.path, prepare, len(firsts) + len(seconds), to_api_error
+    )
     content = {
         "id": response_id("score"),
         "object": "list",
         "created": int(time.time()),
         "model": body.model or state.config.model_name,
-        "data": data,
+        "data": [{"index": i, "object": "score", "score": float(s)} for i, s in enumerate(scores)],
         "usage": timings.usage(),
     }
     return json_response(dumps(content), timings.headers())
 
 
-@router.post("/classify")
-async def classify(request: Request) -> Response:
+@router.post("/classify", openapi_extra=openapi_body(ClassifyRequest))
+async def create_classify(request: Request) -> Response:
     """Class probabilities (raw logits with use_activation=false) per input."""
     state = get_state(request)
-    body = await read_body(request, ClassifyRequest, state.config.max_payload_bytes)
+    return await classify(request, await read_json(request, state.config.max_payload_bytes))
+
+
+async def classify(request: Request, data: dict[str, Any]) -> Response:
+    state = get_state(request)
+    body = validate(ClassifyRequest, data)
     state.check_model(body.model)
     items = parse_items(state, body.input)
 
@@ -141,7 +220,7 @@ async def classify(request: Request) -> Response:
             truncation_side=body.truncation_side,
         )
 
-    probs, timings = await run_call(state, request, "/classify", prepare, len(items))
+    probs, timings = await run_call(state, request, request.url.path, prepare, len(items))
     rendered = await asyncio.to_thread(_classes, probs, state.info.id2label)
     content = {
         "id": response_id("classify"),

@@ -14,6 +14,7 @@ router = APIRouter()
 
 
 @router.get("/v1/models")
+@router.get("/models")  # Infinity's
 async def list_models(request: Request) -> Response:
     state = get_state(request)
     info = state.info

@@ -1,0 +1,132 @@
+"""Cohere's embed API: `POST /v1/embed` and `/v2/embed` (texts). Cohere's rerank shares
+`/v1/rerank` and `/v2/rerank` with Jina and vLLM (`scores.py`).
+
+`input_type` picks the model's instruction prompt of that role (`calls.role_prompt_name`);
+`embedding_types` are the vectors' float values and their quantized forms
+(`postprocess.quantize`, as sentence-transformers defines them); `truncate` NONE / START / END
+is no truncation, keep the end, keep the start. Refusals are Cohere's `{"id", "message"}`.
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+import numpy as np
+from fastapi import APIRouter
+from starlette.requests import Request
+from starlette.responses import Response
+
+from vecpool.api import PreparedCall, calls, postprocess
+from vecpool.errors import InputError
+from vecpool.server.codec import to_bytes
+from vecpool.server.errors import ApiError, answered_as, cohere_error, input_error
+from vecpool.server.protocol import CohereEmbedRequest, openapi_body
+from vecpool.server.routes.common import (
+    dumps,
+    json_response,
+    read_json,
+    response_id,
+    run_call,
+    validate,
+)
+from vecpool.server.state import get_state
+
+router = APIRouter()
+
+# Cohere's input types -> the retrieval roles of `calls.role_prompt_name`.
+ROLES = {
+    "search_query": "query",
+    "search_document": "document",
+    "classification": "classification",
+    "clustering": "clustering",
+}
+# vecpool's parameter names -> Cohere's, in errors.
+_PARAMS = {"truncate_prompt_tokens": "max_tokens", "dimensions": "output_dimension"}
+
+
+@router.post("/v1/embed", openapi_extra=openapi_body(CohereEmbedRequest))
+async def create_embed_v1(request: Request) -> Response:
+    return await embed(request, await _read(request), version=1)
+
+
+@router.post("/v2/embed", openapi_extra=openapi_body(CohereEmbedRequest))
+async def create_embed_v2(request: Request) -> Response:
+    return await embed(request, await _read(request), version=2)
+
+
+def texts_error(exc: InputError) -> ApiError:
+    error = input_error(exc, "texts")
+    param = _PARAMS.get(error.param or "")
+    if param is None:
+        return error
+    return ApiError(400, f"{param}: {exc.reason}", param=param, code=error.code)
+
+
+@answered_as(cohere_error)
+async def embed(request: Request, data: dict[str, Any], *, version: int) -> Response:
+    """One embedding per text, in each of `embedding_types` (v1 without them: Cohere's
+    "embeddings_floats" answer, a list of float vectors)."""
+    state = get_state(request)
+    body = validate(CohereEmbedRequest, data)
+    state.check_model(body.model)
+    for name in ("images", "inputs"):
+        if getattr(body, name) is not None:
+            raise ApiError(400, f"{name}: vecpool embeds texts only; send texts", param=name)
+    if body.input_type == "image":
+        raise ApiError(400, "input_type image: vecpool embeds texts only", param="input_type")
+    if not body.texts:
+        raise ApiError(400, "texts: give at least one text", param="texts", code="invalid_input")
+    texts = body.texts
+    state.check_count(len(texts), "texts")
+    if body.truncate == "NONE" and body.max_tokens is not None:
+        raise ApiError(
+            400, "max_tokens cuts texts: it needs truncate START or END", param="max_tokens"
+        )
+    truncate = None if body.truncate == "NONE" else (body.max_tokens or -1)
+    prompt_name = calls.role_prompt_name(state.info, ROLES.get(body.input_type or ""))
+
+    def prepare() -> PreparedCall[list[np.ndarray]]:
+        return calls.prepare_encode(
+            state.context,
+            texts,
+            task="embed",
+            dimensions=body.output_dimension,
+            truncate_prompt_tokens=truncate,
+            truncation_side="left" if body.truncate == "START" else "right",
+            prompt_name=prompt_name,
+        )
+
+    vectors, timings = await run_call(
+        state, request, request.url.path, prepare, len(texts), texts_error
+    )
+    stacked = np.stack(vectors)
+    meta = {
+        "api_version": {"version": str(version)},
+        "billed_units": {"input_tokens": timings.prompt_tokens},
+    }
+    content: dict[str, Any] = {"id": response_id("embed"), "texts": texts, "meta": meta}
+    if version == 1 and body.embedding_types is None:
+        content |= {"response_type": "embeddings_floats", "embeddings": stacked.tolist()}
+    else:
+        types = body.embedding_types or ["float"]
+        embeddings = {kind: typed(stacked, kind) for kind in types}
+        content |= {"response_type": "embeddings_by_type", "embeddings": embeddings}
+    return json_response(dumps(content), timings.headers())
+
+
+def typed(vectors: np.ndarray, kind: str) -> Any:
+    """Cohere's embedding type `kind` of `[n, dim]` float vectors: float lists; int8 / uint8
+    calibrated on -1 to 1 (a unit vector's range, so a text's codes do not depend on the rest
+    of its request); binary / ubinary packed bits; base64 of little-endian float32 bytes."""
+    if kind == "float":
+        return vectors.tolist()
+    if kind == "base64":
+        return [base64.b64encode(to_bytes(v, "float32", "little")).decode("ascii") for v in vectors]
+    ranges = postprocess.unit_ranges(vectors.shape[1]) if kind.endswith("int8") else None
+    return postprocess.quantize(vectors, kind, ranges).tolist()
+
+
+@answered_as(cohere_error)
+async def _read(request: Request) -> dict[str, Any]:
+    return await read_json(request, get_state(request).config.max_payload_bytes)
