@@ -46,6 +46,7 @@ class EngineArgs:
     llm_reranker: LLMRerankerConfig | None = None
     score_mode: str | None = None
     compile: bool | None = None  # torch.compile the layer stack; None: on CUDA, wide models
+    cuda_graphs: bool | None = None  # replay small steps from CUDA graphs; None: on CUDA
     max_input_chars: int | None = None  # texts longer are refused; None: see `input_char_limit`
     # Keys and values kept for prompts that run in chunks (causal models), in prompt
     # positions; None: max_model_len; 0: no chunking (a prompt over the budget runs alone).
@@ -204,6 +205,12 @@ class EngineArgs:
             action=argparse.BooleanOptionalAction,
             help="compile the layer stack with torch.compile (default: on CUDA for hidden "
             "sizes of 768 and more)",
+        )
+        eng.add_argument(
+            "--cuda-graphs",
+            action=argparse.BooleanOptionalAction,
+            help="replay steps of up to 8192 tokens from CUDA graphs, one launch each instead "
+            "of hundreds (default: on CUDA with the varlen attention kernel)",
         )
         eng.add_argument(
             "--llm-reranker",

@@ -25,6 +25,7 @@ from vecpool.engine.request import Request
 from vecpool.engine.scheduler import Scheduler
 from vecpool.errors import ConfigError, InputError
 from vecpool.inputs import InputLimits, InputProcessor, TextOptions, TextTokenizer, TruncationSide
+from vecpool.models.attention import varlen_available
 from vecpool.models.base import Capability
 from vecpool.models.folder import ModelFolder
 from vecpool.models.hf import hf_get
@@ -81,6 +82,8 @@ class Engine:
     else a cross-encoder's classifier, else MaxSim for a ColBERT model, else cosine of
     embeddings). `compile` compiles the layer stack with `torch.compile` (default: on CUDA,
     for hidden sizes from 768; the first batches then take longer while it compiles).
+    `cuda_graphs` replays steps of up to 8192 tokens from CUDA graphs (default: on CUDA where
+    the varlen attention kernel runs; each new step shape is recorded once, on first use).
     """
 
     def __init__(
@@ -98,6 +101,7 @@ class Engine:
         llm_reranker: LLMRerankerConfig | None = None,
         score_mode: str | None = None,
         compile: bool | None = None,
+        cuda_graphs: bool | None = None,
         max_input_chars: int | None = None,
         max_cached_tokens: int | None = None,
         windowed_embed: bool = False,
@@ -116,6 +120,7 @@ class Engine:
             llm_reranker=llm_reranker,
             score_mode=score_mode,
             compile=compile,
+            cuda_graphs=cuda_graphs,
             max_input_chars=max_input_chars,
             max_cached_tokens=max_cached_tokens,
             windowed_embed=windowed_embed,
@@ -169,8 +174,17 @@ class Engine:
         # Compiling the layer stack (fused kernels, dynamic token count): by default on CUDA.
         if compile is None:
             compile = compile_by_default(self.device, self.model.hidden_size)
+        # CUDA graphs for small steps: by default wherever the varlen kernel runs attention.
+        if cuda_graphs is None:
+            cuda_graphs = varlen_available(self.device, self.dtype)
         self.model_runner = ModelRunner(
-            self.model, self.device, self.dtype, compile_backend="inductor" if compile else None
+            self.model,
+            self.device,
+            self.dtype,
+            compile_backend="inductor" if compile else None,
+            graphs=cuda_graphs,
+            max_seqs=self.scheduler_config.max_num_seqs,
+            max_model_len=self.max_model_len,
         )
         heads, self.missing_heads = build_heads(
             self.model,
@@ -227,6 +241,7 @@ class Engine:
             llm_reranker=args.llm_reranker,
             score_mode=args.score_mode,
             compile=args.compile,
+            cuda_graphs=args.cuda_graphs,
             max_input_chars=args.max_input_chars,
             max_cached_tokens=args.max_cached_tokens,
             windowed_embed=args.windowed_embed,

@@ -126,6 +126,10 @@ class ChunkedKV:
         return torch.cat(k_parts), torch.cat(v_parts)
 
 
+class GraphUnsupported(RuntimeError):
+    """A forward being recorded as a CUDA graph reached code that a replay would get wrong."""
+
+
 @dataclass
 class AttentionMetadata:
     """Where each sequence of a flat batch lies. Built once per step by the model runner."""
@@ -142,6 +146,9 @@ class AttentionMetadata:
     max_seqlen_k: int = 0
     # Chunked prompts: the keys and values of their earlier chunks. None: every prompt is whole.
     kv: ChunkedKV | None = None
+    # A CUDA graph is being recorded with this metadata: only the varlen kernel may run (the
+    # padded fallback's shapes depend on the step, which a replay would not see).
+    static: bool = False
     # Padded-fallback masks, built at most once per (causal, window) per step.
     _masks: dict[tuple[bool, int | None], torch.Tensor] = field(default_factory=dict, repr=False)
 
@@ -196,6 +203,10 @@ def flat_attention(
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Attention of every sequence of a flat batch with itself (and, for a chunk of a longer
     prompt, with its prompt's earlier positions)."""
+    if meta.static and not (meta.use_varlen and softcap is None):
+        raise GraphUnsupported(
+            "its attention needs the padded fallback (soft-capping, or no varlen kernel)"
+        )
     if meta.kv is not None:
         return _cached_attention(
             q, k, v, meta, causal=causal, scale=scale, window=window, softcap=softcap

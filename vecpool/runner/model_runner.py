@@ -11,6 +11,7 @@ from vecpool.models.attention import varlen_available
 from vecpool.models.base import PoolingModel
 from vecpool.runner.batch import FlatBatch, build_flat_batch
 from vecpool.runner.compiled import compile_blocks
+from vecpool.runner.graphs import StepGraphs
 from vecpool.runner.kv_cache import KVCache
 from vecpool.runner.step import StepInput
 
@@ -30,6 +31,9 @@ class ModelRunner:
         dtype: torch.dtype,
         *,
         compile_backend: str | None = None,  # e.g. "inductor": compile the layer stack
+        graphs: bool = False,  # replay small steps from CUDA graphs (see graphs.py)
+        max_seqs: int = 256,  # sequences one step may hold
+        max_model_len: int = 512,
     ):
         self.model = model
         self.device = device
@@ -40,6 +44,25 @@ class ModelRunner:
             compile_blocks(model, backend=compile_backend)
         # Bidirectional attention cannot run a prompt in chunks: such models keep no cache.
         self.kv_cache: KVCache | None = KVCache() if model.is_causal else None
+        # Without a CUDA device, graphs=True runs the same padded shapes as plain forwards.
+        self.graphs = (
+            StepGraphs(
+                model,
+                hidden_size=model.hidden_size,
+                dtype=dtype,
+                device=device,
+                max_seqs=max_seqs,
+                max_model_len=max_model_len,
+                use_varlen=self.use_varlen,
+                with_token_types=model.uses_token_type_ids,
+                capture=device.type == "cuda",
+            )
+            if graphs
+            else None
+        )
+        if self.graphs is not None and self.graphs.capture:
+            with torch.inference_mode():
+                self.graphs.warm_up()
 
     @torch.inference_mode()
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
@@ -70,5 +93,9 @@ class ModelRunner:
         if batch.prompt_embeds is not None:
             assert batch.embeds_rows is not None
             x.index_copy_(0, batch.embeds_rows, batch.prompt_embeds)
+        if self.graphs is not None:
+            replayed = self.graphs.run(x, batch.positions, batch.attn, batch.token_type_ids)
+            if replayed is not None:
+                return replayed
         hidden: torch.Tensor = self.model(x, batch.positions, batch.attn, batch.token_type_ids)
         return hidden
