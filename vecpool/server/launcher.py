@@ -13,8 +13,9 @@ With `api_server_count` N >= 1 (the default), the server is N + D + 1 processes:
 
 Pipes tell each process when another is gone: the API processes see an engine process exit
 (its calls in flight fail at once, no new call goes to it, /health answers 503 naming it, the
-other engines go on), and every child sees this one exit (they stop). With `api_server_count` 0, one process serves: the engine loop in a thread beside the
-event loop (`app.create_app`), as `vecpool.server.app` offers it for embedding in Python.
+other engines go on), and every child sees this one exit (they stop). With `api_server_count`
+0, one process serves: the engine loop in a thread beside the event loop (`app.create_app`), as
+`vecpool.server.app` offers it for embedding in Python.
 """
 
 from __future__ import annotations
