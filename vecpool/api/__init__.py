@@ -4,7 +4,7 @@ engine serves (`info.py`), the options that build it (`args.py`), what a call se
 (`outputs.py`) and the asyncio front servers use (`async_engine.py`). Everything a user
 imported from `vecpool.api` is re-exported here."""
 
-from vecpool.api.args import DEFAULT_MODEL_PACKAGE, SCORE_MODES, EngineArgs
+from vecpool.api.args import DEFAULT_MODEL_PACKAGE, SCORE_MODES, EngineArgs, Replica
 from vecpool.api.calls import CallContext
 from vecpool.api.engine import Engine, default_model_path
 from vecpool.api.info import EngineInfo
@@ -26,6 +26,7 @@ __all__ = [
     "PoolingOutput",
     "PreparedCall",
     "PromptRequest",
+    "Replica",
     "default_model_path",
     "outcome",
     "output_data",

@@ -2,13 +2,15 @@
 
 One place for them: `Engine(...)` takes these as keywords, and every command that loads a model
 (`vecpool embed`, `bench`, `serve`) adds the same flags with `add_cli_args` and reads them back
-with `from_cli_args`, so a default or a check is never written twice.
+with `from_cli_args`, so a default or a check is never written twice. `replicas()` places the
+engines of a data-parallel group (`vecpool serve` and `vecpool embed --data-parallel-size N`):
+one per CUDA device, or N on the CPU sharing its cores.
 """
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -55,9 +57,18 @@ class EngineArgs:
     # embeddings (an approximation; see README); a call's `windowed` overrides it.
     windowed_embed: bool = False
     embed_window_overlap: int | None = None  # tokens consecutive windows share; None: 1/8
+    # Engines, one per device (cuda:0 .. cuda:N-1; on the CPU, N sharing the cores). Run by
+    # `vecpool serve` and `vecpool embed` as N processes; one `Engine` object is one of them.
+    data_parallel_size: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "max_input_chars"):
+        for name in (
+            "max_model_len",
+            "max_num_batched_tokens",
+            "max_num_seqs",
+            "max_input_chars",
+            "data_parallel_size",
+        ):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{name} must be positive, got {value}")
@@ -113,6 +124,35 @@ class EngineArgs:
         text over the limit would be truncated anyway; tokenizing it first costs time and
         memory in proportion to its length)."""
         return self.max_input_chars or max(100_000, 100 * max_model_len)
+
+    def replicas(self) -> list[Replica]:
+        """The engines of a data-parallel group of `data_parallel_size`: the i-th on `cuda:i`
+        when the device is CUDA (the machine must have that many devices; `--device cuda`, not
+        one numbered device), else all on the CPU, each with an equal share of its threads."""
+        size = self.data_parallel_size
+        device = torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        threads = max(1, torch.get_num_threads() // size)  # CPU processes share the cores
+        if device.type != "cuda":
+            devices = [str(device)] * size
+        elif size == 1:
+            devices = [str(device)]
+        elif device.index is not None:
+            raise ConfigError(
+                f"--data-parallel-size {size} puts one engine on each of cuda:0 .. "
+                f"cuda:{size - 1}; pass --device cuda (or none), not {device}"
+            )
+        else:
+            count = torch.cuda.device_count()
+            if count < size:
+                raise ConfigError(
+                    f"--data-parallel-size {size} needs {size} CUDA devices; this machine has "
+                    f"{count}"
+                )
+            devices = [f"cuda:{i}" for i in range(size)]
+        return [
+            Replica(rank, replace(self, device=d, data_parallel_size=1), threads)
+            for rank, d in enumerate(devices)
+        ]
 
     @property
     def model_name(self) -> str:
@@ -213,6 +253,14 @@ class EngineArgs:
             "of hundreds (default: on CUDA with the varlen attention kernel)",
         )
         eng.add_argument(
+            "--data-parallel-size",
+            type=int,
+            default=1,
+            metavar="N",
+            help="engine processes, one per GPU (cuda:0 .. cuda:N-1; on the CPU, N processes "
+            "sharing the cores; default: %(default)s)",
+        )
+        eng.add_argument(
             "--llm-reranker",
             choices=sorted(LLM_RERANKERS),
             help="serve a causal LM as a reranker with this prompt template (e.g. Qwen3-Reranker)",
@@ -225,3 +273,13 @@ class EngineArgs:
         name = values["llm_reranker"]
         values["llm_reranker"] = LLM_RERANKERS[name]() if name is not None else None
         return cls(**values)
+
+
+@dataclass(frozen=True)
+class Replica:
+    """One engine of a data-parallel group: its rank, its options (one device,
+    `data_parallel_size` 1) and the CPU threads its process may use."""
+
+    rank: int
+    args: EngineArgs
+    threads: int

@@ -81,6 +81,11 @@ class AsyncEngine:
         """Whether the engine loop thread is alive (started and not shut down)."""
         return self._thread.is_alive()
 
+    @property
+    def health_problem(self) -> str | None:
+        """Why a health check should fail (the loop is not running), or None."""
+        return None if self.is_running else "the engine is not running"
+
     def start(self) -> None:
         self._thread.start()
 

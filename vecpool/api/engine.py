@@ -83,7 +83,10 @@ class Engine:
     embeddings). `compile` compiles the layer stack with `torch.compile` (default: on CUDA,
     for hidden sizes from 768; the first batches then take longer while it compiles).
     `cuda_graphs` replays steps of up to 8192 tokens from CUDA graphs (default: on CUDA where
-    the varlen attention kernel runs; each new step shape is recorded once, on first use).
+    the varlen attention kernel runs; common step shapes are recorded at start, others once,
+    on first use).
+    `data_parallel_size` above 1 is refused: an Engine is one engine in this process (see
+    `EngineArgs.replicas` for how `vecpool serve` and `vecpool embed` place several).
     """
 
     def __init__(
@@ -106,6 +109,7 @@ class Engine:
         max_cached_tokens: int | None = None,
         windowed_embed: bool = False,
         embed_window_overlap: int | None = None,
+        data_parallel_size: int = 1,
     ):
         self.args = args = EngineArgs(
             model,
@@ -125,7 +129,15 @@ class Engine:
             max_cached_tokens=max_cached_tokens,
             windowed_embed=windowed_embed,
             embed_window_overlap=embed_window_overlap,
+            data_parallel_size=data_parallel_size,
         )
+        if data_parallel_size > 1:
+            raise ConfigError(
+                f"data_parallel_size={data_parallel_size}: an Engine is one engine in this "
+                "process; several devices are served by `vecpool serve --data-parallel-size N` "
+                "and embedded by `vecpool embed --data-parallel-size N` (one engine process per "
+                "device), or by one Engine per device in processes of your own"
+            )
         self.folder = ModelFolder.load(model if model is not None else default_model_path())
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(
@@ -246,6 +258,7 @@ class Engine:
             max_cached_tokens=args.max_cached_tokens,
             windowed_embed=args.windowed_embed,
             embed_window_overlap=args.embed_window_overlap,
+            data_parallel_size=args.data_parallel_size,
         )
 
     def _max_model_len(self, asked: int | None) -> int:

@@ -103,13 +103,6 @@ def add_embed_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="discard an interrupted run's OUTPUT.partial/ instead of resuming it",
     )
-    io.add_argument(
-        "--data-parallel-size",
-        type=int,
-        default=1,
-        metavar="N",
-        help="engine processes, one per GPU (on the CPU they share the cores; default: 1)",
-    )
     io.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary")
     emb = parser.add_argument_group("embedding")
     emb.add_argument("--dimensions", type=int, metavar="D", help="keep the first D dimensions")
@@ -140,6 +133,8 @@ def _check_embed_args(args: argparse.Namespace, engine: Engine | None) -> Path |
     if args.input is None:
         if args.output is not None:
             raise CommandError("--output needs --input (with neither, examples are shown)")
+        if args.data_parallel_size != 1:
+            raise CommandError("--data-parallel-size needs --input (the examples run one engine)")
         return None
     if args.output is None:
         raise CommandError("--input needs --output FILE (.npy, .parquet or .jsonl)")

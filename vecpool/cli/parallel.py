@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vecpool.api import Engine, EngineArgs, PreparedCall
+from vecpool.api import Engine, EngineArgs, PreparedCall, Replica
 from vecpool.cli.common import CommandError
 from vecpool.cli.corpus import Chunk
 from vecpool.errors import ConfigError, EngineError, InputError, ModelLoadError, VecpoolError
@@ -108,25 +108,6 @@ class LocalEmbedder:
         pass
 
 
-def worker_devices(args: EngineArgs, size: int) -> list[str]:
-    """The device of each of `size` engine processes: `cuda:i` for the i-th on a CUDA machine
-    (which must have `size` devices), else the CPU for all."""
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type != "cuda":
-        return [str(device)] * size
-    if device.index is not None:
-        raise CommandError(
-            f"--data-parallel-size {size} puts one engine on each of cuda:0 .. cuda:{size - 1}; "
-            f"pass --device cuda (or none), not {device}"
-        )
-    count = torch.cuda.device_count()
-    if count < size:
-        raise CommandError(
-            f"--data-parallel-size {size} needs {size} CUDA devices; this machine has {count}"
-        )
-    return [f"cuda:{i}" for i in range(size)]
-
-
 class ProcessEmbedder:
     """N engine processes (spawned), each embedding whole chunks; results in input order.
 
@@ -136,19 +117,18 @@ class ProcessEmbedder:
     def __init__(self, engine_args: EngineArgs, options: EmbedOptions, size: int, unit: str):
         self.options = options
         self.unit = unit
-        devices = worker_devices(engine_args, size)
-        threads = max(1, torch.get_num_threads() // size)  # CPU processes share the cores
+        replicas = replace(engine_args, data_parallel_size=size).replicas()
         context = mp.get_context("spawn")
         self.tasks: Any = context.Queue()
         self.results: Any = context.Queue()
         self.processes = [
             context.Process(
                 target=_worker_main,
-                args=(engine_args, device, threads, options, self.tasks, self.results, os.getpid()),
-                name=f"vecpool-embed-{rank}",
+                args=(replica, options, self.tasks, self.results, os.getpid()),
+                name=f"vecpool-embed-{replica.rank}",
                 daemon=True,
             )
-            for rank, device in enumerate(devices)
+            for replica in replicas
         ]
         for process in self.processes:
             process.start()
@@ -217,9 +197,7 @@ class ProcessEmbedder:
 
 
 def _worker_main(
-    engine_args: EngineArgs,
-    device: str,
-    threads: int,
+    replica: Replica,
     options: EmbedOptions,
     tasks: Any,
     results: Any,
@@ -228,13 +206,13 @@ def _worker_main(
     """An engine process: load the engine, then embed the chunks it is sent until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides what an interrupt means
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
-    torch.set_num_threads(threads)
+    torch.set_num_threads(replica.threads)
     try:
-        engine = Engine.from_args(replace(engine_args, device=device))
+        engine = Engine.from_args(replica.args)
     except VecpoolError as exc:
         results.put(("failed", type(exc).__name__, str(exc)))
         return
-    results.put(("ready", device, options.dimensions or engine.output_dim))
+    results.put(("ready", str(replica.args.device), options.dimensions or engine.output_dim))
     while (task := tasks.get()) is not None:
         seq, inputs = task
         try:

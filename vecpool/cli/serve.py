@@ -145,6 +145,7 @@ def serve(args: argparse.Namespace) -> int:
             timeout_keep_alive=args.timeout_keep_alive,
             log_level=args.log_level,
         )
+        launcher.check_layout(engine_args, options)
         sock = launcher.bind_socket(args.host, args.port)
     except VecpoolError as exc:
         print(f"vecpool serve: {exc}", file=sys.stderr)

@@ -38,7 +38,7 @@ from vecpool.server.routes import ROUTERS
 from vecpool.server.state import ServerState
 
 if TYPE_CHECKING:  # the process layout's modules (ZeroMQ, msgspec) load only where used
-    from vecpool.server.engine_client import EngineProcessClient
+    from vecpool.server.engine_group import EngineGroupClient
 
 # Not sent to anyone (the client is gone); nginx's code for "client closed request".
 STATUS_CLIENT_CLOSED = 499
@@ -77,12 +77,12 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
 def create_api_app(
     info: EngineInfo,
     config: ServerConfig,
-    client: EngineProcessClient,
+    client: EngineGroupClient,
     *,
     multiprocess_dir: str | None = None,
 ) -> FastAPI:
     """An API-server process's app: calls prepared here (tokenizer and rules from `info`, no
-    model), run on the engine process through `client`. `multiprocess_dir`: where every
+    model), run on the engine processes through `client`. `multiprocess_dir`: where every
     process of the server records its metrics (`/metrics` sums them)."""
     metrics = ServerMetrics(multiprocess_dir=multiprocess_dir)
     state = ServerState(info, CallContext.from_info(info), config, metrics)

@@ -29,8 +29,16 @@ class EngineProcessClient:
     """Runs requests on the engine process at `address`. `start()` inside the event loop
     that will use it; `close()` at exit."""
 
-    def __init__(self, address: str, engine_alive: Connection | None, *, max_queued: int):
+    def __init__(
+        self,
+        address: str,
+        engine_alive: Connection | None,
+        *,
+        max_queued: int,
+        name: str = "the engine process",
+    ):
         self.address = address
+        self.name = name  # in errors and logs, e.g. "engine process 1 (cuda:1)"
         self.max_queued = max_queued
         self._engine_alive = engine_alive
         self._ids = itertools.count()
@@ -73,13 +81,20 @@ class EngineProcessClient:
     def is_running(self) -> bool:
         return self._socket is not None and not self._dead
 
+    @property
+    def health_problem(self) -> str | None:
+        """Why a health check should fail (the engine process exited), or None."""
+        if self._dead:
+            return f"{self.name} exited"
+        return None if self._socket is not None else f"{self.name} is not connected"
+
     async def run(
         self, requests: Sequence[PromptRequest], times: RunTimes | None = None
     ) -> list[PoolingOutput]:
         """Run `requests` on the engine; their outputs in order. `QueueFullError` when the
         engine's queue cannot take them, `EngineDeadError` when the engine process is gone."""
         if self._dead or self._socket is None:
-            raise EngineDeadError("the engine process is not running")
+            raise EngineDeadError(f"{self.name} is not running")
         call_id = next(self._ids)
         future: asyncio.Future[wire.CallDone | wire.CallRefused] = (
             asyncio.get_running_loop().create_future()
@@ -119,8 +134,8 @@ class EngineProcessClient:
         assert self._engine_alive is not None
         asyncio.get_running_loop().remove_reader(self._engine_alive.fileno())
         self._dead = True
-        logger.error("the engine process exited; %d calls in flight fail", len(self._pending))
+        logger.error("%s exited; %d calls in flight fail", self.name, len(self._pending))
         for future in self._pending.values():
             if not future.done():
-                future.set_exception(EngineDeadError("the engine process exited"))
+                future.set_exception(EngineDeadError(f"{self.name} exited"))
         self._pending.clear()

@@ -11,6 +11,7 @@ request, while the others of a burst are a millisecond behind.
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 import math
 import signal
@@ -19,6 +20,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
+import torch
 import zmq
 
 from vecpool.api import Engine, EngineArgs
@@ -217,17 +219,23 @@ def run_engine_process(
     engine_alive: Connection,
     *,
     log_level: str = "info",
+    threads: int | None = None,
+    tag: str = "engine",
 ) -> None:
     """The engine process's entry point: load the engine, report `("ready", EngineInfo)` (or
     `("invalid", message)` for a bad setting or folder, `("error", message)` for anything
     else) on `ready`, then serve until the parent goes away. `engine_alive`
-    is held, never written: its readers see it close when this process exits, however."""
+    is held, never written: its readers see it close when this process exits, however.
+    `threads`: the CPU threads torch may use (engines sharing a machine's cores); `tag`
+    prefixes its log lines."""
     # Ctrl-C reaches every process of the group: the supervisor stops the API processes
     # first (they drain their connections), then this one.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(
-        level=log_level.upper(), format="%(levelname)s:     [engine] %(name)s: %(message)s"
+        level=log_level.upper(), format=f"%(levelname)s:     [{tag}] %(name)s: %(message)s"
     )
+    if threads is not None:
+        torch.set_num_threads(threads)
     try:
         engine = Engine.from_args(engine_args)
         metrics = None
@@ -246,6 +254,10 @@ def run_engine_process(
         return
     ready.send(("ready", engine.info()))
     ready.close()
+    # What start-up made (the model, compiled code, graphs) lives as long as the process: kept
+    # out of the collector's full passes, which otherwise walk it all and stall a step.
+    gc.collect()
+    gc.freeze()
     try:
         loop.run(parent)
     finally:

@@ -1,18 +1,21 @@
 """How `vecpool serve` runs: the processes of the server and the socket they share.
 
-With `api_server_count` N >= 1 (the default), the server is N + 2 processes:
+With `api_server_count` N >= 1 (the default), the server is N + D + 1 processes:
 
 - this one, the supervisor: binds the listening socket, starts the others, and stops them;
-- the engine process: loads the model and runs the engine loop alone
-  (`engine_process.EngineLoop`), fed over a ZeroMQ socket (`ipc://`, a local Unix socket);
+- D engine processes (`data_parallel_size`, default 1; one per device, `EngineArgs.replicas`):
+  each loads the model and runs the engine loop alone (`engine_process.EngineLoop`), fed over a
+  ZeroMQ socket of its own (`ipc://`, a local Unix socket);
 - N API-server processes: uvicorn on the inherited listening socket (the kernel hands each new
   connection to one of them), doing HTTP, validation, tokenization and response encoding with
-  no model (`app.create_api_app`), their calls run by the engine process.
+  no model (`app.create_api_app`), each call run whole by one engine process: the live one to
+  which this API process has the fewest prompt tokens in flight (`engine_group`).
 
-Pipes tell each process when another is gone: the API processes see the engine process exit
-(they answer 503 and fail calls in flight at once), and every child sees this one exit (they
-stop). With `api_server_count` 0, one process serves: the engine loop in a thread beside the
-event loop (`app.create_app`), as `vecpool.server.app` offers it for embedding in Python.
+Pipes tell each process when another is gone: the API processes see an engine process exit
+(its calls in flight fail at once, no new call goes to it, /health answers 503 naming it, the
+other engines go on), and every child sees this one exit (they stop). With `api_server_count`
+0, one process serves: the engine loop in a thread beside the event loop (`app.create_app`), as
+`vecpool.server.app` offers it for embedding in Python.
 """
 
 from __future__ import annotations
@@ -158,6 +161,29 @@ def _environ(name: str, value: str) -> Iterator[None]:
             os.environ[name] = previous
 
 
+def check_layout(engine_args: EngineArgs, options: ServeOptions) -> None:
+    """Refuse, before any model loads, a data-parallel group this layout or machine cannot
+    run."""
+    if engine_args.data_parallel_size > 1 and options.api_server_count == 0:
+        raise ConfigError(
+            "--data-parallel-size runs engine processes; --api-server-count 0 runs the engine "
+            "in the API process: give --api-server-count 1 or more"
+        )
+    engine_args.replicas()  # raises when the devices are not there
+
+
+@dataclass
+class _EngineProcess:
+    """One engine process of the group, as the supervisor holds it."""
+
+    rank: int
+    name: str  # in logs and errors: "the engine process", or "engine process 1 (cuda:1)"
+    address: str
+    process: BaseProcess
+    alive: Connection  # EOF once the process exits (it holds the only writer)
+    ready: Connection
+
+
 def _serve_processes(  # the body of `serve_processes`, inside its directory and environment
     engine_args: EngineArgs,
     config: ServerConfig,
@@ -166,38 +192,24 @@ def _serve_processes(  # the body of `serve_processes`, inside its directory and
     tmp: str,
     metrics_dir: Path,
 ) -> int:
-    from vecpool.server.engine_process import EngineProcessConfig, run_engine_process
-
     ctx = mp.get_context("spawn")
-    engine_config = EngineProcessConfig(
-        address=f"ipc://{tmp}/engine",
-        max_queued=config.max_queued,
-        batch_wait=options.batch_wait_ms / 1000,
-    )
-    # Children see EOF on these when their writer's process is gone (this one; the engine).
+    # Children see EOF on this when this process is gone.
     parent_alive, parent_writer = ctx.Pipe(duplex=False)
-    engine_alive, engine_alive_w = ctx.Pipe(duplex=False)
-    ready, ready_w = ctx.Pipe(duplex=False)
-    engine = ctx.Process(
-        target=run_engine_process,
-        args=(engine_args, engine_config, ready_w, parent_alive, engine_alive_w),
-        kwargs={"log_level": options.log_level},
-        name="vecpool-engine",
-    )
-    engine.start()
-    logger.info("engine process started (pid %s), loading the model", engine.pid)
-    ready_w.close()
-    engine_alive_w.close()  # the engine process holds the only writer now
-    info = _wait_ready(engine, ready)
-    if not isinstance(info, EngineInfo):
-        parent_writer.close()
-        return info
+    engines = _start_engines(ctx, engine_args, options, config, tmp, parent_alive)
+    infos = [_wait_ready(e.process, e.ready) for e in engines]
+    for result in infos:
+        if not isinstance(result, EngineInfo):  # one failed to load: stop the others
+            parent_writer.close()
+            _stop([e.process for e in engines])
+            return result
+    info = infos[0]
+    assert isinstance(info, EngineInfo)
     apis = [
         ctx.Process(
             target=run_api_process,
-            args=(info, config, options, sock, engine_config.address),
+            args=(info, config, options, sock, [(e.address, e.name) for e in engines]),
             kwargs={
-                "engine_alive": engine_alive,
+                "engine_alive": [e.alive for e in engines],
                 "parent_alive": parent_alive,
                 "metrics_dir": str(metrics_dir),
             },
@@ -207,18 +219,61 @@ def _serve_processes(  # the body of `serve_processes`, inside its directory and
     ]
     for api in apis:
         api.start()
+    pids = ", ".join(str(e.process.pid) for e in engines)
     logger.info(
-        "serving %s on http://%s:%d: engine process (pid %s), API-server processes (pids %s)",
+        "serving %s on http://%s:%d: %s, API-server processes (pids %s)",
         info.model_name,
         options.host,
         options.port,
-        engine.pid,
+        f"engine process (pid {pids})" if len(engines) == 1 else f"engine processes (pids {pids})",
         ", ".join(str(api.pid) for api in apis),
     )
     try:
-        return _supervise(engine, apis)
+        return _supervise(engines, apis)
     finally:
         parent_writer.close()
+
+
+def _start_engines(
+    ctx: Any,
+    engine_args: EngineArgs,
+    options: ServeOptions,
+    config: ServerConfig,
+    tmp: str,
+    parent_alive: Connection,
+) -> list[_EngineProcess]:
+    """Start an engine process on each device of the group (they load their models at once)."""
+    from vecpool.server.engine_process import EngineProcessConfig, run_engine_process
+
+    replicas = engine_args.replicas()
+    group = len(replicas) > 1
+    engines = []
+    for replica in replicas:
+        rank = replica.rank
+        name = f"engine process {rank} ({replica.args.device})" if group else "the engine process"
+        engine_config = EngineProcessConfig(
+            address=f"ipc://{tmp}/engine-{rank}",
+            max_queued=config.max_queued,
+            batch_wait=options.batch_wait_ms / 1000,
+        )
+        alive, alive_w = ctx.Pipe(duplex=False)
+        ready, ready_w = ctx.Pipe(duplex=False)
+        process = ctx.Process(
+            target=run_engine_process,
+            args=(replica.args, engine_config, ready_w, parent_alive, alive_w),
+            kwargs={
+                "log_level": options.log_level,
+                "threads": replica.threads if group else None,
+                "tag": f"engine {rank}" if group else "engine",
+            },
+            name=f"vecpool-engine-{rank}" if group else "vecpool-engine",
+        )
+        process.start()
+        logger.info("%s started (pid %s), loading the model", name, process.pid)
+        ready_w.close()
+        alive_w.close()  # the engine process holds the only writer now
+        engines.append(_EngineProcess(rank, name, engine_config.address, process, alive, ready))
+    return engines
 
 
 def _wait_ready(engine: BaseProcess, ready: Connection) -> EngineInfo | int:
@@ -240,7 +295,7 @@ def _wait_ready(engine: BaseProcess, ready: Connection) -> EngineInfo | int:
     return value
 
 
-def _supervise(engine: BaseProcess, apis: Sequence[BaseProcess]) -> int:
+def _supervise(engines: Sequence[_EngineProcess], apis: Sequence[BaseProcess]) -> int:
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -248,16 +303,23 @@ def _supervise(engine: BaseProcess, apis: Sequence[BaseProcess]) -> int:
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     status = 0
+    processes = [e.process for e in engines]
     try:
-        engine_reported = False
+        reported: set[int] = set()
         while not stop.is_set():
-            wait([p.sentinel for p in (engine, *apis) if p.exitcode is None], timeout=0.5)
-            if engine.exitcode is not None and not engine_reported:
-                engine_reported = True
-                logger.error(
-                    "the engine process exited (%s); the API servers answer 503 until stopped",
-                    engine.exitcode,
-                )
+            wait([p.sentinel for p in (*processes, *apis) if p.exitcode is None], timeout=0.5)
+            for e in engines:
+                if e.process.exitcode is not None and e.rank not in reported:
+                    reported.add(e.rank)
+                    left = len(engines) - len(reported)
+                    logger.error(
+                        "%s exited (%s); %s",
+                        e.name,
+                        e.process.exitcode,
+                        f"{left} of {len(engines)} engine processes serve, /health answers 503"
+                        if left
+                        else "the API servers answer 503 until stopped",
+                    )
             if all(api.exitcode is not None for api in apis):
                 status = 1
                 logger.error("every API-server process has exited; stopping")
@@ -265,7 +327,7 @@ def _supervise(engine: BaseProcess, apis: Sequence[BaseProcess]) -> int:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-        _stop([*apis, engine])
+        _stop([*apis, *processes])
     return status
 
 
@@ -286,21 +348,29 @@ def run_api_process(
     config: ServerConfig,
     options: ServeOptions,
     sock: socket.socket,
-    engine_address: str,
+    engines: Sequence[tuple[str, str]],
     *,
-    engine_alive: Connection,
+    engine_alive: Sequence[Connection],
     parent_alive: Connection,
     metrics_dir: str,
 ) -> None:
     """An API-server process's entry point: uvicorn on `sock` until stopped, or until the
-    supervisor is gone."""
+    supervisor is gone. `engines`: each engine process's (address, name), by rank;
+    `engine_alive`: the pipe that closes when it exits."""
     import uvicorn
 
     from vecpool.server.app import create_api_app
     from vecpool.server.engine_client import EngineProcessClient
+    from vecpool.server.engine_group import EngineGroupClient
+    from vecpool.server.metrics import EngineGroupMetrics
 
-    client = EngineProcessClient(engine_address, engine_alive, max_queued=config.max_queued)
-    app = create_api_app(info, config, client, multiprocess_dir=metrics_dir)
+    clients = [
+        EngineProcessClient(address, alive, max_queued=config.max_queued, name=name)
+        for (address, name), alive in zip(engines, engine_alive, strict=True)
+    ]
+    # Recorded into the multiprocess directory, which /metrics reads whole.
+    group = EngineGroupClient(clients, EngineGroupMetrics(registry=None))
+    app = create_api_app(info, config, group, multiprocess_dir=metrics_dir)
     server = uvicorn.Server(uvicorn_config(app, options))
 
     def watch_parent() -> None:

@@ -145,3 +145,24 @@ class EngineMetrics:
 
     def set_queue_size(self, n: int) -> None:
         self.queue_size.set(n)
+
+
+class EngineGroupMetrics:
+    """An API process's view of each engine process of a data-parallel group (label
+    `engine`: its rank), summed over the API processes: prompt tokens sent and not yet
+    answered (what the balancer compares), and prompt tokens of the calls each answered."""
+
+    def __init__(self, registry: CollectorRegistry | None):
+        self.queued_tokens = Gauge(
+            "vecpool_engine_queued_tokens",
+            "Prompt tokens of calls sent to an engine process and not yet answered",
+            ["engine"],
+            multiprocess_mode="livesum",
+            registry=registry,
+        )
+        self.answered_tokens = Counter(
+            "vecpool_engine_answered_tokens",
+            "Prompt tokens of the calls an engine process answered",
+            ["engine"],
+            registry=registry,
+        )

@@ -34,7 +34,10 @@ class EngineClient(Protocol):
     def num_queued(self) -> int: ...
 
     @property
-    def is_running(self) -> bool: ...
+    def is_running(self) -> bool: ...  # can take calls (with data parallel: any engine runs)
+
+    @property
+    def health_problem(self) -> str | None: ...  # why /health fails (any engine gone), or None
 
     async def run(
         self, requests: Sequence[PromptRequest], times: RunTimes | None = None
@@ -59,6 +62,14 @@ class ServerState:
         if self.client is None or not self.client.is_running:
             raise ApiError(503, "the engine is not running", code="unavailable")
         return self.client
+
+    def check_health(self) -> None:
+        """A 503 unless every engine runs. With data parallel, one engine process gone fails
+        the check, naming it, though the others still serve: a probe that sees the server
+        whole restarts it and gets the lost engine back."""
+        problem = self.running_client().health_problem
+        if problem is not None:
+            raise ApiError(503, problem, code="unavailable")
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.config.model_names:

@@ -83,6 +83,6 @@ async def invocations(request: Request) -> Response:
 
 @router.get("/ping")
 async def ping(request: Request) -> Response:
-    """200 while the engine runs, 503 otherwise (SageMaker's health check)."""
-    get_state(request).running_client()
+    """As /health: 200 while every engine runs, 503 otherwise (SageMaker's health check)."""
+    get_state(request).check_health()
     return json_response(dumps({"status": "ok"}))

@@ -37,8 +37,8 @@ async def list_models(request: Request) -> Response:
 
 @router.get("/health")
 async def health(request: Request) -> Response:
-    """200 while the engine runs, 503 otherwise."""
-    get_state(request).running_client()
+    """200 while every engine runs, 503 otherwise (naming the engine processes gone)."""
+    get_state(request).check_health()
     return json_response(dumps({"status": "ok"}))
 
 

@@ -1,0 +1,176 @@
+"""`vecpool serve --data-parallel-size 2` on the CPU: two engine processes behind one port.
+
+Calls spread over both engines (counted in prompt tokens) and answer what one engine answers;
+one engine process killed fails its own calls at once and turns /health to 503 naming it,
+while the other finishes its calls and takes every new one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import transformers
+
+import vecpool
+from tests.helpers import save_hf_model
+from tests.server.conftest import Server, assert_error, start_server
+from tests.server.test_processes import _alive
+from tests.tasks.conftest import tiny_bert_head, with_minilm_tokenizer
+from vecpool.cli.serve import add_serve_arguments, serve
+
+# An input batched with others runs through matrix products of other shapes; their float32
+# sums round differently (well below this on the tiny model).
+BATCHING_TOLERANCE = 1e-6
+WORDS = "cats dogs eat fish bread a man woman runs quickly over under river city".split()
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
+    """A random 2-layer BERT (hidden 32, 128 positions) on the MiniLM tokenizer."""
+    folder = save_hf_model(tiny_bert_head(transformers.BertModel), tmp_path_factory.mktemp("dp"))
+    return with_minilm_tokenizer(folder, default_model_dir)
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_dir: Path) -> vecpool.Engine:
+    return vecpool.Engine(tiny_dir, device="cpu")
+
+
+def _engine_pids(server: Server) -> list[int]:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        found = re.search(r"engine processes \(pids ([\d, ]+)\)", server.log.read_text())
+        if found:
+            return [int(p) for p in found[1].split(", ")]
+        time.sleep(0.1)
+    raise AssertionError(f"no engine pids in the log:\n{server.log.read_text()}")
+
+
+def _answered_tokens(server: Server) -> list[float]:
+    return [server.metric("vecpool_engine_answered_tokens_total", engine=str(i)) for i in (0, 1)]
+
+
+@pytest.fixture(scope="module")
+def dp_server(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """Two engine processes, one input per step (a call of 2048 inputs runs for seconds). The
+    last test of this module kills one of them."""
+    srv = start_server(
+        tmp_path_factory.mktemp("dp_server"),
+        str(tiny_dir),
+        "--data-parallel-size",
+        "2",
+        "--max-num-seqs",
+        "1",
+        log_level="info",
+    )
+    yield srv
+    srv.stop()
+
+
+def test_calls_spread_over_both_engines_by_tokens(
+    dp_server: Server, tiny_engine: vecpool.Engine
+) -> None:
+    assert len(_engine_pids(dp_server)) == 2
+    rng = np.random.default_rng(5)
+    bodies = [
+        [" ".join(rng.choice(WORDS, size=int(rng.integers(2, 40)))) for _ in range(k)]
+        for k in rng.integers(1, 6, size=32)
+    ]
+    before = _answered_tokens(dp_server)
+
+    async def main() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=dp_server.url, timeout=60) as http:
+            return await asyncio.gather(
+                *(http.post("/v1/embeddings", json={"input": body}) for body in bodies)
+            )
+
+    responses = asyncio.run(asyncio.wait_for(main(), 60))
+    expected = iter(tiny_engine.embed([text for body in bodies for text in body]))
+    tokens = 0
+    for body, response in zip(bodies, responses, strict=True):
+        assert response.status_code == 200, response.text
+        got = np.array([d["embedding"] for d in response.json()["data"]], dtype=np.float32)
+        one_engine = np.stack([next(expected) for _ in body])
+        assert np.abs(got - one_engine).max() <= BATCHING_TOLERANCE
+        tokens += response.json()["usage"]["prompt_tokens"]
+    served = [a - b for a, b in zip(_answered_tokens(dp_server), before, strict=True)]
+    assert sum(served) == tokens
+    assert min(served) >= 0.2 * tokens, served  # both served a share, counted in tokens
+    assert dp_server.client.get("/health").status_code == 200
+
+
+def test_killed_engine_fails_its_calls_and_the_other_serves(
+    dp_server: Server, tiny_engine: vecpool.Engine
+) -> None:
+    server = dp_server
+    pids = _engine_pids(server)
+    long = [101] + [7592] * 126 + [102]
+    results: list[tuple[httpx.Response, float]] = []
+
+    def slow_call() -> None:
+        response = server.post("/v1/embeddings", {"input": [long] * 2048})
+        results.append((response, time.monotonic()))
+
+    threads = [threading.Thread(target=slow_call) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for engine in ("0", "1"):  # one call on each engine (the other holds more tokens)
+        server.wait_for(
+            "vecpool_engine_queued_tokens", lambda v: v == 2048 * 128, 30, engine=engine
+        )
+    assert _alive(pids[1])
+    killed = time.monotonic()
+    os.kill(pids[1], signal.SIGKILL)
+    while (health := server.client.get("/health")).status_code == 200:
+        assert time.monotonic() - killed < 1.0, "/health still 200 a second after the kill"
+        time.sleep(0.02)
+    assert_error(health, 503)
+    assert "engine process 1 (cpu) exited" in health.json()["error"]["message"]
+
+    # The dead engine's call fails at once; the survivor's completes.
+    deadline = time.monotonic() + 60
+    while len(results) < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    failed, failed_at = results[0]
+    assert_error(failed, 503)
+    assert "engine process 1" in failed.json()["error"]["message"]
+    assert failed_at - killed < 2.0
+    for thread in threads:
+        thread.join(timeout=60)
+        assert not thread.is_alive()
+    done, _ = results[1]
+    assert done.status_code == 200, done.text
+    vectors = np.array([d["embedding"] for d in done.json()["data"]], dtype=np.float32)
+    assert vectors.shape[0] == 2048
+    assert np.abs(vectors - tiny_engine.embed([long])[0]).max() <= BATCHING_TOLERANCE
+
+    # New calls go to the survivor; /health stays 503 while one engine is gone.
+    before = _answered_tokens(server)
+    for text in ("a new call", "and another", "and a third"):
+        response = server.post("/v1/embeddings", {"input": text})
+        assert response.status_code == 200, response.text
+    after = _answered_tokens(server)
+    assert after[1] == before[1] and after[0] > before[0]
+    assert server.client.get("/health").status_code == 503
+    assert _alive(pids[0])
+
+
+def test_data_parallel_needs_engine_processes(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    args = parser.parse_args(
+        ["--device", "cpu", "--data-parallel-size", "2", "--api-server-count", "0"]
+    )
+    assert serve(args) == 2
+    assert "--api-server-count 1 or more" in capsys.readouterr().err
