@@ -78,7 +78,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="API-server processes (HTTP, validation, tokenization) beside the engine process; "
         "0: one process, the engine in a thread (default: 1 when the model runs on the CPU, "
-        "else one per 4 CPU cores, at most 4)",
+        "else one per 2 CPU cores, at most 8)",
     )
     procs.add_argument(
         "--batch-wait-ms",

