@@ -56,7 +56,7 @@ _WARM_MAX_LENS = (64, 128, 256, 512)  # the shapes `warm_up` records, with every
 
 def token_buckets(max_tokens: int) -> list[int]:
     """Flat token counts graphs are recorded for: powers of two from 16 to 1024, then steps of
-    a quarter of the previous power (a large step is padded by at most a fifth)."""
+    a quarter of the previous power (a large step is padded by at most a quarter)."""
     sizes = [16]
     while sizes[-1] < max_tokens:
         last = sizes[-1]
