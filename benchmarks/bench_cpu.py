@@ -105,6 +105,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "command": "python benchmarks/bench_cpu.py " + " ".join(argv or []),
         "model": str(folder.name if args.model_dir else "all-MiniLM-L6-v2 (packaged)"),
         "max_seq_length": limit,
+        # glibc's allocator settings, when given (they change how often big tensors fault).
+        "malloc_environment": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")},
         "load_average_at_start": os.getloadavg(),
         "workloads": {
             w: {"num_inputs": len(v[0]), "num_tokens": int(v[2].sum())} for w, v in inputs.items()
