@@ -27,6 +27,13 @@ attention FLOPs are 4 x heads x head_dim x layers x (L(L+1)/2 causal, L^2 bidire
 input, and the ceiling is a large bf16 (fp32 on the CPU) matrix product measured in the same
 run. Every system is warmed up on the first inputs, then timed `--repeats` times on the whole
 workload; the report keeps every timing and the medians, and peak device memory of each.
+
+`--http` adds the HTTP path on the passages workload (report key `http`): the model served by
+`vecpool serve` in its own processes, `--http-clients` concurrent closed-loop clients (default
+32) each sending 32 passages per `/v1/embeddings` request, every round between two offline
+`Engine.embed` runs of the same passages; HTTP tokens/s, offline tokens/s, their ratio, latency
+p50 / p90 / p99 / max and errors (the clients and server are `bench_online.py`'s batched
+scenario).
 """
 
 from __future__ import annotations
@@ -457,6 +464,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--fidelity", type=int, default=256, help="inputs checked against fp32")
     parser.add_argument("--profile", action="store_true", help="profile vecpool-ids once")
     parser.add_argument("--output", type=Path, help="write the report here as JSON")
+    http = parser.add_argument_group("the HTTP path (bench_online.py's batched scenario)")
+    http.add_argument(
+        "--http", action="store_true", help="also serve the model and measure /v1/embeddings"
+    )
+    http.add_argument("--http-clients", type=int, default=32, help="concurrent clients")
+    http.add_argument("--http-repeats", type=int, help="rounds (default: --repeats)")
+    http.add_argument("--http-client", choices=("httpx", "raw"), default="httpx")
+    http.add_argument("--http-client-processes", type=int, help="default: bench_online's")
+    http.add_argument("--server-args", default="", help="more `vecpool serve` options")
     return parser.parse_args(argv)
 
 
@@ -604,6 +620,50 @@ def bench_model(
         save()
     report["fidelity"].setdefault(name, {}).update(_fidelity(folder, args, inputs, outputs, device))
     save()
+    if args.http:
+        report["http"].extend(http_rows(name, folder, args, inputs["passages"], dtype_name))
+        save()
+
+
+def http_rows(
+    name: str,
+    folder: Path,
+    args: argparse.Namespace,
+    passages: tuple[list[str], list[list[int]], np.ndarray],
+    dtype: str,
+) -> list[dict[str, Any]]:
+    """The passages workload through `vecpool serve`: `--http-clients` closed-loop clients,
+    each request 32 passages, rounds between two offline `Engine.embed` runs of the same
+    passages (bench_online.py's batched scenario, whose clients and server this runs).
+    Rows: HTTP and offline tokens/s, their ratio, latency p50 / p90 / p99 / max, errors."""
+    from benchmarks import bench_online
+
+    texts, _, lengths = passages
+    num_requests = -(-len(texts) // bench_online.BATCH_INPUTS)
+    argv = ["--scenarios", "batched", "--batched-clients", str(args.http_clients)]
+    argv += ["--n", str(num_requests), "--device", args.device, "--dtype", dtype]
+    argv += ["--repeats", str(args.http_repeats or args.repeats), "--client", args.http_client]
+    if args.http_client_processes:
+        argv += ["--client-processes", str(args.http_client_processes)]
+    online_args = bench_online.parse_args(argv)
+    online_args.server_args = args.server_args
+    online: dict[str, Any] = {"rows": [], "_passages": texts, "_passage_lengths": lengths}
+    with tempfile.TemporaryDirectory(prefix="vecpool-http-") as tmp:
+        bench_online.serve_and_run(
+            folder,
+            lambda engine: bench_online.embed_scenarios(engine, [], online_args, online),
+            online_args,
+            Path(tmp) / "server.log",
+            online,
+        )
+    rows = []
+    for row in online["rows"]:
+        row = {"model": name, "workload": "passages", **row}
+        row["inputs_per_request"] = bench_online.BATCH_INPUTS
+        command = online["server_commands"][0][2:]  # `vecpool serve MODEL ...`
+        row["server_command"] = [*command[:2], name, *command[3:]]
+        rows.append(row)
+    return rows
 
 
 def _fidelity(
@@ -654,7 +714,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "ceiling_flops": matmul_ceiling(device),
         "fidelity": {},
         "rows": [],
+        "http": [],
     }
+    if args.http and "passages" not in args.workloads:
+        raise SystemExit("--http serves the passages workload: keep it in --workloads")
     print(f"matmul ceiling: {report['ceiling_flops'] / 1e12:.0f} TFLOP/s", flush=True)
 
     def save() -> None:

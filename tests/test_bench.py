@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from benchmarks.bench_gpu import FlopModel, main, workload_lengths
 
@@ -52,3 +53,23 @@ def test_bench_runs_on_cpu_and_reports_consistent_numbers(tmp_path: Path) -> Non
         assert fidelity[f"{w}_vs_st-32_min_cosine"] > 0.9999
         assert fidelity[f"{w}_vs_hf-padded_min_cosine"] > 0.9999
         assert fidelity[f"{w}_vs_fp32_min_cosine"] > 0.9999
+
+
+def test_bench_reports_the_http_path_next_to_offline(tmp_path: Path) -> None:
+    out = tmp_path / "report.json"
+    argv = ["--models", "tiny-bert", "--workloads", "passages", "--systems", "vecpool-text"]
+    argv += ["--n", "64", "--repeats", "2", "--warmup", "4", "--device", "cpu", "--fidelity", "0"]
+    argv += ["--http", "--http-clients", "2", "--http-client-processes", "1"]
+    report = main([*argv, "--output", str(out)])
+    assert json.loads(out.read_text())["http"] == json.loads(json.dumps(report["http"]))
+    (offline,) = report["rows"]
+    (http,) = report["http"]
+    assert http["model"] == "tiny-bert" and http["clients"] == 2
+    assert http["inputs_per_request"] == 32 and http["requests"] == 2  # 64 passages
+    assert http["connection_error_count"] == 0 and http["statuses"] == {"200": 2}
+    # The served tokens are the offline workload's, and the ratio is of the two rates.
+    assert http["tokens_per_s"] * http["seconds"] == pytest.approx(offline["num_tokens"])
+    assert http["ratio_to_offline"] == http["tokens_per_s"] / http["offline_tokens_per_s"]
+    assert len(http["rounds"]) == 2
+    assert 0 < http["latency_ms"]["p50"] <= http["latency_ms"]["p99"]
+    assert http["max_abs_diff_vs_offline"] <= 1e-6

@@ -151,10 +151,28 @@ class AttentionMetadata:
     static: bool = False
     # Padded-fallback masks, built at most once per (causal, window) per step.
     _masks: dict[tuple[bool, int | None], torch.Tensor] = field(default_factory=dict, repr=False)
+    # Padded-fallback layouts of q, k and v, zeroed once per step and rewritten by every layer.
+    _padded: dict[tuple[str, torch.Size, torch.dtype], torch.Tensor] = field(
+        default_factory=dict, repr=False
+    )
 
     @property
     def num_seqs(self) -> int:
         return self.cu_seqlens.shape[0] - 1
+
+    def padded_buffer(self, name: str, shape: torch.Size, like: torch.Tensor) -> torch.Tensor:
+        """A zeroed `shape` tensor (dtype and device of `like`) for the padded layout of `name`
+        ("q", "k" or "v"), kept for the step's next layers: every layer writes the same rows of
+        it, so its padding stays zero, and the step allocates and zeroes it once instead of once
+        per layer (on the CPU a fresh tensor of this size is fresh pages, zero-filled by the
+        kernel and then again by torch). Inside a compiled graph, a fresh tensor each time."""
+        if torch.compiler.is_compiling():
+            return like.new_zeros(shape)
+        key = (name, shape, like.dtype)
+        buffer = self._padded.get(key)
+        if buffer is None:
+            buffer = self._padded[key] = like.new_zeros(shape)
+        return buffer
 
     def padded_mask(self, causal: bool, window: int | None) -> torch.Tensor:
         """`[num_seqs, 1, max_len, max_key_len]` bool, True where a query may attend to a key.
@@ -341,15 +359,15 @@ def _padded_attention(
     num_seqs = meta.num_seqs
 
     def to_padded(
-        x: torch.Tensor, seq: torch.Tensor, pos: torch.Tensor, length: int
+        name: str, x: torch.Tensor, seq: torch.Tensor, pos: torch.Tensor, length: int
     ) -> torch.Tensor:  # [T, H, D] -> [B, H, L, D]
-        padded = x.new_zeros(num_seqs, length, x.shape[1], x.shape[2])
+        padded = meta.padded_buffer(name, torch.Size((num_seqs, length, *x.shape[1:])), x)
         padded[seq, pos] = x
         return padded.transpose(1, 2)
 
-    qp = to_padded(q, meta.seq_ids, meta.pos_in_seq, meta.max_seqlen)
-    kp = to_padded(k, key_seq_ids, key_pos, max_k)
-    vp = to_padded(v, key_seq_ids, key_pos, max_k)
+    qp = to_padded("q", q, meta.seq_ids, meta.pos_in_seq, meta.max_seqlen)
+    kp = to_padded("k", k, key_seq_ids, key_pos, max_k)
+    vp = to_padded("v", v, key_seq_ids, key_pos, max_k)
     if kp.shape[1] != qp.shape[1]:
         group = qp.shape[1] // kp.shape[1]
         kp = kp.repeat_interleave(group, dim=1)
