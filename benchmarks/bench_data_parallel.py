@@ -35,7 +35,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.bench_gpu import SHAPES, make_inputs, workload_lengths, write_folder
-from benchmarks.bench_online import BATCH_INPUTS, ServerProcess, Workload, load
+from benchmarks.bench_online import (
+    BATCH_INPUTS,
+    ServerProcess,
+    Workload,
+    add_server_and_client_args,
+    load,
+)
 
 MODES = ("serve", "embed")
 
@@ -162,17 +168,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--chunk-size", type=int, default=1024, help="embed: passages per chunk")
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds per size and mode")
     parser.add_argument("--max-seconds", type=float, default=300.0, help="serve: per round")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", default=None, help="default: the engine's for the device")
-    parser.add_argument("--server-args", default="", help="more `vecpool serve` options")
-    parser.add_argument("--client", choices=("httpx", "raw"), default="raw")
-    parser.add_argument(
-        "--client-processes",
-        type=int,
-        default=max(1, min(8, (os.cpu_count() or 1) // 4)),
-        help="processes the clients are spread over (default: one per 4 CPU cores, 1 to 8)",
-    )
-    parser.add_argument("--tokenizer", type=Path, help="default: the packaged MiniLM's folder")
+    add_server_and_client_args(parser, client_default="raw")
     parser.add_argument("--output", type=Path, help="write the report here as JSON")
     return parser.parse_args(argv)
 

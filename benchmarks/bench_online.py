@@ -645,6 +645,26 @@ def _print(row: dict[str, Any]) -> None:
 # ---- main -----------------------------------------------------------------------------------
 
 
+def add_server_and_client_args(parser: argparse.ArgumentParser, *, client_default: str) -> None:
+    """The options of a benchmark that starts `vecpool serve` and drives it with clients."""
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default=None, help="default: the engine's for the device")
+    parser.add_argument("--server-args", default="", help="more `vecpool serve` options")
+    parser.add_argument(
+        "--client",
+        choices=("httpx", "raw"),
+        default=client_default,
+        help="httpx (what real clients use) or a minimal HTTP/1.1 client (less CPU)",
+    )
+    parser.add_argument(
+        "--client-processes",
+        type=int,
+        default=max(1, min(8, (os.cpu_count() or 1) // 4)),
+        help="processes the clients are spread over (default: one per 4 CPU cores, 1 to 8)",
+    )
+    parser.add_argument("--tokenizer", type=Path, help="default: the packaged MiniLM's folder")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     which = parser.add_mutually_exclusive_group()
@@ -662,22 +682,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rerank-calls", type=int, default=1024, help="distinct rerank calls")
     parser.add_argument("--max-seconds", type=float, default=120.0, help="per round")
     parser.add_argument("--repeats", type=int, default=3, help="rounds per client count")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", default=None, help="default: the engine's for the device")
-    parser.add_argument("--server-args", default="", help="more `vecpool serve` options")
-    parser.add_argument(
-        "--client",
-        choices=("httpx", "raw"),
-        default="httpx",
-        help="httpx (what real clients use) or a minimal HTTP/1.1 client (less CPU)",
-    )
-    parser.add_argument(
-        "--client-processes",
-        type=int,
-        default=max(1, min(8, (os.cpu_count() or 1) // 4)),
-        help="processes the clients are spread over (default: one per 4 CPU cores, 1 to 8)",
-    )
-    parser.add_argument("--tokenizer", type=Path, help="default: the packaged MiniLM's folder")
+    add_server_and_client_args(parser, client_default="httpx")
     parser.add_argument("--output", type=Path, help="write the report here as JSON")
     return parser.parse_args(argv)
 

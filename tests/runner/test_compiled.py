@@ -10,31 +10,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import pytest
 import torch
-import transformers
 
 import vecpool
-from tests.helpers import engine_hidden, random_prompts, save_hf_model
+from tests.helpers import engine_hidden, random_prompts
+from tests.runner.conftest import VOCAB
 from vecpool.runner.compiled import compile_blocks, compile_by_default, repeated_blocks
-
-VOCAB = 101
-
-
-@pytest.fixture(scope="module")
-def qwen3_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    torch.manual_seed(0)
-    cfg = transformers.Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=128,
-    )
-    return save_hf_model(transformers.Qwen3Model(cfg).eval(), tmp_path_factory.mktemp("qwen3"))
 
 
 def test_repeated_blocks_are_the_layer_stacks(qwen3_folder: Path, tiny_bert_engine) -> None:

@@ -17,7 +17,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import transformers
 
 import vecpool
 from tests.helpers import (
@@ -25,28 +24,10 @@ from tests.helpers import (
     assert_rel_close,
     engine_hidden,
     random_prompts,
-    save_hf_model,
 )
+from tests.runner.conftest import VOCAB
 from vecpool.models.attention import AttentionMetadata, GraphUnsupported, flat_attention
 from vecpool.runner.graphs import StepGraphs, token_buckets
-
-VOCAB = 101
-
-
-@pytest.fixture(scope="module")
-def qwen3_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    torch.manual_seed(0)
-    cfg = transformers.Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=256,
-    )
-    return save_hf_model(transformers.Qwen3Model(cfg).eval(), tmp_path_factory.mktemp("qwen3"))
 
 
 def test_token_buckets_cover_every_count_with_bounded_padding() -> None:
