@@ -138,7 +138,7 @@ def test_a_cancelled_call_is_dropped(
     finally:
         loop.stop()
     assert tiny_bert_engine.core.num_steps == steps  # nothing ran
-    assert loop.loop.queued == 0 and not loop.loop.calls
+    assert loop.loop.admission.queued == 0 and not loop.loop.calls
 
 
 def test_an_idle_engine_gathers_a_burst_into_one_step(

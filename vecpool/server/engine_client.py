@@ -37,6 +37,7 @@ class EngineProcessClient:
         self._pending: dict[int, asyncio.Future[wire.CallDone | wire.CallRefused]] = {}
         self._in_flight = 0  # requests of this process's calls not yet answered
         self._engine_queued = 0  # the engine's queue, all API processes, at its last reply
+        self.expected_wait = 0.0  # seconds of work the engine had queued at its last reply
         self._context: zmq.asyncio.Context | None = None
         self._socket: zmq.asyncio.Socket | None = None
         self._reader: asyncio.Task[None] | None = None
@@ -108,7 +109,7 @@ class EngineProcessClient:
         assert self._socket is not None
         while True:
             message = wire.replies.decode(await self._socket.recv())
-            self._engine_queued = message.queued
+            self._engine_queued, self.expected_wait = message.queued, message.wait
             for reply in message.calls:
                 future = self._pending.pop(reply.call_id, None)
                 if future is not None and not future.done():

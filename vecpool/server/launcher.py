@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import multiprocessing as mp
 import os
 import signal
@@ -26,6 +27,7 @@ import socket
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
@@ -44,8 +46,8 @@ logger = logging.getLogger("vecpool.server")
 
 # Connections waiting to be accepted before the kernel refuses more (capped by somaxconn).
 LISTEN_BACKLOG = 4096
-# Seconds to wait for processes to stop on their own before they are killed.
-STOP_SECONDS = 30
+# Seconds to wait for processes to stop on their own (past any drain) before they are killed.
+STOP_SECONDS = 5
 # The longest an idle engine gathers arriving requests into a step (`--batch-wait-ms`).
 DEFAULT_BATCH_WAIT_MS = 2.0
 # Seconds an idle keep-alive connection stays open (`--timeout-keep-alive`). Longer than
@@ -53,6 +55,8 @@ DEFAULT_BATCH_WAIT_MS = 2.0
 # 15 s): a client then always retires a connection first, and never sends on one the server is
 # closing (which the server's kernel answers with a reset).
 DEFAULT_KEEP_ALIVE = 75.0
+# Seconds SIGTERM leaves requests in flight to finish before the server exits anyway.
+DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,7 @@ class ServeOptions:
     api_server_count: int = 1  # API-server processes; 0: one process, the engine in a thread
     batch_wait_ms: float = DEFAULT_BATCH_WAIT_MS  # an idle engine gathers a step this long
     timeout_keep_alive: float = DEFAULT_KEEP_ALIVE  # seconds an idle connection stays open
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT  # SIGTERM: seconds to drain requests
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -75,6 +80,8 @@ class ServeOptions:
             raise ConfigError(
                 f"--timeout-keep-alive must be positive, got {self.timeout_keep_alive}"
             )
+        if self.shutdown_timeout < 0:
+            raise ConfigError(f"--shutdown-timeout must be 0 or more, got {self.shutdown_timeout}")
 
 
 def default_api_server_count(device: str | torch.device | None) -> int:
@@ -104,14 +111,18 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def uvicorn_config(app: Any, options: ServeOptions) -> Any:
+def uvicorn_config(app: Any, options: ServeOptions, config: ServerConfig) -> Any:
     import uvicorn
+
+    from vecpool.server.connections import uvicorn_limits
 
     return uvicorn.Config(
         app,
         log_level=options.log_level,
         timeout_keep_alive=int(options.timeout_keep_alive),
+        timeout_graceful_shutdown=math.ceil(options.shutdown_timeout),
         backlog=LISTEN_BACKLOG,
+        **uvicorn_limits(config.read_timeout, config.max_connections),
     )
 
 
@@ -125,7 +136,7 @@ def serve_in_process(
     from vecpool.server.app import create_app
 
     app = create_app(Engine.from_args(engine_args), config)
-    uvicorn.Server(uvicorn_config(app, options)).run(sockets=[sock])
+    uvicorn.Server(uvicorn_config(app, options, config)).run(sockets=[sock])
     return 0
 
 
@@ -172,6 +183,7 @@ def _serve_processes(  # the body of `serve_processes`, inside its directory and
     engine_config = EngineProcessConfig(
         address=f"ipc://{tmp}/engine",
         max_queued=config.max_queued,
+        max_wait=config.max_queue_wait,
         batch_wait=options.batch_wait_ms / 1000,
     )
     # Children see EOF on these when their writer's process is gone (this one; the engine).
@@ -216,7 +228,7 @@ def _serve_processes(  # the body of `serve_processes`, inside its directory and
         ", ".join(str(api.pid) for api in apis),
     )
     try:
-        return _supervise(engine, apis)
+        return _supervise(engine, apis, options.shutdown_timeout)
     finally:
         parent_writer.close()
 
@@ -240,7 +252,7 @@ def _wait_ready(engine: BaseProcess, ready: Connection) -> EngineInfo | int:
     return value
 
 
-def _supervise(engine: BaseProcess, apis: Sequence[BaseProcess]) -> int:
+def _supervise(engine: BaseProcess, apis: Sequence[BaseProcess], grace: float) -> int:
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -265,17 +277,19 @@ def _supervise(engine: BaseProcess, apis: Sequence[BaseProcess]) -> int:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-        _stop([*apis, engine])
+        _stop(apis, grace + STOP_SECONDS)  # they drain their requests, on the engine
+        _stop([engine], STOP_SECONDS)
     return status
 
 
-def _stop(processes: Sequence[BaseProcess]) -> None:
+def _stop(processes: Sequence[BaseProcess], seconds: float) -> None:
     """SIGTERM each (uvicorn drains its connections), then SIGKILL what is left."""
     for p in processes:
         if p.exitcode is None and p.pid is not None:
             os.kill(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + seconds
     for p in processes:
-        p.join(STOP_SECONDS)
+        p.join(max(0.0, deadline - time.monotonic()))
         if p.exitcode is None:
             p.kill()
             p.join()
@@ -301,7 +315,7 @@ def run_api_process(
 
     client = EngineProcessClient(engine_address, engine_alive, max_queued=config.max_queued)
     app = create_api_app(info, config, client, multiprocess_dir=metrics_dir)
-    server = uvicorn.Server(uvicorn_config(app, options))
+    server = uvicorn.Server(uvicorn_config(app, options, config))
 
     def watch_parent() -> None:
         with contextlib.suppress(EOFError, OSError):

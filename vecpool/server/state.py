@@ -34,6 +34,9 @@ class EngineClient(Protocol):
     def num_queued(self) -> int: ...
 
     @property
+    def expected_wait(self) -> float: ...
+
+    @property
     def is_running(self) -> bool: ...
 
     async def run(
