@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -132,6 +133,19 @@ def test_killed_and_restarted_equals_an_uninterrupted_run(
     # The same chunks, each embedded alone by an engine in the same settings: bit-equal.
     assert np.array_equal(vectors_of(out), vectors_of(uninterrupted))
     assert table["doc_id"].equals(expected["doc_id"])
+
+
+def test_sigkill_of_an_overwriting_run_leaves_the_old_output_whole(
+    corpus: Path, uninterrupted: Path, tmp_path: Path
+) -> None:
+    """--overwrite replaces the output only by a finished run: killed midway, the old file
+    is still there, byte for byte (and never anything partial at its path meanwhile)."""
+    out = tmp_path / "vectors.parquet"
+    shutil.copy(uninterrupted, out)
+    old = out.read_bytes()
+    command = cli_command(corpus, out, "-q", "--overwrite")
+    assert run_watched(command, out, 1, signal.SIGKILL) == -signal.SIGKILL
+    assert out.read_bytes() == old
 
 
 def test_parquet_input_equals_engine_embed(engine: Engine, corpus: Path, tmp_path: Path) -> None:

@@ -35,7 +35,12 @@ class RunningLoop:
         settings = {"max_queued": 64, "batch_wait": 0.0, **config}
         self.loop = EngineLoop(
             engine,
-            EngineProcessConfig(address, int(settings["max_queued"]), settings["batch_wait"]),
+            EngineProcessConfig(
+                address,
+                int(settings["max_queued"]),
+                settings["batch_wait"],
+                max_wait=settings.get("max_wait"),
+            ),
             metrics=None,
         )
         self.parent, self._parent_writer = mp.Pipe(duplex=False)
@@ -114,6 +119,73 @@ def test_a_full_queue_refuses(tiny_bert_engine: vecpool.Engine, address: str) ->
         loop.stop()
 
 
+def test_the_engine_admits_by_expected_wait_and_reports_it(
+    tiny_bert_engine: vecpool.Engine, address: str
+) -> None:
+    """At 10 tokens/s and a bound of 1 s, with 20 tokens queued: a call of 5 tokens (2.5 s of
+    work) is refused, and the API side learns the engine's expected wait (2 s) from the
+    reply, to refuse before reading a body; with the queue empty, a call of any size runs."""
+    ctx = tiny_bert_engine.context
+    loop = RunningLoop(tiny_bert_engine, address, max_wait=1.0)
+    admission = loop.loop.admission
+    admission.tokens_per_second = 10.0
+    admission.add(4, 20)  # as if four inputs of 5 tokens were queued (the loop is idle)
+    try:
+
+        async def scenario(client: EngineProcessClient) -> None:
+            one = calls.make_requests(ctx, random_prompts(99, [5], seed=4), PoolingParams())
+            with pytest.raises(QueueFullError, match=r"about 2\.5 s of work"):
+                await client.run(one)
+            assert 1.5 < client.expected_wait <= 2.0
+            admission.add(-4, -20)
+            many = calls.make_requests(ctx, random_prompts(99, [30] * 4, seed=5), PoolingParams())
+            assert all(o.error is None for o in await client.run(many))  # 12 s of work alone
+            assert client.expected_wait == 0.0  # the last reply found the queue empty
+
+        _run(address, scenario)
+    finally:
+        loop.stop()
+
+
+def test_the_reported_wait_runs_down_with_time() -> None:
+    """A process whose calls are all answered hears from the engine no more: the wait it last
+    heard runs down as the engine works it off, so it cannot refuse everyone forever."""
+    client = EngineProcessClient("ipc:///nowhere", None, max_queued=8)
+    client._engine_wait, client._engine_wait_at = 5.0, time.monotonic() - 4.0
+    assert 0.9 < client.expected_wait <= 1.0
+    client._engine_wait_at -= 2.0
+    assert client.expected_wait == 0.0
+    client._engine_queued = 8  # stale: no call of ours is pending
+    assert client.num_queued == 0
+
+
+def test_an_engine_whose_steps_all_fail_exits(
+    tiny_bert_engine: vecpool.Engine, address: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every request failing alone, step after step: the loop returns (the process exits,
+    which fails the calls of every API process and turns /health to 503)."""
+    ctx = tiny_bert_engine.context
+
+    def broken(batch):  # type: ignore[no-untyped-def]
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(tiny_bert_engine.core.model_runner, "forward", broken)
+    loop = RunningLoop(tiny_bert_engine, address)
+    try:
+
+        async def scenario(client: EngineProcessClient) -> None:
+            four = calls.make_requests(ctx, random_prompts(99, [5] * 4, seed=5), PoolingParams())
+            outs = await client.run(four)
+            assert all(isinstance(o.error, EngineError) for o in outs)
+
+        _run(address, scenario)
+        loop.thread.join(2)
+        assert not loop.thread.is_alive()
+    finally:
+        loop.stop()
+        tiny_bert_engine.core.failures_in_a_row = 0
+
+
 def test_a_cancelled_call_is_dropped(
     tiny_bert_engine: vecpool.Engine, address: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -138,7 +210,7 @@ def test_a_cancelled_call_is_dropped(
     finally:
         loop.stop()
     assert tiny_bert_engine.core.num_steps == steps  # nothing ran
-    assert loop.loop.queued == 0 and not loop.loop.calls
+    assert loop.loop.admission.queued == 0 and not loop.loop.calls
 
 
 def test_an_idle_engine_gathers_a_burst_into_one_step(

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from vecpool.api.admission import Admission
 from vecpool.api.calls import CallContext, make_requests
 from vecpool.api.engine import Engine
 from vecpool.api.info import EngineInfo
@@ -29,7 +30,8 @@ logger = logging.getLogger(__name__)
 
 
 class QueueFullError(VecpoolError):
-    """The engine's queue holds `max_queued` requests already; try again later."""
+    """The engine's queue cannot take the call (`max_queued` inputs, or `max_wait` seconds of
+    work ahead of it); try again later."""
 
 
 class EngineDeadError(EngineError):
@@ -42,6 +44,10 @@ class AsyncEngine:
     `on_step(started, ended)` (perf_counter times), if given, is called by the loop thread after
     every step that ran a batch; `on_request_done(request)` when each request is done (in the
     loop thread, or where it was cancelled).
+
+    A call is admitted while the work ahead of it takes at most `max_wait` seconds at the
+    engine's measured speed, and the queue holds at most `max_queued` inputs (`Admission`).
+    The engine is unhealthy (`is_running` false) once its steps keep failing as a whole.
     """
 
     def __init__(
@@ -49,6 +55,7 @@ class AsyncEngine:
         engine: Engine,
         *,
         max_queued: int = 4096,
+        max_wait: float | None = None,
         tokenizer_threads: int = 4,
         on_step: Callable[[float, float], object] | None = None,
         on_request_done: Callable[[Request], object] | None = None,
@@ -60,7 +67,7 @@ class AsyncEngine:
         self.step_started_at = 0.0  # time.perf_counter() when the current or last step began
         self._executor = ThreadPoolExecutor(tokenizer_threads, thread_name_prefix="vecpool-inputs")
         self._wake = threading.Condition()
-        self._queued = 0  # requests submitted and not yet done
+        self.admission = Admission(max_queued=max_queued, max_wait=max_wait)
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="vecpool-engine", daemon=True)
 
@@ -74,12 +81,18 @@ class AsyncEngine:
 
     @property
     def num_queued(self) -> int:
-        return self._queued
+        return self.admission.queued
+
+    @property
+    def expected_wait(self) -> float:
+        """Seconds the queued work takes at the engine's measured speed (0: not measured)."""
+        return self.admission.expected_wait()
 
     @property
     def is_running(self) -> bool:
-        """Whether the engine loop thread is alive (started and not shut down)."""
-        return self._thread.is_alive()
+        """Whether the engine loop thread is alive (started and not shut down) and its steps
+        are not failing as a whole."""
+        return self._thread.is_alive() and self.engine.core.healthy
 
     @property
     def health_problem(self) -> str | None:
@@ -111,15 +124,14 @@ class AsyncEngine:
         """Queue `requests` and wait for all of them; their outputs in order. Cancelling the
         caller (e.g. a client that disconnected) cancels its requests: waiting ones never run.
         `times`, if given, receives where the time went."""
-        n = len(requests)
-        with self._wake:
-            if self._queued + n > self.max_queued:
-                raise QueueFullError(
-                    f"the queue is full ({self._queued} of {self.max_queued} requests waiting)"
-                )
-            self._queued += n
-        submitted = time.perf_counter()
         engine_requests = self.engine.submit(requests)
+        tokens = sum(r.num_prompt_tokens for r in engine_requests)
+        with self._wake:
+            refusal = self.admission.refusal(len(engine_requests), tokens)
+            if refusal is not None:
+                raise QueueFullError(refusal)
+            self.admission.add(len(engine_requests), tokens)
+        submitted = time.perf_counter()
         loop = asyncio.get_running_loop()
         timer = _Timer(self)
         futures = []
@@ -152,8 +164,9 @@ class AsyncEngine:
         return await self.run(await self.make_requests(inputs, params, options))
 
     def _on_done(self, request: Request) -> None:
+        ran = request.status in (RequestStatus.FINISHED, RequestStatus.FAILED)
         with self._wake:
-            self._queued -= 1
+            self.admission.done(request.num_prompt_tokens, ran=ran)
 
     def _loop(self) -> None:
         core = self.engine.core
@@ -169,6 +182,9 @@ class AsyncEngine:
             except Exception:  # the loop thread must outlive any one step
                 logger.exception("engine step raised outside the model; continuing")
                 continue
+            if ran:
+                with self._wake:
+                    self.admission.on_step(time.perf_counter() - self.step_started_at)
             if ran and self.on_step is not None:
                 try:
                     self.on_step(self.step_started_at, time.perf_counter())

@@ -8,6 +8,7 @@ until `serve` runs.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 from vecpool.api import EngineArgs
@@ -54,6 +55,33 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="inputs waiting or running before new requests get 429 (default: %(default)s)",
     )
     limits.add_argument(
+        "--max-queue-wait",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="seconds of work (queued tokens at the engine's measured speed) ahead of a new "
+        "request before it gets 429, answered before its body is read; bounds how long an "
+        "admitted request waits (default: %(default)s)",
+    )
+    limits.add_argument(
+        "--timeout-read",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="a request's headers and body must arrive within this long of its first byte "
+        "(of the connection, for a new one), else 408 and the connection closes "
+        "(default: %(default)s)",
+    )
+    limits.add_argument(
+        "--max-connections",
+        type=int,
+        default=8192,
+        metavar="N",
+        help="open connections per API-server process; past it a new one is answered 503 "
+        "and closed. The open-file limit is raised to fit where the hard limit allows "
+        "(default: %(default)s)",
+    )
+    limits.add_argument(
         "--max-batch-inputs",
         type=int,
         metavar="N",
@@ -98,6 +126,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "and load balancers' idle timeouts (default: %(default)s)",
     )
     http.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=launcher.DEFAULT_SHUTDOWN_TIMEOUT,
+        metavar="SECONDS",
+        help="on SIGTERM or SIGINT, stop accepting and let requests in flight finish for at "
+        "most this long before exiting (default: %(default)s)",
+    )
+    http.add_argument(
         "--tokenizer-threads",
         type=int,
         default=4,
@@ -118,6 +154,7 @@ def serve(args: argparse.Namespace) -> int:
         )
         return 2
     from vecpool.server.config import ServerConfig
+    from vecpool.server.connections import raise_open_file_limit
 
     try:
         engine_args = EngineArgs.from_cli_args(args)
@@ -133,7 +170,13 @@ def serve(args: argparse.Namespace) -> int:
             max_payload_bytes=int(args.max_payload_mb * 2**20),
             auto_truncate=args.auto_truncate,
             tokenizer_threads=args.tokenizer_threads,
+            max_queue_wait=args.max_queue_wait,
+            read_timeout=args.timeout_read,
+            max_connections=args.max_connections,
         )
+        fit = raise_open_file_limit(config.max_connections)  # children inherit the limit
+        if fit < config.max_connections:
+            config = dataclasses.replace(config, max_connections=fit)
         count = args.api_server_count
         options = launcher.ServeOptions(
             host=args.host,
@@ -143,6 +186,7 @@ def serve(args: argparse.Namespace) -> int:
             ),
             batch_wait_ms=args.batch_wait_ms,
             timeout_keep_alive=args.timeout_keep_alive,
+            shutdown_timeout=args.shutdown_timeout,
             log_level=args.log_level,
         )
         launcher.check_layout(engine_args, options)

@@ -24,6 +24,10 @@ _NOT_FINITE = (
     "the model's output for this input is not finite (NaN or infinity): its values overflowed "
     "the model's dtype (e.g. prompt embeds of a far larger magnitude than the model's own)"
 )
+# Requests in a row that failed alone in steps that failed for every request, before the
+# engine calls itself unhealthy: the fault is the engine's (the device, the model), not an
+# input's.
+UNHEALTHY_AFTER_FAILURES = 3
 
 
 class EngineCore:
@@ -39,11 +43,18 @@ class EngineCore:
         self._step_lock = threading.Lock()  # one step at a time on the device
         self._ids = itertools.count()
         self.num_steps = 0  # steps that ran a batch
+        self.failures_in_a_row = 0  # requests failed alone in steps where every one failed
         # The next step, scheduled and built while the device runs the current one.
         self._prefetched: tuple[SchedulerOutput, FlatBatch] | None = None
         # Ids of requests that are done, whose runner state is freed once the step in flight
         # has pooled.
         self._releasable: list[str] = []
+
+    @property
+    def healthy(self) -> bool:
+        """False once `UNHEALTHY_AFTER_FAILURES` requests in a row failed, each alone, in steps
+        where every request failed; true again after a step that computes anything."""
+        return self.failures_in_a_row < UNHEALTHY_AFTER_FAILURES
 
     def next_request_id(self) -> str:
         return f"req-{next(self._ids)}"
@@ -143,6 +154,7 @@ class EngineCore:
         self.pooling_runner.release(done)
 
     def _finish(self, sched: SchedulerOutput, results: list[PooledResult]) -> None:
+        self.failures_in_a_row = 0
         for request, chunk, result in zip(sched.requests, sched.step.chunks, results, strict=True):
             request.num_computed_tokens += chunk.num_tokens
             if result.error is not None:
@@ -168,6 +180,9 @@ class EngineCore:
         )
         failed = self._run_halves(sched, exc)
         everyone = len(failed) == num
+        budget = self.scheduler.config.max_num_batched_tokens
+        if everyone and not (num == 1 and sched.requests[0].num_prompt_tokens > budget):
+            self.failures_in_a_row += num
         budget = self.scheduler.config.max_num_batched_tokens
         for request, error in failed:
             reason = f"{type(error).__name__}: {error}"

@@ -33,15 +33,12 @@ from vecpool.server.errors import (
     validation_param,
 )
 from vecpool.server.metrics import ServerMetrics
-from vecpool.server.middleware import ServerMiddleware, error_response
+from vecpool.server.middleware import STATUS_CLIENT_CLOSED, ServerMiddleware, error_response
 from vecpool.server.routes import ROUTERS
 from vecpool.server.state import ServerState
 
 if TYPE_CHECKING:  # the process layout's modules (ZeroMQ, msgspec) load only where used
     from vecpool.server.engine_group import EngineGroupClient
-
-# Not sent to anyone (the client is gone); nginx's code for "client closed request".
-STATUS_CLIENT_CLOSED = 499
 
 Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
 
@@ -59,6 +56,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
         front = AsyncEngine(
             engine,
             max_queued=config.max_queued,
+            max_wait=config.max_queue_wait,
             on_step=metrics.engine.on_step,
             on_request_done=metrics.engine.on_request_done,
         )
@@ -124,12 +122,7 @@ def _build(state: ServerState, lifespan: Lifespan) -> FastAPI:
     # Read from each router: some FastAPI versions keep an included router as one route.
     paths = (getattr(r, "path", None) for x in (app, *ROUTERS) for r in x.routes)
     endpoints = frozenset(path for path in paths if isinstance(path, str))
-    app.add_middleware(
-        ServerMiddleware,
-        metrics=state.metrics,
-        api_key=state.config.api_key,
-        endpoints=endpoints,
-    )
+    app.add_middleware(ServerMiddleware, state=state, endpoints=endpoints)
     return app
 
 

@@ -21,14 +21,28 @@ class ServerConfig:
     max_payload_bytes: int = 32 * 2**20  # request body size before 413
     auto_truncate: bool = False  # inputs over max_model_len are truncated instead of refused
     tokenizer_threads: int = 4
+    # Seconds of work (queued tokens at the engine's measured tokens/s) ahead of a new request
+    # before it gets 429: the bound on an admitted request's wait in the queue.
+    max_queue_wait: float = 10.0
+    read_timeout: float = 30.0  # seconds for a request's headers and body to arrive, else 408
+    max_connections: int = 8192  # open connections per API process; past it, 503 and close
 
     def __post_init__(self) -> None:
         if not self.model_names or any(not name for name in self.model_names):
             raise ConfigError("the server needs at least one non-empty model name")
         if self.api_key is not None and not self.api_key:
             raise ConfigError("--api-key must not be empty")
-        for name in ("max_queued", "max_batch_inputs", "max_payload_bytes", "tokenizer_threads"):
+        for name in (
+            "max_queued",
+            "max_batch_inputs",
+            "max_payload_bytes",
+            "tokenizer_threads",
+            "max_connections",
+        ):
             if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("max_queue_wait", "read_timeout"):
+            if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_batch_inputs > self.max_queued:
             raise ConfigError(

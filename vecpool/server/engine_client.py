@@ -45,6 +45,8 @@ class EngineProcessClient:
         self._pending: dict[int, asyncio.Future[wire.CallDone | wire.CallRefused]] = {}
         self._in_flight = 0  # requests of this process's calls not yet answered
         self._engine_queued = 0  # the engine's queue, all API processes, at its last reply
+        self._engine_wait = 0.0  # seconds of work the engine had queued at its last reply
+        self._engine_wait_at = 0.0  # when that reply came (time.monotonic())
         self._context: zmq.asyncio.Context | None = None
         self._socket: zmq.asyncio.Socket | None = None
         self._reader: asyncio.Task[None] | None = None
@@ -75,7 +77,15 @@ class EngineProcessClient:
 
     @property
     def num_queued(self) -> int:
-        return max(self._in_flight, self._engine_queued)
+        # The engine's count is from the last reply, which only a call of ours brings: with
+        # none pending it may be long stale, and only our own count is known.
+        return max(self._in_flight, self._engine_queued) if self._pending else self._in_flight
+
+    @property
+    def expected_wait(self) -> float:
+        """Seconds of work the engine has queued, as of its last reply, less the time since:
+        the engine works it off meanwhile (an estimate; the engine decides exactly)."""
+        return max(0.0, self._engine_wait - (time.monotonic() - self._engine_wait_at))
 
     @property
     def is_running(self) -> bool:
@@ -123,7 +133,8 @@ class EngineProcessClient:
         assert self._socket is not None
         while True:
             message = wire.replies.decode(await self._socket.recv())
-            self._engine_queued = message.queued
+            self._engine_queued, self._engine_wait = message.queued, message.wait
+            self._engine_wait_at = time.monotonic()
             for reply in message.calls:
                 future = self._pending.pop(reply.call_id, None)
                 if future is not None and not future.done():

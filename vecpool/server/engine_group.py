@@ -49,6 +49,12 @@ class EngineGroupClient:
         return sum(e.num_queued for e in self.engines if e.is_running)
 
     @property
+    def expected_wait(self) -> float:
+        """The least loaded live engine's queued seconds: where a new call would go."""
+        waits = [e.expected_wait for e in self.engines if e.is_running]
+        return min(waits) if waits else 0.0
+
+    @property
     def is_running(self) -> bool:
         return any(e.is_running for e in self.engines)
 

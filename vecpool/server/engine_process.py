@@ -24,6 +24,7 @@ import torch
 import zmq
 
 from vecpool.api import Engine, EngineArgs
+from vecpool.api.admission import Admission
 from vecpool.api.outputs import outcome
 from vecpool.engine.request import Request, RequestStatus
 from vecpool.errors import VecpoolError
@@ -43,6 +44,7 @@ class EngineProcessConfig:
     address: str  # the ZeroMQ address it binds, e.g. "ipc:///tmp/.../engine"
     max_queued: int  # requests queued or running before a call is refused
     batch_wait: float  # seconds an idle engine waits for more requests before it steps
+    max_wait: float | None = None  # seconds of work ahead of a call before it is refused
     metrics: bool = True  # record the engine's metrics (into the multiprocess directory)
 
 
@@ -75,7 +77,7 @@ class EngineLoop:
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.bind(config.address)
         self.calls: dict[tuple[bytes, int], _Call] = {}
-        self.queued = 0  # requests queued or running
+        self.admission = Admission(max_queued=config.max_queued, max_wait=config.max_wait)
         self.arrived_tokens = 0  # tokens that arrived since the last step started
         self.outbox: dict[bytes, list[wire.CallDone | wire.CallRefused]] = defaultdict(list)
         self.step_started = 0.0
@@ -98,10 +100,13 @@ class EngineLoop:
             if idle and arrived and self.config.batch_wait > 0:
                 self._gather(poller, time.perf_counter() + self.config.batch_wait)
             if arrived and self.metrics is not None:
-                self.metrics.set_queue_size(self.queued)
+                self.metrics.set_queue_size(self.admission.queued)
             if core.has_work():
                 self._step()
             self._flush()
+            if not core.healthy:  # exiting fails every call in flight and turns /health to 503
+                logger.error("every request of the last steps failed, each alone too; exiting")
+                return
 
     def close(self) -> None:
         self.socket.close(linger=0)
@@ -126,7 +131,7 @@ class EngineLoop:
     def _gather(self, poller: zmq.Poller, deadline: float) -> None:
         """Take more calls while they keep coming (each within `GATHER_GAP` of the last),
         until `deadline` or until a step's worth has arrived."""
-        while self.arrived_tokens < self.step_tokens and self.queued < self.step_requests:
+        while self.arrived_tokens < self.step_tokens and self.admission.queued < self.step_requests:
             left = deadline - time.perf_counter()
             if left <= 0:
                 return
@@ -138,14 +143,15 @@ class EngineLoop:
 
     def _submit(self, identity: bytes, message: wire.Submit) -> bool:
         n = len(message.requests)
-        if self.queued + n > self.config.max_queued:
-            reason = f"the queue is full ({self.queued} of {self.config.max_queued} inputs waiting)"
+        requests = self.engine.submit(wire.prompt_requests(message))
+        tokens = sum(r.num_prompt_tokens for r in requests)
+        reason = self.admission.refusal(n, tokens)
+        if reason is not None:
             self.outbox[identity].append(wire.CallRefused(message.call_id, reason))
             return False
-        requests = self.engine.submit(wire.prompt_requests(message))
         call = _Call(identity, message.call_id, requests, time.perf_counter(), remaining=n)
         self.calls[(identity, message.call_id)] = call
-        self.queued += n
+        self.admission.add(n, tokens)
         for request in requests:
             self.arrived_tokens += request.num_prompt_tokens
             request.add_done_callback(functools.partial(self._on_done, call))
@@ -173,13 +179,16 @@ class EngineLoop:
         except Exception:  # the loop must outlive any one step
             logger.exception("engine step raised outside the model; continuing")
             return
+        if ran:
+            self.admission.on_step(time.perf_counter() - self.step_started)
         if ran and self.metrics is not None:
             self.metrics.on_step(self.step_started, time.perf_counter())
 
     def _on_done(self, call: _Call, request: Request) -> None:
         """A request of `call` is done (in a step, or cancelled)."""
-        self.queued -= 1
-        if request.status in (RequestStatus.FINISHED, RequestStatus.FAILED):
+        ran = request.status in (RequestStatus.FINISHED, RequestStatus.FAILED)
+        self.admission.done(request.num_prompt_tokens, ran=ran)
+        if ran:
             call.first_step = min(call.first_step, self.step_started)
             call.last_done = time.perf_counter()
         call.remaining -= 1
@@ -200,11 +209,12 @@ class EngineLoop:
 
     def _flush(self) -> None:
         if self.metrics is not None:
-            self.metrics.set_queue_size(self.queued)
+            self.metrics.set_queue_size(self.admission.queued)
+        queued, wait = self.admission.queued, self.admission.expected_wait()
         for identity, calls in self.outbox.items():
             try:
                 self.socket.send_multipart(
-                    [identity, wire.encoder.encode(wire.Replies(self.queued, calls))]
+                    [identity, wire.encoder.encode(wire.Replies(queued, calls, wait))]
                 )
             except zmq.ZMQError as exc:  # that API process is gone
                 logger.warning("dropping %d replies to a gone API process: %s", len(calls), exc)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import math
 import multiprocessing as mp
 import os
 import signal
@@ -30,6 +31,7 @@ import socket
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
@@ -48,8 +50,8 @@ logger = logging.getLogger("vecpool.server")
 
 # Connections waiting to be accepted before the kernel refuses more (capped by somaxconn).
 LISTEN_BACKLOG = 4096
-# Seconds to wait for processes to stop on their own before they are killed.
-STOP_SECONDS = 30
+# Seconds to wait for processes to stop on their own (past any drain) before they are killed.
+STOP_SECONDS = 5
 # The longest an idle engine gathers arriving requests into a step (`--batch-wait-ms`).
 DEFAULT_BATCH_WAIT_MS = 2.0
 # Seconds an idle keep-alive connection stays open (`--timeout-keep-alive`). Longer than
@@ -57,6 +59,8 @@ DEFAULT_BATCH_WAIT_MS = 2.0
 # 15 s): a client then always retires a connection first, and never sends on one the server is
 # closing (which the server's kernel answers with a reset).
 DEFAULT_KEEP_ALIVE = 75.0
+# Seconds SIGTERM leaves requests in flight to finish before the server exits anyway.
+DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,7 @@ class ServeOptions:
     api_server_count: int = 1  # API-server processes; 0: one process, the engine in a thread
     batch_wait_ms: float = DEFAULT_BATCH_WAIT_MS  # an idle engine gathers a step this long
     timeout_keep_alive: float = DEFAULT_KEEP_ALIVE  # seconds an idle connection stays open
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT  # SIGTERM: seconds to drain requests
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -79,6 +84,8 @@ class ServeOptions:
             raise ConfigError(
                 f"--timeout-keep-alive must be positive, got {self.timeout_keep_alive}"
             )
+        if self.shutdown_timeout < 0:
+            raise ConfigError(f"--shutdown-timeout must be 0 or more, got {self.shutdown_timeout}")
 
 
 def default_api_server_count(device: str | torch.device | None) -> int:
@@ -109,14 +116,18 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def uvicorn_config(app: Any, options: ServeOptions) -> Any:
+def uvicorn_config(app: Any, options: ServeOptions, config: ServerConfig) -> Any:
     import uvicorn
+
+    from vecpool.server.connections import uvicorn_limits
 
     return uvicorn.Config(
         app,
         log_level=options.log_level,
         timeout_keep_alive=int(options.timeout_keep_alive),
+        timeout_graceful_shutdown=math.ceil(options.shutdown_timeout),
         backlog=LISTEN_BACKLOG,
+        **uvicorn_limits(config.read_timeout, config.max_connections),
     )
 
 
@@ -130,7 +141,7 @@ def serve_in_process(
     from vecpool.server.app import create_app
 
     app = create_app(Engine.from_args(engine_args), config)
-    uvicorn.Server(uvicorn_config(app, options)).run(sockets=[sock])
+    uvicorn.Server(uvicorn_config(app, options, config)).run(sockets=[sock])
     return 0
 
 
@@ -202,7 +213,7 @@ def _serve_processes(  # the body of `serve_processes`, inside its directory and
     for result in infos:
         if not isinstance(result, EngineInfo):  # one failed to load: stop the others
             parent_writer.close()
-            _stop([e.process for e in engines])
+            _stop([e.process for e in engines], STOP_SECONDS)
             return result
     info = infos[0]
     assert isinstance(info, EngineInfo)
@@ -231,7 +242,7 @@ def _serve_processes(  # the body of `serve_processes`, inside its directory and
         ", ".join(str(api.pid) for api in apis),
     )
     try:
-        return _supervise(engines, apis)
+        return _supervise(engines, apis, options.shutdown_timeout)
     finally:
         parent_writer.close()
 
@@ -256,6 +267,7 @@ def _start_engines(
         engine_config = EngineProcessConfig(
             address=f"ipc://{tmp}/engine-{rank}",
             max_queued=config.max_queued,
+            max_wait=config.max_queue_wait,
             batch_wait=options.batch_wait_ms / 1000,
         )
         alive, alive_w = ctx.Pipe(duplex=False)
@@ -297,7 +309,7 @@ def _wait_ready(engine: BaseProcess, ready: Connection) -> EngineInfo | int:
     return value
 
 
-def _supervise(engines: Sequence[_EngineProcess], apis: Sequence[BaseProcess]) -> int:
+def _supervise(engines: Sequence[_EngineProcess], apis: Sequence[BaseProcess], grace: float) -> int:
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -329,17 +341,19 @@ def _supervise(engines: Sequence[_EngineProcess], apis: Sequence[BaseProcess]) -
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-        _stop([*apis, *processes])
+        _stop(apis, grace + STOP_SECONDS)  # they drain their requests, on the engines
+        _stop(processes, STOP_SECONDS)
     return status
 
 
-def _stop(processes: Sequence[BaseProcess]) -> None:
+def _stop(processes: Sequence[BaseProcess], seconds: float) -> None:
     """SIGTERM each (uvicorn drains its connections), then SIGKILL what is left."""
     for p in processes:
         if p.exitcode is None and p.pid is not None:
             os.kill(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + seconds
     for p in processes:
-        p.join(STOP_SECONDS)
+        p.join(max(0.0, deadline - time.monotonic()))
         if p.exitcode is None:
             p.kill()
             p.join()
@@ -373,7 +387,7 @@ def run_api_process(
     # Recorded into the multiprocess directory, which /metrics reads whole.
     group = EngineGroupClient(clients, EngineGroupMetrics(registry=None))
     app = create_api_app(info, config, group, multiprocess_dir=metrics_dir)
-    server = uvicorn.Server(uvicorn_config(app, options))
+    server = uvicorn.Server(uvicorn_config(app, options, config))
 
     def watch_parent() -> None:
         with contextlib.suppress(EOFError, OSError):

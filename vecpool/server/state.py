@@ -34,6 +34,9 @@ class EngineClient(Protocol):
     def num_queued(self) -> int: ...
 
     @property
+    def expected_wait(self) -> float: ...  # seconds of queued work (the least loaded engine's)
+
+    @property
     def is_running(self) -> bool: ...  # can take calls (with data parallel: any engine runs)
 
     @property

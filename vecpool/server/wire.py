@@ -83,6 +83,7 @@ class CallRefused(msgspec.Struct, tag=True, array_like=True):
 class Replies(msgspec.Struct, array_like=True):
     queued: int  # requests queued or running in the engine, all API processes together
     calls: list[CallDone | CallRefused]
+    wait: float = 0.0  # seconds of work queued, at the engine's measured speed
 
 
 ToEngine = Submit | Cancel

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -18,6 +19,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HttpRequest
 from starlette.responses import Response
 
@@ -39,6 +41,8 @@ _PARSE_INLINE_BYTES = 64 * 1024
 _PREPARE_INLINE_BYTES = 16 * 1024
 # Outputs of this many values or fewer are encoded on the event loop, larger ones in a thread.
 _RENDER_INLINE_VALUES = 16 * 1024
+# A client's deadline for its request, in seconds: past it, the request is dropped (408).
+TIMEOUT_HEADER = "x-request-timeout"
 
 
 @dataclass
@@ -149,28 +153,71 @@ async def read_body(request: HttpRequest, model: type[M], limit: int) -> M:
 
 
 async def read_json(request: HttpRequest, limit: int) -> dict[str, Any]:
-    """The JSON object of the body: 413 past `limit` bytes, 400 unless a JSON object. Routes
-    that take several body shapes read it so, then `validate` the shape its keys name."""
+    """The JSON object of the body: 415 unless sent as JSON, 413 past `limit` bytes, 400
+    unless one JSON object in UTF-8 without duplicate keys. Routes that take several body
+    shapes read it so, then `validate` the shape its keys name."""
+    _check_content_type(request.headers.get("content-type"))
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
         raise _too_large(int(length), limit)
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(size, limit)
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(size, limit)
+            chunks.append(chunk)
+    except ClientDisconnect:  # gone mid-upload: a 499, not an error of ours
+        raise ClientDisconnectedError() from None
     raw = b"".join(chunks)
     if size > _PARSE_INLINE_BYTES:  # a large body (prompt embeds) is parsed off the event loop
         return await asyncio.to_thread(_parse_json, raw)
     return _parse_json(raw)
 
 
+def _check_content_type(value: str | None) -> None:
+    """415 for a body sent as anything but JSON (none said is taken as JSON, as curl sends)."""
+    if value is None:
+        return
+    media = value.partition(";")[0].strip().lower()
+    if media and media != "application/json" and not media.endswith("+json"):
+        raise ApiError(
+            415,
+            f"the body must be sent as 'content-type: application/json', not {media!r}",
+            code="unsupported_media_type",
+        )
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object's pairs as a dict; a 400 for a key given twice (which one would win?)."""
+    data = dict(pairs)
+    if len(data) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise ApiError(
+                    400,
+                    f"the body has the key {key!r} twice in one object",
+                    param=key,
+                    code="invalid_json",
+                )
+            seen.add(key)
+    return data
+
+
 def _parse_json(raw: bytes) -> dict[str, Any]:
+    if raw[:3] == b"\xef\xbb\xbf" or raw[:2] in (b"\xff\xfe", b"\xfe\xff") or b"\x00" in raw[:4]:
+        raise ApiError(
+            400,
+            "the body must be JSON in UTF-8 without a byte order mark",
+            code="invalid_json",
+        )
     try:
-        data = json.loads(raw)
+        data = json.loads(raw, object_pairs_hook=_unique_keys)
     except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
         raise ApiError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
+    except RecursionError:
+        raise ApiError(400, "the body is nested too deeply", code="invalid_json") from None
     if not isinstance(data, dict):
         raise ApiError(400, "the body must be a JSON object", code="invalid_json")
     return data
@@ -264,11 +311,46 @@ async def run_call(
     """Prepare a call in the input thread pool (decoding, tokenizing), run its requests on the
     engine, finish it; racing the client's disconnect throughout. `num_inputs` (the requests
     the call will queue) is checked against the free room of the queue first."""
+    timeout = request_timeout(request)
     client = state.running_client()
     _check_queue(client, num_inputs)
-    return await until_disconnected(
-        request, _run_call(state, client, request, endpoint, prepare, to_api_error)
-    )
+    work = _run_call(state, client, request, endpoint, prepare, to_api_error)
+    if timeout is not None:
+        work = _within(timeout, work)
+    return await until_disconnected(request, work)
+
+
+def request_timeout(request: HttpRequest) -> float | None:
+    """The client's deadline in seconds (header `x-request-timeout`), or None."""
+    value = request.headers.get(TIMEOUT_HEADER)
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not 0 < seconds < math.inf:
+        raise ApiError(
+            400,
+            f"{TIMEOUT_HEADER} must be a positive number of seconds, got {value!r}",
+            param=TIMEOUT_HEADER,
+            code="invalid_header",
+        )
+    return seconds
+
+
+async def _within(seconds: float, work: Awaitable[T]) -> T:
+    """`work`, cancelled (its waiting requests dropped from the queue) after `seconds`."""
+    try:
+        async with asyncio.timeout(seconds):
+            return await work
+    except TimeoutError:
+        raise ApiError(
+            408,
+            f"the request was not done within its {TIMEOUT_HEADER} of {seconds:g} s; "
+            "its inputs were dropped",
+            code="deadline_exceeded",
+        ) from None
 
 
 async def _run_call(

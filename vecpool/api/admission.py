@@ -1,0 +1,71 @@
+"""Admission by expected wait: a call is queued only when the work already ahead of it can be
+done within `max_wait` seconds, at the throughput the engine itself measured.
+
+Counting inputs does not bound waiting (4,096 inputs of 500 tokens are minutes of work on a
+CPU, of 5 tokens a fraction of a second); counting tokens at the engine's own speed does.
+Until the engine has measured itself, only the input cap (`max_queued`) applies. A call that
+finds the queue empty is always admitted, however large: nothing waits behind nothing.
+"""
+
+from __future__ import annotations
+
+# Busy seconds of stepping gathered into one throughput sample, and the weight of a new
+# sample against the running estimate.
+_SAMPLE_SECONDS = 0.2
+_SAMPLE_WEIGHT = 0.5
+
+
+class Admission:
+    """The queue's inputs and tokens, the engine's measured tokens per second, and whether a
+    call may join. Its owner (an engine loop) serializes the calls."""
+
+    def __init__(self, *, max_queued: int, max_wait: float | None):
+        self.max_queued = max_queued  # inputs waiting or running
+        self.max_wait = max_wait  # seconds of work ahead of a new call; None: no bound
+        self.queued = 0  # inputs admitted and not yet done
+        self.queued_tokens = 0  # their prompt tokens
+        self.tokens_per_second: float | None = None  # None until measured
+        self._done_tokens = 0  # tokens finished since the last sample
+        self._busy = 0.0  # seconds stepped since the last sample
+
+    def expected_wait(self, tokens: int = 0) -> float:
+        """Seconds the queued work (plus `tokens`) takes at the measured speed; 0 unknown."""
+        if not self.tokens_per_second:
+            return 0.0
+        return (self.queued_tokens + tokens) / self.tokens_per_second
+
+    def refusal(self, inputs: int, tokens: int) -> str | None:
+        """Why a call of `inputs` inputs and `tokens` tokens cannot join now, or None."""
+        if self.queued + inputs > self.max_queued:
+            return f"the queue is full ({self.queued} of {self.max_queued} inputs waiting)"
+        if self.max_wait is not None and self.queued_tokens > 0:
+            wait = self.expected_wait(tokens)
+            if wait > self.max_wait:
+                return (
+                    f"the queue holds about {wait:.1f} s of work with this request, over the "
+                    f"limit of {self.max_wait:g} s"
+                )
+        return None
+
+    def add(self, inputs: int, tokens: int) -> None:
+        self.queued += inputs
+        self.queued_tokens += tokens
+
+    def done(self, tokens: int, *, ran: bool) -> None:
+        """One input of `tokens` tokens left the queue; `ran`: it was computed (not cancelled)."""
+        self.queued -= 1
+        self.queued_tokens -= tokens
+        if ran:
+            self._done_tokens += tokens
+
+    def on_step(self, seconds: float) -> None:
+        """A step took `seconds`; every `_SAMPLE_SECONDS` of stepping is a throughput sample."""
+        self._busy += seconds
+        if self._busy < _SAMPLE_SECONDS or self._done_tokens == 0:
+            return
+        sample = self._done_tokens / self._busy
+        old = self.tokens_per_second
+        self.tokens_per_second = (
+            sample if old is None else (1 - _SAMPLE_WEIGHT) * old + _SAMPLE_WEIGHT * sample
+        )
+        self._done_tokens, self._busy = 0, 0.0
