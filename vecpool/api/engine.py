@@ -315,6 +315,9 @@ class Engine:
             tokenizer_file=str(tokenizer_file) if tokenizer_file is not None else None,
             input_sides=dict(self.inputs.sides),
             pooling=self.defaults.pooler,
+            embed_normalize=self.defaults.normalize,
+            windowed_embed=self.args.windowed_embed,
+            embed_window_overlap=self.window_overlap,
         )
 
     # ---- embed and per-token tasks -----------------------------------------------------

@@ -49,6 +49,9 @@ class EngineInfo:
     # How a late-interaction model writes each side ("query", "document") at the input stage.
     input_sides: dict[str, SideFormat] = field(default_factory=dict)
     pooling: str = ""  # how `embed` pools token states: "CLS", "MEAN", "LAST", ...
+    embed_normalize: bool = True  # whether `embed` normalizes unless a call says
+    windowed_embed: bool = False  # inputs over the limit are windowed unless a call says
+    embed_window_overlap: int = 0  # tokens consecutive windows share
 
     @property
     def torch_dtype(self) -> torch.dtype:

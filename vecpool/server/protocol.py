@@ -80,6 +80,12 @@ class EmbeddingRequest(OutputParams):
         description="int8 / uint8: [minimums, maximums], one per dimension; default -1 and 1 "
         "(the range of a unit vector's components)",
     )
+    windowed: bool | None = Field(
+        None,
+        description="an input over the model's length is embedded as the token-weighted mean "
+        "of overlapping windows (an approximation), not refused; default: the server's "
+        "--windowed-embed",
+    )
 
 
 class PoolingRequest(OutputParams):

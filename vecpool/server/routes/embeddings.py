@@ -9,7 +9,7 @@ from fastapi import APIRouter
 from starlette.requests import Request
 from starlette.responses import Response
 
-from vecpool.api import PreparedCall, calls, postprocess
+from vecpool.api import PreparedCall, calls, postprocess, windowed
 from vecpool.errors import InputError
 from vecpool.server.codec import Item, decode_inputs, parse_inputs
 from vecpool.server.errors import ApiError, input_error
@@ -66,7 +66,29 @@ async def embeddings(request: Request, data: dict[str, Any]) -> Response:
             prompt_name=body.prompt_name,
         )
 
-    vectors, timings = await run_call(state, request, request.url.path, prepare, len(items))
+    info = state.info
+    if body.windowed if body.windowed is not None else info.windowed_embed:
+
+        def prepare_windowed() -> PreparedCall[np.ndarray]:
+            return windowed.prepare_embed_windowed(
+                state.context,
+                decode_inputs(items),
+                overlap=info.embed_window_overlap,
+                default_normalize=info.embed_normalize,
+                dimensions=body.dimensions,
+                normalize=normalize,
+                truncate_prompt_tokens=state.truncate(body),
+                truncation_side=body.truncation_side,
+                prompt_name=body.prompt_name,
+            )
+
+        array, timings = await run_call(
+            state, request, request.url.path, prepare_windowed, len(items)
+        )
+        vectors = list(array)
+    else:
+        vectors, timings = await run_call(state, request, request.url.path, prepare, len(items))
+
     if body.precision != "float32":
         stacked = postprocess.quantize(np.stack(vectors), body.precision, ranges)
         vectors = list(stacked)
