@@ -24,7 +24,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -34,7 +33,13 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.bench_gpu import make_inputs, st_runner, vecpool_runner, workload_lengths
+from benchmarks.bench_gpu import (
+    git_commit,
+    make_inputs,
+    st_runner,
+    vecpool_runner,
+    workload_lengths,
+)
 
 SYSTEMS = ("vecpool", "st-32", "st-128")
 
@@ -50,15 +55,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--output", type=Path, help="write the report here as JSON")
     return parser.parse_args(argv)
-
-
-def _commit() -> str | None:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -101,7 +97,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "machine": f"{os.cpu_count()}-core CPU ({platform.processor() or platform.machine()})",
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
-        "commit": _commit(),
+        "commit": git_commit(),
         "command": "python benchmarks/bench_cpu.py " + " ".join(argv or []),
         "model": str(folder.name if args.model_dir else "all-MiniLM-L6-v2 (packaged)"),
         "max_seq_length": limit,

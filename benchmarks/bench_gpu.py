@@ -476,7 +476,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _commit() -> str | None:
+def git_commit() -> str | None:
     try:
         return subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
@@ -709,7 +709,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         else platform.processor() or "cpu",
         "cpu_threads": torch.get_num_threads(),
         "torch": torch.__version__,
-        "commit": _commit(),
+        "commit": git_commit(),
         "command": "python benchmarks/bench_gpu.py " + " ".join(argv or []),
         "ceiling_flops": matmul_ceiling(device),
         "fidelity": {},

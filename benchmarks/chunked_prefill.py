@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.bench_gpu import SHAPES, _commit, write_folder
+from benchmarks.bench_gpu import SHAPES, git_commit, write_folder
 
 # ---- attention --------------------------------------------------------------------------------
 
@@ -404,7 +404,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if device.type == "cuda"
         else platform.processor() or "cpu",
         "torch": torch.__version__,
-        "commit": _commit(),
+        "commit": git_commit(),
         "command": "python benchmarks/chunked_prefill.py " + " ".join(argv or []),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
     }
