@@ -117,7 +117,14 @@ def test_cohere_client_errors(server: Server) -> None:
     assert "texts only" in images.value.body["message"]
 
 
-def test_huggingface_inference_client(server: Server, minilm: vecpool.Engine) -> None:
+def test_huggingface_inference_client(
+    server: Server, minilm: vecpool.Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # CI sets HF_HUB_OFFLINE (nothing may reach a hub), which makes this client refuse every
+    # request, a local server's too: lifted for this test, whose only server is ours.
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     client = InferenceClient(base_url=server.url)
     one = client.feature_extraction(TEXTS[0])
     assert one.shape == (1, 384) and one.dtype == np.float32
