@@ -79,7 +79,6 @@ class ShapeKey:
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph | None  # None: replayed as a plain forward (no CUDA)
-    output: torch.Tensor | None  # [tokens, hidden]: the recorded forward's output
 
 
 class StepGraphs:
@@ -110,6 +109,9 @@ class StepGraphs:
         rows, slots = self.buckets[-1], _pow2_at_least(max_seqs + 1)
         self.max_seqs = slots - 1  # one slot stays free for the padding rows
         self.x = torch.zeros(rows, hidden_size, dtype=dtype, device=device)
+        # Every graph ends by copying its hidden states here: one output buffer for all of them
+        # (each graph's own intermediates return to the shared pool once it is recorded).
+        self.out = torch.zeros(rows, hidden_size, dtype=dtype, device=device)
         self.positions = torch.zeros(rows, dtype=torch.int64, device=device)
         self.token_types = (
             torch.zeros(rows, dtype=torch.int64, device=device) if with_token_types else None
@@ -183,12 +185,10 @@ class StepGraphs:
         self._fill(key, x, positions, attn, token_types)
         if entry.graph is not None:
             entry.graph.replay()
-            output = entry.output
         else:
-            output = self._forward(key)
-        assert output is not None
+            self._forward(key)
         self.replays += 1
-        return output[:n].clone()  # the graph writes the same memory at its next replay
+        return self.out[:n].clone()  # the next step writes the same buffer
 
     def _fill(
         self,
@@ -223,16 +223,18 @@ class StepGraphs:
             static=self.capture,
         )
 
-    def _forward(self, key: ShapeKey) -> torch.Tensor:
+    def _forward(self, key: ShapeKey) -> None:
+        """The forward of `key`'s rows, its hidden states left in `out`."""
         rows = key.tokens
         types = self.token_types[:rows] if self.token_types is not None else None
-        return self.forward(self.x[:rows], self.positions[:rows], self._metadata(key), types)
+        hidden = self.forward(self.x[:rows], self.positions[:rows], self._metadata(key), types)
+        self.out[:rows].copy_(hidden)
 
     def _record(self, key: ShapeKey) -> _Graph | None:
         """Record the graph of `key` (the buffers hold a valid step); None if the model
         cannot be recorded, which turns graphs off for it."""
         if not self.capture:
-            entry = _Graph(None, None)
+            entry = _Graph(None)
             self.graphs[key] = entry
             return entry
         try:
@@ -243,7 +245,7 @@ class StepGraphs:
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                output = self._forward(key)
+                self._forward(key)
         except GraphUnsupported as exc:
             logger.info("CUDA graphs are off for this model: %s", exc)
             self.enabled = False
@@ -252,6 +254,6 @@ class StepGraphs:
             logger.warning("CUDA graphs are off: recording a step failed: %s", exc)
             self.enabled = False
             return None
-        entry = _Graph(graph, output)
+        entry = _Graph(graph)
         self.graphs[key] = entry
         return entry
