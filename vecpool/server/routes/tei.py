@@ -106,23 +106,15 @@ async def embed(request: Request, data: dict[str, Any]) -> Response:
     body = validate(TeiEmbedRequest, data)
     items = text_inputs(state, body.inputs)
 
-    def prepare() -> PreparedCall[list[np.ndarray]]:
-        return calls.prepare_encode(
-            state.context,
-            items,
-            task="embed",
-            dimensions=body.dimensions,
-            normalize=body.normalize,
-            truncate_prompt_tokens=truncation(state, body),
-            truncation_side=side(body),
-            prompt_name=body.prompt_name,
-        )
-
-    vectors, timings = await run_call(
-        state, request, request.url.path, prepare, len(items), inputs_error
+    return await _encode(
+        request,
+        state,
+        body,
+        items,
+        task="embed",
+        dimensions=body.dimensions,
+        normalize=body.normalize,
     )
-    content = await asyncio.to_thread(lambda: dumps([v.tolist() for v in vectors]))
-    return json_response(content, timings.headers())
 
 
 @router.post("/embed_all", openapi_extra=openapi_body(TeiTokensRequest))
@@ -137,15 +129,27 @@ async def embed_all(request: Request, data: dict[str, Any]) -> Response:
     body = validate(TeiTokensRequest, data)
     items = text_inputs(state, body.inputs)
 
+    return await _encode(request, state, body, items, task="token_embed", normalize=False)
+
+
+async def _encode(
+    request: Request,
+    state: ServerState,
+    body: TeiEmbedRequest | TeiTokensRequest,
+    items: list[str | list[int]],
+    **params: Any,
+) -> Response:
+    """`calls.prepare_encode` of `items` with `params` and the body's truncation and prompt,
+    answered as TEI does: an array (of arrays) per input."""
+
     def prepare() -> PreparedCall[list[np.ndarray]]:
         return calls.prepare_encode(
             state.context,
             items,
-            task="token_embed",
-            normalize=False,
             truncate_prompt_tokens=truncation(state, body),
             truncation_side=side(body),
             prompt_name=body.prompt_name,
+            **params,
         )
 
     arrays, timings = await run_call(
