@@ -218,18 +218,28 @@ def flat_attention(
     scale: float,
     window: int | None = None,  # attend to the last `window` positions (itself included)
     softcap: float | None = None,  # tanh soft-capping of the attention logits
+    bias: torch.Tensor | None = None,  # [1 or num_seqs, num_heads, max_seqlen, max_seqlen]
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Attention of every sequence of a flat batch with itself (and, for a chunk of a longer
-    prompt, with its prompt's earlier positions)."""
-    if meta.static and not (meta.use_varlen and softcap is None):
+    prompt, with its prompt's earlier positions).
+
+    `bias` is added to the scaled logits in the padded layout (relative position buckets,
+    ALiBi): query `i` and key `j` of a sequence meet at `bias[s, h, i, j]`, a size-1 first axis
+    serving every sequence. The varlen kernel takes no bias, so a biased attention always runs
+    the exact padded fallback, and never with chunked prompts (encoders only)."""
+    padded_only = softcap is not None or bias is not None
+    if meta.static and not (meta.use_varlen and not padded_only):
         raise GraphUnsupported(
-            "its attention needs the padded fallback (soft-capping, or no varlen kernel)"
+            "its attention needs the padded fallback (soft-capping, an additive bias, or no "
+            "varlen kernel)"
         )
+    if bias is not None and (softcap is not None or meta.kv is not None):
+        raise NotImplementedError("an attention bias with soft-capping or chunked prompts")
     if meta.kv is not None:
         return _cached_attention(
             q, k, v, meta, causal=causal, scale=scale, window=window, softcap=softcap
         )
-    if meta.use_varlen and softcap is None:
+    if meta.use_varlen and not padded_only:
         cu_k, max_k = meta.cu_seqlens, meta.max_seqlen
         if meta.key_rows is not None:
             # Keys cut short only where every query sees every key (ColBERT's encoders):
@@ -252,6 +262,7 @@ def flat_attention(
         scale=scale,
         window=window,
         softcap=softcap,
+        bias=bias,
     )
 
 
@@ -355,6 +366,7 @@ def _padded_attention(
     scale: float,
     window: int | None,
     softcap: float | None,
+    bias: torch.Tensor | None = None,  # [1 or num_seqs, num_heads, max_seqlen, max_k]
 ) -> torch.Tensor:
     num_seqs = meta.num_seqs
 
@@ -373,7 +385,10 @@ def _padded_attention(
         kp = kp.repeat_interleave(group, dim=1)
         vp = vp.repeat_interleave(group, dim=1)
     mask = meta.padded_mask(causal, window)  # [B, 1, Lq, Lk]
-    if softcap is None:
+    if bias is not None:  # additive: the bias where attended, -inf elsewhere
+        float_mask = bias.to(qp.dtype).masked_fill(~mask, float("-inf"))
+        out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=float_mask, scale=scale)
+    elif softcap is None:
         out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale)
     else:
         scores = torch.matmul(qp, kp.transpose(-1, -2)) * scale

@@ -38,6 +38,10 @@ _REGISTRY: dict[str, tuple[str, str]] = {
     "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM"),
     "Gemma2ForSequenceClassification": ("gemma2", "Gemma2ForSequenceClassification"),
     "Gemma2ForTokenClassification": ("gemma2", "Gemma2ForTokenClassification"),
+    # -- MPNet, DistilBERT, ALBERT, ELECTRA --
+    # -- T5 encoder, DeBERTa-v2, Jina BERT v2 --
+    # -- ModernBERT, NomicBERT, GTE --
+    # -- Qwen2, Gemma, Gemma3 --
 }
 
 
