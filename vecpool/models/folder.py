@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from vecpool.errors import ModelLoadError
+from vecpool.models.bge_m3 import BgeM3Spec, read_bge_m3
 
 _ST_POOLING_MODES = {
     "pooling_mode_cls_token": "CLS",
@@ -106,6 +107,7 @@ class ModelFolder:
     max_seq_length: int | None = None  # sentence_bert_config.json
     late_interaction: LateInteractionSpec | None = None  # ColBERT / multi-vector folders
     splade: SpladeSpec | None = None  # a SpladePooling module, if any
+    bge_m3: BgeM3Spec | None = None  # colbert_linear.pt / sparse_linear.pt (BGE-M3), if any
 
     @classmethod
     def load(cls, path: str | Path) -> ModelFolder:
@@ -132,6 +134,10 @@ class ModelFolder:
             modules = None
         if modules is not None:
             folder.update(_read_sentence_transformers(root, modules))
+        if folder.get("late_interaction") is None:
+            folder["bge_m3"] = m3 = read_bge_m3(root, folder["tokenizer_config"])
+            if m3 is not None and m3.colbert_linear is not None:
+                folder["late_interaction"] = _plain_late_interaction(str(m3.colbert_linear))
         return cls(**folder)
 
 
@@ -243,6 +249,15 @@ def _is_multi_vector(root: Path, modules: list[dict[str, Any]]) -> bool:
     if any(key in st_config for key in _PYLATE_KEYS):
         return True
     return any(_module_kind(m) == "MultiVectorMask" for m in modules)
+
+
+def _plain_late_interaction(source: str) -> LateInteractionSpec:
+    """Queries and documents written alike (no marker, prompt, expansion or skiplist), token
+    vectors normalized, MaxSim averaged over the query's vectors: BGE-M3's colbert score."""
+    side = SideSpec(marker=None, prompt="", max_tokens=None, expansion=None, skiplist=False)
+    return LateInteractionSpec(
+        source=source, query=side, document=side, skiplist_words=(), mean_maxsim=True
+    )
 
 
 def _read_stanford_colbert(root: Path, hf: dict[str, Any]) -> LateInteractionSpec:

@@ -39,22 +39,85 @@ _REGISTRY: dict[str, tuple[str, str]] = {
     "Gemma2ForSequenceClassification": ("gemma2", "Gemma2ForSequenceClassification"),
     "Gemma2ForTokenClassification": ("gemma2", "Gemma2ForTokenClassification"),
     # -- MPNet, DistilBERT, ALBERT, ELECTRA --
+    "MPNetModel": ("mpnet", "MPNetModel"),
+    "MPNetForMaskedLM": ("mpnet", "MPNetForMaskedLM"),
+    "MPNetForSequenceClassification": ("mpnet", "MPNetForSequenceClassification"),
+    "MPNetForTokenClassification": ("mpnet", "MPNetForTokenClassification"),
+    "DistilBertModel": ("distilbert", "DistilBertModel"),
+    "DistilBertForMaskedLM": ("distilbert", "DistilBertForMaskedLM"),
+    "DistilBertForSequenceClassification": ("distilbert", "DistilBertForSequenceClassification"),
+    "DistilBertForTokenClassification": ("distilbert", "DistilBertForTokenClassification"),
+    "AlbertModel": ("albert", "AlbertModel"),
+    "AlbertForMaskedLM": ("albert", "AlbertForMaskedLM"),
+    "AlbertForSequenceClassification": ("albert", "AlbertForSequenceClassification"),
+    "AlbertForTokenClassification": ("albert", "AlbertForTokenClassification"),
+    "ElectraModel": ("electra", "ElectraModel"),
+    "ElectraForPreTraining": ("electra", "ElectraModel"),  # discriminators: the encoder
+    "ElectraForMaskedLM": ("electra", "ElectraForMaskedLM"),
+    "ElectraForSequenceClassification": ("electra", "ElectraForSequenceClassification"),
+    "ElectraForTokenClassification": ("electra", "ElectraForTokenClassification"),
     # -- T5 encoder, DeBERTa-v2, Jina BERT v2 --
+    "T5EncoderModel": ("t5", "T5EncoderModel"),
+    "T5Model": ("t5", "T5EncoderModel"),
+    "T5ForConditionalGeneration": ("t5", "T5EncoderModel"),
+    "MT5EncoderModel": ("t5", "T5EncoderModel"),
+    "MT5Model": ("t5", "T5EncoderModel"),
+    "MT5ForConditionalGeneration": ("t5", "T5EncoderModel"),
+    "DebertaV2Model": ("deberta_v2", "DebertaV2Model"),
+    "DebertaV2ForSequenceClassification": ("deberta_v2", "DebertaV2ForSequenceClassification"),
+    "DebertaV2ForTokenClassification": ("deberta_v2", "DebertaV2ForTokenClassification"),
+    "JinaBertModel": ("jina_bert", "JinaBertModel"),
+    "JinaBertForMaskedLM": ("jina_bert", "JinaBertModel"),
+    "JinaBertForSequenceClassification": ("jina_bert", "JinaBertForSequenceClassification"),
     # -- ModernBERT, NomicBERT, GTE --
+    "ModernBertModel": ("modernbert", "ModernBertModel"),
+    "ModernBertForMaskedLM": ("modernbert", "ModernBertForMaskedLM"),
+    "ModernBertForSequenceClassification": ("modernbert", "ModernBertForSequenceClassification"),
+    "ModernBertForTokenClassification": ("modernbert", "ModernBertForTokenClassification"),
+    "NomicBertModel": ("nomic_bert", "NomicBertModel"),
+    "NewModel": ("gte", "NewModel"),
+    "NewForSequenceClassification": ("gte", "NewForSequenceClassification"),
     # -- Qwen2, Gemma, Gemma3 --
+    "Qwen2Model": ("qwen2", "Qwen2Model"),
+    "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLM"),
+    "Qwen2ForSequenceClassification": ("qwen2", "Qwen2ForSequenceClassification"),
+    "Qwen2ForTokenClassification": ("qwen2", "Qwen2ForTokenClassification"),
+    "GemmaModel": ("gemma", "GemmaModel"),
+    "GemmaForCausalLM": ("gemma", "GemmaForCausalLM"),
+    "GemmaForSequenceClassification": ("gemma", "GemmaForSequenceClassification"),
+    "GemmaForTokenClassification": ("gemma", "GemmaForTokenClassification"),
+    "Gemma3TextModel": ("gemma3", "Gemma3TextModel"),
+    "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
+    "Gemma3TextForSequenceClassification": ("gemma3", "Gemma3TextForSequenceClassification"),
+    # -- jina-reranker-v3 (listwise) --
+    "JinaForRanking": ("jina_reranker", "JinaForRanking"),
 }
+
+
+# How an architecture is run: "auto" (its native class, else the transformers fallback),
+# "vecpool" (native only) or "transformers" (the fallback, even where a native class exists).
+MODEL_IMPLS = ("auto", "vecpool", "transformers")
 
 
 def supported_architectures() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def model_class(architecture: str) -> type[PoolingModel]:
-    """The class serving `architecture`, or a `ConfigError` listing the supported ones."""
+def model_class(architecture: str, model_impl: str = "auto") -> type[PoolingModel]:
+    """The class serving `architecture`: its native class; with `model_impl` "auto" the
+    transformers fallback when there is none, with "transformers" the fallback always, with
+    "vecpool" a `ConfigError` listing the supported ones when there is none."""
+    if model_impl not in MODEL_IMPLS:
+        raise ConfigError(f"model_impl {model_impl!r} is not one of {MODEL_IMPLS}")
     entry = _REGISTRY.get(architecture)
+    if model_impl == "transformers" or (entry is None and model_impl == "auto"):
+        from vecpool.models.transformers_fallback import TransformersModel
+
+        return TransformersModel
     if entry is None:
         raise ConfigError(
-            f"architecture {architecture!r} is not supported; supported: "
+            f"architecture {architecture!r} is not supported natively (model_impl="
+            f"{model_impl!r}; model_impl='auto' runs it through transformers); supported: "
             f"{', '.join(supported_architectures())}"
         )
     module = importlib.import_module(f"vecpool.models.{entry[0]}")

@@ -4,16 +4,21 @@ its folder's sentence-transformers modules; for each head it lacks, why."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+from torch import nn
 
 from vecpool.errors import ModelLoadError
 from vecpool.models.base import Capability, PoolingModel
 from vecpool.models.folder import ModelFolder, SpladeSpec
+from vecpool.models.loader import load_module
 from vecpool.models.st import DenseStack, load_dense_stack
 from vecpool.pooling.heads import (
     ClassifierHead,
     EmbedHead,
+    LexicalSparseHead,
+    ListwiseHead,
     LogitScoreHead,
     RowFn,
     SparseHead,
@@ -46,12 +51,15 @@ def build_heads(
     scorer_vocab_ids: list[int] | None,
     special_token_ids: list[int],
     skiplist_ids: list[int] | None = None,
+    listwise_ids: list[int] | None = None,
 ) -> tuple[dict[Head, TaskHead], dict[Head, str]]:
     """The heads this model serves, by name, and for each head it lacks, why.
 
     `scorer_vocab_ids` (the true and false tokens of an LLM reranker) make the scorer an LLM
     reranker; without them a sequence classifier, if any, scores pairs (a cross-encoder).
     `skiplist_ids`: the token ids a late-interaction model leaves out of some side's vectors.
+    `listwise_ids` (the document and query markers of a listwise reranker) make the scorer
+    the listwise head.
     """
     arch = folder.architecture
     heads: dict[Head, TaskHead] = {
@@ -69,7 +77,10 @@ def build_heads(
             f"{arch} has no sequence-classification head (a *ForSequenceClassification "
             "checkpoint has one)"
         )
-    if scorer_vocab_ids is not None:
+    if listwise_ids is not None:
+        marked = _vocab_mask(listwise_ids, model.vocab_size, device)
+        heads[Head.SCORER] = ListwiseHead(model.project_listwise, marked)
+    elif scorer_vocab_ids is not None:
         ids = torch.tensor(scorer_vocab_ids, dtype=torch.int64, device=device)
         heads[Head.SCORER] = LogitScoreHead(model.compute_logits, ids)
     elif Head.SEQUENCE_CLASSIFIER in heads:
@@ -86,7 +97,14 @@ def build_heads(
             f"{arch} has no token-classification head (a *ForTokenClassification checkpoint "
             "has one)"
         )
-    if Capability.MASKED_LM in model.capabilities:
+    m3 = folder.bge_m3
+    if m3 is not None and m3.sparse_linear is not None:  # BGE-M3's lexical weights
+        heads[Head.SPARSE] = LexicalSparseHead(
+            _in_float32(_bge_m3_linear(m3.sparse_linear, model.hidden_size, 1, device)),
+            _vocab_mask(m3.unused_token_ids, model.vocab_size, device),
+            _vocab_mask(special_token_ids, model.vocab_size, device),
+        )
+    elif Capability.MASKED_LM in model.capabilities:
         special = torch.zeros(model.vocab_size, dtype=torch.bool)
         special[[i for i in special_token_ids if 0 <= i < model.vocab_size]] = True
         splade = folder.splade or SpladeSpec()  # a plain *ForMaskedLM: max of log1p(relu)
@@ -113,8 +131,9 @@ def _token_embed_head(
     device: torch.device,
     skiplist_ids: list[int] | None,
 ) -> TokenEmbedHead:
-    """Token rows through ColBERT's `linear` or a multi-vector folder's per-token Dense modules,
-    the skiplist of a late-interaction model, truncation, normalization."""
+    """Token rows through ColBERT's `linear`, a multi-vector folder's per-token Dense modules or
+    BGE-M3's `colbert_linear` (its CLS row left out), the skiplist of a late-interaction model,
+    truncation, normalization."""
     spec = folder.late_interaction
     projects = Capability.TOKEN_PROJECTION in model.capabilities
     project: RowFn | None = model.project_tokens if projects else None
@@ -124,6 +143,11 @@ def _token_embed_head(
         def project(rows: torch.Tensor) -> torch.Tensor:  # the Dense modules run in float32
             return token_dense(rows.float())
 
+    m3 = folder.bge_m3
+    colbert = m3.colbert_linear if m3 is not None else None
+    if colbert is not None:
+        hidden = model.hidden_size
+        project = _in_float32(_bge_m3_linear(colbert, hidden, hidden, device))
     skiplist = None
     skip_sides: frozenset[str] = frozenset()
     if spec is not None and skiplist_ids:
@@ -137,4 +161,26 @@ def _token_embed_head(
         defaults.token_output_dim,
         skiplist=skiplist,
         skip_sides=skip_sides,
+        drop_first=colbert is not None,
     )
+
+
+def _bge_m3_linear(path: Path, hidden: int, out: int, device: torch.device) -> nn.Linear:
+    """One of BGE-M3's `torch.nn.Linear` state dicts, strictly (names and shapes), on `device`."""
+    linear = nn.Linear(hidden, out)
+    load_module(linear, path, f"BGE-M3 {path.stem}")
+    return linear.to(device).eval().requires_grad_(False)
+
+
+def _in_float32(module: nn.Module) -> RowFn:
+    """`module` applied to float32 rows (the small heads run in float32, as Dense modules do)."""
+    return lambda rows: module(rows.float())
+
+
+def _vocab_mask(
+    ids: tuple[int, ...] | list[int], vocab_size: int, device: torch.device
+) -> torch.Tensor:
+    """`[vocab_size]` bool: True at `ids` (those inside the vocabulary)."""
+    mask = torch.zeros(vocab_size, dtype=torch.bool)
+    mask[[i for i in ids if 0 <= i < vocab_size]] = True
+    return mask.to(device)

@@ -29,6 +29,7 @@ from vecpool.pooling.carry import Carry
 from vecpool.pooling.methods import (
     METHODS,
     PoolingMetadata,
+    marked_rows,
     on_device,
     prompt_lengths,
     sequence_rows,
@@ -89,6 +90,8 @@ class TaskHead(Protocol):
     # True: one output row per token, each chunk's rows answered as it runs (the pooling
     # runner joins a prompt's chunks); False: one output per prompt, at its last chunk.
     per_token: bool
+    # True: every request needs its token ids, whatever its task says (the head reads them).
+    needs_token_ids: bool
 
     def __call__(self, b: HeadBatch, /) -> list[np.ndarray | None]:
         """One output per sequence of `b`, in its order (None: a sequence head's sequence whose
@@ -138,6 +141,7 @@ class EmbedHead:
     """The model's pooling, the folder's Dense projections, matryoshka truncation, normalize."""
 
     per_token = False
+    needs_token_ids = False
 
     def __init__(self, pooler: str, dense: DenseStack, normalize: bool, output_dim: int):
         self.pooler, self.dense, self.normalize, self.output_dim = (
@@ -163,17 +167,25 @@ class EmbedHead:
 
 
 class ClassifierHead:
-    """One row per sequence (CLS or LAST) through a classifier, then its activation."""
+    """One row per sequence (CLS or LAST), or the mean of its rows (MEAN: ModernBERT's
+    `classifier_pooling`), through a classifier, then its activation."""
 
     per_token = False
+    needs_token_ids = False
 
     def __init__(self, classify: RowFn, pooler: str, activation: str):
         self.classify, self.pooler, self.activation = classify, pooler, activation
 
     def __call__(self, b: HeadBatch) -> list[np.ndarray | None]:
-        rows = b.hidden[sequence_rows(self.pooler, b.meta, b.seqs)]  # [k, hidden]
-        # A prompt's first row is its first chunk's; its last row, its last chunk's.
-        rows = b.merge("row", rows, "first" if self.pooler == "CLS" else "last")
+        if self.pooler == "MEAN":
+            method = METHODS["MEAN"]
+            sums = b.merge("sum", method.reduce(b.hidden, b.meta)[b.seqs], method.merge)
+            mean = method.finish(sums, prompt_lengths(b.meta)[b.seqs])  # [k, hidden] float32
+            rows = mean.to(b.hidden.dtype)
+        else:
+            rows = b.hidden[sequence_rows(self.pooler, b.meta, b.seqs)]  # [k, hidden]
+            # A prompt's first row is its first chunk's; its last row, its last chunk's.
+            rows = b.merge("row", rows, "first" if self.pooler == "CLS" else "last")
         logits = self.classify(rows).float()  # [k, num_labels]
         scores = torch.where(
             b.flags("use_activation", True)[:, None], activate(logits, self.activation), logits
@@ -186,6 +198,7 @@ class LogitScoreHead:
     the log-odds `l_true - l_false` (or `l_true` alone), scored through a sigmoid."""
 
     per_token = False
+    needs_token_ids = False
 
     def __init__(self, compute_logits: LogitsFn, vocab_ids: torch.Tensor):
         self.compute_logits = compute_logits
@@ -204,9 +217,11 @@ class TokenEmbedHead:
     `linear`, a multi-vector folder's Dense modules), matryoshka truncation, normalize.
 
     A late-interaction model may leave the tokens of a skiplist (punctuation) out of the vectors
-    of one side: of the requests whose `input_type` is in `skip_sides`."""
+    of one side: of the requests whose `input_type` is in `skip_sides`; with `drop_first`
+    (BGE-M3) every prompt's first token (its CLS) gets no vector."""
 
     per_token = True
+    needs_token_ids = False
 
     def __init__(
         self,
@@ -215,9 +230,10 @@ class TokenEmbedHead:
         output_dim: int,
         skiplist: torch.Tensor | None = None,  # [vocab] bool: token ids left out
         skip_sides: frozenset[str] = frozenset(),
+        drop_first: bool = False,
     ):
         self.project, self.normalize, self.output_dim = project, normalize, output_dim
-        self.skiplist, self.skip_sides = skiplist, skip_sides
+        self.skiplist, self.skip_sides, self.drop_first = skiplist, skip_sides, drop_first
 
     def __call__(self, b: HeadBatch) -> list[np.ndarray | None]:
         keep = None
@@ -226,6 +242,8 @@ class TokenEmbedHead:
             skip_seq = torch.zeros(b.meta.lengths.shape[0], dtype=torch.bool, device=b.seqs.device)
             skip_seq[b.seqs] = on_device(b.seqs.device, skipping, torch.bool)
             keep = ~(skip_seq[b.meta.seq_ids] & self.skiplist[b.meta.input_ids])
+        if self.drop_first:
+            keep = _not_prompt_first(b.meta) if keep is None else keep & _not_prompt_first(b.meta)
         selected, row_seq, counts = _token_rows(b, keep)
         rows = b.hidden[selected]
         if self.project is not None:
@@ -244,6 +262,7 @@ class TokenClassifierHead:
     """Per-token class scores (all tokens, or STEP-tagged ones) from a token classifier."""
 
     per_token = True
+    needs_token_ids = False
 
     def __init__(self, classify_tokens: RowFn, activation: str):
         self.classify_tokens, self.activation = classify_tokens, activation
@@ -256,6 +275,25 @@ class TokenClassifierHead:
         return [part.numpy() for part in torch.split(scores.cpu(), counts)]
 
 
+class ListwiseHead:
+    """A listwise reranker (jina-reranker-v3): the rows at its marker tokens (each document's,
+    then the query's, in prompt order) through its projector, one `[num_markers, dim]` float32
+    block per prompt. The scores (cosines, several prompts of one query combined) are the api
+    layer's (`vecpool.api.listwise`). Markers are found by token id, so requests need them."""
+
+    per_token = True  # each chunk's marker rows; the pooling runner joins a prompt's chunks
+    needs_token_ids = True
+
+    def __init__(self, project: RowFn, marked: torch.Tensor):
+        self.project = project
+        self.marked = marked  # [vocab] bool: the marker token ids
+
+    def __call__(self, b: HeadBatch) -> list[np.ndarray | None]:
+        selected, _, counts = marked_rows(b.meta, b.seqs, self.marked)
+        vectors = self.project(b.hidden[selected]).float()  # [num_markers, dim]
+        return [part.numpy() for part in torch.split(vectors.cpu(), counts)]
+
+
 class SparseHead:
     """SPLADE, as sentence-transformers' `SpladePooling`: the masked-LM logits of every token
     through `log1p(relu(x))` (`"relu"`) or `log1p(log1p(relu(x)))` (`"log1p_relu"`), pooled per
@@ -264,6 +302,7 @@ class SparseHead:
     step's tokens are computed `slice_tokens` rows at a time to bound memory."""
 
     per_token = False
+    needs_token_ids = False
 
     def __init__(
         self,
@@ -309,6 +348,46 @@ class SparseHead:
                 out.scatter_reduce_(0, index, weights, reduce="amax")
         out = b.merge("weights", out, "sum" if self.reduce == "sum" else "max")
         return b.final_only(list(out.cpu().numpy()))
+
+
+class LexicalSparseHead:
+    """BGE-M3's lexical weights: every token's weight `relu(token_weight(h))`, one `[vocab]`
+    vector per sequence holding the largest weight of each token id it contains. The `unused`
+    ids (cls, eos, pad, unk) get none; a request with `exclude_special_tokens` leaves out every
+    `special` id too. The weights are read at the token ids, so requests need them."""
+
+    per_token = False
+    needs_token_ids = True
+
+    def __init__(self, token_weight: RowFn, unused: torch.Tensor, special: torch.Tensor):
+        self.token_weight = token_weight  # [n, hidden] -> [n, 1]
+        self.unused = unused  # [vocab] bool
+        self.special = special  # [vocab] bool
+
+    def __call__(self, b: HeadBatch) -> list[np.ndarray | None]:
+        meta, device = b.meta, b.seqs.device
+        num_all, vocab = int(meta.lengths.shape[0]), self.unused.shape[0]
+        local = torch.full((num_all,), -1, dtype=torch.int64, device=device)
+        local[b.seqs] = torch.arange(b.num_seqs, device=device)
+        exclude = torch.zeros(num_all, dtype=torch.bool, device=device)
+        exclude[b.seqs] = b.flags("exclude_special_tokens", False)
+        row_local = local[meta.seq_ids]  # [num_tokens]: index among the head's sequences
+        ids = meta.input_ids
+        dropped = self.unused[ids] | (exclude[meta.seq_ids] & self.special[ids])
+        rows = torch.nonzero((row_local >= 0) & ~dropped).squeeze(1)  # [num_kept]
+        weights = torch.relu(self.token_weight(b.hidden[rows]).float()).squeeze(1)  # [num_kept]
+        # Weights are >= 0, so the zeros `out` starts from change no maximum.
+        out = torch.zeros(b.num_seqs * vocab, dtype=torch.float32, device=device)
+        out.scatter_reduce_(0, row_local[rows] * vocab + ids[rows], weights, reduce="amax")
+        merged = b.merge("weights", out.view(b.num_seqs, vocab), "max")
+        return b.final_only(list(merged.cpu().numpy()))
+
+
+def _not_prompt_first(meta: PoolingMetadata) -> torch.Tensor:  # [num_tokens] bool
+    """False at the rows holding a prompt's first token (a chunk that starts a prompt)."""
+    keep = torch.ones_like(meta.seq_ids, dtype=torch.bool)
+    keep[meta.cu_seqlens[:-1]] = False if meta.starts is None else meta.starts > 0
+    return keep
 
 
 def _token_rows(

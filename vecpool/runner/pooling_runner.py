@@ -77,14 +77,19 @@ class PoolingRunner:
                         f"request {chunk.request_id} continues at position {chunk.start} "
                         "without the pooling state of its earlier chunks"
                     )
-            if not has_ids and chunk.task.needs_token_ids(chunk.params):
+            head_needs_ids = self.heads[chunk.task.head].needs_token_ids
+            if not has_ids and (head_needs_ids or chunk.task.needs_token_ids(chunk.params)):
+                reason = (
+                    f"this model's {chunk.task.name!r} head reads its weights at the token ids"
+                    if head_needs_ids
+                    else f"{chunk.task.token_ids_reason(chunk.params)} (e.g. to match "
+                    "step_tag_id, to leave out special tokens or to write a late-interaction "
+                    "query or document)"
+                )
                 results[i] = PooledResult(
                     None,
                     RequestFailedError(
-                        f"{chunk.task.token_ids_reason(chunk.params)} (e.g. to match "
-                        "step_tag_id, to leave out special tokens or to write a late-interaction "
-                        "query or document), but the input came as prompt embeds",
-                        field="prompt_embeds",
+                        f"{reason}, but the input came as prompt embeds", field="prompt_embeds"
                     ),
                 )
             else:  # its head exists: the api layer refuses a task the model has no head for
