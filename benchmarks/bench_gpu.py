@@ -87,6 +87,10 @@ class Shape:
 
 
 _DECODER = dict(max_position_embeddings=32768, rms_norm_eps=1e-6)
+# Configs' model_type of the decoder families (causal unless the config says otherwise).
+_DECODER_TYPES = frozenset(
+    {"qwen2", "qwen3", "llama", "mistral", "gemma", "gemma2", "gemma3_text", "gemma3"}
+)
 SHAPES: dict[str, Shape] = {
     "qwen3-0.6b": Shape(
         "Qwen3Config",
@@ -131,6 +135,67 @@ SHAPES: dict[str, Shape] = {
         "BertConfig",
         "BertModel",
         dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=12, intermediate_size=1536),
+        causal=False,
+    ),
+    "mpnet-base": Shape(  # all-mpnet-base-v2
+        "MPNetConfig",
+        "MPNetModel",
+        dict(
+            vocab_size=30527,
+            hidden_size=768,
+            num_hidden_layers=12,
+            num_attention_heads=12,
+            intermediate_size=3072,
+            max_position_embeddings=514,
+        ),
+        causal=False,
+    ),
+    "modernbert-base": Shape(  # gte-modernbert-base, modernbert-embed-base
+        "ModernBertConfig",
+        "ModernBertModel",
+        dict(
+            vocab_size=50368,
+            hidden_size=768,
+            num_hidden_layers=22,
+            num_attention_heads=12,
+            intermediate_size=1152,
+            max_position_embeddings=8192,
+            global_attn_every_n_layers=3,
+            local_attention=128,
+        ),
+        causal=False,
+    ),
+    "qwen2-1.5b": Shape(  # gte-Qwen2-1.5B-instruct, stella_en_1.5B_v5
+        "Qwen2Config",
+        "Qwen2Model",
+        dict(
+            vocab_size=151936,
+            hidden_size=1536,
+            num_hidden_layers=28,
+            num_attention_heads=12,
+            num_key_value_heads=2,
+            intermediate_size=8960,
+            tie_word_embeddings=False,
+            **_DECODER,
+        ),
+        causal=True,
+    ),
+    "embeddinggemma-300m": Shape(  # bidirectional Gemma3, mean pooling
+        "Gemma3TextConfig",
+        "Gemma3TextModel",
+        dict(
+            vocab_size=262144,
+            hidden_size=768,
+            num_hidden_layers=24,
+            num_attention_heads=3,
+            num_key_value_heads=1,
+            head_dim=256,
+            intermediate_size=1152,
+            max_position_embeddings=2048,
+            sliding_window=512,
+            use_bidirectional_attention=True,
+            query_pre_attn_scalar=256,
+        ),
         causal=False,
     ),
     # Tiny shapes: the benchmark's own test, in seconds on a CPU.
@@ -271,7 +336,11 @@ def flop_model(folder: Path) -> FlopModel:
         if "embed" not in name and not name.startswith(("pooler.", "lm_head."))
     )
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    causal = cfg.model_type != "bert"
+    # Decoders attend causally unless their config turns that off (embedding fine-tunes).
+    bidirectional = getattr(cfg, "is_causal", None) is False or bool(
+        getattr(cfg, "use_bidirectional_attention", False)
+    )
+    causal = cfg.model_type in _DECODER_TYPES and not bidirectional
     return FlopModel(params, cfg.num_attention_heads * head_dim, cfg.num_hidden_layers, causal)
 
 

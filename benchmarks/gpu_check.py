@@ -32,13 +32,50 @@ LENGTHS = [1, 3, 9, 17, 30, 100, 257, 64]
 SIZE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4)
 
 
+def _encoders() -> list[tuple[str, Any]]:
+    """Every encoder family transformers defines, at `SIZE` (head size 64), 3 layers."""
+    t = transformers
+    enc = dict(vocab_size=101, num_hidden_layers=3, max_position_embeddings=512, **SIZE)
+    configs: dict[str, tuple[Any, Any]] = {
+        "bert": (t.BertModel, t.BertConfig(**enc)),
+        "mpnet": (t.MPNetModel, t.MPNetConfig(**enc)),
+        "distilbert": (
+            t.DistilBertModel,
+            t.DistilBertConfig(vocab_size=101, dim=256, hidden_dim=512, n_heads=4, n_layers=3),
+        ),
+        "albert": (
+            t.AlbertModel,
+            t.AlbertConfig(**enc, embedding_size=128, num_hidden_groups=1),
+        ),
+        "electra": (t.ElectraModel, t.ElectraConfig(**enc, embedding_size=128)),
+        "t5-encoder": (
+            t.T5EncoderModel,
+            t.T5Config(vocab_size=101, d_model=256, d_kv=64, d_ff=512, num_heads=4, num_layers=3),
+        ),
+        "deberta-v2": (
+            t.DebertaV2Model,
+            t.DebertaV2Config(
+                **enc,
+                relative_attention=True,
+                position_buckets=64,
+                pos_att_type=["p2c", "c2p"],
+                position_biased_input=False,
+                norm_rel_ebd="layer_norm",
+                share_att_key=True,
+            ),
+        ),
+        "modernbert": (
+            t.ModernBertModel,
+            t.ModernBertConfig(**enc, global_attn_every_n_layers=2, local_attention=64),
+        ),
+    }
+    return [(name, lambda m=m, c=c: m(c)) for name, (m, c) in configs.items()]
+
+
 def _models() -> list[tuple[str, Any]]:
     from tests.models.test_decoders import ARCHS
 
-    bert = transformers.BertConfig(
-        vocab_size=101, num_hidden_layers=3, max_position_embeddings=512, **SIZE
-    )
-    out: list[tuple[str, Any]] = [("bert", lambda: transformers.BertModel(bert))]
+    out: list[tuple[str, Any]] = _encoders()
     for arch in ARCHS:
         extra = dict(SIZE, num_key_value_heads=2, max_position_embeddings=512)
         if "head_dim" in arch.options:
@@ -55,6 +92,12 @@ def _hf_hidden(hf: Any, prompts: list[list[int]]) -> list[np.ndarray]:
         h = getattr(res, "last_hidden_state", None)
         out.append((h if h is not None else res.hidden_states[-1])[0].float().cpu().numpy())
     return out
+
+
+def _row_cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    norms = np.linalg.norm(a64, axis=1) * np.linalg.norm(b64, axis=1)
+    return np.sum(a64 * b64, axis=1) / np.maximum(norms, 1e-30)
 
 
 def _rel(a: list[np.ndarray], b: list[np.ndarray]) -> float:
@@ -94,11 +137,25 @@ def check(name: str, build: Any, half: torch.dtype, tmp: Path) -> dict[str, Any]
             float(np.abs(a - b).max()) for a, b in zip(ours, alone, strict=True)
         )
     row["hf_half_rel_err_vs_hf_fp32"] = _rel(hf_half, truth)
+    # Compiled and replayed from CUDA graphs where the family's attention allows (a family
+    # whose attention needs the padded path turns graphs off by itself): against plain half.
+    plain = engine_hidden(vecpool.Engine(folder, device="cuda", dtype=half), prompts)
+    fast = vecpool.Engine(folder, device="cuda", dtype=half, compile=True, cuda_graphs=True)
+    fast_out = engine_hidden(fast, prompts)
+    fast_out += engine_hidden(fast, prompts[:3])  # small steps: the ones graphs serve
+    plain += engine_hidden(vecpool.Engine(folder, device="cuda", dtype=half), prompts[:3])
+    row["graphs_min_cosine_vs_plain_half"] = min(
+        float(_row_cosines(a, b).min()) for a, b in zip(fast_out, plain, strict=True)
+    )
+    graphs = fast.model_runner.graphs
+    row["graphs_enabled"] = bool(graphs is not None and graphs.enabled)
+    row["graphs_replays"] = graphs.replays if graphs is not None else 0
     row["ok"] = bool(
         row["fp32_rel_err_vs_hf_fp32"] < 1e-4
         and row["half_rel_err_vs_hf_fp32"] < 2 * row["hf_half_rel_err_vs_hf_fp32"] + 1e-3
         and row["fp32_embeds_vs_ids_max_abs"] == 0.0
         and row["half_embeds_vs_ids_max_abs"] == 0.0
+        and row["graphs_min_cosine_vs_plain_half"] > 0.999
     )
     return row
 
@@ -133,6 +190,7 @@ def main() -> int:
     }
     with tempfile.TemporaryDirectory() as tmp:
         for name, build in _models():
+            # fp16 overflows in T5's unscaled attention and in Gemma's scaled embeddings.
             half = torch.float16 if name == "bert" else torch.bfloat16
             try:
                 row = check(name, build, half, Path(tmp))

@@ -85,6 +85,7 @@ _QWEN3_RERANKER_TEMPLATE = (
     "<|im_start|>user\n<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {document}"
     "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
 )
+_BGE_GEMMA_RERANKER_TEMPLATE = "A: {query}\nB: {document}\n{instruction}"
 _PLACEHOLDERS = re.compile(r"\{(query|document|instruction)\}")
 
 
@@ -128,3 +129,84 @@ class LLMRerankerConfig:
     ) -> LLMRerankerConfig:
         """The prompt and tokens of Qwen3-Reranker (a `Qwen3ForCausalLM` checkpoint)."""
         return cls(_QWEN3_RERANKER_TEMPLATE, "yes", "no", instruction)
+
+    @classmethod
+    def bge_gemma(
+        cls,
+        instruction: str = "Given a query A and a passage B, determine whether the passage "
+        "contains an answer to the query by providing a prediction of either 'Yes' or 'No'.",
+    ) -> LLMRerankerConfig:
+        """The prompt of bge-reranker-v2-gemma (a `GemmaForCausalLM` checkpoint), as
+        FlagEmbedding's LLM reranker writes it: the tokenizer's <bos>, "A: {query}", a newline,
+        "B: {document}", a newline, the instruction; the score is the "Yes" logit alone.
+        FlagEmbedding tokenizes the pieces apart and joins the ids; one pass over the joined
+        text gives the same ids unless a piece's edge merges with the newline next to it."""
+        return cls(_BGE_GEMMA_RERANKER_TEMPLATE, "Yes", None, instruction)
+
+
+# jina-reranker-v3's listwise prompt (its remote code, `format_docs_prompts_func`): the system
+# turn, then the user turn holding the documents and the query, then an empty thinking block.
+_JINA_V3_SYSTEM = (
+    "<|im_start|>system\nYou are a search relevance expert who can determine a ranking of the "
+    "passages based on how relevant they are to the query. If the query is a question, how "
+    "relevant a passage is depends on how well it answers the question. If not, try to analyze "
+    "the intent of the query and assess how well each passage satisfies the intent. If an "
+    "instruction is provided, you should follow the instruction when determining the ranking."
+    "<|im_end|>\n<|im_start|>user\n"
+)
+_JINA_V3_SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+
+
+@dataclass(frozen=True)
+class ListwiseRerankerConfig:
+    """How a listwise reranker (jina-reranker-v3) writes a query and its documents into one
+    prompt, and how many documents one prompt holds.
+
+    Each document is followed by `doc_token` and the query (written after the documents) by
+    `query_token`; the model's vectors at those tokens give a document's score, the cosine of
+    its vector with the query's. Texts are cut to `max_query_tokens` / `max_doc_tokens` tokens
+    of their own first. Documents beyond one prompt's room (`max_docs_per_prompt`, or the
+    token room the model's code leaves) go into further prompts that repeat the query.
+    """
+
+    doc_token: str
+    query_token: str
+    system: str
+    suffix: str
+    instruction: str = ""  # written into the prompt when not empty
+    max_docs_per_prompt: int = 125
+    max_doc_tokens: int = 2048
+    max_query_tokens: int = 512
+
+    def __post_init__(self) -> None:
+        if not self.doc_token or not self.query_token or self.doc_token == self.query_token:
+            raise ConfigError("a listwise reranker needs two distinct, non-empty marker tokens")
+        for name in ("max_docs_per_prompt", "max_doc_tokens", "max_query_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+
+    def sanitize(self, text: str) -> str:
+        """`text` without the marker tokens (a text may not place a marker of its own)."""
+        return text.replace(self.doc_token, "").replace(self.query_token, "")
+
+    def format(self, query: str, documents: list[str]) -> str:
+        """The prompt of one query and its documents (both sanitized and cut already)."""
+        user = (
+            f"I will provide you with {len(documents)} passages, each indicated by a numerical "
+            f"identifier. Rank the passages based on their relevance to query: {query}\n"
+        )
+        if self.instruction:
+            user += f"<instruct>\n{self.instruction}\n</instruct>\n"
+        user += "\n".join(
+            f'<passage id="{i}">\n{doc}{self.doc_token}\n</passage>'
+            for i, doc in enumerate(documents)
+        )
+        user += f"\n<query>\n{query}{self.query_token}\n</query>"
+        return self.system + user + self.suffix
+
+    @classmethod
+    def jina_v3(cls, instruction: str = "") -> ListwiseRerankerConfig:
+        """jina-reranker-v3's prompt, markers and limits (`JinaForRanking`)."""
+        return cls(
+            "<|embed_token|>", "<|rerank_token|>", _JINA_V3_SYSTEM, _JINA_V3_SUFFIX, instruction
+        )

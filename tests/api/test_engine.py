@@ -146,8 +146,8 @@ def test_loading_is_strict(tmp_path: Path, tiny_bert, edit: str, message: str) -
 def test_unknown_architecture_and_missing_folder(tmp_path: Path) -> None:
     with pytest.raises(vecpool.ModelLoadError, match="does not exist"):
         vecpool.Engine(tmp_path / "nope", device="cpu")
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["T5Model"]}))
-    with pytest.raises(vecpool.ConfigError, match="architecture 'T5Model' is not supported"):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["NoSuchModel"]}))
+    with pytest.raises(vecpool.ConfigError, match="architecture 'NoSuchModel' is not supported"):
         vecpool.Engine(tmp_path, device="cpu")
 
 

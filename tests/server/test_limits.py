@@ -1,5 +1,6 @@
 """Limits against a real server: API key, payload size, inputs per request, a full queue
-(429), truncation, prompt embeds switched off, and a client that disconnects."""
+(429), truncation, prompt embeds switched off, and a client that disconnects. The queue tests
+hold the engine inside a step (`tests/server/gate.py`): what they look at cannot drain away."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import openai
 import pytest
 
 from tests.server.conftest import MODEL_NAME, Server, assert_error, start_server
+from tests.server.gate import EngineGate
 from tests.server.test_embeddings import npy_b64
 
 KEY = "sekret-key"
@@ -23,7 +25,12 @@ LONG = [101] + [7592] * 126 + [102]
 
 
 @pytest.fixture(scope="module")
-def limited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def gate(tmp_path_factory: pytest.TempPathFactory) -> EngineGate:
+    return EngineGate(tmp_path_factory.mktemp("gate"))
+
+
+@pytest.fixture(scope="module")
+def limited(tmp_path_factory: pytest.TempPathFactory, gate: EngineGate) -> Iterator[Server]:
     srv = start_server(
         tmp_path_factory.mktemp("limited"),
         "--max-queued",
@@ -36,6 +43,7 @@ def limited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         "--max-payload-mb",
         "0.05",
         api_key=KEY,
+        gate=gate,
     )
     yield srv
     srv.stop()
@@ -95,15 +103,17 @@ def test_prompt_embeds_off_by_default(limited: Server) -> None:
     assert "--enable-prompt-embeds" in message
 
 
-def test_full_queue_answers_429_at_once(limited: Server) -> None:
+def test_full_queue_answers_429_at_once(limited: Server, gate: EngineGate) -> None:
     blocker: list[httpx.Response] = []
     thread = threading.Thread(
         target=lambda: blocker.append(limited.post("/v1/embeddings", {"input": [LONG] * 8}))
     )
-    thread.start()
-    limited.wait_for("vecpool_queue_size", lambda v: v == MAX_QUEUED)
-    response = limited.post("/v1/embeddings", {"input": [LONG] * 8})
-    assert thread.is_alive()  # answered while the queue was busy, not after it drained
+    with gate.held():
+        thread.start()
+        gate.wait_entered()  # the blocker's inputs are queued in an engine that cannot step
+        limited.wait_for("vecpool_queue_size", lambda v: v == MAX_QUEUED)
+        response = limited.post("/v1/embeddings", {"input": [LONG] * 8})
+        assert thread.is_alive()  # answered while the queue was full, not after it drained
     assert_error(response, 429)
     assert response.json()["error"]["code"] == "queue_full"
     assert response.headers["retry-after"] == "1"
@@ -113,28 +123,34 @@ def test_full_queue_answers_429_at_once(limited: Server) -> None:
     assert limited.post("/v1/embeddings", {"input": [LONG] * 8}).status_code == 200
 
 
-def test_disconnected_client_is_dropped(limited: Server) -> None:
+def test_disconnected_client_is_dropped(limited: Server, gate: EngineGate) -> None:
     before = limited.metrics()
     body = json.dumps({"input": [LONG] * MAX_QUEUED}).encode()
     head = (
         "POST /v1/embeddings HTTP/1.1\r\nhost: test\r\ncontent-type: application/json\r\n"
         f"authorization: Bearer {KEY}\r\ncontent-length: {len(body)}\r\n\r\n"
     )
-    with socket.create_connection(("127.0.0.1", int(limited.url.rsplit(":", 1)[1]))) as sock:
-        sock.sendall(head.encode() + body)
-        limited.wait_for("vecpool_queue_size", lambda v: v == MAX_QUEUED)
-    # The connection is closed: the server cancels the request's inputs still waiting.
-    limited.wait_for("vecpool_queue_size", lambda v: v == 0)
+    gone = before.get(("vecpool_client_disconnects_total", (("endpoint", "/v1/embeddings"),)), 0)
+    with gate.held():  # no step runs until the engine has taken the cancel
+        with socket.create_connection(("127.0.0.1", int(limited.url.rsplit(":", 1)[1]))) as s:
+            s.sendall(head.encode() + body)
+            gate.wait_entered()
+            limited.wait_for("vecpool_queue_size", lambda v: v == MAX_QUEUED)
+        # The connection is closed: the server cancels the request's inputs still waiting.
+        limited.wait_for(
+            "vecpool_client_disconnects_total", lambda v: v == gone + 1, endpoint="/v1/embeddings"
+        )
+        limited.wait_for("vecpool_queue_size", lambda v: v == 0)
     after = limited.metrics()
 
     def delta(name: str, **labels: str) -> float:
         key = (name, tuple(sorted(labels.items())))
         return after.get(key, 0.0) - before.get(key, 0.0)
 
-    cancelled = delta("vecpool_engine_requests_total", outcome="cancelled")
-    finished = delta("vecpool_engine_requests_total", outcome="finished")
-    assert cancelled >= MAX_QUEUED // 2 and finished + cancelled == MAX_QUEUED
-    assert delta("vecpool_engine_steps_total") < MAX_QUEUED
+    # Every input was still waiting when the cancel came: none ran.
+    assert delta("vecpool_engine_requests_total", outcome="cancelled") == MAX_QUEUED
+    assert delta("vecpool_engine_requests_total", outcome="finished") == 0
+    assert delta("vecpool_engine_steps_total") == 0
     assert delta("vecpool_client_disconnects_total", endpoint="/v1/embeddings") == 1
     assert delta("vecpool_http_requests_total", endpoint="/v1/embeddings", status="499") == 1
     assert limited.alive()

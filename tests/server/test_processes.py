@@ -2,7 +2,8 @@
 
 Many single-input clients at once get, each, what the engine gives their input alone, with no
 connection error, in shared engine steps; the engine process's death turns /health to 503 and
-fails the calls in flight at once; the supervisor's death takes every process with it.
+fails the calls in flight at once (its restart: `test_restart.py`); the supervisor's death
+takes every process with it.
 """
 
 from __future__ import annotations
@@ -124,6 +125,7 @@ def test_engine_death_fails_calls_at_once(tmp_path: Path) -> None:
         thread = threading.Thread(target=slow_call)
         thread.start()
         server.wait_for("vecpool_queue_size", lambda v: v > 0)  # queued: 256 steps of one input
+        os.kill(server.process.pid, signal.SIGSTOP)  # hold the supervisor: no restart yet
         os.kill(engine_pid, signal.SIGKILL)
         killed = time.monotonic()
         thread.join(timeout=30)
@@ -139,6 +141,7 @@ def test_engine_death_fails_calls_at_once(tmp_path: Path) -> None:
         assert time.monotonic() - started < 2.0
         assert all(_alive(pid) for pid in api_pids)  # the API servers go on, answering 503
     finally:
+        os.kill(server.process.pid, signal.SIGCONT)
         server.stop()
     deadline = time.monotonic() + 30
     while any(_alive(pid) for pid in api_pids) and time.monotonic() < deadline:

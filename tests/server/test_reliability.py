@@ -21,6 +21,7 @@ import pytest
 import vecpool
 from tests.server.asgi import error_shape, serving, tiny_model_folder
 from tests.server.test_hostile import HUGE, npy_b64
+from vecpool.api import async_engine
 from vecpool.server.routes import common
 
 
@@ -123,8 +124,10 @@ def test_overload_refuses_exactly_the_excess_at_once(
     engine: vecpool.Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With the engine held and its speed set so that Q requests are 10 s of work, Q + K
-    requests: exactly K refused (429), each in milliseconds; once past the bound, a request
-    is refused before its body is read (an unparsable body gets 429, not 400)."""
+    requests: exactly K refused (429), each while the engine is held (so before any work was
+    done: none of them was queued); once past the bound, a request is refused before its body
+    is read (an unparsable body gets 429, not 400). How fast a refusal is, is measured (and
+    printed), not asserted: a loaded machine stretches any latency."""
     q, k, tokens, max_wait = 16, 24, 10, 10.0
     gate = Gate(engine, monkeypatch)
     body = {"input": [[101, *range(2000, 2000 + tokens - 2), 102]]}
@@ -143,7 +146,8 @@ def test_overload_refuses_exactly_the_excess_at_once(
             latencies = []
             for _ in range(k):
                 start = time.perf_counter()
-                response = await asyncio.wait_for(client.post("/v1/embeddings", json=body), 2)
+                # A queued request would wait for the gate: only a refusal can come back.
+                response = await asyncio.wait_for(client.post("/v1/embeddings", json=body), 30)
                 latencies.append(time.perf_counter() - start)
                 assert response.status_code == 429, response.text
                 assert response.json()["error"]["code"] == "queue_full"
@@ -163,40 +167,68 @@ def test_overload_refuses_exactly_the_excess_at_once(
     latencies = asyncio.run(scenario())
     p99 = float(np.percentile(latencies, 99))
     print(f"429 latency p50 {np.median(latencies) * 1000:.2f} ms, p99 {p99 * 1000:.2f} ms")
-    assert p99 < 0.05
+
+
+class StepClock:
+    """The in-process engine's clock (`time.perf_counter` as `async_engine` reads it), moved
+    by its steps alone: each forward takes exactly `seconds` of it. Queue times and the speed
+    the engine measures are then those of a machine with nothing else to do, in every run."""
+
+    def __init__(self, engine: vecpool.Engine, monkeypatch: pytest.MonkeyPatch, seconds: float):
+        self.now = 0.0
+        runner = engine.core.model_runner
+        forward = runner.forward
+
+        def timed(batch: Any) -> Any:
+            self.now += seconds  # the step's time passes as it starts (a Gate may hold it)
+            return forward(batch)
+
+        monkeypatch.setattr(runner, "forward", timed)
+        clock = type("time", (), {"__getattr__": lambda _, name: getattr(time, name)})()
+        clock.perf_counter = lambda: self.now
+        monkeypatch.setattr(async_engine, "time", clock)
 
 
 def test_admitted_requests_wait_within_the_bound(
     folder: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A slow engine (40 ms a step of at most 4 inputs), its speed measured by itself, a
-    flood of 120 requests at once: those admitted wait in the queue at most the bound
-    (0.5 s, with room for this machine's noise), the rest are refused; /health answers in
-    milliseconds meanwhile."""
+    """A slow engine (steps of at most 4 inputs, 1/16 s each on its clock), its speed measured
+    by itself, and a flood of 120 requests while it is held in a step: exactly those whose
+    wait fits the bound (0.5 s) are admitted, and wait at most that; the rest are refused at
+    once; /health answers meanwhile. Without admission the last would wait 1.8 s."""
     engine = vecpool.Engine(folder, device="cpu", max_model_len=128, max_num_seqs=4)
-    runner = engine.core.model_runner
-    forward = runner.forward
-
-    def slow(batch: Any) -> Any:
-        time.sleep(0.04)
-        return forward(batch)
-
-    monkeypatch.setattr(runner, "forward", slow)
-    max_wait = 0.5
-    body = {"input": [[101, *range(3000, 3030), 102]]}
+    gate = Gate(engine, monkeypatch)
+    gate.open.set()
+    step, max_wait, tokens = 1 / 16, 0.5, 32
+    StepClock(engine, monkeypatch, step)
+    ids = [101, *range(3000, 3000 + tokens - 2), 102]
+    body = {"input": [ids]}
 
     async def scenario() -> tuple[list[float], int]:
         async with serving(engine, max_queue_wait=max_wait) as (client, state):
-            for _ in range(3):  # warm up: the engine measures its speed
-                await asyncio.gather(*(client.post("/v1/embeddings", json=body) for _ in range(8)))
-            assert state.client is not None and state.client.expected_wait == 0
-            flood = asyncio.gather(*(client.post("/v1/embeddings", json=body) for _ in range(120)))
-            while not flood.done():  # probes meanwhile
+            front: Any = state.client
+            # Warm up: four full steps (one call of 4 inputs each), 1/4 s of stepping, one
+            # sample of the engine's speed: 4 * 4 * 32 tokens / 0.25 s = 2,048 tokens/s.
+            for _ in range(4):
+                warm = await client.post("/v1/embeddings", json={"input": [ids] * 4})
+                assert warm.status_code == 200, warm.text
+            assert front.admission.tokens_per_second == 4 * 4 * tokens / (4 * step)
+            assert front.expected_wait == 0
+            gate.open.clear()
+            gate.entered.clear()
+            flood = [asyncio.ensure_future(client.post("/v1/embeddings", json=body))]
+            await asyncio.to_thread(gate.entered.wait, 30)  # the first holds the engine
+            flood += [
+                asyncio.ensure_future(client.post("/v1/embeddings", json=body)) for _ in range(119)
+            ]
+            # Until each of the 120 is refused or queued (probing /health meanwhile).
+            while sum(f.done() for f in flood) + front.num_queued < len(flood):
                 start = time.perf_counter()
                 assert (await client.get("/health")).status_code == 200
                 probes.append(time.perf_counter() - start)
-                await asyncio.sleep(0.01)
-            responses = await flood
+                await asyncio.sleep(0.005)
+            gate.open.set()
+            responses = await asyncio.gather(*flood)
             waits = [
                 float(r.headers["x-queue-time"]) / 1000 for r in responses if r.status_code == 200
             ]
@@ -206,17 +238,16 @@ def test_admitted_requests_wait_within_the_bound(
 
     probes: list[float] = []
     waits, refused = asyncio.run(scenario())
-    print(f"admitted {len(waits)}, refused {refused}, wait p99 {np.percentile(waits, 99):.3f} s")
-    print(
-        f"/health during the flood: {len(probes)} probes, p99 {np.percentile(probes, 99) * 1000:.1f} ms"
-    )
-    assert np.percentile(probes, 99) < 0.25
-    assert refused > 0 and len(waits) > 10
-    # The bound is an estimate from the engine's measured speed: a step slowed by other work on
-    # the machine stretches the tail. Without admission the last of the 120 would wait ~1.2 s
-    # (30 steps of 40 ms), so both checks still fail without it.
-    assert np.percentile(waits, 90) < max_wait * 1.5
-    assert max(waits) < max_wait * 2
+    print(f"admitted {len(waits)}, refused {refused}, longest wait {max(waits):.4f} s")
+    print(f"/health during the flood: {len(probes)} probes, longest {max(probes) * 1000:.1f} ms")
+    # Admitted while the queued tokens, this call's with them, take at most 0.5 s at 2,048
+    # tokens/s: 32 inputs (the one held in its step among them).
+    assert len(waits) == 32
+    assert refused == 120 - 32
+    # The 31 behind the held one run in 8 steps after it: the last starts 7 steps after the
+    # held step ends (7/16 s).
+    assert max(waits) == pytest.approx(7 * step, abs=1e-6)
+    assert max(waits) <= max_wait
 
 
 def test_a_request_past_its_deadline_is_dropped(
@@ -229,10 +260,14 @@ def test_a_request_past_its_deadline_is_dropped(
             held = asyncio.ensure_future(client.post("/v1/embeddings", json={"input": "a"}))
             await asyncio.to_thread(gate.entered.wait, 10)
             start = time.perf_counter()
-            response = await client.post(
-                "/v1/embeddings", json={"input": "b"}, headers={"x-request-timeout": "0.2"}
+            # The engine is held: only the deadline can answer (30 s only bound a failure).
+            response = await asyncio.wait_for(
+                client.post(
+                    "/v1/embeddings", json={"input": "b"}, headers={"x-request-timeout": "0.2"}
+                ),
+                30,
             )
-            assert 0.2 <= time.perf_counter() - start < 2
+            assert time.perf_counter() - start >= 0.2
             assert response.status_code == 408, response.text
             assert response.json()["error"]["code"] == "deadline_exceeded"
             assert state.client is not None

@@ -21,6 +21,7 @@ LENGTHS = [3, 9, 17, 30]
 NUM_LABELS = 3
 TAG = 42
 MODELS = ["bert", "roberta", *ARCH_IDS]
+TOKEN_MODELS = [m for m in MODELS if m != "gemma3"]  # transformers has no Gemma3 token classifier
 
 
 def _hf_model(name: str, head: str, **overrides: Any) -> tuple[Any, int]:
@@ -59,7 +60,7 @@ def test_sequence_classification_matches_transformers(name: str, tmp_path: Path)
     assert engine.id2label == {i: f"LABEL_{i}" for i in range(NUM_LABELS)}
 
 
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", TOKEN_MODELS)
 def test_token_classification_matches_transformers(name: str, tmp_path: Path) -> None:
     hf, vocab, engine = _load(name, "TokenClassification", tmp_path)
     prompts = random_prompts(vocab, LENGTHS, seed=2)

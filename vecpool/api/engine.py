@@ -24,7 +24,14 @@ from vecpool.engine.core import EngineCore
 from vecpool.engine.request import Request
 from vecpool.engine.scheduler import Scheduler
 from vecpool.errors import ConfigError, InputError
-from vecpool.inputs import InputLimits, InputProcessor, TextOptions, TextTokenizer, TruncationSide
+from vecpool.inputs import (
+    InputLimits,
+    InputProcessor,
+    Prompt,
+    TextOptions,
+    TextTokenizer,
+    TruncationSide,
+)
 from vecpool.models.attention import varlen_available
 from vecpool.models.base import Capability
 from vecpool.models.folder import ModelFolder
@@ -35,6 +42,7 @@ from vecpool.pooling.build import PoolingDefaults, build_heads
 from vecpool.runner.compiled import compile_by_default
 from vecpool.runner.model_runner import ModelRunner
 from vecpool.runner.pooling_runner import PoolingRunner
+from vecpool.runner.step import ScheduledChunk
 from vecpool.tasks import TASKS, PoolingParams, get_task
 
 __all__ = [
@@ -52,6 +60,8 @@ PROGRESS_THRESHOLD = 256
 # device waits for the first chunk: 512 rather than 2048 made 4,096 passages from text 7%
 # faster on an H200 (Qwen3-0.6B shape); 256 made short queries slower.
 PIPELINE_CHUNK = 512
+# The engine's probe: a short input any text model embeds (see `Engine._probe`).
+PROBE_TEXT = "The engine checks itself on this sentence."
 
 
 def default_model_path() -> Path:
@@ -87,6 +97,9 @@ class Engine:
     on first use).
     `data_parallel_size` above 1 is refused: an Engine is one engine in this process (see
     `EngineArgs.replicas` for how `vecpool serve` and `vecpool embed` place several).
+    `model_impl` "auto" runs the folder's native vecpool class, else (slower, prompts whole,
+    neither compiled nor graphed) the `transformers` class its config names; "vecpool" refuses
+    an architecture with no native class; "transformers" always takes the fallback.
     """
 
     def __init__(
@@ -110,6 +123,7 @@ class Engine:
         windowed_embed: bool = False,
         embed_window_overlap: int | None = None,
         data_parallel_size: int = 1,
+        model_impl: str = "auto",
     ):
         self.args = args = EngineArgs(
             model,
@@ -130,6 +144,7 @@ class Engine:
             windowed_embed=windowed_embed,
             embed_window_overlap=embed_window_overlap,
             data_parallel_size=data_parallel_size,
+            model_impl=model_impl,
         )
         if data_parallel_size > 1:
             raise ConfigError(
@@ -143,13 +158,16 @@ class Engine:
         self.dtype = resolve_dtype(
             dtype, self.device, hf_get(self.folder.hf_config, "dtype", "torch_dtype")
         )
-        self.model = load_model(self.folder, self.device, self.dtype)
+        self.model = load_model(self.folder, self.device, self.dtype, model_impl)
         self.tokenizer = (
             TextTokenizer(self.folder.tokenizer_file) if self.folder.tokenizer_file else None
         )
         self.max_model_len = self._max_model_len(max_model_len)
         self.scheduler_config = args.scheduler_config(
-            self.device, self.max_model_len, causal=self.model.is_causal
+            self.device,
+            self.max_model_len,
+            # Chunked prefill is for causal models whose forward can take cached keys.
+            causal=self.model.is_causal and self.model.step_optimizations,
         )
         self.window_overlap = args.window_overlap(self.max_model_len)
         dense = load_dense_stack(self.folder.dense, self.device)
@@ -178,17 +196,27 @@ class Engine:
         self.id2label: dict[int, str] = {int(k): str(v) for k, v in id2label.items()}
         self.llm_reranker = llm_reranker
         scorer_ids = self._reranker_token_ids(llm_reranker) if llm_reranker else None
+        # A listwise reranker (jina-reranker-v3): its prompt format and marker token ids.
+        self.listwise_reranker = self.model.listwise_reranker
+        listwise_ids = self._listwise_token_ids() if self.listwise_reranker else None
         self.score_mode = self._score_mode(score_mode)
         matryoshka = self.folder.hf_config.get("matryoshka_dimensions")
         self.matryoshka_dimensions: tuple[int, ...] | None = (
             tuple(int(d) for d in matryoshka) if matryoshka else None
         )
         # Compiling the layer stack (fused kernels, dynamic token count): by default on CUDA.
-        if compile is None:
-            compile = compile_by_default(self.device, self.model.hidden_size)
         # CUDA graphs for small steps: by default wherever the varlen kernel runs attention.
+        # Neither for a model that runs plain forwards only (the transformers fallback).
+        plain = not self.model.step_optimizations
+        if plain and (compile or cuda_graphs):
+            raise ConfigError(
+                f"{self.folder.architecture} runs through transformers, which vecpool neither "
+                "compiles nor replays from CUDA graphs: leave compile and cuda_graphs unset"
+            )
+        if compile is None:
+            compile = not plain and compile_by_default(self.device, self.model.hidden_size)
         if cuda_graphs is None:
-            cuda_graphs = varlen_available(self.device, self.dtype)
+            cuda_graphs = not plain and varlen_available(self.device, self.dtype)
         self.model_runner = ModelRunner(
             self.model,
             self.device,
@@ -207,9 +235,7 @@ class Engine:
             scorer_vocab_ids=scorer_ids,
             special_token_ids=self._special_token_ids(),
             skiplist_ids=skiplist_ids(late, self.tokenizer) if late and self.tokenizer else None,
-        )
-        self.core = EngineCore(
-            Scheduler(self.scheduler_config), self.model_runner, PoolingRunner(heads, self.device)
+            listwise_ids=listwise_ids if self.score_mode == "listwise" else None,
         )
         self.inputs = InputProcessor(
             InputLimits(
@@ -231,6 +257,12 @@ class Engine:
             )
             if late is not None and self.tokenizer is not None
             else None,
+        )
+        self.core = EngineCore(
+            Scheduler(self.scheduler_config),
+            self.model_runner,
+            PoolingRunner(heads, self.device),
+            probe=self._probe(),
         )
         self._info = self._describe(args)
         # What the task calls prepare requests with (a front without the model builds the
@@ -259,6 +291,7 @@ class Engine:
             windowed_embed=args.windowed_embed,
             embed_window_overlap=args.embed_window_overlap,
             data_parallel_size=args.data_parallel_size,
+            model_impl=args.model_impl,
         )
 
     def _max_model_len(self, asked: int | None) -> int:
@@ -290,6 +323,7 @@ class Engine:
             model_name=args.model_name,
             model_path=str(self.folder.path.resolve()),
             architecture=self.folder.architecture,
+            model_impl=self.model.implementation,
             device=str(self.device),
             dtype=str(self.dtype).removeprefix("torch."),
             max_model_len=self.max_model_len,
@@ -318,6 +352,7 @@ class Engine:
             embed_normalize=self.defaults.normalize,
             windowed_embed=self.args.windowed_embed,
             embed_window_overlap=self.window_overlap,
+            listwise_reranker=self.listwise_reranker if self.score_mode == "listwise" else None,
         )
 
     # ---- embed and per-token tasks -----------------------------------------------------
@@ -833,15 +868,44 @@ class Engine:
             ids.append(token_id)
         return ids
 
+    def _listwise_token_ids(self) -> list[int]:
+        """The vocabulary ids of the listwise reranker's document and query markers."""
+        config = self.listwise_reranker
+        assert config is not None
+        if self.tokenizer is None:
+            raise ConfigError(
+                f"{self.folder.architecture} is a listwise reranker, which needs the model's "
+                "tokenizer.json (its prompts are written from text)"
+            )
+        ids = []
+        for token in (config.doc_token, config.query_token):
+            token_id = self.tokenizer.token_to_id(token)
+            if token_id is None or not 0 <= token_id < self.model.vocab_size:
+                raise ConfigError(
+                    f"the listwise reranker's marker token {token!r} is not in the model's "
+                    "vocabulary (tokenizer.json)"
+                )
+            ids.append(token_id)
+        return ids
+
     def _score_mode(self, asked: str | None) -> str:
         capabilities = self.model.capabilities
         if asked is None:
             if self.llm_reranker is not None:
                 return "llm"
+            if self.listwise_reranker is not None:
+                return "listwise"
             if Capability.SEQUENCE_CLASSIFIER in capabilities:
                 return "cross_encoder"
             late = Capability.TOKEN_PROJECTION in capabilities or self.late_interaction is not None
-            return "late_interaction" if late else "embed"
+            # BGE-M3 scores by its dense vectors unless asked (as sentence-transformers, TEI
+            # and vLLM do); its multi-vector scores are score_mode="late_interaction".
+            return "late_interaction" if late and self.folder.bge_m3 is None else "embed"
+        if asked == "listwise" and self.listwise_reranker is None:
+            raise ConfigError(
+                f"score_mode 'listwise' needs a listwise reranker; {self.folder.architecture} "
+                "is not one (JinaForRanking is)"
+            )
         if asked == "llm" and self.llm_reranker is None:
             raise ConfigError("score_mode 'llm' needs llm_reranker=LLMRerankerConfig(...)")
         if asked == "cross_encoder" and Capability.SEQUENCE_CLASSIFIER not in capabilities:
@@ -850,6 +914,18 @@ class Engine:
                 f"{self.folder.architecture} has none"
             )
         return asked
+
+    def _probe(self) -> ScheduledChunk:
+        """The engine's known-good input: a short sentence (token ids 1..8 without a
+        tokenizer), embedded. After a step whose every request failed alone too, the engine
+        runs it before judging whose fault that was."""
+        if self.tokenizer is not None:
+            (prompt,) = self.inputs.process([PROBE_TEXT], TextOptions())
+        else:
+            ids = np.arange(1, 9, dtype=np.int64) % self.model.vocab_size
+            prompt = Prompt(token_ids=ids, prompt_embeds=None)
+        params = PoolingParams(task="embed")
+        return ScheduledChunk("probe", prompt, params, get_task("embed"), 0, prompt.num_tokens)
 
     def _special_token_ids(self) -> list[int]:
         """Token ids SPLADE's exclude_special_tokens leaves out: the tokenizer's special tokens,

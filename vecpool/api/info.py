@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vecpool.config import LLMRerankerConfig
+from vecpool.config import ListwiseRerankerConfig, LLMRerankerConfig
 from vecpool.inputs import InputLimits, SideFormat
 
 
@@ -23,6 +23,8 @@ class EngineInfo:
     model_name: str  # the folder's name, or the default model's
     model_path: str  # the model folder
     architecture: str  # config.json's architectures[0]
+    # "vecpool" (a native class) or "transformers" (the fallback through transformers' class)
+    model_impl: str
     device: str  # e.g. "cpu", "cuda:0"
     dtype: str  # the model's torch dtype name: "float32", "float16", "bfloat16"
     max_model_len: int  # tokens per input
@@ -52,6 +54,8 @@ class EngineInfo:
     embed_normalize: bool = True  # whether `embed` normalizes unless a call says
     windowed_embed: bool = False  # inputs over the limit are windowed unless a call says
     embed_window_overlap: int = 0  # tokens consecutive windows share
+    # A listwise reranker's prompt format and limits (score_mode "listwise"), else None.
+    listwise_reranker: ListwiseRerankerConfig | None = None
 
     @property
     def torch_dtype(self) -> torch.dtype:

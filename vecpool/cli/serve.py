@@ -117,6 +117,23 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "(each within 1 ms of the last), for at most this long, before it steps "
         "(default: %(default)s)",
     )
+    procs.add_argument(
+        "--max-engine-restarts",
+        type=int,
+        default=launcher.DEFAULT_MAX_ENGINE_RESTARTS,
+        metavar="N",
+        help="a lost engine process (killed, or exited at fault) is restarted, after a back-off "
+        "of 0.5 s doubling to 30 s; past N restarts within --engine-restart-window the server "
+        "exits with status 1, for its orchestrator to take over; 0: never restart "
+        "(default: %(default)s)",
+    )
+    procs.add_argument(
+        "--engine-restart-window",
+        type=float,
+        default=launcher.DEFAULT_ENGINE_RESTART_WINDOW,
+        metavar="SECONDS",
+        help="the window in which --max-engine-restarts counts restarts (default: %(default)s)",
+    )
     http.add_argument(
         "--timeout-keep-alive",
         type=float,
@@ -187,6 +204,8 @@ def serve(args: argparse.Namespace) -> int:
             batch_wait_ms=args.batch_wait_ms,
             timeout_keep_alive=args.timeout_keep_alive,
             shutdown_timeout=args.shutdown_timeout,
+            max_engine_restarts=args.max_engine_restarts,
+            engine_restart_window=args.engine_restart_window,
             log_level=args.log_level,
         )
         launcher.check_layout(engine_args, options)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 
@@ -16,7 +17,7 @@ from vecpool.errors import EngineError, RequestFailedError
 from vecpool.runner.batch import FlatBatch
 from vecpool.runner.model_runner import ModelRunner
 from vecpool.runner.pooling_runner import PooledResult, PoolingRunner
-from vecpool.runner.step import StepInput
+from vecpool.runner.step import ScheduledChunk, StepInput
 
 logger = logging.getLogger(__name__)
 # A result is never NaN or infinite: such an output fails its request alone.
@@ -24,26 +25,36 @@ _NOT_FINITE = (
     "the model's output for this input is not finite (NaN or infinity): its values overflowed "
     "the model's dtype (e.g. prompt embeds of a far larger magnitude than the model's own)"
 )
-# Requests in a row that failed alone in steps that failed for every request, before the
-# engine calls itself unhealthy: the fault is the engine's (the device, the model), not an
-# input's.
-UNHEALTHY_AFTER_FAILURES = 3
+# An error that keeps recurring outside the model (scheduling, batch building, the loop's own
+# bookkeeping): `guarded_step` waits this long after the first, doubling up to the cap, and
+# the engine is unhealthy once this many came in a row (0.31 s of waiting in all).
+LOOP_ERROR_DELAY = 0.01
+LOOP_ERROR_MAX_DELAY = 1.0
+UNHEALTHY_AFTER_LOOP_ERRORS = 5
 
 
 class EngineCore:
     """Owns the scheduler and runners. Thread-safe: any thread may add requests or step."""
 
     def __init__(
-        self, scheduler: Scheduler, model_runner: ModelRunner, pooling_runner: PoolingRunner
+        self,
+        scheduler: Scheduler,
+        model_runner: ModelRunner,
+        pooling_runner: PoolingRunner,
+        probe: ScheduledChunk | None = None,
     ):
         self.scheduler = scheduler
         self.model_runner = model_runner
         self.pooling_runner = pooling_runner
+        # A short prompt known to run (the engine's own, built at start): after a step whose
+        # every request failed alone too, it tells the input's fault from the engine's.
+        self.probe = probe
         self._queue_lock = threading.Lock()  # guards the scheduler's queue
         self._step_lock = threading.Lock()  # one step at a time on the device
         self._ids = itertools.count()
         self.num_steps = 0  # steps that ran a batch
-        self.failures_in_a_row = 0  # requests failed alone in steps where every one failed
+        self.engine_at_fault = False  # the probe failed too; cleared by a step that computes
+        self.loop_errors = 0  # errors in a row raised by `step` itself, outside the model
         # The next step, scheduled and built while the device runs the current one.
         self._prefetched: tuple[SchedulerOutput, FlatBatch] | None = None
         # Ids of requests that are done, whose runner state is freed once the step in flight
@@ -52,9 +63,29 @@ class EngineCore:
 
     @property
     def healthy(self) -> bool:
-        """False once `UNHEALTHY_AFTER_FAILURES` requests in a row failed, each alone, in steps
-        where every request failed; true again after a step that computes anything."""
-        return self.failures_in_a_row < UNHEALTHY_AFTER_FAILURES
+        """False once the engine is at fault: after a step whose every request failed alone,
+        the probe failed too (true again after a step that computes anything); or `step`
+        raised outside the model `UNHEALTHY_AFTER_LOOP_ERRORS` times in a row."""
+        return not self.engine_at_fault and self.loop_errors < UNHEALTHY_AFTER_LOOP_ERRORS
+
+    def guarded_step(self) -> int:
+        """`step` for a loop that must outlive any one step: an error raised outside the model
+        is logged, then waited out (`LOOP_ERROR_DELAY`, doubling to `LOOP_ERROR_MAX_DELAY`)
+        rather than retried at once; `healthy` turns false once it keeps recurring."""
+        try:
+            ran = self.step()
+        except Exception:
+            self.loop_errors += 1
+            delay = min(LOOP_ERROR_DELAY * 2 ** (self.loop_errors - 1), LOOP_ERROR_MAX_DELAY)
+            logger.exception(
+                "engine step raised outside the model (%d in a row); retrying in %.2f s",
+                self.loop_errors,
+                delay,
+            )
+            time.sleep(delay)
+            return 0
+        self.loop_errors = 0
+        return ran
 
     def next_request_id(self) -> str:
         return f"req-{next(self._ids)}"
@@ -154,7 +185,7 @@ class EngineCore:
         self.pooling_runner.release(done)
 
     def _finish(self, sched: SchedulerOutput, results: list[PooledResult]) -> None:
-        self.failures_in_a_row = 0
+        self.engine_at_fault = False
         for request, chunk, result in zip(sched.requests, sched.step.chunks, results, strict=True):
             request.num_computed_tokens += chunk.num_tokens
             if result.error is not None:
@@ -169,8 +200,9 @@ class EngineCore:
     def _recover(self, sched: SchedulerOutput, exc: Exception) -> None:
         """A step failed: run its requests again in halves, so that only the ones that fail
         on their own fail (a bad input, or a batch too large for memory, costs nobody else).
-        When every request fails alone too, the engine is at fault: they fail with
-        `EngineError`; otherwise each one that failed alone gets a `RequestFailedError`."""
+        When every request fails alone too, the engine runs its probe before judging: the probe
+        runs, so each input is at fault (`RequestFailedError`); the probe fails too, so the
+        engine is (`EngineError`, and `healthy` turns false)."""
         num = len(sched.requests)
         logger.warning(
             "engine step of %d requests failed (%s: %s); isolating",
@@ -179,14 +211,19 @@ class EngineCore:
             exc,
         )
         failed = self._run_halves(sched, exc)
-        everyone = len(failed) == num
         budget = self.scheduler.config.max_num_batched_tokens
-        if everyone and not (num == 1 and sched.requests[0].num_prompt_tokens > budget):
-            self.failures_in_a_row += num
-        budget = self.scheduler.config.max_num_batched_tokens
+        over_budget = num == 1 and sched.requests[0].num_prompt_tokens > budget
+        engine_fault = None
+        if len(failed) == num and not over_budget:
+            engine_fault = self._probe_error()
+            if engine_fault is not None:
+                self.engine_at_fault = True
+                logger.error(
+                    "the engine's probe failed too (%s): the engine is at fault", engine_fault
+                )
         for request, error in failed:
             reason = f"{type(error).__name__}: {error}"
-            if num == 1 and request.num_prompt_tokens > budget:
+            if over_budget:
                 request.fail(
                     RequestFailedError(
                         f"this input of {request.num_prompt_tokens} tokens ran alone in a step "
@@ -196,10 +233,36 @@ class EngineCore:
                         "engine a device with more memory"
                     )
                 )
-            elif everyone:
-                request.fail(EngineError(f"the engine step failed: {reason}"))
+            elif engine_fault is not None:
+                request.fail(
+                    EngineError(
+                        f"the engine step failed: {reason} (a known-good input fails too: "
+                        f"{engine_fault})"
+                    )
+                )
             else:
                 request.fail(RequestFailedError(f"the model failed on this input alone: {reason}"))
+
+    def _probe_error(self) -> str | None:
+        """Run the probe through the step's path (batch, forward, pooling): None if it gives a
+        finite result, else what went wrong. No probe: every failure is the engine's."""
+        if self.probe is None:
+            return "the engine has no probe input"
+        step = StepInput([self.probe])
+        try:
+            batch = self.model_runner.prepare(step)
+            hidden = self.model_runner.forward(batch)
+            (result,) = self.pooling_runner.pool(hidden, batch, step)
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+        finally:
+            self.model_runner.release([self.probe.request_id])
+            self.pooling_runner.release([self.probe.request_id])
+        if result.error is not None:
+            return str(result.error)
+        if result.output is None or not np.isfinite(result.output).all():
+            return "its output is not finite"
+        return None
 
     def _run_halves(
         self, sched: SchedulerOutput, exc: Exception

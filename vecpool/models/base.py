@@ -8,12 +8,16 @@ one model serves several tasks in one batch.
 from __future__ import annotations
 
 import enum
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
 
+from vecpool.config import ListwiseRerankerConfig
 from vecpool.models.attention import AttentionMetadata
+
+if TYPE_CHECKING:
+    from vecpool.models.folder import ModelFolder
 
 
 class Capability(enum.Enum):
@@ -24,6 +28,7 @@ class Capability(enum.Enum):
     MASKED_LM = "masked_lm"  # `compute_logits`
     CAUSAL_LM = "causal_lm"  # `compute_logits`
     TOKEN_PROJECTION = "token_projection"  # `project_tokens`
+    LISTWISE_RANKER = "listwise_ranker"  # `project_listwise`: a listwise reranker's vectors
 
 
 class PoolingModel(nn.Module):
@@ -54,6 +59,12 @@ class PoolingModel(nn.Module):
     # Checkpoint tensors whose shapes `from_hf_config` reads, for configs that do not state
     # them (ColBERT's projection size): the loader passes them as `hf["checkpoint_shapes"]`.
     shape_keys: ClassVar[tuple[str, ...]] = ()
+    # Who implements the architecture: "vecpool" (a native class, filled by the strict
+    # loader) or "transformers" (the fallback, which loads itself through `from_folder`).
+    implementation: ClassVar[str] = "vecpool"
+    # False: every prompt runs whole in one plain forward (no chunked prefill, CUDA graphs or
+    # compiled layers), as the transformers fallback's padded forward needs.
+    step_optimizations: ClassVar[bool] = True
 
     hidden_size: int
     vocab_size: int
@@ -62,12 +73,23 @@ class PoolingModel(nn.Module):
     uses_token_type_ids: bool = False
     capabilities: frozenset[Capability] = frozenset()  # the head methods this model has
     num_labels: int = 0  # outputs of the classifiers
-    classifier_pooler: str = "CLS"  # the row the sequence classifier reads: "CLS" or "LAST"
+    # What the sequence classifier reads: the "CLS" or "LAST" row, or the "MEAN" of the rows
+    classifier_pooler: str = "CLS"
     projection_dim: int = 0  # output size of `project_tokens`, when the model has it
+    # A listwise reranker's prompt format and marker tokens (with `LISTWISE_RANKER`).
+    listwise_reranker: ClassVar[ListwiseRerankerConfig | None] = None
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any]) -> PoolingModel:
         """Build the (empty) module from a Hugging Face `config.json` dict."""
+        raise NotImplementedError
+
+    @classmethod
+    def from_folder(
+        cls, folder: ModelFolder, device: torch.device, dtype: torch.dtype
+    ) -> PoolingModel:
+        """Build the model and load its weights from a `ModelFolder` (implementations other
+        than "vecpool" only)."""
         raise NotImplementedError
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -100,6 +122,11 @@ class PoolingModel(nn.Module):
 
     def project_tokens(self, rows: torch.Tensor) -> torch.Tensor:
         """`[n, hidden]` token rows -> `[n, dim]` late-interaction vectors (ColBERT projection)."""
+        raise NotImplementedError
+
+    def project_listwise(self, rows: torch.Tensor) -> torch.Tensor:
+        """`[n, hidden]` rows at a listwise reranker's marker tokens -> `[n, dim]` vectors
+        whose cosines score the documents (jina-reranker-v3's projector)."""
         raise NotImplementedError
 
     @property

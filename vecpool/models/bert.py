@@ -36,6 +36,11 @@ class BertConfig:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], position_offset: int = 0) -> BertConfig:
+        if hf.get("position_embedding_type", "absolute") == "alibi":
+            raise ConfigError(
+                "position_embedding_type 'alibi' is Jina BERT v2: its folder's config.json "
+                "should name JinaBertModel (or JinaBertForMaskedLM) in 'architectures'"
+            )
         if hf.get("position_embedding_type", "absolute") != "absolute":
             raise ConfigError(
                 f"position_embedding_type {hf['position_embedding_type']!r} is not supported"

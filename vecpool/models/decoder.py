@@ -24,6 +24,8 @@ from vecpool.models.layers import FusedProjections, GatedMLP, RMSNorm, Rotary, a
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
+# One rotary embedding for every layer, or one per layer.
+LayerRotary = Rotary | Sequence[Rotary]
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,7 @@ class DecoderConfig:
     # Per layer, the `window` given to `flat_attention` (None: the whole sequence).
     layer_windows: tuple[int | None, ...]
     attention_bias: bool = False  # on q/k/v/o projections
+    qkv_bias: bool = False  # on q/k/v only, o_proj without (Qwen2)
     mlp_bias: bool = False
     qk_norm: bool = False  # RMSNorm over head_dim on q and k, before rotary (Qwen3)
     attn_scale: float | None = None  # None: head_dim ** -0.5
@@ -163,9 +166,10 @@ class DecoderAttention(nn.Module):
         self.window = window
         self.softcap = c.attn_softcap
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        self.q_proj = nn.Linear(c.hidden_size, q_size, bias=c.attention_bias)
-        self.k_proj = nn.Linear(c.hidden_size, kv_size, bias=c.attention_bias)
-        self.v_proj = nn.Linear(c.hidden_size, kv_size, bias=c.attention_bias)
+        qkv_bias = c.attention_bias or c.qkv_bias
+        self.q_proj = nn.Linear(c.hidden_size, q_size, bias=qkv_bias)
+        self.k_proj = nn.Linear(c.hidden_size, kv_size, bias=qkv_bias)
+        self.v_proj = nn.Linear(c.hidden_size, kv_size, bias=qkv_bias)
         self.o_proj = nn.Linear(q_size, c.hidden_size, bias=c.attention_bias)
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
@@ -226,21 +230,30 @@ class DecoderLayer(nn.Module):
 class DecoderModel(PoolingModel):
     """`embed_tokens`, `layers`, `norm`: the base model of a decoder checkpoint.
 
-    Also serves checkpoints saved from the `*ForCausalLM` class (`model.` prefix).
+    Also serves checkpoints saved from the `*ForCausalLM` class (`model.` prefix). `rotary` is
+    one rotary embedding for every layer, or one per layer (Gemma3: one base for sliding layers,
+    another for global ones); each distinct one computes its cos/sin once per forward.
     """
 
     checkpoint_prefixes = ("model.",)
     unused_checkpoint_keys: ClassVar[tuple[str, ...]] = ("*.rotary_emb.inv_freq",)
     layer_class: ClassVar[type[DecoderLayer]] = DecoderLayer
 
-    def __init__(self, c: DecoderConfig, rotary: Rotary):
+    def __init__(self, c: DecoderConfig, rotary: LayerRotary):
         super().__init__()
         self.config = c
         self.hidden_size = c.hidden_size
         self.vocab_size = c.vocab_size
         self.max_positions = c.max_position_embeddings
         self.is_causal = c.is_causal
-        self.rotary = rotary
+        per_layer = [rotary] * c.num_layers if isinstance(rotary, Rotary) else list(rotary)
+        if len(per_layer) != c.num_layers:
+            raise ConfigError(f"{len(per_layer)} rotary embeddings for {c.num_layers} layers")
+        # The distinct rotary embeddings, and which one each layer uses.
+        self.rotaries: list[Rotary] = list({id(r): r for r in per_layer}.values())
+        self.layer_rotary = tuple(
+            next(i for i, r in enumerate(self.rotaries) if r is layer) for layer in per_layer
+        )
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(self.layer_class(c, w) for w in c.layer_windows)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, c.norm_unit_offset)
@@ -273,8 +286,9 @@ class DecoderModel(PoolingModel):
         token_type_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         x = inputs_embeds
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        for layer in self.layers:
+        tables = [r.cos_sin(positions, x.dtype) for r in self.rotaries]  # [num_tokens, head_dim]
+        for layer, r in zip(self.layers, self.layer_rotary, strict=True):
+            cos, sin = tables[r]
             x = layer(x, cos, sin, attn)
         return self.norm(x)
 
@@ -294,7 +308,7 @@ class DecoderForCausalLM(DecoderModel):
     optional_parameters = ("lm_head.weight",)
     capabilities = frozenset({Capability.CAUSAL_LM})
 
-    def __init__(self, c: DecoderConfig, rotary: Rotary):
+    def __init__(self, c: DecoderConfig, rotary: LayerRotary):
         super().__init__(c, rotary)
         self.tie_word_embeddings = c.tie_word_embeddings
         self.lm_head: nn.Linear | None = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
@@ -331,7 +345,7 @@ class DecoderForSequenceClassification(DecoderModel):
     capabilities = frozenset({Capability.SEQUENCE_CLASSIFIER})
     classifier_pooler = "LAST"
 
-    def __init__(self, c: DecoderConfig, rotary: Rotary):
+    def __init__(self, c: DecoderConfig, rotary: LayerRotary):
         super().__init__(c, rotary)
         self.num_labels = c.num_labels
         self.score = nn.Linear(c.hidden_size, c.num_labels, bias=False)
@@ -345,7 +359,7 @@ class DecoderForTokenClassification(DecoderModel):
 
     capabilities = frozenset({Capability.TOKEN_CLASSIFIER})
 
-    def __init__(self, c: DecoderConfig, rotary: Rotary):
+    def __init__(self, c: DecoderConfig, rotary: LayerRotary):
         super().__init__(c, rotary)
         self.num_labels = c.num_labels
         self.score = nn.Linear(c.hidden_size, c.num_labels)

@@ -20,13 +20,19 @@ _MAX_NAMES = 10
 PROGRESS_BYTES = 1 << 30
 
 
-def load_model(folder: ModelFolder, device: torch.device, dtype: torch.dtype) -> PoolingModel:
+def load_model(
+    folder: ModelFolder, device: torch.device, dtype: torch.dtype, model_impl: str = "auto"
+) -> PoolingModel:
     """Build the folder's architecture and fill every parameter from its safetensors files.
 
     Every name is matched from the files' headers before any memory is allocated: a missing,
-    unexpected or mis-shaped tensor fails the load before anything is read.
+    unexpected or mis-shaped tensor fails the load before anything is read. `model_impl`
+    chooses between the native class and the transformers fallback (`registry.model_class`),
+    which loads itself.
     """
-    cls = model_class(folder.architecture)
+    cls = model_class(folder.architecture, model_impl)
+    if cls.implementation != "vecpool":
+        return cls.from_folder(folder, device, dtype)
     files = safetensors_files(folder.path)
     hf = folder.hf_config
     if cls.shape_keys:

@@ -66,6 +66,7 @@ _REGISTRY: dict[str, tuple[str, str]] = {
     "DebertaV2Model": ("deberta_v2", "DebertaV2Model"),
     "DebertaV2ForSequenceClassification": ("deberta_v2", "DebertaV2ForSequenceClassification"),
     "DebertaV2ForTokenClassification": ("deberta_v2", "DebertaV2ForTokenClassification"),
+    "DebertaV2ForMaskedLM": ("deberta_v2", "DebertaV2ForMaskedLM"),
     "JinaBertModel": ("jina_bert", "JinaBertModel"),
     "JinaBertForMaskedLM": ("jina_bert", "JinaBertModel"),
     "JinaBertForSequenceClassification": ("jina_bert", "JinaBertForSequenceClassification"),

@@ -3,7 +3,8 @@ arithmetic on its sequence boundaries.
 
 Sequence methods (CLS, MEAN, LAST, MAX, MEAN_SQRT_LEN, WEIGHTED_MEAN) reduce each sequence to
 one float32 vector, in parts that merge across the chunks of a prompt run over several steps; `sequence_rows` picks the one row a classifier reads (CLS or LAST);
-`token_rows` picks the rows of per-token outputs (ALL, or STEP: the positions holding a tag).
+`token_rows` picks the rows of per-token outputs (ALL, or STEP: the positions holding a tag);
+`marked_rows` the positions holding any of a set of marker ids (MARKED: a listwise reranker's).
 None of them loops over requests in Python. What is computed from the rows is a head's business
 (`vecpool.pooling.heads`).
 """
@@ -159,6 +160,18 @@ def token_rows(
     row_seq = local[seq[selected]]
     counts = torch.bincount(row_seq, minlength=k).cpu().tolist()
     return selected, row_seq, counts
+
+
+def marked_rows(
+    meta: PoolingMetadata,
+    seqs: torch.Tensor,  # [k] int64: batch positions of the sequences served
+    marked: torch.Tensor,  # [vocab] bool: the token ids whose positions are read
+) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """MARKED: the rows of `seqs` holding one of the `marked` token ids, in token order
+    (several pooled positions per prompt: a listwise reranker's document and query markers).
+    Returns what `token_rows` returns: the `[num_tokens]` bool selection, each selected row's
+    index among `seqs`, and each sequence's row count."""
+    return token_rows(meta, seqs, [None] * int(seqs.shape[0]), keep=marked[meta.input_ids])
 
 
 def on_device(device: torch.device, values: list[Any], dtype: torch.dtype) -> torch.Tensor:

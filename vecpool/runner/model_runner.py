@@ -42,8 +42,10 @@ class ModelRunner:
         self.compiled = compile_backend is not None
         if compile_backend is not None:
             compile_blocks(model, backend=compile_backend)
-        # Bidirectional attention cannot run a prompt in chunks: such models keep no cache.
-        self.kv_cache: KVCache | None = KVCache() if model.is_causal else None
+        # Bidirectional attention cannot run a prompt in chunks, nor can a model that runs
+        # plain forwards only (the transformers fallback): such models keep no cache.
+        chunks = model.is_causal and model.step_optimizations
+        self.kv_cache: KVCache | None = KVCache() if chunks else None
         # Without a CUDA device, graphs=True runs the same padded shapes as plain forwards.
         self.graphs = (
             StepGraphs(

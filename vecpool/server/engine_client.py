@@ -3,7 +3,11 @@
 `run` sends a call's prepared requests and awaits its reply; cancelling it (a client that went
 away) tells the engine to drop them. A pipe whose only writer is the engine process tells the
 client at once when that process exits: every call in flight then fails with
-`EngineDeadError`, and `is_running` turns false (so `/health` answers 503).
+`EngineDeadError`, the socket is closed (what it still held for the lost process is dropped),
+and `is_running` turns false (so `/health` answers 503) until the supervisor hands over the
+restarted process (`restarted`: its generation and its own alive pipe), which the client reaches
+on a fresh socket. Nothing of the old process can reach the new one's calls: its socket is gone,
+and call ids are never reused.
 """
 
 from __future__ import annotations
@@ -50,30 +54,47 @@ class EngineProcessClient:
         self._context: zmq.asyncio.Context | None = None
         self._socket: zmq.asyncio.Socket | None = None
         self._reader: asyncio.Task[None] | None = None
-        self._dead = False
+        self._dead = False  # the process exited; until a restarted one is handed over
+        self.generation = 0  # which process of this engine: +1 with each restart
 
     async def start(self) -> None:
         self._context = zmq.asyncio.Context()
-        self._socket = self._context.socket(zmq.DEALER)
-        self._socket.setsockopt(zmq.SNDHWM, 0)
-        self._socket.setsockopt(zmq.RCVHWM, 0)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.connect(self.address)
-        self._reader = asyncio.create_task(self._read_replies())
+        self._connect()
+
+    async def close(self) -> None:
+        reader = self._reader
+        self._disconnect()
+        if reader is not None:
+            await asyncio.gather(reader, return_exceptions=True)
+        if self._engine_alive is not None:
+            self._engine_alive.close()
+        if self._context is not None:
+            self._context.term()
+
+    def _connect(self) -> None:
+        """A fresh socket to the engine process, and a watch on its alive pipe."""
+        assert self._context is not None
+        socket = self._context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.SNDHWM, 0)
+        socket.setsockopt(zmq.RCVHWM, 0)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.connect(self.address)
+        self._socket = socket
+        self._reader = asyncio.create_task(self._read_replies(socket))
         if self._engine_alive is not None:
             loop = asyncio.get_running_loop()
             loop.add_reader(self._engine_alive.fileno(), self._on_engine_exit)
 
-    async def close(self) -> None:
-        if self._engine_alive is not None and not self._dead:
+    def _disconnect(self) -> None:
+        """Close the socket (dropping whatever it holds), stop reading it and the alive pipe."""
+        if self._engine_alive is not None and not self._engine_alive.closed:
             asyncio.get_running_loop().remove_reader(self._engine_alive.fileno())
         if self._reader is not None:
             self._reader.cancel()
-            await asyncio.gather(self._reader, return_exceptions=True)
+            self._reader = None
         if self._socket is not None:
             self._socket.close(linger=0)
-        if self._context is not None:
-            self._context.term()
+            self._socket = None
 
     @property
     def num_queued(self) -> int:
@@ -95,15 +116,35 @@ class EngineProcessClient:
     def health_problem(self) -> str | None:
         """Why a health check should fail (the engine process exited), or None."""
         if self._dead:
-            return f"{self.name} exited"
+            return f"{self.name} exited; restarting"
         return None if self._socket is not None else f"{self.name} is not connected"
+
+    def restarted(self, generation: int, engine_alive: Connection) -> None:
+        """The supervisor's word (in the event loop) that the engine's process `generation`
+        has loaded and serves; `engine_alive`: that process's alive pipe. A hand-over of a
+        generation not newer than the current one is ignored."""
+        if generation <= self.generation:
+            engine_alive.close()
+            return
+        if not self._dead:  # the old process's exit, not yet seen on its pipe
+            self._on_engine_exit()
+        if self._engine_alive is not None:
+            self._engine_alive.close()
+        self._engine_alive = engine_alive
+        self.generation = generation
+        self._engine_queued, self._engine_wait = 0, 0.0
+        self._connect()
+        self._dead = False
+        logger.warning("%s is back (generation %d)", self.name, generation)
 
     async def run(
         self, requests: Sequence[PromptRequest], times: RunTimes | None = None
     ) -> list[PoolingOutput]:
         """Run `requests` on the engine; their outputs in order. `QueueFullError` when the
         engine's queue cannot take them, `EngineDeadError` when the engine process is gone."""
-        if self._dead or self._socket is None:
+        if self._dead:
+            raise EngineDeadError(f"{self.name} exited; restarting")
+        if self._socket is None:
             raise EngineDeadError(f"{self.name} is not running")
         call_id = next(self._ids)
         future: asyncio.Future[wire.CallDone | wire.CallRefused] = (
@@ -113,12 +154,14 @@ class EngineProcessClient:
         n = len(requests)
         self._in_flight += n
         start = time.perf_counter()
+        socket = self._socket
         try:
-            await self._socket.send(wire.encoder.encode(wire.submit(call_id, list(requests))))
+            await socket.send(wire.encoder.encode(wire.submit(call_id, list(requests))))
             reply = await future
         except asyncio.CancelledError:
-            if self._pending.pop(call_id, None) is not None and not self._dead:
-                self._socket.send(wire.encoder.encode(wire.Cancel(call_id)), zmq.NOBLOCK)
+            # Still pending: the process that has the call still runs, on this socket.
+            if self._pending.pop(call_id, None) is not None and self._socket is socket:
+                socket.send(wire.encoder.encode(wire.Cancel(call_id)), zmq.NOBLOCK)
             raise
         finally:
             self._in_flight -= n
@@ -129,10 +172,9 @@ class EngineProcessClient:
             times.queue = max(0.0, time.perf_counter() - start - reply.inference)
         return [wire.pooling_output(o) for o in reply.outputs]
 
-    async def _read_replies(self) -> None:
-        assert self._socket is not None
+    async def _read_replies(self, socket: zmq.asyncio.Socket) -> None:
         while True:
-            message = wire.replies.decode(await self._socket.recv())
+            message = wire.replies.decode(await socket.recv())
             self._engine_queued, self._engine_wait = message.queued, message.wait
             self._engine_wait_at = time.monotonic()
             for reply in message.calls:
@@ -143,8 +185,9 @@ class EngineProcessClient:
     def _on_engine_exit(self) -> None:
         """The engine process closed its end of the pipe: it exited."""
         assert self._engine_alive is not None
-        asyncio.get_running_loop().remove_reader(self._engine_alive.fileno())
+        self._disconnect()
         self._dead = True
+        self._engine_queued, self._engine_wait = 0, 0.0
         logger.error("%s exited; %d calls in flight fail", self.name, len(self._pending))
         for future in self._pending.values():
             if not future.done():

@@ -8,25 +8,41 @@ sent; every one of them spreading its share evenly spreads the whole. Ties go ro
 
 An engine process that exits fails its own calls in flight at once (`EngineDeadError`, seen on
 its pipe) and is sent no new ones; the others go on serving. `is_running` while any engine
-runs; `health_problem` names the engines gone (`/health` then answers 503).
+runs; `health_problem` names the engines gone (`/health` then answers 503). The supervisor
+restarts a lost engine process and says so on this process's control pipe: the engine's rank
+and generation, then the new process's alive pipe (a file descriptor, `recv_handle`); that
+engine then takes calls again. While none runs, new calls are refused with `retry_after`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Sequence
+from multiprocessing.connection import Connection
+from multiprocessing.reduction import recv_handle
 
 from vecpool.api.async_engine import EngineDeadError
 from vecpool.api.outputs import PoolingOutput, PromptRequest, RunTimes
 from vecpool.server.engine_client import EngineProcessClient
 from vecpool.server.metrics import EngineGroupMetrics
 
+logger = logging.getLogger(__name__)
+# Seconds a call refused while every engine process restarts is told to wait (Retry-After).
+RESTART_RETRY_AFTER = 1.0
+
 
 class EngineGroupClient:
     """Runs each call on one engine of `engines` (indexed by rank). `start()` inside the
-    event loop that will use it; `close()` at exit."""
+    event loop that will use it; `close()` at exit. `control`: the supervisor's pipe of
+    hand-overs (restarted engine processes), if any."""
 
     def __init__(
-        self, engines: Sequence[EngineProcessClient], metrics: EngineGroupMetrics | None = None
+        self,
+        engines: Sequence[EngineProcessClient],
+        metrics: EngineGroupMetrics | None = None,
+        *,
+        control: Connection | None = None,
     ):
         if not engines:
             raise ValueError("an engine group needs at least one engine")
@@ -35,14 +51,32 @@ class EngineGroupClient:
         self.metrics = metrics
         self.queued_tokens = [0] * len(self.engines)  # by rank: sent, not yet answered
         self._next = 0  # where the search for the least loaded engine starts (round robin)
+        self._control = control
 
     async def start(self) -> None:
         for engine in self.engines:
             await engine.start()
+        if self._control is not None:
+            asyncio.get_running_loop().add_reader(self._control.fileno(), self._on_control)
 
     async def close(self) -> None:
+        if self._control is not None and not self._control.closed:
+            asyncio.get_running_loop().remove_reader(self._control.fileno())
         for engine in self.engines:
             await engine.close()
+
+    def _on_control(self) -> None:
+        """A hand-over from the supervisor: ("engine", rank, generation), then the alive pipe's
+        descriptor (sent right behind it)."""
+        assert self._control is not None
+        try:
+            while self._control.poll():
+                _, rank, generation = self._control.recv()
+                alive = Connection(recv_handle(self._control), writable=False)
+                self.engines[rank].restarted(generation, alive)
+        except (EOFError, OSError):  # the supervisor is gone: this process is stopping
+            asyncio.get_running_loop().remove_reader(self._control.fileno())
+            self._control.close()
 
     @property
     def num_queued(self) -> int:
@@ -57,6 +91,12 @@ class EngineGroupClient:
     @property
     def is_running(self) -> bool:
         return any(e.is_running for e in self.engines)
+
+    @property
+    def retry_after(self) -> float | None:
+        """Seconds a refused call should wait while no engine runs (each lost one restarts,
+        or the server stops); None while any runs."""
+        return None if self.is_running else RESTART_RETRY_AFTER
 
     @property
     def health_problem(self) -> str | None:
@@ -78,7 +118,7 @@ class EngineGroupClient:
             if best < 0 or self.queued_tokens[rank] < self.queued_tokens[best]:
                 best = rank
         if best < 0:
-            raise EngineDeadError("every engine process has exited")
+            raise EngineDeadError("every engine process has exited; restarting")
         self._next = (best + 1) % n
         return best
 

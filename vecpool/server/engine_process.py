@@ -15,6 +15,7 @@ import gc
 import logging
 import math
 import signal
+import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -84,8 +85,9 @@ class EngineLoop:
         info = engine.info()
         self.step_tokens, self.step_requests = info.max_num_batched_tokens, info.max_num_seqs
 
-    def run(self, parent: Connection | None = None) -> None:
-        """Serve until `parent` (a pipe whose other end the parent holds) closes."""
+    def run(self, parent: Connection | None = None) -> bool:
+        """Serve until `parent` (a pipe whose other end the parent holds) closes (True), or
+        until the engine is unhealthy (False)."""
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
         if parent is not None:
@@ -95,7 +97,7 @@ class EngineLoop:
             idle = not core.has_work()
             events = dict(poller.poll(None if idle else 0))
             if parent is not None and parent.fileno() in events:
-                return  # the parent is gone (or closed the pipe to stop us)
+                return True  # the parent is gone (or closed the pipe to stop us)
             arrived = self._receive()
             if idle and arrived and self.config.batch_wait > 0:
                 self._gather(poller, time.perf_counter() + self.config.batch_wait)
@@ -105,8 +107,11 @@ class EngineLoop:
                 self._step()
             self._flush()
             if not core.healthy:  # exiting fails every call in flight and turns /health to 503
-                logger.error("every request of the last steps failed, each alone too; exiting")
-                return
+                logger.error(
+                    "the engine is at fault (a known-good input failed too, or its steps keep "
+                    "raising outside the model); exiting"
+                )
+                return False
 
     def close(self) -> None:
         self.socket.close(linger=0)
@@ -174,11 +179,7 @@ class EngineLoop:
     def _step(self) -> None:
         self.step_started = time.perf_counter()
         self.arrived_tokens = 0
-        try:
-            ran = self.engine.core.step()
-        except Exception:  # the loop must outlive any one step
-            logger.exception("engine step raised outside the model; continuing")
-            return
+        ran = self.engine.core.guarded_step()  # the loop must outlive any one step
         if ran:
             self.admission.on_step(time.perf_counter() - self.step_started)
         if ran and self.metrics is not None:
@@ -269,7 +270,9 @@ def run_engine_process(
     gc.collect()
     gc.freeze()
     try:
-        loop.run(parent)
+        served = loop.run(parent)
     finally:
         loop.close()
         engine_alive.close()
+    if not served:  # a non-zero status: the supervisor restarts an engine at fault
+        sys.exit(1)

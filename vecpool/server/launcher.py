@@ -13,7 +13,8 @@ With `api_server_count` N >= 1 (the default), the server is N + D + 1 processes:
 
 Pipes tell each process when another is gone: the API processes see an engine process exit
 (its calls in flight fail at once, no new call goes to it, /health answers 503 naming it, the
-other engines go on), and every child sees this one exit (they stop). With `api_server_count`
+other engines go on), and every child sees this one exit (they stop). The supervisor restarts a
+lost engine process and hands it to the API processes (`supervisor.py`). With `api_server_count`
 0, one process serves: the engine loop in a thread beside the event loop (`app.create_app`), as
 `vecpool.server.app` offers it for embedding in Python.
 """
@@ -26,18 +27,14 @@ import logging
 import math
 import multiprocessing as mp
 import os
-import signal
 import socket
-import sys
 import tempfile
 import threading
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import torch
@@ -45,13 +42,20 @@ import torch
 from vecpool.api import EngineArgs, EngineInfo
 from vecpool.errors import ConfigError
 from vecpool.server.config import ServerConfig
+from vecpool.server.supervisor import (
+    STOP_SECONDS,
+    EngineProcess,
+    RestartPolicy,
+    Supervisor,
+    report_start_failure,
+    stop,
+    wait_ready,
+)
 
 logger = logging.getLogger("vecpool.server")
 
 # Connections waiting to be accepted before the kernel refuses more (capped by somaxconn).
 LISTEN_BACKLOG = 4096
-# Seconds to wait for processes to stop on their own (past any drain) before they are killed.
-STOP_SECONDS = 5
 # The longest an idle engine gathers arriving requests into a step (`--batch-wait-ms`).
 DEFAULT_BATCH_WAIT_MS = 2.0
 # Seconds an idle keep-alive connection stays open (`--timeout-keep-alive`). Longer than
@@ -61,6 +65,11 @@ DEFAULT_BATCH_WAIT_MS = 2.0
 DEFAULT_KEEP_ALIVE = 75.0
 # Seconds SIGTERM leaves requests in flight to finish before the server exits anyway.
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
+# Engine processes restarted within the window (all engines together) before the server stops,
+# exit status 1, for its orchestrator to take over (`--max-engine-restarts`,
+# `--engine-restart-window`).
+DEFAULT_MAX_ENGINE_RESTARTS = 5
+DEFAULT_ENGINE_RESTART_WINDOW = 300.0
 
 
 @dataclass(frozen=True)
@@ -73,6 +82,8 @@ class ServeOptions:
     batch_wait_ms: float = DEFAULT_BATCH_WAIT_MS  # an idle engine gathers a step this long
     timeout_keep_alive: float = DEFAULT_KEEP_ALIVE  # seconds an idle connection stays open
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT  # SIGTERM: seconds to drain requests
+    max_engine_restarts: int = DEFAULT_MAX_ENGINE_RESTARTS  # within the window, then exit 1
+    engine_restart_window: float = DEFAULT_ENGINE_RESTART_WINDOW  # seconds
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -86,6 +97,14 @@ class ServeOptions:
             )
         if self.shutdown_timeout < 0:
             raise ConfigError(f"--shutdown-timeout must be 0 or more, got {self.shutdown_timeout}")
+        if self.max_engine_restarts < 0:
+            raise ConfigError(
+                f"--max-engine-restarts must be 0 or more, got {self.max_engine_restarts}"
+            )
+        if self.engine_restart_window <= 0:
+            raise ConfigError(
+                f"--engine-restart-window must be positive, got {self.engine_restart_window}"
+            )
 
 
 def default_api_server_count(device: str | torch.device | None) -> int:
@@ -150,7 +169,7 @@ def serve_processes(
 ) -> int:
     """The engine process and `options.api_server_count` API processes, supervised until
     interrupted (SIGINT, SIGTERM) or until every API process has exited."""
-    logging.basicConfig(level=options.log_level.upper(), format="%(levelname)s:     %(message)s")
+    logging.basicConfig(level=options.log_level.upper(), format="%(asctime)s %(levelname)s:     %(message)s")
     with tempfile.TemporaryDirectory(prefix="vecpool-serve-") as tmp:
         # Every process records its metrics here and /metrics sums them; prometheus-client
         # reads the variable when a child imports it.
@@ -185,18 +204,6 @@ def check_layout(engine_args: EngineArgs, options: ServeOptions) -> None:
     engine_args.replicas()  # raises when the devices are not there
 
 
-@dataclass
-class _EngineProcess:
-    """One engine process of the group, as the supervisor holds it."""
-
-    rank: int
-    name: str  # in logs and errors: "the engine process", or "engine process 1 (cuda:1)"
-    address: str
-    process: BaseProcess
-    alive: Connection  # EOF once the process exits (it holds the only writer)
-    ready: Connection
-
-
 def _serve_processes(  # the body of `serve_processes`, inside its directory and environment
     engine_args: EngineArgs,
     config: ServerConfig,
@@ -205,18 +212,28 @@ def _serve_processes(  # the body of `serve_processes`, inside its directory and
     tmp: str,
     metrics_dir: Path,
 ) -> int:
+    # Imported here, once PROMETHEUS_MULTIPROC_DIR is set: prometheus-client reads it on import,
+    # and the supervisor's counter must land in the directory that /metrics sums.
+    from vecpool.server.metrics import SupervisorMetrics
+
     ctx = mp.get_context("spawn")
     # Children see EOF on this when this process is gone.
     parent_alive, parent_writer = ctx.Pipe(duplex=False)
     engines = _start_engines(ctx, engine_args, options, config, tmp, parent_alive)
-    infos = [_wait_ready(e.process, e.ready) for e in engines]
+    infos = []
+    for e in engines:
+        assert e.ready is not None
+        infos.append(wait_ready(e.process, e.ready))
+        e.ready = None
     for result in infos:
         if not isinstance(result, EngineInfo):  # one failed to load: stop the others
             parent_writer.close()
-            _stop([e.process for e in engines], STOP_SECONDS)
-            return result
+            stop([e.process for e in engines], STOP_SECONDS)
+            return report_start_failure(result)
     info = infos[0]
     assert isinstance(info, EngineInfo)
+    # One duplex pipe a API process: the supervisor hands it each restarted engine process.
+    controls = [ctx.Pipe(duplex=True) for _ in range(options.api_server_count)]
     apis = [
         ctx.Process(
             target=run_api_process,
@@ -224,14 +241,21 @@ def _serve_processes(  # the body of `serve_processes`, inside its directory and
             kwargs={
                 "engine_alive": [e.alive for e in engines],
                 "parent_alive": parent_alive,
+                "control": theirs,
                 "metrics_dir": str(metrics_dir),
             },
             name=f"vecpool-api-{i}",
         )
-        for i in range(options.api_server_count)
+        for i, (_, theirs) in enumerate(controls)
     ]
     for api in apis:
         api.start()
+    for e in engines:  # the API processes hold theirs now
+        assert e.alive is not None
+        e.alive.close()
+        e.alive = None
+    for _, theirs in controls:
+        theirs.close()
     pids = ", ".join(str(e.process.pid) for e in engines)
     logger.info(
         "serving %s on http://%s:%d: %s, API-server processes (pids %s)",
@@ -241,10 +265,21 @@ def _serve_processes(  # the body of `serve_processes`, inside its directory and
         f"engine process (pid {pids})" if len(engines) == 1 else f"engine processes (pids {pids})",
         ", ".join(str(api.pid) for api in apis),
     )
+    metrics = SupervisorMetrics(registry=None, ranks=len(engines))
+    supervisor = Supervisor(
+        engines,
+        apis,
+        [ours for ours, _ in controls],
+        RestartPolicy(options.max_engine_restarts, options.engine_restart_window),
+        grace=options.shutdown_timeout,
+        on_restart=lambda rank: metrics.engine_restarts.labels(str(rank)).inc(),
+    )
     try:
-        return _supervise(engines, apis, options.shutdown_timeout)
+        return supervisor.run()
     finally:
         parent_writer.close()
+        for ours, _ in controls:
+            ours.close()
 
 
 def _start_engines(
@@ -254,7 +289,7 @@ def _start_engines(
     config: ServerConfig,
     tmp: str,
     parent_alive: Connection,
-) -> list[_EngineProcess]:
+) -> list[EngineProcess]:
     """Start an engine process on each device of the group (they load their models at once)."""
     from vecpool.server.engine_process import EngineProcessConfig, run_engine_process
 
@@ -270,93 +305,37 @@ def _start_engines(
             max_wait=config.max_queue_wait,
             batch_wait=options.batch_wait_ms / 1000,
         )
-        alive, alive_w = ctx.Pipe(duplex=False)
-        ready, ready_w = ctx.Pipe(duplex=False)
-        process = ctx.Process(
-            target=run_engine_process,
-            args=(replica.args, engine_config, ready_w, parent_alive, alive_w),
-            kwargs={
-                "log_level": options.log_level,
-                "threads": replica.threads if group else None,
-                "tag": f"engine {rank}" if group else "engine",
-            },
-            name=f"vecpool-engine-{rank}" if group else "vecpool-engine",
-        )
-        process.start()
+
+        def spawn(
+            args: EngineArgs = replica.args,
+            engine_config: EngineProcessConfig = engine_config,
+            threads: int | None = replica.threads if group else None,
+            rank: int = rank,
+        ) -> tuple[BaseProcess, Connection, Connection]:
+            """Start this rank's engine process (again: on the same device and address)."""
+            alive, alive_w = ctx.Pipe(duplex=False)
+            ready, ready_w = ctx.Pipe(duplex=False)
+            process = ctx.Process(
+                target=run_engine_process,
+                args=(args, engine_config, ready_w, parent_alive, alive_w),
+                kwargs={
+                    "log_level": options.log_level,
+                    "threads": threads,
+                    "tag": f"engine {rank}" if group else "engine",
+                },
+                name=f"vecpool-engine-{rank}" if group else "vecpool-engine",
+            )
+            process.start()
+            ready_w.close()
+            alive_w.close()  # the engine process holds the only writer now
+            return process, alive, ready
+
+        process, alive, ready = spawn()
         logger.info("%s started (pid %s), loading the model", name, process.pid)
-        ready_w.close()
-        alive_w.close()  # the engine process holds the only writer now
-        engines.append(_EngineProcess(rank, name, engine_config.address, process, alive, ready))
+        engines.append(
+            EngineProcess(rank, name, engine_config.address, spawn, process, alive, ready)
+        )
     return engines
-
-
-def _wait_ready(engine: BaseProcess, ready: Connection) -> EngineInfo | int:
-    """The engine's info once it has loaded, or (after saying why) the exit status: 2 for a
-    bad setting or model folder, 1 for any other failure."""
-    try:
-        status, value = ready.recv()
-    except EOFError:
-        engine.join()
-        print(f"vecpool serve: the engine process exited ({engine.exitcode})", file=sys.stderr)
-        return 1
-    finally:
-        ready.close()
-    if status != "ready":
-        engine.join()
-        print(f"vecpool serve: {value}", file=sys.stderr)
-        return 2 if status == "invalid" else 1
-    assert isinstance(value, EngineInfo)
-    return value
-
-
-def _supervise(engines: Sequence[_EngineProcess], apis: Sequence[BaseProcess], grace: float) -> int:
-    stop = threading.Event()
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        stop.set()
-
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    status = 0
-    processes = [e.process for e in engines]
-    try:
-        reported: set[int] = set()
-        while not stop.is_set():
-            wait([p.sentinel for p in (*processes, *apis) if p.exitcode is None], timeout=0.5)
-            for e in engines:
-                if e.process.exitcode is not None and e.rank not in reported:
-                    reported.add(e.rank)
-                    left = len(engines) - len(reported)
-                    logger.error(
-                        "%s exited (%s); %s",
-                        e.name,
-                        e.process.exitcode,
-                        f"{left} of {len(engines)} engine processes serve, /health answers 503"
-                        if left
-                        else "the API servers answer 503 until stopped",
-                    )
-            if all(api.exitcode is not None for api in apis):
-                status = 1
-                logger.error("every API-server process has exited; stopping")
-                break
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-        _stop(apis, grace + STOP_SECONDS)  # they drain their requests, on the engines
-        _stop(processes, STOP_SECONDS)
-    return status
-
-
-def _stop(processes: Sequence[BaseProcess], seconds: float) -> None:
-    """SIGTERM each (uvicorn drains its connections), then SIGKILL what is left."""
-    for p in processes:
-        if p.exitcode is None and p.pid is not None:
-            os.kill(p.pid, signal.SIGTERM)
-    deadline = time.monotonic() + seconds
-    for p in processes:
-        p.join(max(0.0, deadline - time.monotonic()))
-        if p.exitcode is None:
-            p.kill()
-            p.join()
 
 
 def run_api_process(
@@ -368,11 +347,13 @@ def run_api_process(
     *,
     engine_alive: Sequence[Connection],
     parent_alive: Connection,
+    control: Connection,
     metrics_dir: str,
 ) -> None:
     """An API-server process's entry point: uvicorn on `sock` until stopped, or until the
     supervisor is gone. `engines`: each engine process's (address, name), by rank;
-    `engine_alive`: the pipe that closes when it exits."""
+    `engine_alive`: the pipe that closes when it exits; `control`: where the supervisor hands
+    over each restarted engine process."""
     import uvicorn
 
     from vecpool.server.app import create_api_app
@@ -385,7 +366,7 @@ def run_api_process(
         for (address, name), alive in zip(engines, engine_alive, strict=True)
     ]
     # Recorded into the multiprocess directory, which /metrics reads whole.
-    group = EngineGroupClient(clients, EngineGroupMetrics(registry=None))
+    group = EngineGroupClient(clients, EngineGroupMetrics(registry=None), control=control)
     app = create_api_app(info, config, group, multiprocess_dir=metrics_dir)
     server = uvicorn.Server(uvicorn_config(app, options, config))
 

@@ -4,7 +4,7 @@ HTTP (`ServerMetrics`, in each API process): requests by endpoint and status, la
 request, seconds spent in tokenization (input processing, prompt-embeds decoding included), in
 the queue and in inference. Engine (`EngineMetrics`, where the engine runs): queue size, steps,
 tokens per step (batch tokens), request outcomes (finished, failed, and cancelled: dropped
-because the client went away).
+because the client went away). The supervisor (`SupervisorMetrics`): engine processes restarted.
 
 With several processes, each records into prometheus-client's multiprocess directory (the
 `PROMETHEUS_MULTIPROC_DIR` the launcher sets for them) and `/metrics`, answered by any API
@@ -166,3 +166,18 @@ class EngineGroupMetrics:
             ["engine"],
             registry=registry,
         )
+
+
+class SupervisorMetrics:
+    """The supervisor's: engine processes restarted, by rank (label `engine`), each counted
+    once it is back in service. `ranks`: the engines, each shown from the start (at 0)."""
+
+    def __init__(self, registry: CollectorRegistry | None, ranks: int):
+        self.engine_restarts = Counter(
+            "vecpool_engine_restarts",
+            "Engine processes restarted after they were lost or exited at fault",
+            ["engine"],
+            registry=registry,
+        )
+        for rank in range(ranks):
+            self.engine_restarts.labels(str(rank))

@@ -1,8 +1,9 @@
 """The outermost layer of the app (pure ASGI): what is decided before a body is read.
 
 Health probes are answered here, without the router, the engine or the tokenizer pool; a
-request for work is refused (429) here when the engine's queue already holds more than
-`max_queue_wait` seconds of work, before its body is read or parsed; then the API-key check;
+request for work is refused here before its body is read or parsed: 503 with `Retry-After`
+while no engine runs and one restarts, 429 when the engine's queue already holds more than
+`max_queue_wait` seconds of work; then the API-key check;
 then request counts and latency for every answer. Any 5xx answer closes its connection
 (`connection: close`), so a client never sends its next request on a connection the server
 is about to close.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import math
 import time
 
 from starlette.requests import ClientDisconnect
@@ -102,7 +104,8 @@ class ServerMiddleware:
             self.metrics.http_seconds.labels(endpoint).observe(time.perf_counter() - start)
 
     def _refusal(self, scope: Scope, path: str) -> ApiError | None:
-        """401 without the API key; 429 for work while the queue is over its wait bound."""
+        """401 without the API key; for work, 503 while every engine restarts and 429 while
+        the queue is over its wait bound."""
         if path in PUBLIC_PATHS:
             return None
         if not self._authorized(scope):
@@ -114,6 +117,14 @@ class ServerMiddleware:
             )
         client = self.state.client
         if scope["method"] == "POST" and client is not None:
+            retry_after = client.retry_after
+            if retry_after is not None:
+                return ApiError(
+                    503,
+                    f"{client.health_problem or 'the engine is not running'}; retry later",
+                    code="unavailable",
+                    headers={"retry-after": str(math.ceil(retry_after))},  # closes, as 5xx do
+                )
             wait = client.expected_wait
             if wait > self.max_wait:
                 return ApiError(

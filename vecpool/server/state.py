@@ -42,6 +42,9 @@ class EngineClient(Protocol):
     @property
     def health_problem(self) -> str | None: ...  # why /health fails (any engine gone), or None
 
+    @property
+    def retry_after(self) -> float | None: ...  # no engine runs, one restarts: retry after this
+
     async def run(
         self, requests: Sequence[PromptRequest], times: RunTimes | None = None
     ) -> list[PoolingOutput]: ...

@@ -54,7 +54,9 @@ def inputs_error(exc: InputError) -> ApiError:
 def model_kind(info: EngineInfo) -> str:
     """What TEI would call the model: "reranker" (one relevance score per pair), "classifier"
     (several labels), "splade" (a masked-LM head) or "embedding"."""
-    if info.score_mode == "llm" or (info.score_mode == "cross_encoder" and info.num_labels == 1):
+    if info.score_mode in ("llm", "listwise") or (
+        info.score_mode == "cross_encoder" and info.num_labels == 1
+    ):
         return "reranker"
     if "classify" in info.tasks and info.num_labels > 1:
         return "classifier"
@@ -395,6 +397,7 @@ async def info(request: Request) -> Response:
         "model_sha": None,
         "model_dtype": info.dtype,
         "model_type": model_type,
+        "model_impl": info.model_impl,  # vecpool's: "vecpool" (native) or "transformers"
         "max_concurrent_requests": config.max_queued,
         "max_input_length": info.max_model_len,
         "max_batch_tokens": info.max_num_batched_tokens,
