@@ -17,7 +17,8 @@ whole-word vocabulary entries that tokenize to one token each, so an input of L 
 
 Systems (`--systems`): `vecpool-text`, `vecpool-ids` (compiled where the engine compiles by
 default), `vecpool-ids-eager` (the same without `torch.compile`: the before/after of that
-lever), `st-32` / `st-128` (sentence-transformers `encode` at that batch size, on the texts),
+lever), `vecpool-hf` (token ids through the transformers fallback, `model_impl="transformers"`:
+what a family without a native class gets), `st-32` / `st-128` (sentence-transformers `encode` at that batch size, on the texts),
 `hf-padded` (transformers `AutoModel`, sdpa attention, inputs sorted by length and padded in
 batches of `--hf-batch-size`: the floor). `--budgets` adds `vecpool-ids@N` runs at other token
 budgets.
@@ -60,6 +61,7 @@ SYSTEMS = (
     "vecpool-text",
     "vecpool-ids",
     "vecpool-ids-eager",
+    "vecpool-hf",
     "st-32",
     "st-128",
     "hf-padded",
@@ -388,11 +390,17 @@ def vecpool_runner(
     text: bool,
     compile: bool | None,
     budget: int | None,
+    model_impl: str = "auto",
 ) -> tuple[Runner, Any]:
     import vecpool
 
     engine = vecpool.Engine(
-        folder, device=device, dtype=dtype, compile=compile, max_num_batched_tokens=budget
+        folder,
+        device=device,
+        dtype=dtype,
+        compile=compile,
+        max_num_batched_tokens=budget,
+        model_impl=model_impl,
     )
 
     def run(texts: list[str], ids: list[list[int]]) -> np.ndarray:
@@ -599,6 +607,7 @@ def bench_model(
                         text=s == "vecpool-text",
                         compile=compile,
                         budget=None,
+                        model_impl="transformers" if s == "vecpool-hf" else "auto",
                     ),
                 )
             )

@@ -8,7 +8,9 @@ vendored in veya2ztn/sci-bert-finetune, models/jinabert/modeling_bert.py: JinaBe
 JinaBertSelfAttention, JinaBertGLUMLP, the encoder's `rebuild_alibi_tensor`) and, for the
 qk-post-norm layout of jina-embeddings-v2-base-code, the JinaBert port proposed to transformers
 (`layer_norm_q` / `layer_norm_k`, `up_gated_layer` / `down_layer`, `layer_norm_1` /
-`layer_norm_2`), whose layer order text-embeddings-inference's jina_code model also follows.
+`layer_norm_2`), whose layer order a candle (Rust) port of jina-embeddings-v2-base-code also
+follows. The qk-post-norm repository itself was not found to read: that layout is checked
+against those two readings of it, not against Jina's own file.
 """
 
 from __future__ import annotations
@@ -245,6 +247,24 @@ def test_deberta_token_classification(tmp_path: Path) -> None:
         with torch.no_grad():
             ref = hf(input_ids=torch.tensor([prompt])).logits[0].numpy()
         assert_rel_close(logits, ref)
+
+
+@pytest.mark.parametrize("legacy", [True, False], ids=["cls_predictions", "lm_predictions"])
+def test_deberta_masked_lm_sparse(legacy: bool, tmp_path: Path) -> None:
+    """DebertaV2ForMaskedLM, either head layout: vocabulary logits per token, and SPLADE
+    (max over positions of log(1 + relu(logits))) through the engine."""
+    torch.manual_seed(11)
+    hf = transformers.DebertaV2ForMaskedLM(_deberta_config("v3", legacy=legacy)).eval()
+    engine = vecpool.Engine(save_hf_model(hf, tmp_path), device="cpu")
+    prompts = random_prompts(VOCAB, LENGTHS, seed=12)
+    hidden = engine_hidden(engine, prompts)
+    sparse = engine.encode(prompts, task="sparse")
+    for prompt, rows, vector in zip(prompts, hidden, sparse, strict=True):
+        with torch.no_grad():
+            logits = hf(input_ids=torch.tensor([prompt])).logits[0]
+            ours = engine.model.compute_logits(torch.from_numpy(rows))
+        assert_rel_close(ours.numpy(), logits.numpy())
+        assert_rel_close(vector, torch.log1p(torch.relu(logits)).max(dim=0).values.numpy())
 
 
 @pytest.mark.parametrize(

@@ -124,11 +124,15 @@ def test_a_failed_step_leaves_the_carried_state_as_it_was(monkeypatch: pytest.Mo
     _pool(runner, [_chunk("a", prompt, params, 0, 4)], [hidden[:4]])
     kept = {k: v.clone() for k, v in runner._states["a"].carried.items()}
 
-    def broken(b: Any) -> Any:
-        b.merge("pooled", torch.zeros(b.num_seqs, HIDDEN), "sum")  # records, then fails
-        raise RuntimeError("head fell over")
+    class Broken:
+        per_token = False
+        needs_token_ids = False
 
-    monkeypatch.setattr(runner, "heads", {head_name: broken})
+        def __call__(self, b: Any) -> Any:
+            b.merge("pooled", torch.zeros(b.num_seqs, HIDDEN), "sum")  # records, then fails
+            raise RuntimeError("head fell over")
+
+    monkeypatch.setattr(runner, "heads", {head_name: Broken()})
     with pytest.raises(RuntimeError, match="head fell over"):
         _pool(runner, [_chunk("a", prompt, params, 4, 3)], [hidden[4:7]])
     assert all(torch.equal(runner._states["a"].carried[k], v) for k, v in kept.items())

@@ -29,6 +29,7 @@ from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
 import vecpool
 from tests.helpers import assert_rel_close
+from vecpool.api import listwise
 
 DOC_MARK, QUERY_MARK = "<|embed_token|>", "<|rerank_token|>"
 SYSTEM = (
@@ -104,34 +105,37 @@ class Reference:
         scores = torch.nn.functional.cosine_similarity(doc_vecs, query_vec.expand_as(doc_vecs))
         return doc_vecs.numpy(), query_vec.numpy(), scores.numpy()
 
-    def rerank_scores(
-        self, query: str, docs: list[str], max_length: int, block_size: int = 125
-    ) -> tuple[np.ndarray, int]:
-        """Every document's score in input order, and the number of blocks (no document here
-        reaches 2048 tokens or the query 512, so nothing is cut)."""
-        query_len = len(self.tokenizer(query)["input_ids"])
+    def combined(self, query: str, blocks: list[list[str]]) -> np.ndarray:
+        """Every document's score over these blocks: the cosine with the blocks' query vectors
+        averaged, each weighted by its block's best `(1 + score) / 2`."""
         doc_vecs, query_vecs, weights = [], [], []
-        block: list[str] = []
-        capacity = max_length - 2 * query_len
-
-        def flush() -> None:
-            d, q, s = self.block(query, block)
+        for docs in blocks:
+            d, q, s = self.block(query, docs)
             doc_vecs.extend(d)
             query_vecs.append(q)
             weights.append(((1.0 + s) / 2.0).max())
-
-        for doc in docs:
-            block.append(doc)
-            capacity -= len(self.tokenizer(doc)["input_ids"])
-            if len(block) >= block_size or capacity <= 2048:
-                flush()
-                block, capacity = [], max_length - 2 * query_len
-        if block:
-            flush()
         q = np.average(np.array(query_vecs), axis=0, weights=weights)  # [1, 512]
         d = np.array(doc_vecs)
         scores = (q @ d.T) / (np.linalg.norm(q) * np.linalg.norm(d, axis=1))
-        return scores[0].astype(np.float32), len(weights)
+        return scores[0].astype(np.float32)
+
+    def rerank_scores(
+        self, query: str, docs: list[str], max_length: int, block_size: int = 125
+    ) -> tuple[np.ndarray, int]:
+        """Every document's score in input order, and the number of blocks, as the model's
+        `rerank` packs them (no document here reaches 2048 tokens or the query 512, so nothing
+        is cut)."""
+        query_len = len(self.tokenizer(query)["input_ids"])
+        blocks: list[list[str]] = [[]]
+        capacity = max_length - 2 * query_len
+        for doc in docs:
+            blocks[-1].append(doc)
+            capacity -= len(self.tokenizer(doc)["input_ids"])
+            if len(blocks[-1]) >= block_size or capacity <= 2048:
+                blocks.append([])
+                capacity = max_length - 2 * query_len
+        blocks = [b for b in blocks if b]
+        return self.combined(query, blocks), len(blocks)
 
 
 def make_jina_folder(folder: Path) -> Reference:
@@ -239,6 +243,22 @@ def test_split_by_token_room(jina: tuple[Path, Reference]) -> None:
     assert blocks == 3
     assert len(engine.prepare_score(QUERY, docs).requests) == 3
     assert_rel_close(engine.score(QUERY, docs), expected)
+
+
+def test_a_prompt_over_the_room_is_split(
+    engine: vecpool.Engine, jina: tuple[Path, Reference], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A block whose prompt is longer than the prompt length (the model's packing rule leaves
+    the template out of its count; here a packing that never closes a block) is split in
+    halves until each prompt fits."""
+    monkeypatch.setattr(listwise, "_pack", lambda config, pairs, *_: [pairs])
+    tokenizer = jina[1].tokenizer
+    room = len(tokenizer(Reference.prompt(QUERY, DOCS))["input_ids"]) - 1  # 5 do not fit
+    halves = [DOCS[:2], DOCS[2:]]
+    assert all(len(tokenizer(Reference.prompt(QUERY, h))["input_ids"]) <= room for h in halves)
+    call = engine.prepare_score(QUERY, DOCS, truncate_prompt_tokens=room)
+    assert len(call.requests) == 2
+    assert_rel_close(engine.run(call), jina[1].combined(QUERY, halves))
 
 
 def test_order_pairs_and_chunks(engine: vecpool.Engine, jina: tuple[Path, Reference]) -> None:
