@@ -18,7 +18,7 @@ from tests.server.conftest import start_server
 
 POISON = 9947  # "poison" in the MiniLM vocabulary; not among the probe's tokens
 
-_SITECUSTOMIZE = f"""
+_SITECUSTOMIZE = """
 import os
 
 if os.environ.get("VECPOOL_TEST_POISON_ID"):
@@ -29,7 +29,7 @@ if os.environ.get("VECPOOL_TEST_POISON_ID"):
 
     def _faulty_lookup(self, input_ids):
         if bool((input_ids == _poison).any()):
-            raise RuntimeError(f"injected fault on token id {{_poison}}")
+            raise RuntimeError(f"injected fault on token id {_poison}")
         return _lookup(self, input_ids)
 
     bert.BertModel.embed_input_ids = _faulty_lookup
