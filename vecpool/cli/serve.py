@@ -124,7 +124,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="a lost engine process (killed, or exited at fault) is restarted, after a back-off "
         "of 0.5 s doubling to 30 s; past N restarts within --engine-restart-window the server "
-        "exits with status 1, for its orchestrator to take over; 0: never restart "
+        "exits with status 1, for its orchestrator to take over (0: the first loss does) "
         "(default: %(default)s)",
     )
     procs.add_argument(

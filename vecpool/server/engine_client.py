@@ -127,7 +127,7 @@ class EngineProcessClient:
             engine_alive.close()
             return
         if not self._dead:  # the old process's exit, not yet seen on its pipe
-            self._on_engine_exit()
+            self._lose()
         if self._engine_alive is not None:
             self._engine_alive.close()
         self._engine_alive = engine_alive
@@ -135,7 +135,7 @@ class EngineProcessClient:
         self._engine_queued, self._engine_wait = 0, 0.0
         self._connect()
         self._dead = False
-        logger.warning("%s is back (generation %d)", self.name, generation)
+        logger.info("%s is back (generation %d)", self.name, generation)
 
     async def run(
         self, requests: Sequence[PromptRequest], times: RunTimes | None = None
@@ -185,6 +185,11 @@ class EngineProcessClient:
     def _on_engine_exit(self) -> None:
         """The engine process closed its end of the pipe: it exited."""
         assert self._engine_alive is not None
+        if self._engine_alive.poll():  # else woken without EOF (never written): still running
+            self._lose()
+
+    def _lose(self) -> None:
+        """The engine process is gone: fail its calls in flight, drop its socket."""
         self._disconnect()
         self._dead = True
         self._engine_queued, self._engine_wait = 0, 0.0

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle
@@ -57,26 +58,32 @@ class EngineGroupClient:
         for engine in self.engines:
             await engine.start()
         if self._control is not None:
-            asyncio.get_running_loop().add_reader(self._control.fileno(), self._on_control)
+            loop = asyncio.get_running_loop()
+            threading.Thread(
+                target=self._watch_control, args=(loop,), name="vecpool-handovers", daemon=True
+            ).start()
 
     async def close(self) -> None:
-        if self._control is not None and not self._control.closed:
-            asyncio.get_running_loop().remove_reader(self._control.fileno())
         for engine in self.engines:
             await engine.close()
 
-    def _on_control(self) -> None:
-        """A hand-over from the supervisor: ("engine", rank, generation), then the alive pipe's
-        descriptor (sent right behind it)."""
-        assert self._control is not None
-        try:
-            while self._control.poll():
-                _, rank, generation = self._control.recv()
-                alive = Connection(recv_handle(self._control), writable=False)
-                self.engines[rank].restarted(generation, alive)
-        except (EOFError, OSError):  # the supervisor is gone: this process is stopping
-            asyncio.get_running_loop().remove_reader(self._control.fileno())
-            self._control.close()
+    def _watch_control(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Take the supervisor's hand-overs, each ("engine", rank, generation) and then the
+        alive pipe's descriptor, and pass them to the event loop; until the supervisor is gone.
+        A thread of its own: the reads block, and the event loop must never wait on them."""
+        control = self._control
+        assert control is not None
+        while True:
+            try:
+                _, rank, generation = control.recv()
+                alive = Connection(recv_handle(control), writable=False)
+            except (EOFError, OSError):  # the supervisor is gone: this process is stopping
+                return
+            try:
+                loop.call_soon_threadsafe(self.engines[rank].restarted, generation, alive)
+            except RuntimeError:  # the event loop has closed: nothing to hand it to
+                alive.close()
+                return
 
     @property
     def num_queued(self) -> int:

@@ -169,7 +169,7 @@ def serve_processes(
 ) -> int:
     """The engine process and `options.api_server_count` API processes, supervised until
     interrupted (SIGINT, SIGTERM) or until every API process has exited."""
-    logging.basicConfig(level=options.log_level.upper(), format="%(asctime)s %(levelname)s:     %(message)s")
+    logging.basicConfig(level=options.log_level.upper(), format="%(levelname)s:     %(message)s")
     with tempfile.TemporaryDirectory(prefix="vecpool-serve-") as tmp:
         # Every process records its metrics here and /metrics sums them; prometheus-client
         # reads the variable when a child imports it.
@@ -232,7 +232,7 @@ def _serve_processes(  # the body of `serve_processes`, inside its directory and
             return report_start_failure(result)
     info = infos[0]
     assert isinstance(info, EngineInfo)
-    # One duplex pipe a API process: the supervisor hands it each restarted engine process.
+    # One duplex pipe per API process: the supervisor hands it each restarted engine process.
     controls = [ctx.Pipe(duplex=True) for _ in range(options.api_server_count)]
     apis = [
         ctx.Process(

@@ -116,7 +116,7 @@ class Supervisor:
     ):
         self.engines = engines
         self.apis = apis
-        self.controls = controls  # one a API process (index for index): hand-overs
+        self.controls = controls  # one per API process (index for index): hand-overs
         self.policy = policy
         self.grace = grace
         self.on_restart = on_restart  # called with the rank of each engine back in service
@@ -144,12 +144,13 @@ class Supervisor:
     def _watch(self) -> int:
         while not self.stopping.is_set():
             now = time.monotonic()
-            timeout = min(
-                [0.5, *(max(0.0, e.restart_at - now) for e in self.engines if e.restart_at)]
-            )
+            due = [e.restart_at - now for e in self.engines if e.restart_at is not None]
+            timeout = max(0.0, min([0.5, *due]))
             waited: list[Any] = [p.sentinel for p in self._running()]
             waited += [e.ready for e in self.engines if e.ready is not None]
             wait(waited, timeout=timeout)
+            if self.stopping.is_set():  # engines the signal stopped too are not restarted
+                break
             for e in self.engines:
                 if not self._tend(e):
                     return 1
