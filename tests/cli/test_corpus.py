@@ -92,6 +92,13 @@ def held_at(command: list[str], part: int) -> tuple[list[str], dict[str, str]]:
     return [command[0], "-m", "tests.cli.hold", *command[3:]], env
 
 
+def _default_sigint() -> None:
+    # A test run started in the background of a shell without job control ignores SIGINT, and
+    # its children would inherit that (Python then installs no handler for it): the run under
+    # test gets SIGINT as a user's Ctrl-C delivers it.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run_watched(command: list[str], out: Path, kill_after_part: int | None, sig: int) -> int:
     """Run `command`; with `kill_after_part`, the run stops still once that part is committed
     and gets `sig` there. Polls the output path all along: it must never hold anything but the
@@ -99,7 +106,13 @@ def run_watched(command: list[str], out: Path, kill_after_part: int | None, sig:
     env = None
     if kill_after_part is not None:
         command, env = held_at(command, kill_after_part)
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    process = subprocess.Popen(
+        command,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env=env,
+        preexec_fn=_default_sigint,
+    )
     record = out.with_name(out.name + ".partial") / f"part-{kill_after_part or 0:06d}.json"
     deadline = time.monotonic() + 240
     try:
