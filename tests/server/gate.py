@@ -90,7 +90,10 @@ def install(folder: Path) -> None:
     EngineLoop._step = gated  # type: ignore[method-assign]
 
 
-if os.environ.get(ENV):  # the server's process and (as their main module) its children
+# In the server's children only, which run this module as their main module (`__mp_main__`):
+# the supervisor itself never steps, and importing the engine loop there would import
+# prometheus-client before the supervisor points it at the metrics directory.
+if os.environ.get(ENV) and __name__ == "__mp_main__":
     install(Path(os.environ[ENV]))
 
 if __name__ == "__main__":

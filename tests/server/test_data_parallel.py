@@ -26,6 +26,7 @@ import transformers
 import vecpool
 from tests.helpers import save_hf_model
 from tests.server.conftest import Server, assert_error, start_server
+from tests.server.gate import EngineGate
 from tests.server.test_processes import _alive
 from tests.tasks.conftest import tiny_bert_head, with_minilm_tokenizer
 from vecpool.cli.serve import add_serve_arguments, serve
@@ -63,9 +64,16 @@ def _answered_tokens(server: Server) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def dp_server(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """Two engine processes, one input per step (a call of 2048 inputs runs for seconds). The
-    last test of this module kills one of them."""
+def dp_gate(tmp_path_factory: pytest.TempPathFactory) -> EngineGate:
+    return EngineGate(tmp_path_factory.mktemp("dp_gate"))
+
+
+@pytest.fixture(scope="module")
+def dp_server(
+    tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory, dp_gate: EngineGate
+) -> Iterator[Server]:
+    """Two engine processes, one input per step, behind a gate the tests may hold (open unless
+    a test closes it). The last test of this module kills one of them."""
     srv = start_server(
         tmp_path_factory.mktemp("dp_server"),
         str(tiny_dir),
@@ -74,6 +82,7 @@ def dp_server(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         "--max-num-seqs",
         "1",
         log_level="info",
+        gate=dp_gate,
     )
     yield srv
     srv.stop()
@@ -112,28 +121,33 @@ def test_calls_spread_over_both_engines_by_tokens(
 
 
 def test_killed_engine_fails_its_calls_and_the_other_serves(
-    dp_server: Server, tiny_engine: vecpool.Engine
+    dp_server: Server, dp_gate: EngineGate, tiny_engine: vecpool.Engine
 ) -> None:
+    """Both engines held before their first step (the gate): a call on each stays queued; the
+    one whose engine is killed fails while the gate is still closed (at once, by
+    construction: nothing else could have answered it), the other completes once opened."""
     server = dp_server
     pids = _engine_pids(server)
     long = [101] + [7592] * 126 + [102]
-    results: list[tuple[httpx.Response, float]] = []
+    results: list[httpx.Response] = []
 
     def slow_call() -> None:
-        response = server.post("/v1/embeddings", {"input": [long] * 2048})
-        results.append((response, time.monotonic()))
+        results.append(server.post("/v1/embeddings", {"input": [long] * 256}))
 
     threads = [threading.Thread(target=slow_call) for _ in range(2)]
-    for thread in threads:
-        thread.start()
-    for engine in ("0", "1"):  # one call on each engine (the other holds more tokens)
-        server.wait_for(
-            "vecpool_engine_queued_tokens", lambda v: v == 2048 * 128, 30, engine=engine
-        )
-    assert _alive(pids[1])
     os.kill(server.process.pid, signal.SIGSTOP)  # hold the supervisor: no restart yet
     try:
-        _one_engine_killed(server, tiny_engine, pids, results, threads, long)
+        with dp_gate.held():
+            for thread in threads:
+                thread.start()
+            for engine in ("0", "1"):  # one call on each engine (the other holds more tokens)
+                server.wait_for(
+                    "vecpool_engine_queued_tokens", lambda v: v == 256 * 128, 60, engine=engine
+                )
+            assert _alive(pids[1])
+            os.kill(pids[1], signal.SIGKILL)
+            _the_killed_engines_call_fails(server, results)
+        _the_survivor_serves(server, tiny_engine, pids, results, threads, long)
     finally:
         os.kill(server.process.pid, signal.SIGCONT)
 
@@ -153,40 +167,41 @@ def test_killed_engine_fails_its_calls_and_the_other_serves(
     assert _alive(pids[0])  # the survivor served throughout, never restarted
 
 
-def _one_engine_killed(
-    server: Server,
-    tiny_engine: vecpool.Engine,
-    pids: list[int],
-    results: list[tuple[httpx.Response, float]],
-    threads: list[threading.Thread],
-    long: list[int],
-) -> None:
-    killed = time.monotonic()
-    os.kill(pids[1], signal.SIGKILL)
+def _the_killed_engines_call_fails(server: Server, results: list[httpx.Response]) -> None:
+    """While the gate holds both engines: /health turns 503 naming the killed one, whose call
+    fails with 503 (the survivor's cannot have finished: its engine has not stepped)."""
+    deadline = time.monotonic() + 30
     while (health := server.client.get("/health")).status_code == 200:
-        assert time.monotonic() - killed < 1.0, "/health still 200 a second after the kill"
+        assert time.monotonic() < deadline, "/health still 200 after the kill"
         time.sleep(0.02)
     assert_error(health, 503)
     assert "engine process 1 (cpu) exited" in health.json()["error"]["message"]
-
-    # The dead engine's call fails at once; the survivor's completes.
-    deadline = time.monotonic() + 60
-    while len(results) < 1 and time.monotonic() < deadline:
+    while not results:
+        assert time.monotonic() < deadline, "the killed engine's call is still waiting"
         time.sleep(0.01)
-    failed, failed_at = results[0]
+    (failed,) = results
     assert_error(failed, 503)
     assert "engine process 1" in failed.json()["error"]["message"]
-    assert failed_at - killed < 2.0
+
+
+def _the_survivor_serves(
+    server: Server,
+    tiny_engine: vecpool.Engine,
+    pids: list[int],
+    results: list[httpx.Response],
+    threads: list[threading.Thread],
+    long: list[int],
+) -> None:
+    """The gate open: the survivor's call completes, and new calls go to the survivor while
+    /health stays 503 (one engine is gone)."""
     for thread in threads:
-        thread.join(timeout=60)
+        thread.join(timeout=120)
         assert not thread.is_alive()
-    done, _ = results[1]
+    done = results[1]
     assert done.status_code == 200, done.text
     vectors = np.array([d["embedding"] for d in done.json()["data"]], dtype=np.float32)
-    assert vectors.shape[0] == 2048
+    assert vectors.shape[0] == 256
     assert np.abs(vectors - tiny_engine.embed([long])[0]).max() <= BATCHING_TOLERANCE
-
-    # New calls go to the survivor; /health stays 503 while one engine is gone.
     before = _answered_tokens(server)
     for text in ("a new call", "and another", "and a third"):
         response = server.post("/v1/embeddings", {"input": text})

@@ -209,6 +209,10 @@ class Supervisor:
         """Tell each API process that engine `e` is back: its rank, its generation, and the
         new process's alive pipe (each gets its own descriptor)."""
         assert e.alive is not None
+        # Counted before any API process hears of it: whoever sees the engine serve again
+        # (/health 200) sees the restart counted too.
+        if self.on_restart is not None:
+            self.on_restart(e.rank)
         for api, control in zip(self.apis, self.controls, strict=True):
             if api.exitcode is not None or api.pid is None:
                 continue
@@ -217,8 +221,6 @@ class Supervisor:
                 send_handle(control, e.alive.fileno(), api.pid)
         e.alive.close()
         e.alive = None
-        if self.on_restart is not None:
-            self.on_restart(e.rank)
         logger.info("%s restarted (pid %s), serving again", e.name, e.process.pid)
 
 
