@@ -18,7 +18,7 @@ from torch import nn
 from vecpool.errors import ConfigError
 from vecpool.models.attention import AttentionMetadata
 from vecpool.models.base import Capability, PoolingModel
-from vecpool.models.bert import BertConfig, BertEmbeddings, BertSelfAttention, _vocab_logits
+from vecpool.models.bert import BertConfig, BertEmbeddings, BertSelfAttention, vocab_logits
 from vecpool.models.electra import embedding_width, pad_to_hidden
 from vecpool.models.hf import hf_get
 from vecpool.models.layers import activation
@@ -208,4 +208,4 @@ class AlbertForMaskedLM(AlbertModel):
         self, rows: torch.Tensor, vocab_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
         head = self.predictions
-        return _vocab_logits(head.transform(rows), head.decoder, vocab_ids)
+        return vocab_logits(head.transform(rows), head.decoder, vocab_ids)

@@ -325,7 +325,7 @@ class BertForMaskedLM(BertModel):
         self, rows: torch.Tensor, vocab_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
         head = self.cls.predictions
-        return _vocab_logits(head.transform(rows), head.decoder, vocab_ids)
+        return vocab_logits(head.transform(rows), head.decoder, vocab_ids)
 
 
 class RobertaLMHead(nn.Module):
@@ -364,10 +364,10 @@ class RobertaForMaskedLM(RobertaModel):
     def compute_logits(
         self, rows: torch.Tensor, vocab_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
-        return _vocab_logits(self.lm_head.transform(rows), self.lm_head.decoder, vocab_ids)
+        return vocab_logits(self.lm_head.transform(rows), self.lm_head.decoder, vocab_ids)
 
 
-def _vocab_logits(
+def vocab_logits(
     x: torch.Tensor, decoder: nn.Linear, vocab_ids: torch.Tensor | None
 ) -> torch.Tensor:
     """`decoder(x)`, or only its `vocab_ids` columns."""

@@ -15,7 +15,7 @@ from torch import nn
 
 from vecpool.models.attention import AttentionMetadata, flat_attention
 from vecpool.models.base import Capability, PoolingModel, hf_num_labels
-from vecpool.models.bert import BertConfig, _vocab_logits
+from vecpool.models.bert import BertConfig, vocab_logits
 from vecpool.models.hf import hf_get
 from vecpool.models.layers import FusedProjections, activation, fuse
 
@@ -195,4 +195,4 @@ class DistilBertForMaskedLM(DistilBertModel):
         self, rows: torch.Tensor, vocab_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
         x = self.vocab_layer_norm(self.act(self.vocab_transform(rows)))
-        return _vocab_logits(x, self.vocab_projector, vocab_ids)
+        return vocab_logits(x, self.vocab_projector, vocab_ids)

@@ -20,7 +20,7 @@ from torch import nn
 from vecpool.errors import ConfigError
 from vecpool.models.attention import AttentionMetadata
 from vecpool.models.base import Capability, PoolingModel
-from vecpool.models.bert import BertConfig, BertEmbeddings, BertEncoder, _vocab_logits
+from vecpool.models.bert import BertConfig, BertEmbeddings, BertEncoder, vocab_logits
 from vecpool.models.hf import hf_get
 
 
@@ -167,4 +167,4 @@ class ElectraForMaskedLM(ElectraModel):
         self, rows: torch.Tensor, vocab_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
         x = self.generator_predictions(rows)
-        return _vocab_logits(x, self.generator_lm_head, vocab_ids)
+        return vocab_logits(x, self.generator_lm_head, vocab_ids)

@@ -24,7 +24,7 @@ from vecpool.models.bert import (
     BertIntermediate,
     RobertaClassificationHead,
     RobertaLMHead,
-    _vocab_logits,
+    vocab_logits,
 )
 from vecpool.models.hf import hf_get
 from vecpool.models.layers import FusedProjections, fuse
@@ -261,7 +261,7 @@ class MPNetForMaskedLM(MPNetModel):
                 "this MPNetForMaskedLM checkpoint holds only the base model's weights (no "
                 "lm_head), so it cannot produce vocabulary logits"
             )
-        return _vocab_logits(self.lm_head.transform(rows), self.lm_head.decoder, vocab_ids)
+        return vocab_logits(self.lm_head.transform(rows), self.lm_head.decoder, vocab_ids)
 
 
 class MPNetForSequenceClassification(MPNetModel):
