@@ -23,6 +23,29 @@ def save_hf_model(hf_model: Any, path: Path, **extra_config: Any) -> Path:
     return path
 
 
+def write_st_modules(
+    folder: Path, hidden_size: int, pooling: str, max_seq_length: int | None = 64
+) -> Path:
+    """Make `folder` (a saved model) a sentence-transformers folder: Transformer, a Pooling
+    module of `pooling` ("mean_tokens", "cls_token", ...), then Normalize."""
+    kinds = ("Transformer", "Pooling", "Normalize")
+    paths = ("", "1_Pooling", "2_Normalize")
+    modules = [
+        {"idx": i, "name": str(i), "path": path, "type": f"sentence_transformers.models.{kind}"}
+        for i, (kind, path) in enumerate(zip(kinds, paths, strict=True))
+    ]
+    (folder / "modules.json").write_text(json.dumps(modules))
+    (folder / "1_Pooling").mkdir()
+    (folder / "1_Pooling" / "config.json").write_text(
+        json.dumps({"word_embedding_dimension": hidden_size, f"pooling_mode_{pooling}": True})
+    )
+    if max_seq_length is not None:
+        (folder / "sentence_bert_config.json").write_text(
+            json.dumps({"max_seq_length": max_seq_length, "do_lower_case": False})
+        )
+    return folder
+
+
 def random_prompts(vocab_size: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
     """Token-id prompts of the given lengths (ids drawn from [3, vocab_size): no pad or specials)."""
     gen = np.random.default_rng(seed)

@@ -28,7 +28,7 @@ import transformers
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, processors
 
 import vecpool
-from tests.helpers import assert_rel_close, save_hf_model
+from tests.helpers import assert_rel_close, save_hf_model, write_st_modules
 from vecpool.errors import ModelLoadError, RequestFailedError
 from vecpool.pooling.heads import _not_prompt_first
 from vecpool.pooling.methods import PoolingMetadata
@@ -72,26 +72,7 @@ def _tokenizer(folder: Path) -> None:
 
 def _st_files(folder: Path) -> None:
     """sentence-transformers modules as bge-m3 ships them: Transformer, CLS Pooling, Normalize."""
-    modules = [
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {
-            "idx": 1,
-            "name": "1",
-            "path": "1_Pooling",
-            "type": "sentence_transformers.models.Pooling",
-        },
-        {
-            "idx": 2,
-            "name": "2",
-            "path": "2_Normalize",
-            "type": "sentence_transformers.models.Normalize",
-        },
-    ]
-    (folder / "modules.json").write_text(json.dumps(modules))
-    (folder / "1_Pooling").mkdir()
-    pooling = {"word_embedding_dimension": HIDDEN, "pooling_mode_cls_token": True}
-    (folder / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
-    (folder / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 64}))
+    write_st_modules(folder, HIDDEN, "cls_token")
 
 
 class M3:

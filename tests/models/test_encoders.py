@@ -29,6 +29,7 @@ from tests.helpers import (
     hf_last_hidden,
     random_prompts,
     save_hf_model,
+    write_st_modules,
 )
 
 VOCAB = 99
@@ -296,30 +297,7 @@ def test_sentence_transformers_folder(
         save_hf_model(hf, tmp_path)
     for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
         shutil.copy(default_model_dir / name, tmp_path / name)
-    modules = [
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {
-            "idx": 1,
-            "name": "1",
-            "path": "1_Pooling",
-            "type": "sentence_transformers.models.Pooling",
-        },
-        {
-            "idx": 2,
-            "name": "2",
-            "path": "2_Normalize",
-            "type": "sentence_transformers.models.Normalize",
-        },
-    ]
-    (tmp_path / "modules.json").write_text(json.dumps(modules))
-    (tmp_path / "1_Pooling").mkdir()
-    mode = f"pooling_mode_{ST_POOLING[family.name]}"
-    (tmp_path / "1_Pooling" / "config.json").write_text(
-        json.dumps({"word_embedding_dimension": 32, mode: True})
-    )
-    (tmp_path / "sentence_bert_config.json").write_text(
-        json.dumps({"max_seq_length": 128, "do_lower_case": False})
-    )
+    write_st_modules(tmp_path, 32, ST_POOLING[family.name], max_seq_length=128)
     texts = [
         "A man is eating food.",
         "The quick brown fox jumps over the lazy dog near the river bank on a sunny day.",

@@ -24,7 +24,13 @@ import transformers
 from safetensors.torch import save_file
 
 import vecpool
-from tests.helpers import assert_rel_close, engine_hidden, hf_last_hidden, random_prompts
+from tests.helpers import (
+    assert_rel_close,
+    engine_hidden,
+    hf_last_hidden,
+    random_prompts,
+    write_st_modules,
+)
 
 # Longer than ModernBERT's local window below (8: 4 positions either side), so it matters.
 LENGTHS = [5, 17, 3, 30, 11]
@@ -163,27 +169,7 @@ def test_modernbert_sentence_transformers_mean_pooling(tmp_path: Path, default_m
     _save(_randomize(transformers.ModernBertModel(cfg), seed=12), tmp_path)
     for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
         shutil.copy(default_model_dir / name, tmp_path / name)
-    modules = [
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {
-            "idx": 1,
-            "name": "1",
-            "path": "1_Pooling",
-            "type": "sentence_transformers.models.Pooling",
-        },
-        {
-            "idx": 2,
-            "name": "2",
-            "path": "2_Normalize",
-            "type": "sentence_transformers.models.Normalize",
-        },
-    ]
-    (tmp_path / "modules.json").write_text(json.dumps(modules))
-    (tmp_path / "1_Pooling").mkdir()
-    (tmp_path / "1_Pooling" / "config.json").write_text(
-        json.dumps({"word_embedding_dimension": 32, "pooling_mode_mean_tokens": True})
-    )
-    (tmp_path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 64}))
+    write_st_modules(tmp_path, 32, "mean_tokens")
     texts = [
         "a short one",
         "the quick brown fox jumps over the lazy dog while the cat sleeps in the warm sun",
@@ -510,26 +496,7 @@ def nomic(tmp_path_factory, default_model_dir) -> tuple[vecpool.Engine, dict[str
     folder = _write_folder(
         tmp_path_factory.mktemp("nomic"), _nomic_config(), weights, default_model_dir
     )
-    modules = [
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {
-            "idx": 1,
-            "name": "1",
-            "path": "1_Pooling",
-            "type": "sentence_transformers.models.Pooling",
-        },
-        {
-            "idx": 2,
-            "name": "2",
-            "path": "2_Normalize",
-            "type": "sentence_transformers.models.Normalize",
-        },
-    ]
-    (folder / "modules.json").write_text(json.dumps(modules))
-    (folder / "1_Pooling").mkdir()
-    (folder / "1_Pooling" / "config.json").write_text(
-        json.dumps({"word_embedding_dimension": NOMIC["hidden"], "pooling_mode_mean_tokens": True})
-    )
+    write_st_modules(folder, NOMIC["hidden"], "mean_tokens", max_seq_length=None)
     prompts = {"query": "search_query: ", "document": "search_document: "}
     (folder / "config_sentence_transformers.json").write_text(
         json.dumps({"prompts": prompts, "default_prompt_name": None})
