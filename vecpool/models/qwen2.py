@@ -9,8 +9,6 @@ from __future__ import annotations
 from typing import Any
 
 from vecpool.models.decoder import (
-    FULL_ATTENTION,
-    SLIDING_ATTENTION,
     DecoderConfig,
     DecoderForCausalLM,
     DecoderForSequenceClassification,
@@ -18,6 +16,7 @@ from vecpool.models.decoder import (
     DecoderModel,
     read_config,
 )
+from vecpool.models.qwen3 import qwen_sliding_layers
 
 # Hugging Face's Qwen2Config defaults, for keys a config.json leaves out.
 _DEFAULTS: dict[str, Any] = {
@@ -32,21 +31,12 @@ class Qwen2Model(DecoderModel):
 
     @classmethod
     def config_from_hf(cls, hf: dict[str, Any]) -> DecoderConfig:
-        # As Qwen3: sliding windows only with use_sliding_window, on the layers from
-        # max_window_layers on (or as layer_types says).
-        window = hf.get("sliding_window", 4096) if hf.get("use_sliding_window") else None
-        layer_types = hf.get("layer_types")
-        if layer_types is None:
-            first_sliding = int(hf.get("max_window_layers", 28))
-            layer_types = [
-                SLIDING_ATTENTION if window is not None and i >= first_sliding else FULL_ATTENTION
-                for i in range(int(hf.get("num_hidden_layers") or 0))
-            ]
+        layer_types, window = qwen_sliding_layers(hf)  # as Qwen3
         return read_config(
             hf,
             defaults=_DEFAULTS,
             layer_types=layer_types,
-            sliding_window=None if window is None else int(window),
+            sliding_window=window,
             qkv_bias=True,
         )
 
