@@ -334,9 +334,9 @@ def _flash_attention(
         if has_gqa:
             extra["enable_gqa"] = True
         else:
-            group = q.shape[1] // k.shape[1]
-            k = k.repeat_interleave(group, dim=1)
-            v = v.repeat_interleave(group, dim=1)
+            return _flash_gqa(
+                q, k, v, meta.cu_seqlens, cu_k, meta.max_seqlen, max_k, scale, left, right
+            )
     out = varlen_attn(
         q,
         k,
@@ -349,6 +349,40 @@ def _flash_attention(
         window_size=(left, right),
         **extra,
     )
+    assert isinstance(out, torch.Tensor)
+    return out
+
+
+def _flash_gqa(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor,  # [num_keys, num_kv_heads, head_dim], num_heads a multiple of num_kv_heads
+    v: torch.Tensor,
+    cu_q: torch.Tensor,  # [num_seqs + 1] int32
+    cu_k: torch.Tensor,  # [num_seqs + 1] int32
+    max_q: int,
+    max_k: int,
+    scale: float,
+    left: int,
+    right: int,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Grouped-query attention without expanding the keys and values, on a torch whose
+    `varlen_attn` takes no `enable_gqa` (2.11): the FlashAttention kernel underneath reads each
+    query head's key/value head itself; `varlen_attn` only refuses unequal head counts."""
+    out = torch.ops.aten._flash_attention_forward(
+        q,
+        k,
+        v,
+        cu_q,
+        cu_k,
+        max_q,
+        max_k,
+        0.0,  # dropout
+        (left, right) == (-1, 0),  # is_causal, derived as varlen_attn derives it
+        False,  # return_debug_mask
+        scale=scale,
+        window_size_left=left,
+        window_size_right=right,
+    )[0]
     assert isinstance(out, torch.Tensor)
     return out
 
