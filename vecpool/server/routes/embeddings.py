@@ -20,6 +20,7 @@ from vecpool.server.protocol import (
     openapi_body,
 )
 from vecpool.server.routes.common import read_json, render, render_vectors, run_call, validate
+from vecpool.server.routes.system import capabilities
 from vecpool.server.state import ServerState, get_state
 
 router = APIRouter()
@@ -85,8 +86,18 @@ async def create_embeddings(request: Request) -> Response:
 
 @answered_as(infinity_error)
 async def infinity_embeddings(request: Request) -> Response:
+    """Infinity's embeddings: only for a model it would embed with (not a reranker or a
+    classifier, whose pooled states are no embedding)."""
     state = get_state(request)
-    return await embeddings(request, await read_json(request, state.config.max_payload_bytes))
+    data = await read_json(request, state.config.max_payload_bytes)
+    if "embed" not in capabilities(state.info):
+        raise ApiError(
+            400,
+            f"model={data.get('model') or state.config.model_name!r} does not support embed: "
+            f"it is for {', '.join(capabilities(state.info)) or 'no Infinity route'}",
+            code="unsupported_by_model",
+        )
+    return await embeddings(request, data)
 
 
 async def embeddings(request: Request, data: dict[str, Any]) -> Response:

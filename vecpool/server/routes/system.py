@@ -64,13 +64,16 @@ async def metrics(request: Request) -> Response:
 
 
 def capabilities(info: EngineInfo) -> list[str]:
-    """What the model serves, in Infinity's words: `embed`, `rerank`, `classify`."""
+    """What the model is for, in Infinity's words (what its routes serve it for): `embed`
+    (an embedding model), `rerank` (a one-score cross-encoder, an LLM or listwise reranker),
+    `classify` (a classifier with several labels)."""
+    reranker = info.score_mode in ("llm", "listwise") or (
+        info.score_mode == "cross_encoder" and info.num_labels == 1
+    )
     out = []
-    if "embed" in info.tasks:
+    if "embed" in info.tasks and not reranker and info.num_labels == 0:
         out.append("embed")
-    if info.score_mode != "embed" and not (
-        info.score_mode == "cross_encoder" and info.num_labels > 1
-    ):
+    if reranker:
         out.append("rerank")
     if "classify" in info.tasks and info.num_labels > 1:
         out.append("classify")
