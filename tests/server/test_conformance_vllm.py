@@ -242,3 +242,10 @@ def test_vllm_cohere_v2_embed_response_fields(tiny_embed_engine: vecpool.Engine)
     assert got["meta"]["tokens"] == {"input_tokens": tokens}
     expected = tiny_embed_engine.embed([TEXT])
     assert np.abs(np.asarray(got["embeddings"]["float"]) - expected).max() <= 1e-6
+
+
+def test_vllm_sagemaker_invocations_take_messages(chat_engine: vecpool.Engine) -> None:
+    # vLLM's /invocations serves a body by its shape: messages are an embedding request here.
+    direct = vector(ask(chat_engine, "/v1/embeddings", {"messages": MESSAGES}))
+    routed = vector(ask(chat_engine, "/invocations", {"messages": MESSAGES}))
+    assert np.array_equal(routed, direct)

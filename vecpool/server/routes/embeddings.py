@@ -16,6 +16,7 @@ from vecpool.server.errors import ApiError, answered_as, infinity_error, input_e
 from vecpool.server.protocol import (
     ChatFields,
     EmbeddingChatRequest,
+    EmbeddingParams,
     EmbeddingRequest,
     openapi_body,
 )
@@ -176,9 +177,7 @@ async def embeddings(request: Request, data: dict[str, Any]) -> Response:
     )
 
 
-def quantization(
-    state: ServerState, body: EmbeddingRequest | EmbeddingChatRequest
-) -> np.ndarray | None:
+def quantization(state: ServerState, body: EmbeddingParams) -> np.ndarray | None:
     """The checked ranges of a quantized call: the body's, else -1 to 1 in every dimension
     (the bounds of a unit vector's components), so that a vector's codes never depend on the
     other inputs of its request; None for float32."""

@@ -48,6 +48,8 @@ from vecpool.server.state import get_state
 router = APIRouter()
 
 
+# Infinity's bodies have no truncation field: the server's --auto-truncate decides.
+INFINITY_TEXT = TextParams.model_validate({})
 RERANK_ERRORS = side_errors({"query": "query", "documents": "documents"}, {"query": False})
 
 
@@ -89,7 +91,7 @@ async def infinity_rerank(request: Request, data: dict[str, Any]) -> Response:
             body.documents,
             body.top_n,
             use_activation=not body.raw_scores,
-            truncate_prompt_tokens=state.truncate(TextParams()),  # Infinity has no such field
+            truncate_prompt_tokens=state.truncate(INFINITY_TEXT),
         )
 
     ranked, timings = await run_call(
@@ -328,7 +330,7 @@ async def infinity_classify(request: Request, data: dict[str, Any]) -> Response:
             state.context,
             texts,
             use_activation=not body.raw_scores,
-            truncate_prompt_tokens=state.truncate(TextParams()),  # Infinity has no such field
+            truncate_prompt_tokens=state.truncate(INFINITY_TEXT),
         )
 
     scores, timings = await run_call(state, request, request.url.path, prepare, len(texts))
