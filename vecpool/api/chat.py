@@ -121,7 +121,9 @@ def _plain_messages(messages: Any) -> list[dict[str, Any]]:
                     )
                 texts.append(str(part.get("text", "")))
             content = "\n".join(texts)
-        elif content is not None and not isinstance(content, str):
+        elif content is None:  # no content is empty text, as transformers and vLLM read it
+            content = ""
+        elif not isinstance(content, str):
             raise InputError(
                 "content must be a string or a list of text parts", index=i, field="messages"
             )
