@@ -36,6 +36,11 @@ class InputError(VecpoolError, ValueError):
         return type(self)(self.reason, index=index, field=self.field)
 
 
+class InputTooLongError(InputError):
+    """An input over a length limit (the model's tokens, or the characters per input): the
+    refusal some APIs answer with their own status (422, 413), and clients match on."""
+
+
 class RequestFailedError(InputError):
     """An input was accepted but failed while the engine ran it (e.g. a task needed token ids)."""
 

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from tokenizers import Encoding, Tokenizer
 
-from vecpool.errors import InputError
+from vecpool.errors import InputError, InputTooLongError
 
 TruncationSide = Literal["left", "right"]
 
@@ -69,6 +69,9 @@ class TextOptions:
     truncate_prompt_tokens: int | None = None  # keep this many tokens; -1: the model's limit
     truncation_side: TruncationSide = "right"  # "right" keeps the start, "left" the end
     prompt: str | None = None  # instruction prefix for text inputs
+    # False: a text becomes its own tokens only, without the tokenizer's special tokens
+    # ([CLS], [SEP], BOS ...): what a text already rendered by a chat template wants.
+    add_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         t = self.truncate_prompt_tokens
@@ -83,6 +86,11 @@ class TextOptions:
             )
         if self.prompt is not None and not isinstance(self.prompt, str):
             raise InputError(f"must be a string, got {type(self.prompt).__name__}", field="prompt")
+        if not isinstance(self.add_special_tokens, bool):
+            raise InputError(
+                f"must be true or false, got {self.add_special_tokens!r}",
+                field="add_special_tokens",
+            )
 
 
 @dataclass(frozen=True)
@@ -100,12 +108,14 @@ class SideFormat:
 def too_long(n: int, limit: int, index: int | None, side: str | None = None) -> InputError:
     """The error of an input over the length limit (of the model, or of a late-interaction
     model's query or document `side`). Its wording carries "maximum context length", the
-    phrase of OpenAI and vLLM that clients match on to truncate and retry."""
+    phrase of OpenAI and vLLM that clients match on to truncate and retry, and vLLM's "Please
+    reduce the length of the input."."""
     what = "input" if side is None else side
     scope = "" if side is None else f" for a {side}"
-    return InputError(
+    return InputTooLongError(
         f"the {what} has {n} tokens, more than the model's maximum context length{scope} of "
-        f"{limit} tokens; pass truncate_prompt_tokens (-1 for the limit) to truncate it",
+        f"{limit} tokens; pass truncate_prompt_tokens (-1 for the limit) to truncate it. "
+        "Please reduce the length of the input.",
         index=index,
     )
 
@@ -139,12 +149,14 @@ class TextTokenizer:
         texts: Sequence[str | tuple[str, str]],
         max_tokens: int | None = None,
         side: TruncationSide = "right",
+        add_special_tokens: bool = True,
     ) -> list[Encoding]:
-        """Encode with special tokens; with `max_tokens`, cut only the texts' own tokens (of a
-        (text, text_pair) pair, the longer text first)."""
+        """Encode with special tokens (unless `add_special_tokens` is false); with
+        `max_tokens`, cut only the texts' own tokens (of a (text, text_pair) pair, the longer
+        text first)."""
         tok = self._for_length(max_tokens, side)
         try:
-            return list(tok.encode_batch(list(texts), add_special_tokens=True))
+            return list(tok.encode_batch(list(texts), add_special_tokens=add_special_tokens))
         except TypeError:  # a text that is not valid Unicode (the tokenizer takes UTF-8)
             for i, text in enumerate(texts):
                 _check_unicode(text, i)
@@ -259,7 +271,7 @@ class InputProcessor:
                     index=i,
                 )
             head = tail = 0
-            if kind == "text" and self.tokenizer is not None:
+            if kind == "text" and self.tokenizer is not None and options.add_special_tokens:
                 head = self.tokenizer.num_leading_special_tokens
                 tail = self.tokenizer.num_trailing_special_tokens
             out.append(split_windows(prompt, max_len, overlap, head, tail))
@@ -330,7 +342,7 @@ class InputProcessor:
         limit = self.limits.max_input_chars
         n = sum(map(len, text)) if isinstance(text, tuple) else len(text)
         if limit is not None and n > limit:
-            raise InputError(
+            raise InputTooLongError(
                 f"the text has {n} characters, more than the limit of {limit} per input "
                 "(checked before tokenizing, whether or not it would be truncated)",
                 index=index,
@@ -360,7 +372,10 @@ class InputProcessor:
             # Not lowered to the limit in silence: the caller asked for more than can run.
             raise InputError(
                 f"truncate_prompt_tokens={t} is more than the model's limit of "
-                f"{self.limits.max_model_len} tokens; pass -1 to truncate to the limit",
+                f"{self.limits.max_model_len} tokens; pass -1 to truncate to the limit "
+                f"(as vLLM words it: truncate_prompt_tokens value ({t}) is greater than "
+                f"max_model_len ({self.limits.max_model_len}). Please, select a smaller "
+                "truncation size.)",
                 field="truncate_prompt_tokens",
             )
         return t
@@ -403,7 +418,9 @@ class InputProcessor:
                 index=pairs[0],
             )
         try:
-            encodings = self.tokenizer.encode_batch(texts, limit, options.truncation_side)
+            encodings = self.tokenizer.encode_batch(
+                texts, limit, options.truncation_side, options.add_special_tokens
+            )
         except InputError as exc:  # indexed within `texts`, or about the whole call
             raise exc.at(indices[exc.index or 0]) from None
         prompts = []

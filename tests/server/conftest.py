@@ -212,3 +212,48 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
     if param is not None:
         assert error["param"] == param, error
     return str(error["message"])
+
+
+# ---- the conformance modules: tiny models served in this process ---------------------------
+
+# A chat template in the common shape (role, content, a closing token per turn), on the BERT
+# tokenizer's own special tokens.
+CHAT_TEMPLATE = (
+    "{{ cls_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} {{ sep_token }}"
+    "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def tiny_embedder(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
+    """A random 2-layer BERT on the MiniLM tokenizer: no chat template, no matryoshka."""
+    from tests.server.asgi import tiny_model_folder
+
+    return tiny_model_folder(tmp_path_factory.mktemp("tiny_embedder"), default_model_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_embed_engine(tiny_embedder: Path) -> vecpool.Engine:
+    return vecpool.Engine(tiny_embedder, device="cpu")
+
+
+@pytest.fixture(scope="session")
+def chat_matryoshka_dir(tmp_path_factory: pytest.TempPathFactory, tiny_embedder: Path) -> Path:
+    """The tiny embedder's weights with a chat template (tokenizer_config.json) and matryoshka
+    dimensions 8 and 16 declared (config.json), as vLLM reads them."""
+    import shutil
+
+    folder = tmp_path_factory.mktemp("chat_matryoshka")
+    for path in tiny_embedder.iterdir():
+        shutil.copy(path, folder / path.name)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "matryoshka_dimensions": [8, 16]}))
+    tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
+    tokenizer_config["chat_template"] = CHAT_TEMPLATE
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def chat_engine(chat_matryoshka_dir: Path) -> vecpool.Engine:
+    return vecpool.Engine(chat_matryoshka_dir, device="cpu")

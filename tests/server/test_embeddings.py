@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import io
 import threading
+import time
 
 import numpy as np
 import openai
@@ -66,10 +67,13 @@ def test_openai_client_default_encoding_and_dimensions(
     client: openai.OpenAI, minilm: vecpool.Engine
 ) -> None:
     # No encoding_format: the client asks for base64 and decodes it itself.
-    response = client.embeddings.create(model=MODEL_NAME, input=TEXTS[0], dimensions=64)
+    response = client.embeddings.create(model=MODEL_NAME, input=TEXTS[0])
     got = np.asarray(response.data[0].embedding, dtype=np.float32)
-    assert np.abs(got - minilm.embed([TEXTS[0]], dimensions=64)[0]).max() <= 1e-6
-    assert got.shape == (64,) and abs(float(np.linalg.norm(got)) - 1) < 1e-5
+    assert np.abs(got - minilm.embed([TEXTS[0]])[0]).max() <= 1e-6
+    assert got.shape == (384,) and abs(float(np.linalg.norm(got)) - 1) < 1e-5
+    # MiniLM declares no matryoshka support: `dimensions` is refused, as OpenAI and vLLM do.
+    with pytest.raises(openai.BadRequestError, match="does not support matryoshka"):
+        client.embeddings.create(model=MODEL_NAME, input=TEXTS[0], dimensions=64)
 
 
 def test_mixed_inputs_in_order_embeds_equal_tokens(server: Server, minilm: vecpool.Engine) -> None:
@@ -201,7 +205,8 @@ def test_models_health_metrics(server: Server) -> None:
     assert models["data"][0]["max_model_len"] == 256
     assert models["data"][0]["tasks"] == ["embed", "token_embed"]
     assert models["data"][0]["score_mode"] == "embed"  # /score and /rerank: cosine
-    assert server.client.get("/health").json() == {"status": "ok"}
+    health = server.client.get("/health").json()
+    assert health["status"] == "ok" and abs(health["unix"] - time.time()) < 60
     before = server.metric("vecpool_http_requests_total", endpoint="/v1/embeddings", status="200")
     response = server.post("/v1/embeddings", {"input": TEXTS})
     for header in ("x-queue-time", "x-tokenization-time", "x-inference-time"):

@@ -74,7 +74,7 @@ def test_a_classifier_with_several_labels_does_not_score(classifier_server: Serv
         ("/v2/rerank", {"query": QUERY, "documents": DOCS}),
     ):
         response = classifier_server.post(path, body)
-        message = assert_error(response, 400)
+        message = assert_error(response, 404)  # vLLM serves these routes for scorers only
         assert response.json()["error"]["param"] is None
         assert "classifier with 2 labels (negative, positive), not a cross-encoder" in message
     # It classifies pairs, every label's probability.
@@ -103,7 +103,9 @@ def test_rerank_usage_activation_and_top_n(
         r["relevance_score"] for r in result["results"]
     ]
     contradiction = {"query": QUERY, "documents": DOCS, "raw_scores": True, "use_activation": True}
-    assert_error(cross_server.post("/rerank", contradiction), 400, "raw_scores")
+    assert_error(cross_server.post("/v1/rerank", contradiction), 400, "raw_scores")
+    # On /rerank, raw_scores marks Infinity's body, which has no use_activation (422 there).
+    assert_error(cross_server.post("/rerank", contradiction), 422, "use_activation")
     top = cross_server.post("/rerank", {"query": QUERY, "documents": DOCS, "top_n": 1})
     assert [r["index"] for r in top.json()["results"]] == [expected[0][0]]
     assert_error(
@@ -247,9 +249,11 @@ def test_every_route_publishes_its_body_schema(server: Server) -> None:
         shapes = schema.get("anyOf", [schema])
         assert all(shape["properties"] for shape in shapes), path
         assert "$ref" not in json.dumps(schema), path
-    body = posts["/v1/embeddings"]["requestBody"]["content"]["application/json"]["schema"]
+    shapes = posts["/v1/embeddings"]["requestBody"]["content"]["application/json"]["schema"]
+    body, chat = shapes["anyOf"]  # input, or vLLM's messages
     assert {"input", "encoding_format", "dimensions", "precision"} <= set(body["properties"])
-    assert body["required"] == ["input"]
+    assert {"add_special_tokens", "add_generation_prompt"} <= set(chat["properties"])
+    assert body["required"] == ["input"] and chat["required"] == ["messages"]
     score = posts["/score"]["requestBody"]["content"]["application/json"]["schema"]["anyOf"]
     assert [sorted(s["required"]) for s in score] == [
         ["text_1", "text_2"],

@@ -71,18 +71,28 @@ def as_input_list(inputs: Any) -> list[Any]:
 
 
 def make_requests(
-    ctx: CallContext, inputs: Any, params: PoolingParams, options: TextOptions | None = None
+    ctx: CallContext,
+    inputs: Any,
+    params: PoolingParams,
+    options: TextOptions | None = None,
+    matryoshka_only: bool = False,
 ) -> list[PromptRequest]:
     """Validate and tokenize `inputs` into requests under `params`; `InputError` on the first
-    bad input or parameter. Safe to call from any thread."""
+    bad input or parameter. Safe to call from any thread. `matryoshka_only`: `dimensions`
+    only for a model whose folder declares matryoshka support (vLLM's and OpenAI's rule)."""
     items = as_input_list(inputs)
     task = get_task(params.task)
     # Parameters belong to the whole call: checked once, before any input is touched.
     task.check_params(params)
     reason = ctx.info.unavailable_tasks.get(task.name)
     if reason is not None:
-        raise InputError(f"this model cannot serve task {task.name!r}: {reason}", field="task")
-    _check_dimensions(ctx.info, params)
+        served = ", ".join(ctx.info.tasks)
+        raise InputError(
+            f"Unsupported task: {task.name!r}: this model cannot serve task {task.name!r}: "
+            f"{reason}. Supported tasks: {served}",
+            field="task",
+        )
+    _check_dimensions(ctx.info, params, matryoshka_only)
     prompts = ctx.inputs.process(items, options or TextOptions(), params.input_type)
     return [PromptRequest(index, prompt, params) for index, prompt in enumerate(prompts)]
 
@@ -106,7 +116,7 @@ def instruction(ctx: CallContext, prompt_name: str | None, prompt: str | None) -
     return info.prompts[name]
 
 
-def _check_dimensions(info: EngineInfo, params: PoolingParams) -> None:
+def _check_dimensions(info: EngineInfo, params: PoolingParams, matryoshka_only: bool) -> None:
     d = params.dimensions
     if d is None:
         return
@@ -114,6 +124,13 @@ def _check_dimensions(info: EngineInfo, params: PoolingParams) -> None:
     if not 1 <= d <= size:
         raise InputError(
             f"dimensions={d} must be between 1 and the model's output size {size}",
+            field="dimensions",
+        )
+    if matryoshka_only and not info.is_matryoshka:
+        raise InputError(
+            f'Model "{info.model_name}" does not support matryoshka representation, changing '
+            "output dimensions will lead to poor results (its config.json declares neither "
+            "is_matryoshka nor matryoshka_dimensions).",
             field="dimensions",
         )
     if info.matryoshka_dimensions is not None and d not in info.matryoshka_dimensions:
@@ -229,8 +246,12 @@ def prepare_encode(
     truncation_side: TruncationSide = "right",
     prompt_name: str | None = None,
     prompt: str | None = None,
+    add_special_tokens: bool = True,
+    matryoshka_only: bool = False,
 ) -> PreparedCall[list[np.ndarray]]:
-    """The requests of `Engine.encode`, and its result: each input's raw output."""
+    """The requests of `Engine.encode`, and its result: each input's raw output.
+    `add_special_tokens=False`: texts become their own tokens only; `matryoshka_only`: see
+    `make_requests`."""
     params = PoolingParams(
         task=task,
         dimensions=dimensions,
@@ -243,8 +264,9 @@ def prepare_encode(
     # A side's own prompt, not the folder's default one, unless the call names one.
     by_side = input_type is not None and prompt is None and prompt_name is None
     prefix = None if by_side else instruction(ctx, prompt_name, prompt)
-    options = TextOptions(truncate_prompt_tokens, truncation_side, prefix)
-    return PreparedCall(make_requests(ctx, inputs, params, options), output_data)
+    options = TextOptions(truncate_prompt_tokens, truncation_side, prefix, add_special_tokens)
+    requests = make_requests(ctx, inputs, params, options, matryoshka_only)
+    return PreparedCall(requests, output_data)
 
 
 def check_quantization(precision: Any, ranges: Any, dim: int) -> np.ndarray | None:
@@ -283,10 +305,11 @@ def prepare_classify(
     use_activation: bool | None = None,
     truncate_prompt_tokens: int | None = None,
     truncation_side: TruncationSide = "right",
+    add_special_tokens: bool = True,
 ) -> PreparedCall[np.ndarray]:
     """The requests of `Engine.classify`, and its result: `[n, num_labels]` float32."""
     params = PoolingParams(task="classify", use_activation=use_activation)
-    options = TextOptions(truncate_prompt_tokens, truncation_side)
+    options = TextOptions(truncate_prompt_tokens, truncation_side, None, add_special_tokens)
     requests = make_requests(ctx, inputs, params, options)
     num_labels = ctx.info.num_labels
 

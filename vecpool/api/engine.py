@@ -337,6 +337,8 @@ class Engine:
             tasks=tuple(sorted(name for name in TASKS if name not in unavailable)),
             unavailable_tasks=unavailable,
             matryoshka_dimensions=self.matryoshka_dimensions,
+            is_matryoshka=self.matryoshka_dimensions is not None
+            or bool(self.folder.hf_config.get("is_matryoshka")),
             enable_prompt_embeds=self.inputs.limits.enable_prompt_embeds,
             max_input_chars=self.inputs.limits.max_input_chars,
             prompts=dict(self.folder.prompts),

@@ -56,6 +56,8 @@ class EngineInfo:
     embed_window_overlap: int = 0  # tokens consecutive windows share
     # A listwise reranker's prompt format and limits (score_mode "listwise"), else None.
     listwise_reranker: ListwiseRerankerConfig | None = None
+    # config.json declares matryoshka support (`is_matryoshka`, or `matryoshka_dimensions`).
+    is_matryoshka: bool = False
 
     @property
     def torch_dtype(self) -> torch.dtype:

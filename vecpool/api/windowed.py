@@ -53,15 +53,21 @@ def prepare_embed_windowed(
     truncation_side: TruncationSide = "right",
     prompt_name: str | None = None,
     prompt: str | None = None,
+    add_special_tokens: bool = True,
+    matryoshka_only: bool = False,
 ) -> PreparedCall[np.ndarray]:
     """The requests of `Engine.embed(..., windowed=True)` and its result, `[n, dim]` float32:
     inputs within the model's limit as `embed` gives them, longer ones windowed.
     `default_normalize` is the model's normalization when the call does not say."""
     params = PoolingParams(task="embed", dimensions=dimensions, normalize=normalize)
     options = TextOptions(
-        truncate_prompt_tokens, truncation_side, calls.instruction(ctx, prompt_name, prompt)
+        truncate_prompt_tokens,
+        truncation_side,
+        calls.instruction(ctx, prompt_name, prompt),
+        add_special_tokens,
     )
-    calls.make_requests(ctx, [], params, options)  # the call's parameters, as any embed call's
+    # The call's parameters, as any embed call's.
+    calls.make_requests(ctx, [], params, options, matryoshka_only)
     raw = PoolingParams(task="embed", normalize=False)  # a window's embedding, to be combined
     requests: list[PromptRequest] = []
     weights: list[np.ndarray | None] = []  # per input: its windows' weights; None: not windowed

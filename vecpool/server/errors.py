@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from typing import Any, TypeVar, cast
 
-from vecpool.errors import InputError
+from vecpool.errors import InputError, InputTooLongError
 
 # InputError fields that are request parameters rather than parts of one input.
 _PARAM_FIELDS = frozenset(
@@ -99,7 +99,13 @@ def input_error(exc: InputError, list_name: str = "input") -> ApiError:
             param += f".{field}"
     else:
         param = field or list_name
-    return ApiError(400, str(exc), param=param, code="invalid_input")
+    return ApiError(400, str(exc), param=param, code=input_code(exc))
+
+
+def input_code(exc: InputError) -> str:
+    """The `code` of an `InputError`'s 400: `input_too_long` for an input over a length limit
+    (which some APIs answer with their own status), else `invalid_input`."""
+    return "input_too_long" if isinstance(exc, InputTooLongError) else "invalid_input"
 
 
 def side_errors(
@@ -117,9 +123,10 @@ def side_errors(
                 param += f"[{exc.index}]"
             if rest:
                 param += f".{rest}"
-            return ApiError(400, f"{param}: {exc.reason}", param=param, code="invalid_input")
+            return ApiError(400, f"{param}: {exc.reason}", param=param, code=input_code(exc))
         if exc.field is None and exc.index is None:
-            return ApiError(400, exc.reason, code="unsupported_by_model")
+            # vLLM serves /score and /rerank only for a model that scores: 404 elsewhere.
+            return ApiError(404, exc.reason, code="unsupported_by_model")
         return input_error(exc)
 
     return to_api_error
@@ -172,6 +179,7 @@ _TEI_BY_CODE = {
     "payload_too_large": (413, "validation"),
     "too_many_inputs": (413, "validation"),
     "invalid_input": (413, "validation"),  # TEI's validation errors (e.g. too long) are 413
+    "input_too_long": (413, "validation"),
     "unsupported_by_model": (424, "backend"),
     "engine_error": (424, "backend"),
     "queue_full": (429, "overloaded"),
@@ -201,6 +209,23 @@ def cohere_error(error: ApiError) -> ApiError:
     if isinstance(error, PeerError):
         return error
     return PeerError(error, error.status, {"id": uuid.uuid4().hex, "message": error.message})
+
+
+def infinity_error(error: ApiError) -> ApiError:
+    """`error` as Infinity answers (FastAPI's): a body it cannot validate, or an input it
+    refuses (too long, an empty list), is a 422; a task the model does not serve a 400
+    "ModelNotDeployedError"; the body keeps the OpenAI shape, as Infinity's own errors do."""
+    if isinstance(error, PeerError) or error.status != 400:
+        return error
+    if error.param == "task" or error.code == "unsupported_by_model":
+        return ApiError(
+            400,
+            f"ModelNotDeployedError: {error.message}",
+            param=error.param,
+            code=error.code,
+            headers=error.headers,
+        )
+    return ApiError(422, error.message, param=error.param, code=error.code, headers=error.headers)
 
 
 Handler = TypeVar("Handler", bound=Callable[..., Awaitable[Any]])

@@ -31,7 +31,6 @@ HEALTH_PATHS = frozenset({"/health", "/ping"})  # /ping: SageMaker's
 # Not sent to anyone (the client is gone); nginx's code for "client closed request".
 STATUS_CLIENT_CLOSED = 499
 _CLOSE = (b"connection", b"close")
-_HEALTHY = b'{"status":"ok"}'
 
 
 def error_response(error: ApiError) -> Response:
@@ -143,7 +142,9 @@ class ServerMiddleware:
         client = self.state.client
         problem = "the engine is not running" if client is None else client.health_problem
         if problem is None:
-            response = Response(_HEALTHY, media_type="application/json")
+            # `unix`: Infinity's answer (the server's clock); the others read the status only.
+            body = b'{"status":"ok","unix":%.6f}' % time.time()
+            response = Response(body, media_type="application/json")
         else:
             response = error_response(ApiError(503, problem, code="unavailable"))
         await response(scope, receive, send)

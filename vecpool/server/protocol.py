@@ -63,10 +63,32 @@ class OutputParams(TextParams):
     normalize: bool | None = None
 
 
-class EmbeddingRequest(OutputParams):
-    """`POST /v1/embeddings`, OpenAI's shape plus vecpool's extensions."""
+class ChatFields(ApiModel):
+    """vLLM's chat-format input: one conversation, rendered to one text by the model's chat
+    template (a folder without one is refused, as vLLM refuses it)."""
 
-    input: Any = Field(..., description=INPUT_DOC)
+    messages: list[dict[str, Any]] = Field(
+        ...,
+        description='[{"role", "content"}], content a string or a list of {"type": "text", '
+        '"text"} parts',
+    )
+    add_generation_prompt: bool = False
+    continue_final_message: bool = Field(False, description="refused when true")
+    chat_template: str | None = Field(
+        None, description="refused: only the model folder's own chat template is run"
+    )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="more variables for the chat template"
+    )
+    # vLLM's default for chat input: the template writes the special tokens itself.
+    add_special_tokens: bool = Field(
+        False, description="also add the tokenizer's special tokens to the rendered text"
+    )
+
+
+class EmbeddingParams(OutputParams):
+    """`POST /v1/embeddings`: everything but the input."""
+
     use_activation: bool | None = Field(
         None, description="vLLM's name of normalize for embeddings (false: raw pooled vectors)"
     )
@@ -88,10 +110,22 @@ class EmbeddingRequest(OutputParams):
     )
 
 
-class PoolingRequest(OutputParams):
-    """`POST /pooling`: any task the engine declares, including per-token outputs."""
+class EmbeddingRequest(EmbeddingParams):
+    """`POST /v1/embeddings`, OpenAI's shape plus vLLM's and vecpool's extensions."""
 
     input: Any = Field(..., description=INPUT_DOC)
+    add_special_tokens: bool = Field(
+        True, description="vLLM's: false: texts become their own tokens only"
+    )
+
+
+class EmbeddingChatRequest(ChatFields, EmbeddingParams):
+    """`POST /v1/embeddings` with vLLM's `messages`: one vector for the conversation."""
+
+
+class PoolingParamsBody(OutputParams):
+    """`POST /pooling`: everything but the input."""
+
     task: str = "embed"
     step_tag_id: int | None = None
     use_activation: bool | None = Field(
@@ -100,6 +134,19 @@ class PoolingRequest(OutputParams):
     exclude_special_tokens: bool | None = Field(
         None, description="sparse: pool over non-special tokens only (needs token ids)"
     )
+
+
+class PoolingRequest(PoolingParamsBody):
+    """`POST /pooling`: any task the engine declares, including per-token outputs."""
+
+    input: Any = Field(..., description=INPUT_DOC)
+    add_special_tokens: bool = Field(
+        True, description="vLLM's: false: texts become their own tokens only"
+    )
+
+
+class PoolingChatRequest(ChatFields, PoolingParamsBody):
+    """`POST /pooling` with vLLM's `messages`."""
 
 
 class TokenizeRequest(ApiModel):
@@ -192,12 +239,46 @@ SCORE_SHAPES: tuple[tuple[type[ScoreParams], str, str], ...] = (
 )
 
 
-class ClassifyRequest(TextParams):
+class ClassifyParams(TextParams):
+    use_activation: bool | None = None
+
+
+class ClassifyRequest(ClassifyParams):
     """`POST /classify`: class probabilities per input (text pairs as
     `{"text": ..., "text_pair": ...}`)."""
 
     input: Any = Field(..., description=INPUT_DOC)
-    use_activation: bool | None = None
+    add_special_tokens: bool = Field(
+        True, description="vLLM's: false: texts become their own tokens only"
+    )
+
+
+class ClassifyChatRequest(ChatFields, ClassifyParams):
+    """`POST /classify` with vLLM's `messages`."""
+
+
+# ---- Infinity -----------------------------------------------------------------------------
+
+
+class InfinityClassifyRequest(ApiModel):
+    """`POST /classify` with `raw_scores`: Infinity's shape, answered as Infinity answers
+    (`data`: per input, every label's `{score, label}`, best first)."""
+
+    model: str | None = None
+    input: str | list[str]
+    raw_scores: bool = Field(False, description="true: logits, not probabilities")
+
+
+class InfinityRerankRequest(ApiModel):
+    """`POST /rerank` with `raw_scores`: Infinity's shape, answered as Infinity answers
+    (`document` a string, only with `return_documents`)."""
+
+    model: str | None = None
+    query: str
+    documents: list[str]
+    return_documents: bool = False
+    raw_scores: bool = False
+    top_n: int | None = Field(None, gt=0, description="how many to return; null: all")
 
 
 # ---- Cohere ----------------------------------------------------------------------------

@@ -104,6 +104,7 @@ async def embed(request: Request, data: dict[str, Any], *, version: int) -> Resp
     meta = {
         "api_version": {"version": str(version)},
         "billed_units": {"input_tokens": timings.prompt_tokens},
+        "tokens": {"input_tokens": timings.prompt_tokens},  # as vLLM's Cohere route counts
     }
     content: dict[str, Any] = {"id": response_id("embed"), "texts": texts, "meta": meta}
     if version == 1 and body.embedding_types is None:

@@ -9,15 +9,61 @@ from fastapi import APIRouter
 from starlette.requests import Request
 from starlette.responses import Response
 
-from vecpool.api import PreparedCall, calls, postprocess, windowed
+from vecpool.api import PreparedCall, calls, chat, postprocess, windowed
 from vecpool.errors import InputError
 from vecpool.server.codec import Item, decode_inputs, parse_inputs
-from vecpool.server.errors import ApiError, input_error
-from vecpool.server.protocol import EmbeddingRequest, openapi_body
+from vecpool.server.errors import ApiError, answered_as, infinity_error, input_error
+from vecpool.server.protocol import (
+    ChatFields,
+    EmbeddingChatRequest,
+    EmbeddingParams,
+    EmbeddingRequest,
+    openapi_body,
+)
 from vecpool.server.routes.common import read_json, render, render_vectors, run_call, validate
+from vecpool.server.routes.system import capabilities
 from vecpool.server.state import ServerState, get_state
 
 router = APIRouter()
+
+# Infinity's path (OpenAI's is /v1/embeddings): its refusals are Infinity's (422 for a body or
+# an input it cannot take), and `dimensions` cuts any model's vectors, as Infinity cuts them.
+INFINITY_EMBEDDINGS = "/embeddings"
+# vLLM's refusal of a chat template sent with the request.
+UNTRUSTED_TEMPLATE = (
+    "Chat template is passed with request, but --trust-request-chat-template is not set. "
+    "Refused request with untrusted chat template."
+)
+
+
+class TextInputs:
+    """The inputs of a body: its `input` items (parsed and counted), or its `messages`
+    (vLLM's chat input: one conversation, rendered to one text when the call is prepared)."""
+
+    def __init__(self, state: ServerState, body: Any):
+        self.state = state
+        self.chat: ChatFields | None = body if isinstance(body, ChatFields) else None
+        if self.chat is not None and self.chat.chat_template is not None:
+            raise ApiError(400, UNTRUSTED_TEMPLATE, param="chat_template")
+        self.items = [] if self.chat is not None else parse_items(state, body.input)
+        self.add_special_tokens: bool = body.add_special_tokens
+
+    def __len__(self) -> int:
+        return 1 if self.chat is not None else len(self.items)
+
+    def decode(self) -> list[Any]:
+        """The inputs for a `prepare_*` call (off the event loop: decoding, rendering)."""
+        if self.chat is None:
+            return decode_inputs(self.items)
+        return [
+            chat.render_chat(
+                self.state.info.tokenizer_file,
+                self.chat.messages,
+                add_generation_prompt=self.chat.add_generation_prompt,
+                continue_final_message=self.chat.continue_final_message,
+                template_kwargs=self.chat.chat_template_kwargs,
+            )
+        ]
 
 
 def parse_items(state: ServerState, value: Any) -> list[Item]:
@@ -30,19 +76,40 @@ def parse_items(state: ServerState, value: Any) -> list[Item]:
     return items
 
 
-@router.post("/v1/embeddings", openapi_extra=openapi_body(EmbeddingRequest))
-@router.post("/embeddings", openapi_extra=openapi_body(EmbeddingRequest))  # TEI's, Infinity's
+@router.post("/v1/embeddings", openapi_extra=openapi_body(EmbeddingRequest, EmbeddingChatRequest))
+@router.post("/embeddings", openapi_extra=openapi_body(EmbeddingRequest))  # Infinity's, TEI's
 async def create_embeddings(request: Request) -> Response:
     state = get_state(request)
+    if request.url.path == INFINITY_EMBEDDINGS:
+        return await infinity_embeddings(request)
     return await embeddings(request, await read_json(request, state.config.max_payload_bytes))
 
 
-async def embeddings(request: Request, data: dict[str, Any]) -> Response:
-    """OpenAI embeddings of a parsed body (also reached through `/invocations`)."""
+@answered_as(infinity_error)
+async def infinity_embeddings(request: Request) -> Response:
+    """Infinity's embeddings: only for a model it would embed with (not a reranker or a
+    classifier, whose pooled states are no embedding)."""
     state = get_state(request)
-    body = validate(EmbeddingRequest, data)
+    data = await read_json(request, state.config.max_payload_bytes)
+    if "embed" not in capabilities(state.info):
+        raise ApiError(
+            400,
+            f"model={data.get('model') or state.config.model_name!r} does not support embed: "
+            f"it is for {', '.join(capabilities(state.info)) or 'no Infinity route'}",
+            code="unsupported_by_model",
+        )
+    return await embeddings(request, data)
+
+
+async def embeddings(request: Request, data: dict[str, Any]) -> Response:
+    """OpenAI embeddings of a parsed body (also reached through `/invocations`); with
+    `messages`, vLLM's embedding of one conversation."""
+    state = get_state(request)
+    body = validate(EmbeddingChatRequest if "messages" in data else EmbeddingRequest, data)
     state.check_model(body.model)
-    items = parse_items(state, body.input)
+    inputs = TextInputs(state, body)
+    # vLLM and OpenAI refuse `dimensions` for a model not trained for it; Infinity cuts any.
+    matryoshka_only = request.url.path != INFINITY_EMBEDDINGS
     ranges = quantization(state, body)
     normalize = body.normalize
     if body.use_activation is not None:
@@ -57,13 +124,15 @@ async def embeddings(request: Request, data: dict[str, Any]) -> Response:
     def prepare() -> PreparedCall[list[np.ndarray]]:
         return calls.prepare_encode(
             state.context,
-            decode_inputs(items),
+            inputs.decode(),
             task="embed",
             dimensions=body.dimensions,
             normalize=normalize,
             truncate_prompt_tokens=state.truncate(body),
             truncation_side=body.truncation_side,
             prompt_name=body.prompt_name,
+            add_special_tokens=inputs.add_special_tokens,
+            matryoshka_only=matryoshka_only,
         )
 
     info = state.info
@@ -72,7 +141,7 @@ async def embeddings(request: Request, data: dict[str, Any]) -> Response:
         def prepare_windowed() -> PreparedCall[np.ndarray]:
             return windowed.prepare_embed_windowed(
                 state.context,
-                decode_inputs(items),
+                inputs.decode(),
                 overlap=info.embed_window_overlap,
                 default_normalize=info.embed_normalize,
                 dimensions=body.dimensions,
@@ -80,14 +149,16 @@ async def embeddings(request: Request, data: dict[str, Any]) -> Response:
                 truncate_prompt_tokens=state.truncate(body),
                 truncation_side=body.truncation_side,
                 prompt_name=body.prompt_name,
+                add_special_tokens=inputs.add_special_tokens,
+                matryoshka_only=matryoshka_only,
             )
 
         array, timings = await run_call(
-            state, request, request.url.path, prepare_windowed, len(items)
+            state, request, request.url.path, prepare_windowed, len(inputs)
         )
         vectors = list(array)
     else:
-        vectors, timings = await run_call(state, request, request.url.path, prepare, len(items))
+        vectors, timings = await run_call(state, request, request.url.path, prepare, len(inputs))
 
     if body.precision != "float32":
         stacked = postprocess.quantize(np.stack(vectors), body.precision, ranges)
@@ -106,7 +177,7 @@ async def embeddings(request: Request, data: dict[str, Any]) -> Response:
     )
 
 
-def quantization(state: ServerState, body: EmbeddingRequest) -> np.ndarray | None:
+def quantization(state: ServerState, body: EmbeddingParams) -> np.ndarray | None:
     """The checked ranges of a quantized call: the body's, else -1 to 1 in every dimension
     (the bounds of a unit vector's components), so that a vector's codes never depend on the
     other inputs of its request; None for float32."""

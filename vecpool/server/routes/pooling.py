@@ -11,16 +11,15 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from vecpool.api import PreparedCall, calls
-from vecpool.server.codec import decode_inputs
-from vecpool.server.protocol import PoolingRequest, openapi_body
+from vecpool.server.protocol import PoolingChatRequest, PoolingRequest, openapi_body
 from vecpool.server.routes.common import read_json, render, render_vectors, run_call, validate
-from vecpool.server.routes.embeddings import parse_items
+from vecpool.server.routes.embeddings import TextInputs
 from vecpool.server.state import get_state
 
 router = APIRouter()
 
 
-@router.post("/pooling", openapi_extra=openapi_body(PoolingRequest))
+@router.post("/pooling", openapi_extra=openapi_body(PoolingRequest, PoolingChatRequest))
 async def create_pooling(request: Request) -> Response:
     state = get_state(request)
     return await pooling(request, await read_json(request, state.config.max_payload_bytes))
@@ -29,14 +28,14 @@ async def create_pooling(request: Request) -> Response:
 async def pooling(request: Request, data: dict[str, Any]) -> Response:
     """Any task's raw output for a parsed body (also reached through `/invocations`)."""
     state = get_state(request)
-    body = validate(PoolingRequest, data)
+    body = validate(PoolingChatRequest if "messages" in data else PoolingRequest, data)
     state.check_model(body.model)
-    items = parse_items(state, body.input)
+    inputs = TextInputs(state, body)
 
     def prepare() -> PreparedCall[list[np.ndarray]]:
         return calls.prepare_encode(
             state.context,
-            decode_inputs(items),
+            inputs.decode(),
             task=body.task,
             dimensions=body.dimensions,
             normalize=body.normalize,
@@ -46,9 +45,11 @@ async def pooling(request: Request, data: dict[str, Any]) -> Response:
             truncate_prompt_tokens=state.truncate(body),
             truncation_side=body.truncation_side,
             prompt_name=body.prompt_name,
+            add_special_tokens=inputs.add_special_tokens,
+            matryoshka_only=True,  # vLLM's rule for `dimensions`
         )
 
-    vectors, timings = await run_call(state, request, "/pooling", prepare, len(items))
+    vectors, timings = await run_call(state, request, "/pooling", prepare, len(inputs))
     return await render(
         vectors,
         lambda: render_vectors(

@@ -18,6 +18,7 @@ from vecpool.server.protocol import (
     SCORE_SHAPES,
     ClassifyRequest,
     CohereEmbedRequest,
+    EmbeddingChatRequest,
     EmbeddingRequest,
     PoolingRequest,
     RerankRequest,
@@ -39,6 +40,7 @@ router = APIRouter()
 _SCORE_KEYS = frozenset(name for _, first, second in SCORE_SHAPES for name in (first, second))
 _SHAPES = openapi_body(
     EmbeddingRequest,
+    EmbeddingChatRequest,
     PoolingRequest,
     ClassifyRequest,
     RerankRequest,
@@ -64,7 +66,7 @@ async def invocations(request: Request) -> Response:
         return await score(request, data)
     if "texts" in keys:
         return await cohere_embed(request, data, version=2)
-    if "input" in keys:
+    if "input" in keys or "messages" in keys:  # messages: vLLM's chat input
         if "task" in keys:
             return await pooling(request, data)
         if "classify" in state.info.tasks:
@@ -75,7 +77,7 @@ async def invocations(request: Request) -> Response:
     raise ApiError(
         400,
         "the body's shape names no API: expected inputs (Text Embeddings Inference), input "
-        "(embeddings, classify, pooling), query with documents or texts (rerank), text_1 / "
+        "or messages (embeddings, classify, pooling), query with documents or texts (rerank), text_1 / "
         "text_2, data_1 / data_2 or queries (score), or texts (Cohere embed)",
         code="unknown_body_shape",
     )

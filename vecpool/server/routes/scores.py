@@ -20,14 +20,17 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from vecpool.api import PreparedCall, calls
-from vecpool.server.codec import decode_inputs
-from vecpool.server.errors import ApiError, side_errors
+from vecpool.server.errors import ApiError, answered_as, infinity_error, side_errors
 from vecpool.server.protocol import (
     SCORE_SHAPES,
+    ClassifyChatRequest,
     ClassifyRequest,
+    InfinityClassifyRequest,
+    InfinityRerankRequest,
     RerankRequest,
     ScoreParams,
     TeiRerankRequest,
+    TextParams,
     openapi_body,
 )
 from vecpool.server.routes import tei as tei_routes
@@ -39,16 +42,20 @@ from vecpool.server.routes.common import (
     run_call,
     validate,
 )
-from vecpool.server.routes.embeddings import parse_items
+from vecpool.server.routes.embeddings import TextInputs
 from vecpool.server.state import get_state
 
 router = APIRouter()
 
 
+# Infinity's bodies have no truncation field: the server's --auto-truncate decides.
+INFINITY_TEXT = TextParams.model_validate({})
 RERANK_ERRORS = side_errors({"query": "query", "documents": "documents"}, {"query": False})
 
 
-@router.post("/rerank", openapi_extra=openapi_body(RerankRequest, TeiRerankRequest))
+@router.post(
+    "/rerank", openapi_extra=openapi_body(RerankRequest, TeiRerankRequest, InfinityRerankRequest)
+)
 @router.post("/v1/rerank", openapi_extra=openapi_body(RerankRequest))
 @router.post("/v2/rerank", openapi_extra=openapi_body(RerankRequest))
 async def create_rerank(request: Request) -> Response:
@@ -59,10 +66,54 @@ async def create_rerank(request: Request) -> Response:
 
 
 async def rerank_any(request: Request, data: dict[str, Any]) -> Response:
-    """A rerank body of either shape: `texts` (TEI) or `documents` (the others)."""
+    """A rerank body of any shape: `texts` (TEI), `raw_scores` on `/rerank` (Infinity, whose
+    client always sends it), else `documents` (Cohere, Jina, vLLM)."""
     if "texts" in data and "documents" not in data:
         return await tei_routes.rerank(request, data)
+    if "raw_scores" in data and request.url.path == "/rerank":
+        return await infinity_rerank(request, data)
     return await rerank(request, data)
+
+
+@answered_as(infinity_error)
+async def infinity_rerank(request: Request, data: dict[str, Any]) -> Response:
+    """Infinity's rerank: `top_n` above 0, documents strings, `document` a string in the
+    answer (with `return_documents`), refusals as Infinity's (422 for what it cannot take)."""
+    state = get_state(request)
+    body = validate(InfinityRerankRequest, data)
+    state.check_model(body.model)
+    state.check_count(len(body.documents), "documents")
+
+    def prepare() -> PreparedCall[list[tuple[int, float]]]:
+        return calls.prepare_rerank(
+            state.context,
+            body.query,
+            body.documents,
+            body.top_n,
+            use_activation=not body.raw_scores,
+            truncate_prompt_tokens=state.truncate(INFINITY_TEXT),
+        )
+
+    ranked, timings = await run_call(
+        state, request, request.url.path, prepare, len(body.documents) + 1, RERANK_ERRORS
+    )
+    results = [
+        {
+            "relevance_score": score,
+            "index": index,
+            "document": body.documents[index] if body.return_documents else None,
+        }
+        for index, score in ranked
+    ]
+    content = {
+        "object": "rerank",
+        "results": results,
+        "model": body.model or state.config.model_name,
+        "usage": timings.usage(),
+        "id": response_id("infinity"),
+        "created": int(time.time()),
+    }
+    return json_response(dumps(content), timings.headers())
 
 
 async def rerank(request: Request, data: dict[str, Any]) -> Response:
@@ -198,29 +249,36 @@ async def score(request: Request, data: dict[str, Any]) -> Response:
     return json_response(dumps(content), timings.headers())
 
 
-@router.post("/classify", openapi_extra=openapi_body(ClassifyRequest))
+@router.post(
+    "/classify",
+    openapi_extra=openapi_body(ClassifyRequest, ClassifyChatRequest, InfinityClassifyRequest),
+)
 async def create_classify(request: Request) -> Response:
-    """Class probabilities (raw logits with use_activation=false) per input."""
+    """Class probabilities (raw logits with use_activation=false) per input. A body with
+    `raw_scores` is Infinity's and gets its answer."""
     state = get_state(request)
     return await classify(request, await read_json(request, state.config.max_payload_bytes))
 
 
 async def classify(request: Request, data: dict[str, Any]) -> Response:
+    if "raw_scores" in data:
+        return await infinity_classify(request, data)
     state = get_state(request)
-    body = validate(ClassifyRequest, data)
+    body = validate(ClassifyChatRequest if "messages" in data else ClassifyRequest, data)
     state.check_model(body.model)
-    items = parse_items(state, body.input)
+    inputs = TextInputs(state, body)
 
     def prepare() -> PreparedCall[np.ndarray]:
         return calls.prepare_classify(
             state.context,
-            decode_inputs(items),
+            inputs.decode(),
             use_activation=body.use_activation,
             truncate_prompt_tokens=state.truncate(body),
             truncation_side=body.truncation_side,
+            add_special_tokens=inputs.add_special_tokens,
         )
 
-    probs, timings = await run_call(state, request, request.url.path, prepare, len(items))
+    probs, timings = await run_call(state, request, request.url.path, prepare, len(inputs))
     rendered = await asyncio.to_thread(_classes, probs, state.info.id2label)
     content = {
         "id": response_id("classify"),
@@ -247,3 +305,46 @@ def _classes(probs: np.ndarray, id2label: dict[int, str]) -> list[dict[str, Any]
             }
         )
     return data
+
+
+@answered_as(infinity_error)
+async def infinity_classify(request: Request, data: dict[str, Any]) -> Response:
+    """Infinity's classify: per input, every label's `{score, label}`, best first; a
+    reranker (a one-label cross-encoder) does not classify, as Infinity's reranker does not."""
+    state = get_state(request)
+    body = validate(InfinityClassifyRequest, data)
+    state.check_model(body.model)
+    texts = [body.input] if isinstance(body.input, str) else body.input
+    state.check_count(len(texts))
+    info = state.info
+    if info.score_mode == "cross_encoder" and info.num_labels == 1:
+        raise ApiError(
+            400,
+            f"model={body.model or state.config.model_name!r} does not support classify: it "
+            "is a reranker (one relevance score); rerank with it",
+            code="unsupported_by_model",
+        )
+
+    def prepare() -> PreparedCall[np.ndarray]:
+        return calls.prepare_classify(
+            state.context,
+            texts,
+            use_activation=not body.raw_scores,
+            truncate_prompt_tokens=state.truncate(INFINITY_TEXT),
+        )
+
+    scores, timings = await run_call(state, request, request.url.path, prepare, len(texts))
+    labels = [info.id2label.get(i, f"LABEL_{i}") for i in range(scores.shape[1])]
+    data_out = [
+        [{"score": float(row[j]), "label": labels[j]} for j in np.argsort(-row, kind="stable")]
+        for row in scores
+    ]
+    content = {
+        "object": "classify",
+        "data": data_out,
+        "model": body.model or state.config.model_name,
+        "usage": timings.usage(),
+        "id": response_id("infinity"),
+        "created": int(time.time()),
+    }
+    return json_response(dumps(content), timings.headers())

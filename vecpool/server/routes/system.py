@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import time
+
 from fastapi import APIRouter
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import Response
 
+from vecpool.api import EngineInfo
 from vecpool.server.routes.common import dumps, json_response
 from vecpool.server.state import get_state
 
@@ -18,6 +21,15 @@ router = APIRouter()
 async def list_models(request: Request) -> Response:
     state = get_state(request)
     info = state.info
+    client = state.client
+    queued = 0 if client is None else client.num_queued
+    max_queued = 0 if client is None else client.max_queued
+    stats = {
+        "queue_fraction": queued / max_queued if max_queued else 0.0,
+        "queue_absolute": queued,
+        "results_pending": queued,  # inputs queued or running: none waits once it is done
+        "batch_size": info.max_num_seqs,
+    }
     models = [
         {
             "id": name,
@@ -29,6 +41,10 @@ async def list_models(request: Request) -> Response:
             "output_dim": info.output_dim,
             "tasks": list(info.tasks),
             "score_mode": info.score_mode,  # how /score and /rerank compare texts
+            # Infinity's fields: its clients read the queue and what the model can do.
+            "stats": stats,
+            "backend": "vecpool",
+            "capabilities": capabilities(info),
         }
         for name in state.config.model_names
     ]
@@ -39,9 +55,26 @@ async def list_models(request: Request) -> Response:
 async def health(request: Request) -> Response:
     """200 while every engine runs, 503 otherwise (naming the engine processes gone)."""
     get_state(request).check_health()
-    return json_response(dumps({"status": "ok"}))
+    return json_response(dumps({"status": "ok", "unix": time.time()}))
 
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
     return Response(get_state(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+def capabilities(info: EngineInfo) -> list[str]:
+    """What the model is for, in Infinity's words (what its routes serve it for): `embed`
+    (an embedding model), `rerank` (a one-score cross-encoder, an LLM or listwise reranker),
+    `classify` (a classifier with several labels)."""
+    reranker = info.score_mode in ("llm", "listwise") or (
+        info.score_mode == "cross_encoder" and info.num_labels == 1
+    )
+    out = []
+    if "embed" in info.tasks and not reranker and info.num_labels == 0:
+        out.append("embed")
+    if reranker:
+        out.append("rerank")
+    if "classify" in info.tasks and info.num_labels > 1:
+        out.append("classify")
+    return out
