@@ -37,6 +37,7 @@ from vecpool.models.base import Capability
 from vecpool.models.folder import ModelFolder
 from vecpool.models.hf import hf_get
 from vecpool.models.loader import load_model
+from vecpool.models.quant import check_quantization, quantize_model
 from vecpool.models.st import load_dense_stack
 from vecpool.pooling.build import PoolingDefaults, build_heads
 from vecpool.runner.compiled import compile_by_default
@@ -124,6 +125,7 @@ class Engine:
         embed_window_overlap: int | None = None,
         data_parallel_size: int = 1,
         model_impl: str = "auto",
+        quantization: str | None = None,
     ):
         self.args = args = EngineArgs(
             model,
@@ -145,6 +147,7 @@ class Engine:
             embed_window_overlap=embed_window_overlap,
             data_parallel_size=data_parallel_size,
             model_impl=model_impl,
+            quantization=quantization,
         )
         if data_parallel_size > 1:
             raise ConfigError(
@@ -158,7 +161,15 @@ class Engine:
         self.dtype = resolve_dtype(
             dtype, self.device, hf_get(self.folder.hf_config, "dtype", "torch_dtype")
         )
+        check_quantization(quantization, self.device)
         self.model = load_model(self.folder, self.device, self.dtype, model_impl)
+        if quantization is not None:
+            if not self.model.step_optimizations:
+                raise ConfigError(
+                    f"quantization={quantization!r} quantizes vecpool's own model classes; "
+                    f"{self.folder.architecture} runs through transformers"
+                )
+            quantize_model(self.model, quantization, self.device)
         self.tokenizer = (
             TextTokenizer(self.folder.tokenizer_file) if self.folder.tokenizer_file else None
         )
@@ -292,6 +303,7 @@ class Engine:
             embed_window_overlap=args.embed_window_overlap,
             data_parallel_size=args.data_parallel_size,
             model_impl=args.model_impl,
+            quantization=args.quantization,
         )
 
     def _max_model_len(self, asked: int | None) -> int:
