@@ -90,7 +90,7 @@ def rounds(fn: Callable[[], object], n: int, iters: int) -> dict[str, Any]:
 
 
 def check_kernels(report: dict[str, Any]) -> None:
-    from vecpool.models import fp8_kernels as k
+    from vecpool.models import fp8_kernels  # noqa: F401 - the ops' CUDA kernels
     from vecpool.models.quant import dequantize_rows, quantize_rows
 
     out: dict[str, Any] = {}
@@ -104,9 +104,9 @@ def check_kernels(report: dict[str, Any]) -> None:
         norm32 = F.rms_norm(x.float(), (cols,), w.float(), 1e-6)
         gate, up = gu.float().chunk(2, dim=-1)
         cases = {
-            "quant_rows": (k.quant_rows(x), x.float()),
-            "rms_norm_rows": (k.rms_norm_rows(x, w, 1e-6, False), norm32),
-            "silu_mul_rows": (k.silu_mul_rows(gu), F.silu(gate) * up),
+            "quant_rows": (torch.ops.vecpool.fp8_quant_rows(x), x.float()),
+            "rms_norm_rows": (torch.ops.vecpool.fp8_rms_norm(x, w, 1e-6, False), norm32),
+            "silu_mul_rows": (torch.ops.vecpool.fp8_silu_mul(gu), F.silu(gate) * up),
         }
         for name, ((data, scale), ref32) in cases.items():
             ref = quantize_rows(ref32)
@@ -163,7 +163,7 @@ def bench_projection(
     m: int, kdim: int, ndim: int, producer: str | None, n_rounds: int, iters: int
 ) -> dict[str, Any]:
     """Timings of one `[m, kdim] x [kdim, ndim]` projection, bf16 and FP8 (see the docstring)."""
-    from vecpool.models import fp8_kernels as k
+    from vecpool.models import fp8_kernels  # noqa: F401 - the ops' CUDA kernels
     from vecpool.models.quant import Fp8Linear, quantize_rows
 
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -179,7 +179,9 @@ def bench_projection(
     row: dict[str, Any] = {
         "bf16": rounds(lambda: F.linear(x, w), n_rounds, iters),
         "fp8_mm_only": rounds(lambda: scaled(pre.data, pre.scale), n_rounds, iters),
-        "fp8_kernel_quant": rounds(lambda: scaled(*k.quant_rows(x)), n_rounds, iters),
+        "fp8_kernel_quant": rounds(
+            lambda: scaled(*torch.ops.vecpool.fp8_quant_rows(x)), n_rounds, iters
+        ),
         "fp8_torch_quant": rounds(lambda: scaled(*quantize_rows(x)), n_rounds, iters),
     }
     if producer == "rms_norm":
@@ -188,7 +190,7 @@ def bench_projection(
             lambda: F.linear(F.rms_norm(x, (kdim,), nw, 1e-6), w), n_rounds, iters
         )
         row["fp8_fused_producer"] = rounds(
-            lambda: scaled(*k.rms_norm_rows(x, nw, 1e-6, False)), n_rounds, iters
+            lambda: scaled(*torch.ops.vecpool.fp8_rms_norm(x, nw, 1e-6, False)), n_rounds, iters
         )
     elif producer == "silu_mul":
         gu = torch.randn(m, 2 * kdim, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -198,7 +200,9 @@ def bench_projection(
             return F.linear(F.silu(g) * u, w)
 
         row["bf16_with_producer"] = rounds(bf16_silu, n_rounds, iters)
-        row["fp8_fused_producer"] = rounds(lambda: scaled(*k.silu_mul_rows(gu)), n_rounds, iters)
+        row["fp8_fused_producer"] = rounds(
+            lambda: scaled(*torch.ops.vecpool.fp8_silu_mul(gu)), n_rounds, iters
+        )
     base = row["bf16"]["median_ms"]
     for name in ("mm_only", "kernel_quant", "torch_quant"):
         row[f"speedup_{name}"] = base / row[f"fp8_{name}"]["median_ms"]

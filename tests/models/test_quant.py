@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 import vecpool
 from tests.helpers import engine_hidden, hf_last_hidden, random_prompts, save_hf_model
 from vecpool.errors import ConfigError, ModelLoadError
+from vecpool.models import quant
 from vecpool.models.layers import FusedProjections
 from vecpool.models.quant import (
     FP8_DTYPE,
@@ -269,3 +270,38 @@ def test_fp8_checkpoint_missing_scale_is_named(qwen3: tuple[Path, Any], tmp_path
     )
     with pytest.raises(ModelLoadError, match=r"layers\.1\.mlp\.up_proj\.weight"):
         vecpool.Engine(tmp_path / "fp8", device="cpu")
+
+
+def test_fp8_ops_path_equals_the_reference_and_compiles_whole(
+    qwen3: tuple[Path, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The path CUDA takes (rows quantized by the `vecpool::fp8_*` ops, here their CPU
+    kernels) gives the bits of the plain torch path on a float32 model, and each fused module
+    traces as one graph with a dynamic token count."""
+    import vecpool.models.fp8_ops  # the ops, with their CPU kernels (the reference math)
+
+    monkeypatch.setattr(vecpool.api.engine, "check_quantization", lambda m, d: None)
+    prompts = random_prompts(VOCAB, LENGTHS)
+    plain = vecpool.Engine(qwen3[0], device="cpu", quantization="fp8")
+    monkeypatch.setattr(quant, "fused_fp8_ops", lambda device: True)
+    ops = vecpool.Engine(qwen3[0], device="cpu", quantization="fp8")
+    layer = ops.model.layers[0]
+    assert layer.mlp.fused_silu and layer.self_attn.qkv_proj.linear.kernels
+    assert not plain.model.layers[0].mlp.fused_silu
+    for got, want in zip(engine_hidden(ops, prompts), engine_hidden(plain, prompts), strict=True):
+        assert np.array_equal(got, want)
+    for module in (layer.mlp, layer.self_attn.qkv_proj, layer.self_attn.o_proj):
+        compiled = torch.compile(module, backend="aot_eager", dynamic=True, fullgraph=True)
+        for n in (5, 11):
+            x = torch.randn(n, module_in(module))
+            eager, traced = module(x), compiled(x)
+            for a, b in zip(
+                eager if isinstance(eager, tuple) else (eager,),
+                traced if isinstance(traced, tuple) else (traced,),
+                strict=True,
+            ):
+                assert torch.equal(a, b)
+
+
+def module_in(module: torch.nn.Module) -> int:
+    return next(m for m in module.modules() if isinstance(m, Fp8Linear)).in_features

@@ -8,8 +8,8 @@ straight away. Two kernels also compute the row first: an RMSNorm (the input of 
 gate/up in a pre-norm decoder) and SiLU(gate) * up (the input of down).
 
 Imported only on CUDA, when the model runs FP8 (`vecpool.models.quant`): this module imports
-Triton at the top. Each kernel is a `torch.library` custom op, so compiled layer stacks and
-CUDA graphs call it as one opaque step. The same math in torch is `quant.fp8_rows_reference`.
+Triton at the top. Each kernel is the CUDA kernel of one of `fp8_ops`'s custom ops, whose CPU
+kernel is the same math in torch.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from vecpool.models import fp8_ops
 from vecpool.models.quant import FP8_DTYPE, FP8_MAX, MIN_AMAX
 
 # Kernels read module constants only as constexprs.
@@ -89,16 +90,8 @@ def _outputs(rows: int, cols: int, like: torch.Tensor) -> tuple[torch.Tensor, to
     return q, scale
 
 
-def _fake_outputs(rows: int, cols: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return (
-        like.new_empty((rows, cols), dtype=FP8_DTYPE),
-        like.new_empty((rows, 1), dtype=torch.float32),
-    )
-
-
-@torch.library.custom_op("vecpool::fp8_quant_rows", mutates_args=())
+@fp8_ops.quant_rows.register_kernel("cuda")
 def quant_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`[M, K]` rows -> (`[M, K]` FP8, `[M, 1]` float32 scales), per-row amax / 448."""
     x = x if x.stride(-1) == 1 else x.contiguous()
     rows, cols = x.shape
     q, scale = _outputs(rows, cols, x)
@@ -110,16 +103,10 @@ def quant_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-@quant_rows.register_fake
-def _(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return _fake_outputs(x.shape[0], x.shape[1], x)
-
-
-@torch.library.custom_op("vecpool::fp8_rms_norm", mutates_args=())
+@fp8_ops.rms_norm_rows.register_kernel("cuda")
 def rms_norm_rows(
     x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm of `[M, K]` rows (float32 inside), emitted as FP8 rows and their scales."""
     x = x if x.stride(-1) == 1 else x.contiguous()
     rows, cols = x.shape
     q, scale = _outputs(rows, cols, x)
@@ -141,16 +128,8 @@ def rms_norm_rows(
     return q, scale
 
 
-@rms_norm_rows.register_fake
-def _(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return _fake_outputs(x.shape[0], x.shape[1], x)
-
-
-@torch.library.custom_op("vecpool::fp8_silu_mul", mutates_args=())
+@fp8_ops.silu_mul_rows.register_kernel("cuda")
 def silu_mul_rows(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`[M, 2I]` (gate | up) -> SiLU(gate) * up (float32 inside) as `[M, I]` FP8 and scales."""
     gate_up = gate_up if gate_up.stride(-1) == 1 else gate_up.contiguous()
     rows, cols = gate_up.shape[0], gate_up.shape[1] // 2
     q, scale = _outputs(rows, cols, gate_up)
@@ -160,8 +139,3 @@ def silu_mul_rows(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             gate_up, q, scale, cols, gate_up.stride(0), q.stride(0), BLOCK=block, num_warps=warps
         )
     return q, scale
-
-
-@silu_mul_rows.register_fake
-def _(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return _fake_outputs(gate_up.shape[0], gate_up.shape[1] // 2, gate_up)

@@ -16,8 +16,6 @@ accumulation), then scales.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from functools import cache
-from types import ModuleType
 from typing import NamedTuple
 
 import torch
@@ -83,11 +81,13 @@ def quantize_rows(x: torch.Tensor, dtype: torch.dtype = FP8_DTYPE) -> QuantizedR
     FP8 kernels follow, and the int8 path itself."""
     limit = INT8_MAX if dtype == torch.int8 else FP8_MAX
     x32 = x.float()
-    scale = x32.abs().amax(dim=-1, keepdim=True).clamp(min=MIN_AMAX) / limit  # [M, 1]
+    # The largest magnitude of each row, in one pass (no |x| copy).
+    amax = torch.linalg.vector_norm(x32, ord=float("inf"), dim=-1, keepdim=True)
+    scale = amax.clamp_(min=MIN_AMAX) / limit  # [M, 1]
     scaled = x32 / scale
     if dtype == torch.int8:
-        scaled = scaled.round()
-    return QuantizedRows(scaled.clamp(-limit, limit).to(dtype), scale)
+        scaled = scaled.round_()
+    return QuantizedRows(scaled.clamp_(-limit, limit).to(dtype), scale)
 
 
 def dequantize_rows(rows: QuantizedRows) -> torch.Tensor:
@@ -95,20 +95,23 @@ def dequantize_rows(rows: QuantizedRows) -> torch.Tensor:
     return rows.data.float() * rows.scale
 
 
-@cache
-def fp8_kernels() -> ModuleType | None:
-    """The Triton FP8 kernels, or None where Triton is not installed (imported on first use)."""
+def fused_fp8_ops(device: torch.device) -> bool:
+    """Whether FP8 rows are quantized by the one-pass Triton kernels on `device` (CUDA with
+    FP8, Triton installed); they are the CUDA kernels of `fp8_ops`'s custom ops."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < FP8_MIN_CAPABILITY:
+        return False
     try:
-        from vecpool.models import fp8_kernels as kernels
+        import vecpool.models.fp8_kernels  # noqa: F401 - registers the CUDA kernels
     except ImportError:
-        return None
-    return kernels
+        return False
+    return True
 
 
+# With `kernels`, rows go through the custom ops of `fp8_ops` (`finish_fp8` imports them), which
+# torch.compile traces as single steps.
 def _fp8_rows(x: torch.Tensor, kernels: bool) -> QuantizedRows:
-    module = fp8_kernels() if kernels else None
-    if module is not None:
-        return QuantizedRows(*module.quant_rows(x))
+    if kernels:
+        return QuantizedRows(*torch.ops.vecpool.fp8_quant_rows(x))
     return quantize_rows(x, FP8_DTYPE)
 
 
@@ -257,10 +260,9 @@ class Fp8NormLinear(nn.Module):
         self.linear = linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        kernels = fp8_kernels() if self.linear.kernels else None
-        if kernels is not None:
+        if self.linear.kernels:
             n = self.norm
-            rows = QuantizedRows(*kernels.rms_norm_rows(x, n.weight, n.eps, n.unit_offset))
+            rows = QuantizedRows(*torch.ops.vecpool.fp8_rms_norm(x, n.weight, n.eps, n.unit_offset))
         else:
             rows = quantize_rows(self.norm(x), FP8_DTYPE)
         return self.linear(rows)
@@ -282,13 +284,13 @@ class Fp8GatedMLP(nn.Module):
         self.gate_up_proj: nn.Module = gate_up if norm is None else Fp8NormLinear(norm, gate_up)
         self.down_proj = down
         self.act = act
-        self.kernels = gate_up.kernels
+        # SiLU * up in the kernel that quantizes its rows
+        self.fused_silu = gate_up.kernels and act is F.silu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        kernels = fp8_kernels() if self.kernels and self.act is F.silu else None
-        if kernels is not None:
-            return self.down_proj(QuantizedRows(*kernels.silu_mul_rows(gate_up)))
+        if self.fused_silu:
+            return self.down_proj(QuantizedRows(*torch.ops.vecpool.fp8_silu_mul(gate_up)))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
@@ -365,7 +367,9 @@ def finish_fp8(model: nn.Module, device: torch.device) -> None:
     capable = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (
         FP8_MIN_CAPABILITY
     )
-    kernels = capable and fp8_kernels() is not None
+    kernels = fused_fp8_ops(device)
+    if kernels:
+        import vecpool.models.fp8_ops  # noqa: F401 - registers the ops
     for module in model.modules():
         if isinstance(module, Fp8Linear):
             module.finish_scales()
