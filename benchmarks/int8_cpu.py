@@ -89,6 +89,8 @@ def bench_engine(args: argparse.Namespace) -> dict[str, Any]:
 
     folder = default_model_path()
     tokenizer = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
     workloads = {
         "queries": make_inputs(tokenizer, workload_lengths("queries", args.queries))[1],
         "passages": make_inputs(tokenizer, workload_lengths("passages", args.passages))[1],

@@ -9,6 +9,7 @@ benchmarks/fp8_check.py.
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 from typing import Any
@@ -196,6 +197,16 @@ def test_fp8_refused_without_an_fp8_device(qwen3: tuple[Path, Any]) -> None:
         vecpool.Engine(qwen3[0], device="cpu", quantization="fp8")
     with pytest.raises(ConfigError, match="quantization 'int4'"):
         vecpool.Engine(qwen3[0], device="cpu", quantization="int4")
+
+
+def test_quantization_flag() -> None:
+    parser = argparse.ArgumentParser()
+    vecpool.EngineArgs.add_cli_args(parser)
+    args = vecpool.EngineArgs.from_cli_args(parser.parse_args(["--quantization", "int8"]))
+    assert args.quantization == "int8"
+    assert vecpool.EngineArgs.from_cli_args(parser.parse_args([])).quantization is None
+    with pytest.raises(ConfigError, match="quantization 'int4' is not one of"):
+        vecpool.EngineArgs(quantization="int4")
 
 
 def _compressed_tensors(folder: Path, dest: Path, strategy: str, drop: str | None = None) -> Any:

@@ -101,6 +101,10 @@ class Engine:
     `model_impl` "auto" runs the folder's native vecpool class, else (slower, prompts whole,
     neither compiled nor graphed) the `transformers` class its config names; "vecpool" refuses
     an architecture with no native class; "transformers" always takes the fallback.
+    `quantization` quantizes the linear projections of the model's layers once loaded, weights
+    per output channel and activations per token: "fp8" on CUDA of compute capability 8.9 or
+    higher, "int8" on the CPU (see `vecpool.models.quant`); a checkpoint stored in FP8 runs in
+    FP8 without it.
     """
 
     def __init__(
