@@ -8,7 +8,8 @@ in interleaved rounds.
     `torch._int_mm` alone, and the whole `Int8Linear` (per-token quantization, int8 product,
     scaling), milliseconds per call, the best and the median of `--rounds` rounds.
 (b) **engine**: the packaged all-MiniLM-L6-v2 from token ids on bench_gpu.py's workloads
-    (queries, passages), float32 and `quantization="int8"`, both engines timed in each round
+    (queries, passages), float32 and `quantization="int8"` (with `--compile`, each also with
+    torch.compile, which fuses the quantization's elementwise passes), timed in each round
     in alternating order (other work on a small machine moves timings from minute to minute);
     tokens/s per round and the medians, and the lowest cosine of int8 to float32.
 """
@@ -95,9 +96,11 @@ def bench_engine(args: argparse.Namespace) -> dict[str, Any]:
         "queries": make_inputs(tokenizer, workload_lengths("queries", args.queries))[1],
         "passages": make_inputs(tokenizer, workload_lengths("passages", args.passages))[1],
     }
-    engines = {
-        q or "fp32": vecpool.Engine(folder, device="cpu", quantization=q) for q in (None, "int8")
-    }
+    engines = {}
+    for compile in (False, True) if args.compile else (False,):
+        for q in (None, "int8"):
+            name = (q or "fp32") + ("-compiled" if compile else "")
+            engines[name] = vecpool.Engine(folder, device="cpu", quantization=q, compile=compile)
     out: dict[str, Any] = {"rows": [], "cosine": {}}
     for name, ids in workloads.items():
         tokens = sum(min(len(i), 256) for i in ids)
@@ -123,6 +126,9 @@ def bench_engine(args: argparse.Namespace) -> dict[str, Any]:
             out["rows"].append(row)
             print(f"{system} {name}: {row['median_tokens_per_s']:.0f} tok/s {values}", flush=True)
         cos = np.sum(vectors["fp32"] * vectors["int8"], axis=1)  # both normalized
+        if "int8-compiled" in vectors:
+            compiled = np.sum(vectors["fp32"] * vectors["int8-compiled"], axis=1)
+            out["cosine"][name + "-compiled"] = {"min": float(compiled.min())}
         out["cosine"][name] = {"min": float(cos.min()), "median": float(np.median(cos))}
         print(f"cosine {name}: {out['cosine'][name]}", flush=True)
     return out
@@ -134,6 +140,9 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--m", type=int, default=4096, help="rows of the matmul benchmark")
     parser.add_argument("--queries", type=int, default=1024)
     parser.add_argument("--passages", type=int, default=256)
+    parser.add_argument(
+        "--compile", action="store_true", help="also both engines compiled (torch.compile)"
+    )
     parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--output", type=Path)
     args = parser.parse_args(argv)
