@@ -391,6 +391,7 @@ def vecpool_runner(
     compile: bool | None,
     budget: int | None,
     model_impl: str = "auto",
+    quantization: str | None = None,
 ) -> tuple[Runner, Any]:
     import vecpool
 
@@ -401,6 +402,7 @@ def vecpool_runner(
         compile=compile,
         max_num_batched_tokens=budget,
         model_impl=model_impl,
+        quantization=quantization,
     )
 
     def run(texts: list[str], ids: list[list[int]]) -> np.ndarray:
@@ -539,6 +541,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--hf-batch-size", type=int, default=128)
     parser.add_argument("--tokenizer", type=Path, help="default: the packaged MiniLM's folder")
     parser.add_argument("--fidelity", type=int, default=256, help="inputs checked against fp32")
+    parser.add_argument(
+        "--quantization", choices=("fp8", "int8"), help="the vecpool systems' quantization"
+    )
     parser.add_argument("--profile", action="store_true", help="profile vecpool-ids once")
     parser.add_argument("--output", type=Path, help="write the report here as JSON")
     http = parser.add_argument_group("the HTTP path (bench_online.py's batched scenario)")
@@ -608,6 +613,7 @@ def bench_model(
                         compile=compile,
                         budget=None,
                         model_impl="transformers" if s == "vecpool-hf" else "auto",
+                        quantization=None if s == "vecpool-hf" else args.quantization,
                     ),
                 )
             )

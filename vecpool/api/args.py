@@ -18,6 +18,7 @@ import torch
 
 from vecpool.config import LLMRerankerConfig, SchedulerConfig
 from vecpool.errors import ConfigError
+from vecpool.models.quant import QUANTIZATIONS
 from vecpool.models.registry import MODEL_IMPLS
 from vecpool.pooling.methods import SEQUENCE_METHODS
 
@@ -67,6 +68,9 @@ class EngineArgs:
     # "auto": the native class, else the transformers fallback; "vecpool": native only;
     # "transformers": the fallback even where a native class exists (to compare).
     model_impl: str = "auto"
+    # Quantize the layer stack's linears after loading: "fp8" (CUDA, compute capability 8.9+)
+    # or "int8" (the CPU); weights per output channel, activations per token. None: as stored.
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -85,6 +89,8 @@ class EngineArgs:
                 raise ConfigError(f"{name} must be 0 or positive, got {value}")
         if self.pooling is not None and self.pooling.upper() not in SEQUENCE_METHODS:
             raise ConfigError(f"pooling {self.pooling!r} is not one of {SEQUENCE_METHODS}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"quantization {self.quantization!r} is not one of {QUANTIZATIONS}")
         if self.score_mode is not None and self.score_mode not in SCORE_MODES:
             raise ConfigError(f"score_mode {self.score_mode!r} is not one of {SCORE_MODES}")
 
@@ -274,6 +280,13 @@ class EngineArgs:
             help="auto: the model's native vecpool class, else its transformers class (slower); "
             "vecpool: native only; transformers: always through transformers (default: "
             "%(default)s)",
+        )
+        eng.add_argument(
+            "--quantization",
+            choices=QUANTIZATIONS,
+            help="quantize the layers' linear projections after loading, weights per output "
+            "channel and activations per token: fp8 on CUDA (compute capability 8.9+: Ada, "
+            "Hopper), int8 on the CPU (default: none; a checkpoint stored in FP8 runs in FP8)",
         )
         eng.add_argument(
             "--llm-reranker",

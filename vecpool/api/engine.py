@@ -37,6 +37,7 @@ from vecpool.models.base import Capability
 from vecpool.models.folder import ModelFolder
 from vecpool.models.hf import hf_get
 from vecpool.models.loader import load_model
+from vecpool.models.quant import check_quantization, quantize_model
 from vecpool.models.st import load_dense_stack
 from vecpool.pooling.build import PoolingDefaults, build_heads
 from vecpool.runner.compiled import compile_by_default
@@ -100,6 +101,10 @@ class Engine:
     `model_impl` "auto" runs the folder's native vecpool class, else (slower, prompts whole,
     neither compiled nor graphed) the `transformers` class its config names; "vecpool" refuses
     an architecture with no native class; "transformers" always takes the fallback.
+    `quantization` quantizes the linear projections of the model's layers once loaded, weights
+    per output channel and activations per token: "fp8" on CUDA of compute capability 8.9 or
+    higher, "int8" on the CPU (see `vecpool.models.quant`); a checkpoint stored in FP8 runs in
+    FP8 without it.
     """
 
     def __init__(
@@ -124,6 +129,7 @@ class Engine:
         embed_window_overlap: int | None = None,
         data_parallel_size: int = 1,
         model_impl: str = "auto",
+        quantization: str | None = None,
     ):
         self.args = args = EngineArgs(
             model,
@@ -145,6 +151,7 @@ class Engine:
             embed_window_overlap=embed_window_overlap,
             data_parallel_size=data_parallel_size,
             model_impl=model_impl,
+            quantization=quantization,
         )
         if data_parallel_size > 1:
             raise ConfigError(
@@ -158,7 +165,15 @@ class Engine:
         self.dtype = resolve_dtype(
             dtype, self.device, hf_get(self.folder.hf_config, "dtype", "torch_dtype")
         )
+        check_quantization(quantization, self.device)
         self.model = load_model(self.folder, self.device, self.dtype, model_impl)
+        if quantization is not None:
+            if not self.model.step_optimizations:
+                raise ConfigError(
+                    f"quantization={quantization!r} quantizes vecpool's own model classes; "
+                    f"{self.folder.architecture} runs through transformers"
+                )
+            quantize_model(self.model, quantization, self.device)
         self.tokenizer = (
             TextTokenizer(self.folder.tokenizer_file) if self.folder.tokenizer_file else None
         )
@@ -292,6 +307,7 @@ class Engine:
             embed_window_overlap=args.embed_window_overlap,
             data_parallel_size=args.data_parallel_size,
             model_impl=args.model_impl,
+            quantization=args.quantization,
         )
 
     def _max_model_len(self, asked: int | None) -> int:

@@ -21,6 +21,7 @@ from vecpool.models.attention import AttentionMetadata, flat_attention
 from vecpool.models.base import Capability, PoolingModel, hf_num_labels
 from vecpool.models.hf import hf_get
 from vecpool.models.layers import FusedProjections, GatedMLP, RMSNorm, Rotary, apply_rotary, fuse
+from vecpool.models.quant_checkpoint import CHECKPOINT_QUANT_METHODS
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
@@ -124,9 +125,11 @@ def check_supported(hf: dict[str, Any]) -> None:
     """Raise `ConfigError` naming a config feature the decoders do not implement."""
     if hf.get("quantization_config"):
         method = hf["quantization_config"].get("quant_method", "unknown")
-        raise ConfigError(
-            f"quantized checkpoints (quantization_config: {method}) are not supported"
-        )
+        if method not in CHECKPOINT_QUANT_METHODS:  # the loader reads those methods' tensors
+            raise ConfigError(
+                f"quantized checkpoints (quantization_config: {method}) are not supported "
+                f"(supported: {', '.join(CHECKPOINT_QUANT_METHODS)} in FP8)"
+            )
     if hf.get("is_causal") is True and hf.get("use_bidirectional_attention") is True:
         raise ConfigError(
             "config.json sets both is_causal=true and use_bidirectional_attention=true"

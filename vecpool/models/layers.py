@@ -88,7 +88,9 @@ class FusedProjections(nn.Module):
 def fuse(module: nn.Module, fused_name: str, part_names: list[str]) -> None:
     """Replace `module`'s linears `part_names` by one `FusedProjections` named `fused_name`."""
     parts = [getattr(module, name) for name in part_names]
-    setattr(module, fused_name, FusedProjections(parts))
+    # Quantized parts (a checkpoint stored in FP8) fuse by their own class's rule.
+    fuse_parts = getattr(type(parts[0]), "fuse_parts", None)
+    setattr(module, fused_name, fuse_parts(parts) if fuse_parts else FusedProjections(parts))
     for name in part_names:
         delattr(module, name)
 

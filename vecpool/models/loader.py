@@ -13,6 +13,8 @@ from tqdm.auto import tqdm
 from vecpool.errors import ModelLoadError
 from vecpool.models.base import PoolingModel
 from vecpool.models.folder import ModelFolder
+from vecpool.models.quant import finish_fp8, restore_fp8_dtypes
+from vecpool.models.quant_checkpoint import fp8_checkpoint_layers
 from vecpool.models.registry import model_class
 
 _MAX_NAMES = 10
@@ -40,13 +42,23 @@ def load_model(
     with torch.device("meta"):
         model = cls.from_hf_config(hf)
     stored = _stored_tensors(files)
+    fp8_layers = fp8_checkpoint_layers(
+        model,
+        hf,
+        stored,
+        lambda key: _parameter_name(model, key, dict(model.named_parameters())),
+        dtype,
+    )
     # Saved from a head class (or a base model with its names under the prefix).
     prefixed = any(key.startswith(model.checkpoint_prefixes) for key in stored)
     sources = _match_parameters(model, stored, prefixed)
     shared = _check_complete(model, sources, prefixed)
     for name in shared:  # never allocated: it becomes its source once that exists
         _set_parameter(model, name, None)
-    model = model.to(dtype=dtype).to_empty(device=device)
+    model = model.to(dtype=dtype)
+    if fp8_layers:
+        restore_fp8_dtypes(model)
+    model = model.to_empty(device=device)
     for name, source in shared.items():
         _set_parameter(model, name, model.get_parameter(source))
     _copy_tensors(model, files, sources)
@@ -56,6 +68,8 @@ def load_model(
             if param is not source_param and torch.equal(param, source_param):
                 _set_parameter(model, name, source_param)  # stored twice, equal: one tensor
     model.post_load()
+    if fp8_layers:
+        finish_fp8(model, device)
     return model.eval().requires_grad_(False)
 
 

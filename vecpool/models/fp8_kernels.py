@@ -1,0 +1,141 @@
+# mypy: disable-error-code="no-untyped-def"
+"""Triton kernels that emit FP8 rows with their per-row scales, in one pass over the input.
+
+A matmul through `torch._scaled_mm` takes FP8 rows and one float32 scale per row. Quantizing
+the rows in separate kernels (amax, divide, cast) costs as much as the FP8 matmul saves; here
+each row is read once, its amax reduced in registers, and the FP8 values and the scale written
+straight away. Two kernels also compute the row first: an RMSNorm (the input of q/k/v and of
+gate/up in a pre-norm decoder) and SiLU(gate) * up (the input of down).
+
+Imported only on CUDA, when the model runs FP8 (`vecpool.models.quant`): this module imports
+Triton at the top. Each kernel is the CUDA kernel of one of `fp8_ops`'s custom ops, whose CPU
+kernel is the same math in torch.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from vecpool.models import fp8_ops
+from vecpool.models.quant import FP8_DTYPE, FP8_MAX, MIN_AMAX
+
+# Kernels read module constants only as constexprs.
+_FP8_MAX = tl.constexpr(FP8_MAX)
+_MIN_AMAX = tl.constexpr(MIN_AMAX)
+
+
+@triton.jit
+def _store_fp8_row(y, mask, cols, q_row_ptr, scale_ptr):
+    """Quantize one float32 row `y` by its amax: FP8 values to `q_row_ptr`, scale to `scale_ptr`."""
+    amax = tl.max(tl.where(mask, tl.abs(y), 0.0), axis=0)
+    scale = tl.maximum(amax, _MIN_AMAX) / _FP8_MAX
+    q = tl.clamp(y / scale, -_FP8_MAX, _FP8_MAX)
+    tl.store(q_row_ptr + cols, q.to(tl.float8e4nv), mask=mask)
+    tl.store(scale_ptr, scale)
+
+
+@triton.jit
+def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, n_cols, stride_x, stride_q, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    y = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    _store_fp8_row(y, mask, cols, q_ptr + row * stride_q, s_ptr + row)
+
+
+@triton.jit
+def _rms_norm_quant_kernel(
+    x_ptr,
+    w_ptr,
+    q_ptr,
+    s_ptr,
+    n_cols,
+    stride_x,
+    stride_q,
+    eps,
+    UNIT_OFFSET: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if UNIT_OFFSET:
+        w = w + 1.0
+    inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+    _store_fp8_row(x * inv_rms * w, mask, cols, q_ptr + row * stride_q, s_ptr + row)
+
+
+@triton.jit
+def _silu_mul_quant_kernel(gu_ptr, q_ptr, s_ptr, n_cols, stride_gu, stride_q, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    gate = tl.load(gu_ptr + row * stride_gu + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gu_ptr + row * stride_gu + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    _store_fp8_row(gate * tl.sigmoid(gate) * up, mask, cols, q_ptr + row * stride_q, s_ptr + row)
+
+
+def _launch_config(n_cols: int) -> tuple[int, int]:
+    block = triton.next_power_of_2(n_cols)
+    return block, min(16, max(1, block // 512))
+
+
+def _outputs(rows: int, cols: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    q = torch.empty((rows, cols), dtype=FP8_DTYPE, device=like.device)  # [M, K]
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=like.device)  # [M, 1]
+    return q, scale
+
+
+@fp8_ops.quant_rows.register_kernel("cuda")
+def quant_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    rows, cols = x.shape
+    q, scale = _outputs(rows, cols, x)
+    if rows:
+        block, warps = _launch_config(cols)
+        _quant_rows_kernel[(rows,)](
+            x, q, scale, cols, x.stride(0), q.stride(0), BLOCK=block, num_warps=warps
+        )
+    return q, scale
+
+
+@fp8_ops.rms_norm_rows.register_kernel("cuda")
+def rms_norm_rows(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    rows, cols = x.shape
+    q, scale = _outputs(rows, cols, x)
+    if rows:
+        block, warps = _launch_config(cols)
+        _rms_norm_quant_kernel[(rows,)](
+            x,
+            weight,
+            q,
+            scale,
+            cols,
+            x.stride(0),
+            q.stride(0),
+            eps,
+            UNIT_OFFSET=unit_offset,
+            BLOCK=block,
+            num_warps=warps,
+        )
+    return q, scale
+
+
+@fp8_ops.silu_mul_rows.register_kernel("cuda")
+def silu_mul_rows(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    gate_up = gate_up if gate_up.stride(-1) == 1 else gate_up.contiguous()
+    rows, cols = gate_up.shape[0], gate_up.shape[1] // 2
+    q, scale = _outputs(rows, cols, gate_up)
+    if rows:
+        block, warps = _launch_config(cols)
+        _silu_mul_quant_kernel[(rows,)](
+            gate_up, q, scale, cols, gate_up.stride(0), q.stride(0), BLOCK=block, num_warps=warps
+        )
+    return q, scale

@@ -1,0 +1,417 @@
+"""Quantized projections of the layer stack: FP8 on CUDA (Ada / Hopper), int8 on the CPU.
+
+Both quantize weights once, per output channel, and activations dynamically, per token (each
+row of the flat batch gets its own scale from its amax), so a row's result never depends on
+the other rows of its step. Embeddings, norms and heads stay in the model's dtype: only the
+linears inside the repeated layers are swapped (`quantize_model`).
+
+FP8 (`float8_e4m3fn`, largest value 448) multiplies through `torch._scaled_mm` with row-wise
+scales; on CUDA the rows are quantized by the Triton kernels of `fp8_kernels`, fused into the
+RMSNorm or SiLU * up that produces them where a pre-norm decoder layer allows. Off CUDA the same
+math runs in torch (`quantize_rows`, and the product of the FP8 values accumulated in float32,
+then scaled), which is what the tests check. Int8 multiplies through `torch._int_mm` (int32
+accumulation), then scales.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vecpool.errors import ConfigError
+from vecpool.models.decoder import DecoderLayer
+from vecpool.models.layers import FusedProjections, GatedMLP, RMSNorm
+
+QUANTIZATIONS = ("fp8", "int8")
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # torch.finfo(float8_e4m3fn).max
+INT8_MAX = 127.0
+# The amax of an all-zero row is raised to this, so its scale is not zero.
+MIN_AMAX = 1e-12
+FP8_MIN_CAPABILITY = (8, 9)  # Ada and Hopper multiply FP8
+# torch._scaled_mm needs both dimensions of the weight to be multiples of 16.
+_FP8_ALIGN = 16
+
+
+def check_quantization(method: str | None, device: torch.device) -> None:
+    """Raise `ConfigError` if `method` is unknown or cannot run on `device`."""
+    if method is None:
+        return
+    if method not in QUANTIZATIONS:
+        raise ConfigError(f"quantization {method!r} is not one of {QUANTIZATIONS}")
+    if method == "fp8":
+        if device.type != "cuda":
+            raise ConfigError(
+                f"quantization='fp8' runs on CUDA devices of compute capability "
+                f"{_version(FP8_MIN_CAPABILITY)} or higher (Ada, Hopper); the device is {device} "
+                "(on the CPU, quantization='int8')"
+            )
+        capability = torch.cuda.get_device_capability(device)
+        if capability < FP8_MIN_CAPABILITY:
+            raise ConfigError(
+                f"quantization='fp8' needs compute capability {_version(FP8_MIN_CAPABILITY)} or "
+                f"higher (Ada, Hopper); {device} is {torch.cuda.get_device_name(device)}, "
+                f"compute capability {_version(capability)}"
+            )
+    if method == "int8" and device.type != "cpu":
+        raise ConfigError(
+            f"quantization='int8' runs on the CPU; the device is {device} (on CUDA of compute "
+            "capability 8.9 or higher, quantization='fp8')"
+        )
+
+
+def _version(capability: tuple[int, int]) -> str:
+    return f"{capability[0]}.{capability[1]}"
+
+
+class QuantizedRows(NamedTuple):
+    """Rows quantized one scale each: `data * scale` is the row."""
+
+    data: torch.Tensor  # [M, K] float8_e4m3fn or int8
+    scale: torch.Tensor  # [M, 1] float32
+
+
+def quantize_rows(x: torch.Tensor, dtype: torch.dtype = FP8_DTYPE) -> QuantizedRows:
+    """`[M, K]` rows -> one float32 scale per row (amax / largest value of `dtype`) and the
+    rows divided by it and cast (FP8: clamped to +-448; int8: rounded to nearest). The reference the
+    FP8 kernels follow, and the int8 path itself."""
+    limit = INT8_MAX if dtype == torch.int8 else FP8_MAX
+    x32 = x.float()
+    # The largest magnitude of each row, in one pass (no |x| copy).
+    amax = torch.linalg.vector_norm(x32, ord=float("inf"), dim=-1, keepdim=True)
+    scale = amax.clamp_(min=MIN_AMAX) / limit  # [M, 1]
+    scaled = x32 / scale
+    if dtype == torch.int8:  # |scaled| <= 127 (+ an ulp) already: rounding keeps it in range
+        return QuantizedRows(scaled.round_().to(dtype), scale)
+    # FP8 has no infinity: a value past 448 by more than half a step would become NaN.
+    return QuantizedRows(scaled.clamp_(-limit, limit).to(dtype), scale)
+
+
+def dequantize_rows(rows: QuantizedRows) -> torch.Tensor:
+    """The float32 rows `rows` stands for."""
+    return rows.data.float() * rows.scale
+
+
+def fused_fp8_ops(device: torch.device) -> bool:
+    """Whether FP8 rows are quantized by the one-pass Triton kernels on `device` (CUDA with
+    FP8, Triton installed); they are the CUDA kernels of `fp8_ops`'s custom ops."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < FP8_MIN_CAPABILITY:
+        return False
+    try:
+        import vecpool.models.fp8_kernels  # noqa: F401 - registers the CUDA kernels
+    except ImportError:
+        return False
+    return True
+
+
+# With `kernels`, rows go through the custom ops of `fp8_ops` (`finish_fp8` imports them), which
+# torch.compile traces as single steps.
+def _fp8_rows(x: torch.Tensor, kernels: bool) -> QuantizedRows:
+    if kernels:
+        return QuantizedRows(*torch.ops.vecpool.fp8_quant_rows(x))
+    return quantize_rows(x, FP8_DTYPE)
+
+
+class Fp8Linear(nn.Module):
+    """A linear layer whose weight is FP8 with one float32 scale per output channel; inputs
+    are quantized per row as they come (or come quantized, as `QuantizedRows`).
+
+    `sizes` splits the output as `FusedProjections` does (q/k/v). A checkpoint stored in FP8
+    may carry one scale per tensor (`scale_shape` [] or [1]) or per channel ([N, 1]), and a
+    static input scale this layer loads but does not use (its rows are scaled per token, which
+    is at least as fine); `finish_scales` turns every form into `[N]`.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool,
+        out_dtype: torch.dtype,
+        sizes: list[int] | None = None,
+        scale_shape: tuple[int, ...] | None = None,
+        input_scale_shape: tuple[int, ...] | None = None,
+    ):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.sizes = sizes
+        self.out_dtype = out_dtype
+        # [N, K] float8_e4m3fn
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features, dtype=FP8_DTYPE), requires_grad=False
+        )
+        # [N] float32 once loaded (a checkpoint's form until `finish_scales`)
+        self.weight_scale = nn.Parameter(
+            torch.empty(
+                (out_features,) if scale_shape is None else scale_shape, dtype=torch.float32
+            ),
+            requires_grad=False,
+        )
+        self.bias = (
+            nn.Parameter(torch.empty(out_features, dtype=out_dtype), requires_grad=False)
+            if bias
+            else None
+        )  # [N]
+        self.input_scale = (
+            nn.Parameter(torch.empty(input_scale_shape, dtype=torch.float32), requires_grad=False)
+            if input_scale_shape is not None
+            else None
+        )
+        # Set by `set_fp8_backend`: rows quantized by the Triton kernels; products through
+        # torch._scaled_mm (else the FP8 values are multiplied in float32 and scaled).
+        self.kernels = False
+        self.scaled_mm = False
+
+    @classmethod
+    def from_weight(
+        cls, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int] | None = None
+    ) -> Fp8Linear:
+        """Quantize a `[N, K]` weight per output channel."""
+        with torch.device("meta"):  # filled below
+            layer = cls(
+                weight.shape[1], weight.shape[0], bias=False, out_dtype=weight.dtype, sizes=sizes
+            )
+        data, scale = quantize_rows(weight, FP8_DTYPE)
+        layer.weight = nn.Parameter(data, requires_grad=False)
+        layer.weight_scale = nn.Parameter(scale.view(-1), requires_grad=False)
+        if bias is not None:
+            layer.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
+        return layer
+
+    @classmethod
+    def fuse_parts(cls, parts: list[nn.Module]) -> Fp8Linear:
+        """Layers over the same input as one (the checkpoint's q/k/v or gate/up in FP8)."""
+        layers = [p for p in parts if isinstance(p, Fp8Linear)]
+        if len(layers) != len(parts):
+            raise ConfigError(
+                "a checkpoint stores some of the projections that share an input in FP8 and "
+                "others not; they must be quantized alike"
+            )
+        for layer in layers:
+            layer.finish_scales()
+        biases = [p.bias for p in layers]
+        with torch.device("meta"):  # filled below
+            fused = cls(
+                layers[0].in_features,
+                sum(p.out_features for p in layers),
+                bias=False,
+                out_dtype=layers[0].out_dtype,
+                sizes=[p.out_features for p in layers],
+            )
+        fused.weight = nn.Parameter(torch.cat([p.weight for p in layers]), requires_grad=False)
+        fused.weight_scale = nn.Parameter(
+            torch.cat([p.weight_scale for p in layers]), requires_grad=False
+        )
+        if all(b is not None for b in biases):
+            fused.bias = nn.Parameter(torch.cat(biases), requires_grad=False)  # type: ignore[arg-type]
+        return fused
+
+    def finish_scales(self) -> None:
+        """Make the weight scale one float32 per output channel (`[N]`)."""
+        scale = self.weight_scale.data.float().reshape(-1)
+        if scale.numel() == 1:
+            scale = scale.expand(self.out_features)
+        if scale.numel() != self.out_features:
+            raise ConfigError(
+                f"weight_scale of {scale.numel()} values for {self.out_features} output "
+                "channels: only per-tensor and per-channel FP8 scales are supported"
+            )
+        self.weight_scale = nn.Parameter(scale.contiguous(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        if isinstance(x, QuantizedRows):
+            out = self._matmul(x)
+        else:
+            lead = x.shape[:-1]
+            out = self._matmul(_fp8_rows(x.reshape(-1, x.shape[-1]), self.kernels))
+            out = out.view(*lead, self.out_features)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.split(self.sizes, dim=-1) if self.sizes else out
+
+    def _matmul(self, rows: QuantizedRows) -> torch.Tensor:  # [M, N] in out_dtype
+        if self.scaled_mm:
+            # Row-wise scaling: scale_a [M, 1], scale_b [1, N], float32; the weight passed
+            # column-major; bf16 out (the only output type row-wise scaling supports).
+            out = torch._scaled_mm(
+                rows.data,
+                self.weight.t(),
+                scale_a=rows.scale,
+                scale_b=self.weight_scale.view(1, -1),
+                out_dtype=torch.bfloat16,
+            )
+            return out.to(self.out_dtype)
+        # FP8 values times FP8 values are exact in float32; accumulate there, then scale.
+        acc = rows.data.float() @ self.weight.float().t()
+        return (acc * rows.scale * self.weight_scale).to(self.out_dtype)
+
+
+class Fp8NormLinear(nn.Module):
+    """An RMSNorm whose output only feeds one FP8 linear, as one step: the norm writes FP8
+    rows and their scales directly (the `fp8_kernels` RMSNorm on CUDA)."""
+
+    def __init__(self, norm: RMSNorm, linear: Fp8Linear):
+        super().__init__()
+        self.norm = norm
+        self.linear = linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        if self.linear.kernels:
+            n = self.norm
+            rows = QuantizedRows(*torch.ops.vecpool.fp8_rms_norm(x, n.weight, n.eps, n.unit_offset))
+        else:
+            rows = quantize_rows(self.norm(x), FP8_DTYPE)
+        return self.linear(rows)
+
+
+class Fp8GatedMLP(nn.Module):
+    """`GatedMLP` on FP8 linears, its norm folded in when it has one: with SiLU, the
+    activation writes the FP8 input of `down_proj` directly (the `fp8_kernels` SiLU * up)."""
+
+    def __init__(
+        self,
+        gate_up: Fp8Linear,
+        down: Fp8Linear,
+        act: Callable[[torch.Tensor], torch.Tensor],
+        norm: RMSNorm | None,
+    ):
+        super().__init__()
+        gate_up.sizes = None  # [M, 2 * intermediate]: gate | up
+        self.gate_up_proj: nn.Module = gate_up if norm is None else Fp8NormLinear(norm, gate_up)
+        self.down_proj = down
+        self.act = act
+        # SiLU * up in the kernel that quantizes its rows
+        self.fused_silu = gate_up.kernels and act is F.silu
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        if self.fused_silu:
+            return self.down_proj(QuantizedRows(*torch.ops.vecpool.fp8_silu_mul(gate_up)))
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class Int8Linear(nn.Module):
+    """A linear layer whose weight is int8 with one float32 scale per output channel; inputs
+    are quantized per row as they come; `torch._int_mm` accumulates in int32."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int] | None):
+        super().__init__()
+        data, scale = quantize_rows(weight, torch.int8)
+        self.out_features = weight.shape[0]
+        # [K, N] int8, contiguous: the layout torch._int_mm reads fastest on the CPU
+        self.weight_t = nn.Parameter(data.t().contiguous(), requires_grad=False)
+        self.weight_scale = nn.Parameter(scale.view(-1), requires_grad=False)  # [N] float32
+        self.bias = (
+            None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+        )
+        self.sizes = sizes
+        self.out_dtype = weight.dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        lead = x.shape[:-1]
+        rows = quantize_rows(x.reshape(-1, x.shape[-1]), torch.int8)
+        # int32 times the float32 row scales: float32 in one pass, then the channel scales.
+        out = (torch._int_mm(rows.data, self.weight_t) * rows.scale).mul_(self.weight_scale)
+        if self.bias is not None:
+            out = out.add_(self.bias)
+        out = out.to(self.out_dtype).view(*lead, self.out_features)
+        return out.split(self.sizes, dim=-1) if self.sizes else out
+
+
+def quantize_model(model: nn.Module, method: str, device: torch.device) -> int:
+    """Swap, in place, the linears (and fused projections) inside `model`'s layer stacks for
+    `method`'s quantized ones; returns how many were swapped. FP8 leaves a linear whose
+    dimensions are not multiples of 16 as it is (torch._scaled_mm cannot take it)."""
+    swapped = 0
+    for parent, name, child in list(_stack_linears(model)):
+        sizes = child.sizes if isinstance(child, FusedProjections) else None
+        weight, bias = child.weight, child.bias
+        if method == "fp8":
+            if weight.shape[0] % _FP8_ALIGN or weight.shape[1] % _FP8_ALIGN:
+                continue
+            setattr(parent, name, Fp8Linear.from_weight(weight, bias, sizes))
+        else:
+            setattr(parent, name, Int8Linear(weight, bias, sizes))
+        swapped += 1
+    if method == "fp8":
+        finish_fp8(model, device)
+    return swapped
+
+
+def _stack_linears(
+    model: nn.Module,
+) -> Iterator[tuple[nn.Module, str, nn.Linear | FusedProjections]]:
+    """(parent, attribute, module) of every linear and fused projection inside a layer of a
+    `ModuleList` (the repeated layers; heads and embeddings sit outside them)."""
+    seen: set[int] = set()
+    for stack in model.modules():
+        if not isinstance(stack, nn.ModuleList):
+            continue
+        for layer in stack:
+            for parent in layer.modules():
+                for name, child in parent.named_children():
+                    if isinstance(child, (nn.Linear, FusedProjections)) and id(child) not in seen:
+                        seen.add(id(child))
+                        yield parent, name, child
+
+
+def finish_fp8(model: nn.Module, device: torch.device) -> None:
+    """Once FP8 linears are in place (quantized here or loaded): scales per channel, the
+    kernels and the FP8 matmul chosen for `device`, and each pre-norm decoder layer's norms
+    folded into the projections they feed."""
+    capable = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (
+        FP8_MIN_CAPABILITY
+    )
+    kernels = fused_fp8_ops(device)
+    if kernels:
+        import vecpool.models.fp8_ops  # noqa: F401 - registers the ops
+    for module in model.modules():
+        if isinstance(module, Fp8Linear):
+            module.finish_scales()
+            module.kernels = kernels
+            aligned = not (module.in_features % _FP8_ALIGN or module.out_features % _FP8_ALIGN)
+            module.scaled_mm = capable and aligned
+    for layer in list(model.modules()):
+        if isinstance(layer, DecoderLayer) and type(layer).forward is DecoderLayer.forward:
+            _fold_decoder_norms(layer)
+
+
+def _fold_decoder_norms(layer: DecoderLayer) -> None:
+    """In a pre-norm layer (`x + attn(norm1(x))`, `x + mlp(norm2(x))`) each norm's output
+    feeds one projection only: compute it there, emitting FP8 rows, and leave an identity."""
+    attn, mlp = layer.self_attn, layer.mlp
+    norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
+    if isinstance(attn.qkv_proj, Fp8Linear) and isinstance(norm1, RMSNorm):
+        setattr(attn, "qkv_proj", Fp8NormLinear(norm1, attn.qkv_proj))  # noqa: B010
+        setattr(layer, "input_layernorm", nn.Identity())  # noqa: B010
+    if (
+        isinstance(mlp, GatedMLP)
+        and isinstance(mlp.gate_up_proj, Fp8Linear)
+        and isinstance(mlp.down_proj, Fp8Linear)
+    ):
+        folded = isinstance(norm2, RMSNorm)
+        fp8_mlp = Fp8GatedMLP(mlp.gate_up_proj, mlp.down_proj, mlp.act, norm2 if folded else None)
+        setattr(layer, "mlp", fp8_mlp)  # noqa: B010
+        if folded:
+            setattr(layer, "post_attention_layernorm", nn.Identity())  # noqa: B010
+
+
+def restore_fp8_dtypes(model: nn.Module) -> None:
+    """After `model.to(dtype)` on the meta device (which casts every floating tensor): give
+    the FP8 linears back their FP8 weights and float32 scales."""
+    for module in model.modules():
+        if isinstance(module, Fp8Linear):
+            for name, dtype in (
+                ("weight", FP8_DTYPE),
+                ("weight_scale", torch.float32),
+                ("input_scale", torch.float32),
+            ):
+                param: nn.Parameter | None = getattr(module, name)
+                if param is not None and param.dtype != dtype:
+                    setattr(module, name, nn.Parameter(param.to(dtype), requires_grad=False))
