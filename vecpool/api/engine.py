@@ -21,6 +21,7 @@ from vecpool.api.late_interaction import side_formats, skiplist_ids
 from vecpool.api.outputs import PoolingOutput, PreparedCall, PromptRequest, T, outcome
 from vecpool.config import LLMRerankerConfig, resolve_device, resolve_dtype
 from vecpool.engine.core import EngineCore
+from vecpool.engine.prefix_cache import BLOCK_SIZE, PrefixCache
 from vecpool.engine.request import Request
 from vecpool.engine.scheduler import Scheduler
 from vecpool.errors import ConfigError, InputError
@@ -36,6 +37,7 @@ from vecpool.models.attention import varlen_available
 from vecpool.models.base import Capability
 from vecpool.models.folder import ModelFolder
 from vecpool.models.hf import hf_get
+from vecpool.models.kv_blocks import BlockPool
 from vecpool.models.loader import load_model
 from vecpool.models.st import load_dense_stack
 from vecpool.pooling.build import PoolingDefaults, build_heads
@@ -124,6 +126,8 @@ class Engine:
         embed_window_overlap: int | None = None,
         data_parallel_size: int = 1,
         model_impl: str = "auto",
+        enable_prefix_caching: bool = False,
+        prefix_cache_tokens: int | None = None,
     ):
         self.args = args = EngineArgs(
             model,
@@ -145,6 +149,8 @@ class Engine:
             embed_window_overlap=embed_window_overlap,
             data_parallel_size=data_parallel_size,
             model_impl=model_impl,
+            enable_prefix_caching=enable_prefix_caching,
+            prefix_cache_tokens=prefix_cache_tokens,
         )
         if data_parallel_size > 1:
             raise ConfigError(
@@ -217,6 +223,7 @@ class Engine:
             compile = not plain and compile_by_default(self.device, self.model.hidden_size)
         if cuda_graphs is None:
             cuda_graphs = not plain and varlen_available(self.device, self.dtype)
+        prefix_tokens = self._prefix_cache_tokens(args)
         self.model_runner = ModelRunner(
             self.model,
             self.device,
@@ -225,6 +232,9 @@ class Engine:
             graphs=cuda_graphs,
             max_seqs=self.scheduler_config.max_num_seqs,
             max_model_len=self.max_model_len,
+            block_pool=BlockPool(prefix_tokens // BLOCK_SIZE, BLOCK_SIZE)
+            if prefix_tokens
+            else None,
         )
         heads, self.missing_heads = build_heads(
             self.model,
@@ -259,7 +269,15 @@ class Engine:
             else None,
         )
         self.core = EngineCore(
-            Scheduler(self.scheduler_config),
+            Scheduler(
+                self.scheduler_config,
+                PrefixCache(
+                    prefix_tokens,
+                    frozenset(h for h, head in heads.items() if head.prefix_carry is not None),
+                )
+                if prefix_tokens
+                else None,
+            ),
             self.model_runner,
             PoolingRunner(heads, self.device),
             probe=self._probe(),
@@ -292,7 +310,27 @@ class Engine:
             embed_window_overlap=args.embed_window_overlap,
             data_parallel_size=args.data_parallel_size,
             model_impl=args.model_impl,
+            enable_prefix_caching=args.enable_prefix_caching,
+            prefix_cache_tokens=args.prefix_cache_tokens,
         )
+
+    def _prefix_cache_tokens(self, args: EngineArgs) -> int:
+        """Positions of the shared-prefix cache; 0 when off. Refused for a model whose prompts
+        cannot start after positions computed before (bidirectional attention, or a model run
+        through transformers)."""
+        if not args.enable_prefix_caching:
+            return 0
+        if not (self.model.is_causal and self.model.step_optimizations):
+            raise ConfigError(
+                f"enable_prefix_caching: {self.folder.architecture} "
+                + (
+                    "runs through transformers"
+                    if self.model.is_causal
+                    else "attends in both directions (a token's keys depend on what follows)"
+                )
+                + ", so its prompts cannot share computed prefixes; leave it off"
+            )
+        return args.prefix_cache_size(self.max_model_len)
 
     def _max_model_len(self, asked: int | None) -> int:
         limit = self.model.max_positions
