@@ -106,6 +106,20 @@ def test_table_hits_whole_blocks_compares_ids_and_evicts_least_recently_used() -
     assert again.num_scheduled_tokens == B
 
 
+def test_readers_of_blocks_computed_in_this_step_may_wait_for_the_next() -> None:
+    ids = list(range(3, 3 + 2 * B + 3))
+    for read_pending in (False, True):
+        cache = PrefixCache(8 * B, frozenset({Head.EMBEDDING}), read_pending=read_pending)
+        cache.begin_step()
+        cache.produce(_admitted(cache, _request("a", ids)), 0, len(ids))
+        reader = _request("b", ids)
+        assert cache.admit(reader) is read_pending
+        assert reader.num_scheduled_tokens == (2 * B if read_pending else 0)
+        cache.begin_step()  # the next step: the blocks are computed
+        assert cache.admit(reader) and reader.num_scheduled_tokens == 2 * B
+        assert cache.queried_tokens == 2 * len(ids) and cache.hit_tokens == 2 * B
+
+
 def test_prompt_embeds_and_per_token_heads_never_share() -> None:
     cache = PrefixCache(8 * B, frozenset({Head.EMBEDDING}))
     ids = list(range(3, 3 + 2 * B + 1))
@@ -132,24 +146,33 @@ def _admitted(cache: PrefixCache, request: Request) -> Request:
 # ---- the engine --------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("read_pending", [False, True], ids=["next-step", "same-step"])
 @pytest.mark.parametrize("pooling", ["LAST", "MEAN"])
-def test_embeddings_equal_those_without_the_cache(qwen3_folder: Path, pooling: str) -> None:
+def test_embeddings_equal_those_without_the_cache(
+    qwen3_folder: Path, pooling: str, read_pending: bool
+) -> None:
+    """Readers of a prefix computed in the same step wait for the next (the CPU's padded
+    attention) or join it (what the varlen kernel does on CUDA, forced here)."""
     prompts = _shared(3 * B + 5, [9, 2, 20, 1])  # 53 shared ids: 3 whole blocks
     plain = vecpool.Engine(qwen3_folder, device="cpu", pooling=pooling)
     expected = plain.embed(prompts, normalize=False)
     engine = vecpool.Engine(qwen3_folder, device="cpu", pooling=pooling, enable_prefix_caching=True)
+    cache = engine.core.scheduler.prefix_cache
+    assert cache is not None and not cache.read_pending  # the padded fallback
+    cache.read_pending = read_pending
     computed = _computed_tokens(engine)
     for _ in range(2):
         got = engine.embed(prompts, normalize=False)
         for a, b in zip(got, expected, strict=True):
             assert_rel_close(a, b, rtol=REORDERED_RTOL)
-    total = sum(map(len, prompts))
-    # First call, one step: the longest prompt computes the 3 shared blocks, the other three
-    # read them. Second call: every prompt finds its whole blocks (the longest, 73 ids, its
-    # 4 blocks; the others their 3), computing the rest.
+    total, longest = sum(map(len, prompts)), max(map(len, prompts))
+    # First call: the longest prompt computes the 3 shared blocks, the other three read them
+    # (in its step, or the next). Second call: every prompt finds its whole blocks (the
+    # longest, 73 ids, its 4 blocks; the others their 3), in one step.
     first_hits = 3 * 3 * B
     second_hits = 4 * B + 3 * 3 * B
-    assert computed == [total - first_hits, total - second_hits]
+    first = [total - first_hits] if read_pending else [longest, total - longest - first_hits]
+    assert computed == [*first, total - second_hits]
     assert engine.core.prefix_cache_stats == (first_hits + second_hits, 2 * total)
 
 
@@ -199,8 +222,7 @@ def test_chunked_prompts_and_eviction_under_a_small_cache(qwen3_folder: Path) ->
 
 def test_llm_reranker_computes_the_shared_query_once(tmp_path: Path) -> None:
     """A rerank call: the template, instruction and query before each document are one
-    prefix; it is computed once (by the first prompt), in the same step that the other
-    documents read it."""
+    prefix; it is computed once (by the first prompt), the other documents reading it."""
     hf = QWEN3.hf_model(causal_lm=True, tie_word_embeddings=False)
     folder = save_hf_model(hf, tmp_path)
     _word_tokenizer(folder)
@@ -228,7 +250,8 @@ def test_llm_reranker_computes_the_shared_query_once(tmp_path: Path) -> None:
     longest = max(range(len(ids)), key=lambda i: len(ids[i]))
     hits = B * sum(min(shared // B, (len(p) - 1) // B) for i, p in enumerate(ids) if i != longest)
     total = sum(map(len, ids))
-    assert computed[0] == total - hits
+    # The longest prompt in a step of its own, the rest of the documents in the next.
+    assert computed[:2] == [len(ids[longest]), total - len(ids[longest]) - hits]
     assert engine.core.prefix_cache_stats[1] == 2 * total
 
 

@@ -274,6 +274,8 @@ class Engine:
                 PrefixCache(
                     prefix_tokens,
                     frozenset(h for h, head in heads.items() if head.prefix_carry is not None),
+                    # Same-step reads where attention takes each sequence at its own length.
+                    read_pending=self.model_runner.use_varlen,
                 )
                 if prefix_tokens
                 else None,

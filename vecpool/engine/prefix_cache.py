@@ -9,9 +9,15 @@ sums live in the model runner's block pool, in the slot this table gives each bl
 
 This table is plain CPU Python, driven by the scheduler: `admit` gives a waiting request the
 leading blocks already there (they count as computed), `produce` registers the blocks a
-scheduled chunk computes (written by that step's forward, so a later request of the same step
-may already read them: layer by layer, the pool is written before it is read). Blocks a running
-request holds are never evicted; the others go least recently used first.
+scheduled chunk computes (written by that step's forward). Blocks a running request holds are
+never evicted; the others go least recently used first.
+
+A request whose prefix is being computed in the step being scheduled either joins that step
+(`read_pending`: layer by layer the pool is written before it is read, so it reads blocks the
+same forward computes) or waits for the next one. Joining saves a step where attention takes
+each sequence at its own length (the varlen kernel); the exact padded fallback pads every
+sequence of a step to the longest, so there short readers of a long prefix's blocks are
+cheaper one step later, in a step of short sequences.
 """
 
 from __future__ import annotations
@@ -58,13 +64,15 @@ class PrefixCache:
     of the prefix, only its sum or nothing). Counters: `queried_tokens` (prompt tokens of the
     requests that looked the cache up), `hit_tokens` (of those, the tokens it served)."""
 
-    def __init__(self, num_tokens: int, heads: frozenset[Head]):
+    def __init__(self, num_tokens: int, heads: frozenset[Head], *, read_pending: bool = True):
         self.num_slots = num_tokens // BLOCK_SIZE
         if self.num_slots < 1:
             raise ConfigError(
                 f"prefix_cache_tokens={num_tokens} holds no block of {BLOCK_SIZE} tokens"
             )
         self.heads = heads
+        self.read_pending = read_pending
+        self._pending: set[int] = set()  # serials of the blocks the step being scheduled makes
         self._table: dict[tuple[int, tuple[int, ...]], _Block] = {}
         self._free: OrderedDict[int, _Block] = OrderedDict()  # unheld blocks, oldest first
         self._unused = list(range(self.num_slots - 1, -1, -1))  # slots never given out
@@ -89,33 +97,46 @@ class PrefixCache:
             and request.task.head in self.heads
         )
 
-    def admit(self, request: Request) -> None:
+    def begin_step(self) -> None:
+        """A step is being scheduled: let go of the blocks of requests that are done (they may
+        be evicted from now on); blocks registered before are computed by then."""
+        self._pending.clear()
+        self.release_done()
+
+    def admit(self, request: Request) -> bool:
         """At a request's first scheduling: its leading blocks found in the table count as
-        computed (at least its last token is left to compute: it pools). Once per request."""
+        computed (at least its last token is left to compute: it pools). Once per request.
+        False: some of them are computed by the step being scheduled and `read_pending` is
+        off; the request waits for the next step (nothing is recorded)."""
         if request.request_id in self._chains or request.num_scheduled_tokens > 0:
-            return
+            return True
         chain = _Chain()
-        self._chains[request.request_id] = (request, chain)
         if not self.may_share(request):
             chain.broken = True
-            return
+            self._chains[request.request_id] = (request, chain)
+            return True
         ids = request.prompt.token_ids
         assert ids is not None
         n = request.num_prompt_tokens
-        self.queried_tokens += n
         parent = 0
         for j in range((n - 1) // BLOCK_SIZE):
             key = (parent, tuple(ids[j * BLOCK_SIZE : (j + 1) * BLOCK_SIZE].tolist()))
             block = self._table.get(key)  # a dict compares the ids themselves, not a hash
             if block is None:
                 break
-            self._hold(block)
+            if not self.read_pending and block.serial in self._pending:
+                return False
             chain.blocks.append(block)
             parent = block.serial
+        for block in chain.blocks:
+            self._hold(block)
+        self._chains[request.request_id] = (request, chain)
+        self.queried_tokens += n
         chain.cached = len(chain.blocks)
         cached_tokens = chain.cached * BLOCK_SIZE
         self.hit_tokens += cached_tokens
         request.num_scheduled_tokens = request.num_computed_tokens = cached_tokens
+        return True
 
     def produce(self, request: Request, start: int, end: int) -> ChunkBlocks:
         """The pool rows the chunk `[start, end)` of `request` reads and writes: the cached
@@ -191,5 +212,6 @@ class PrefixCache:
         self._serials += 1
         block = _Block(self._serials, slot, key)
         self._table[key] = block
+        self._pending.add(block.serial)
         self._hold(block)
         return block

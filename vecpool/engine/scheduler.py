@@ -17,7 +17,8 @@ several steps, each chunk attending to the keys and values its earlier chunks le
 
 With shared-prefix caching (`prefix_cache`), a waiting prompt's leading blocks already in the
 cache count as computed when it is first considered: only the rest of it is scheduled, from
-the position they end at (see `vecpool.engine.prefix_cache`).
+the position they end at (see `vecpool.engine.prefix_cache`). A prompt whose prefix this very
+step computes may wait for the next step, first come first served.
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ class Scheduler:
         budget, cap = cfg.max_num_batched_tokens, cfg.max_num_seqs
         released = self._drop_done()
         if self.prefix_cache is not None:
-            self.prefix_cache.release_done()
+            self.prefix_cache.begin_step()
         step = _StepBuilder(self.prefix_cache)
         self._admit_held()
         running = [r for r in self.chunked if r.num_unscheduled_tokens > 0]
@@ -111,8 +112,8 @@ class Scheduler:
             if request.is_done:  # cancelled while waiting
                 self.waiting.popleft()
                 continue
-            if self.prefix_cache is not None:
-                self.prefix_cache.admit(request)
+            if self.prefix_cache is not None and not self.prefix_cache.admit(request):
+                break  # its prefix is computed in this step: it reads it in the next
             n = request.num_unscheduled_tokens  # the whole prompt, less a cached prefix
             if n <= short_budget - step.num_tokens:
                 step.take(self.waiting.popleft(), n)
