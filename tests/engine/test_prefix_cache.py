@@ -10,7 +10,9 @@ exact numbers worked out from the block size.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,7 @@ from tests.helpers import REORDERED_RTOL, assert_rel_close, random_prompts, save
 from tests.models.test_decoders import ARCHS, VOCAB
 from tests.server.asgi import serving
 from tests.tasks.test_scoring import DOCS, QUERY, _word_tokenizer
+from vecpool.api.args import EngineArgs
 from vecpool.engine.prefix_cache import BLOCK_SIZE, PrefixCache
 from vecpool.engine.request import Request
 from vecpool.inputs import Prompt
@@ -286,3 +289,52 @@ def test_metrics_count_hit_and_queried_tokens(qwen3_folder: Path) -> None:
     text = asyncio.run(run())
     assert "vecpool_prefix_cache_hit_tokens_total 32.0" in text
     assert f"vecpool_prefix_cache_queried_tokens_total {float(35 + 40)}" in text
+
+
+def test_cli_flags_build_the_cache(qwen3_folder: Path) -> None:
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    args = EngineArgs.from_cli_args(
+        parser.parse_args(
+            [str(qwen3_folder), "--enable-prefix-caching", "--prefix-cache-tokens", "40"]
+        )
+    )
+    assert (args.enable_prefix_caching, args.prefix_cache_tokens) == (True, 40)
+    engine = vecpool.Engine.from_args(replace(args, device="cpu"))
+    cache = engine.core.scheduler.prefix_cache
+    assert cache is not None and cache.num_slots == 40 // B
+    assert EngineArgs(qwen3_folder).prefix_cache_size(128) == 8192
+    off = vecpool.Engine(qwen3_folder, device="cpu")
+    assert off.core.scheduler.prefix_cache is None and off.core.prefix_cache_stats == (0, 0)
+    with pytest.raises(vecpool.ConfigError, match="holds no block of 16 tokens"):
+        vecpool.Engine(
+            qwen3_folder, device="cpu", enable_prefix_caching=True, prefix_cache_tokens=15
+        )
+
+
+def test_a_failed_step_leaves_no_block_to_read(qwen3_folder: Path) -> None:
+    """A step that fails as a whole runs again in halves; the blocks it registered are dropped
+    from the table, so a later call computes its prefix again rather than reading rows a
+    failed forward may have left half written."""
+    engine = vecpool.Engine(qwen3_folder, device="cpu", enable_prefix_caching=True)
+    cache = engine.core.scheduler.prefix_cache
+    assert cache is not None
+    cache.read_pending = True  # the reader shares the producer's step: the halves split them
+    prompts = _shared(2 * B + 3, [4, 6])
+    runner = engine.model_runner
+    forward, calls = runner.forward, []
+
+    def fails_once(batch: Any) -> Any:
+        calls.append(batch.num_tokens)
+        if len(calls) == 1:
+            raise RuntimeError("device error")
+        return forward(batch)
+
+    runner.forward = fails_once  # type: ignore[method-assign]
+    expected = vecpool.Engine(qwen3_folder, device="cpu").embed(prompts)
+    assert_rel_close(np.array(engine.embed(prompts)), np.array(expected), rtol=REORDERED_RTOL)
+    assert calls == [48, 41, 7]  # the step, then its halves: the producer, the reader
+    assert cache.num_blocks == 0
+    hit_before = engine.core.prefix_cache_stats[0]
+    engine.embed(prompts)
+    assert engine.core.prefix_cache_stats[0] == hit_before + 2 * B  # the shorter one reads 2
