@@ -93,7 +93,8 @@ def write_folder(shape: dict[str, Any], dest: Path, device: str, dtype: torch.dt
     torch.manual_seed(0)
     config = transformers.Qwen3Config(max_position_embeddings=32768, rms_norm_eps=1e-6, **shape)
     with torch.device(device):
-        model = transformers.Qwen3ForCausalLM(config).to(dtype)
+        model = transformers.Qwen3ForCausalLM(config)
+        torch.nn.Module.to(model, dtype)  # (transformers types its own `to` oddly)
     model.save_pretrained(str(dest), safe_serialization=True)
     del model
     tokenizer_dir = default_model_path()
@@ -149,7 +150,7 @@ def main(argv: list[str]) -> dict[str, Any]:
         started = time.perf_counter()
         folder = write_folder(SHAPES[args.shape], Path(tmp), str(device), dtype)
         report["folder_seconds"] = round(time.perf_counter() - started, 2)
-        options = dict(
+        options: dict[str, Any] = dict(
             device=str(device),
             dtype=dtype,
             llm_reranker=config,
@@ -158,8 +159,8 @@ def main(argv: list[str]) -> dict[str, Any]:
             max_model_len=2048,
         )
         engines = {
-            "plain": vecpool.Engine(folder, **options),  # type: ignore[arg-type]
-            "cached": vecpool.Engine(folder, enable_prefix_caching=True, **options),  # type: ignore[arg-type]
+            "plain": vecpool.Engine(folder, **options),
+            "cached": vecpool.Engine(folder, enable_prefix_caching=True, **options),
         }
         words = max(1, args.query_tokens)  # a word of WORDS is one token of the tokenizer
 
