@@ -171,6 +171,7 @@ def main(argv: list[str]) -> dict[str, Any]:
         warm_query, warm_docs = call()
         for engine in engines.values():  # the first call pays one-time costs
             engine.score(warm_query, warm_docs)
+        report["varlen_attention"] = engines["cached"].model_runner.use_varlen
         query_tokens = len(engines["plain"].tokenize(config.format(warm_query, "")))
         report["prompt_tokens_before_document"] = query_tokens
         seconds: dict[str, list[float]] = {name: [] for name in engines}

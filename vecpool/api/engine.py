@@ -102,6 +102,10 @@ class Engine:
     `model_impl` "auto" runs the folder's native vecpool class, else (slower, prompts whole,
     neither compiled nor graphed) the `transformers` class its config names; "vecpool" refuses
     an architecture with no native class; "transformers" always takes the fallback.
+    `enable_prefix_caching` (causal models; refused for others): prompts that start with the
+    same token ids compute them once, keeping their keys and values in a cache of
+    `prefix_cache_tokens` positions (default 8192, at least `max_model_len`), least recently
+    used evicted (see `vecpool.engine.prefix_cache`).
     """
 
     def __init__(
