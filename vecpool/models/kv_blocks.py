@@ -51,6 +51,8 @@ class BlockPool:
             rows = hidden.index_select(0, prefix.write_rows).float()
             block_sums = rows.view(-1, self.block_size, hidden.shape[1]).sum(1)
             self.sums.index_copy_(0, prefix.write_slots, block_sums)
+        if not prefix.read_slots.numel():  # only writers (a shape: no device sync to read)
+            return self.sums.new_zeros((prefix.read_blocks.shape[0], hidden.shape[1]))
         per_block = self.sums.index_select(0, prefix.read_slots)  # [num_read_blocks, hidden]
         return torch.segment_reduce(
             per_block, "sum", lengths=prefix.read_blocks, axis=0, initial=0.0
