@@ -71,6 +71,11 @@ class EngineArgs:
     # Quantize the layer stack's linears after loading: "fp8" (CUDA, compute capability 8.9+)
     # or "int8" (the CPU); weights per output channel, activations per token. None: as stored.
     quantization: str | None = None
+    # Causal models: prompts that start with the same tokens compute them once, their keys and
+    # values kept in a bounded cache of `prefix_cache_tokens` positions (None: see
+    # `prefix_cache_size`). Refused for a bidirectional model.
+    enable_prefix_caching: bool = False
+    prefix_cache_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -79,6 +84,7 @@ class EngineArgs:
             "max_num_seqs",
             "max_input_chars",
             "data_parallel_size",
+            "prefix_cache_tokens",
         ):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -118,6 +124,13 @@ class EngineArgs:
         else:
             budget = self.max_num_batched_tokens or max(budget, max_model_len)
         return SchedulerConfig(budget, self.max_num_seqs or num_seqs, max_cached_tokens=cached)
+
+    def prefix_cache_size(self, max_model_len: int) -> int:
+        """Prompt positions the shared-prefix cache holds: the given count, else 8192 (and at
+        least one prompt of `max_model_len`). 8192 positions hold some twenty distinct
+        400-token prefixes (reranking calls of different queries, instructions) for about
+        0.9 GiB on a 0.6B-parameter Qwen3 in bf16 (112 KiB a position)."""
+        return self.prefix_cache_tokens or max(8192, max_model_len)
 
     def window_overlap(self, max_model_len: int) -> int:
         """Tokens consecutive windows of a windowed embedding share: the given count, else an
@@ -287,6 +300,19 @@ class EngineArgs:
             help="quantize the layers' linear projections after loading, weights per output "
             "channel and activations per token: fp8 on CUDA (compute capability 8.9+: Ada, "
             "Hopper), int8 on the CPU (default: none; a checkpoint stored in FP8 runs in FP8)",
+        )
+        eng.add_argument(
+            "--enable-prefix-caching",
+            action="store_true",
+            help="causal models: prompts that start with the same tokens (an LLM reranker's "
+            "query across the documents of a call, an instruction) compute them once",
+        )
+        eng.add_argument(
+            "--prefix-cache-tokens",
+            type=int,
+            metavar="N",
+            help="prompt positions the prefix cache keeps keys and values for, least recently "
+            "used evicted (default: 8192, at least max_model_len)",
         )
         eng.add_argument(
             "--llm-reranker",

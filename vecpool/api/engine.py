@@ -21,6 +21,7 @@ from vecpool.api.late_interaction import side_formats, skiplist_ids
 from vecpool.api.outputs import PoolingOutput, PreparedCall, PromptRequest, T, outcome
 from vecpool.config import LLMRerankerConfig, resolve_device, resolve_dtype
 from vecpool.engine.core import EngineCore
+from vecpool.engine.prefix_cache import BLOCK_SIZE, PrefixCache
 from vecpool.engine.request import Request
 from vecpool.engine.scheduler import Scheduler
 from vecpool.errors import ConfigError, InputError
@@ -36,6 +37,7 @@ from vecpool.models.attention import varlen_available
 from vecpool.models.base import Capability
 from vecpool.models.folder import ModelFolder
 from vecpool.models.hf import hf_get
+from vecpool.models.kv_blocks import BlockPool
 from vecpool.models.loader import load_model
 from vecpool.models.quant import check_quantization, quantize_model
 from vecpool.models.st import load_dense_stack
@@ -105,6 +107,10 @@ class Engine:
     per output channel and activations per token: "fp8" on CUDA of compute capability 8.9 or
     higher, "int8" on the CPU (see `vecpool.models.quant`); a checkpoint stored in FP8 runs in
     FP8 without it.
+    `enable_prefix_caching` (causal models; refused for others): prompts that start with the
+    same token ids compute them once, keeping their keys and values in a cache of
+    `prefix_cache_tokens` positions (default 8192, at least `max_model_len`), least recently
+    used evicted (see `vecpool.engine.prefix_cache`).
     """
 
     def __init__(
@@ -130,6 +136,8 @@ class Engine:
         data_parallel_size: int = 1,
         model_impl: str = "auto",
         quantization: str | None = None,
+        enable_prefix_caching: bool = False,
+        prefix_cache_tokens: int | None = None,
     ):
         self.args = args = EngineArgs(
             model,
@@ -152,6 +160,8 @@ class Engine:
             data_parallel_size=data_parallel_size,
             model_impl=model_impl,
             quantization=quantization,
+            enable_prefix_caching=enable_prefix_caching,
+            prefix_cache_tokens=prefix_cache_tokens,
         )
         if data_parallel_size > 1:
             raise ConfigError(
@@ -232,6 +242,7 @@ class Engine:
             compile = not plain and compile_by_default(self.device, self.model.hidden_size)
         if cuda_graphs is None:
             cuda_graphs = not plain and varlen_available(self.device, self.dtype)
+        prefix_tokens = self._prefix_cache_tokens(args)
         self.model_runner = ModelRunner(
             self.model,
             self.device,
@@ -240,6 +251,9 @@ class Engine:
             graphs=cuda_graphs,
             max_seqs=self.scheduler_config.max_num_seqs,
             max_model_len=self.max_model_len,
+            block_pool=BlockPool(prefix_tokens // BLOCK_SIZE, BLOCK_SIZE)
+            if prefix_tokens
+            else None,
         )
         heads, self.missing_heads = build_heads(
             self.model,
@@ -274,7 +288,17 @@ class Engine:
             else None,
         )
         self.core = EngineCore(
-            Scheduler(self.scheduler_config),
+            Scheduler(
+                self.scheduler_config,
+                PrefixCache(
+                    prefix_tokens,
+                    frozenset(h for h, head in heads.items() if head.prefix_carry is not None),
+                    # Same-step reads where attention takes each sequence at its own length.
+                    read_pending=self.model_runner.use_varlen,
+                )
+                if prefix_tokens
+                else None,
+            ),
             self.model_runner,
             PoolingRunner(heads, self.device),
             probe=self._probe(),
@@ -308,7 +332,27 @@ class Engine:
             data_parallel_size=args.data_parallel_size,
             model_impl=args.model_impl,
             quantization=args.quantization,
+            enable_prefix_caching=args.enable_prefix_caching,
+            prefix_cache_tokens=args.prefix_cache_tokens,
         )
+
+    def _prefix_cache_tokens(self, args: EngineArgs) -> int:
+        """Positions of the shared-prefix cache; 0 when off. Refused for a model whose prompts
+        cannot start after positions computed before (bidirectional attention, or a model run
+        through transformers)."""
+        if not args.enable_prefix_caching:
+            return 0
+        if not (self.model.is_causal and self.model.step_optimizations):
+            raise ConfigError(
+                f"enable_prefix_caching: {self.folder.architecture} "
+                + (
+                    "runs through transformers"
+                    if self.model.is_causal
+                    else "attends in both directions (a token's keys depend on what follows)"
+                )
+                + ", so its prompts cannot share computed prefixes; leave it off"
+            )
+        return args.prefix_cache_size(self.max_model_len)
 
     def _max_model_len(self, asked: int | None) -> int:
         limit = self.model.max_positions

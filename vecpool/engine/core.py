@@ -87,6 +87,13 @@ class EngineCore:
         self.loop_errors = 0
         return ran
 
+    @property
+    def prefix_cache_stats(self) -> tuple[int, int]:
+        """Shared-prefix caching: (prompt tokens served from the cache, prompt tokens of the
+        requests that looked it up); (0, 0) when it is off."""
+        cache = self.scheduler.prefix_cache
+        return (0, 0) if cache is None else (cache.hit_tokens, cache.queried_tokens)
+
     def next_request_id(self) -> str:
         return f"req-{next(self._ids)}"
 
@@ -150,8 +157,17 @@ class EngineCore:
         """`current` without the requests that were cancelled or failed since it was built
         (a failed chunk leaves its prompt nothing to continue from); None if none is left."""
         sched = current[0]
-        keep = [i for i, r in enumerate(sched.requests) if not r.is_done]
-        self._releasable.extend(r.request_id for r in sched.requests if r.is_done)
+        # A chunk that computes prefix blocks runs all the same: later chunks may read them.
+        keep = [
+            i
+            for i, (r, c) in enumerate(zip(sched.requests, sched.step.chunks, strict=True))
+            if not r.is_done or (c.blocks is not None and c.blocks.write_slots)
+        ]
+        if len(keep) == len(sched.requests):
+            return current
+        self._releasable.extend(
+            sched.requests[i].request_id for i in set(range(len(sched.requests))) - set(keep)
+        )
         if not keep:
             return None
         kept = SchedulerOutput(
@@ -210,6 +226,9 @@ class EngineCore:
             type(exc).__name__,
             exc,
         )
+        prefix_cache = self.scheduler.prefix_cache
+        if prefix_cache is not None:  # blocks this step wrote are not to be read from now on
+            prefix_cache.forget([r.request_id for r in sched.requests])
         failed = self._run_halves(sched, exc)
         budget = self.scheduler.config.max_num_batched_tokens
         over_budget = num == 1 and sched.requests[0].num_prompt_tokens > budget

@@ -14,6 +14,11 @@ several steps, each chunk attending to the keys and values its earlier chunks le
   first come first served among held prompts, while shorter prompts pass it.
 - A prompt longer than the budget that cannot be chunked (bidirectional attention, or too long
   for the cache) runs alone in a step of its own.
+
+With shared-prefix caching (`prefix_cache`), a waiting prompt's leading blocks already in the
+cache count as computed when it is first considered: only the rest of it is scheduled, from
+the position they end at (see `vecpool.engine.prefix_cache`). A prompt whose prefix this very
+step computes may wait for the next step, first come first served.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from vecpool.config import SchedulerConfig
+from vecpool.engine.prefix_cache import PrefixCache
 from vecpool.engine.request import Request, RequestStatus
 from vecpool.runner.step import ScheduledChunk, StepInput
 
@@ -55,8 +61,9 @@ class Scheduler:
     of `SchedulerConfig` (see the module's docstring). Plain CPU Python: it never touches
     tensors."""
 
-    def __init__(self, config: SchedulerConfig):
+    def __init__(self, config: SchedulerConfig, prefix_cache: PrefixCache | None = None):
         self.config = config
+        self.prefix_cache = prefix_cache
         self.waiting: deque[Request] = deque()
         # Prompts to be chunked that wait for room in the cache, first come first served.
         self.held: deque[Request] = deque()
@@ -88,7 +95,9 @@ class Scheduler:
         cfg = self.config
         budget, cap = cfg.max_num_batched_tokens, cfg.max_num_seqs
         released = self._drop_done()
-        step = _StepBuilder()
+        if self.prefix_cache is not None:
+            self.prefix_cache.begin_step()
+        step = _StepBuilder(self.prefix_cache)
         self._admit_held()
         running = [r for r in self.chunked if r.num_unscheduled_tokens > 0]
         others_wait = bool(self.waiting or self.held)
@@ -100,10 +109,13 @@ class Scheduler:
         short_budget = budget - reserve
         while self.waiting and step.num_seqs < cap - seq_reserve:
             request = self.waiting[0]
-            n = request.num_prompt_tokens
             if request.is_done:  # cancelled while waiting
                 self.waiting.popleft()
-            elif n <= short_budget - step.num_tokens:
+                continue
+            if self.prefix_cache is not None and not self.prefix_cache.admit(request):
+                break  # its prefix is computed in this step: it reads it in the next
+            n = request.num_unscheduled_tokens  # the whole prompt, less a cached prefix
+            if n <= short_budget - step.num_tokens:
                 step.take(self.waiting.popleft(), n)
             elif n <= short_budget:  # fits a later step whole: wait for it
                 break
@@ -148,7 +160,8 @@ class Scheduler:
 class _StepBuilder:
     """The chunks of the step being scheduled."""
 
-    def __init__(self) -> None:
+    def __init__(self, prefix_cache: PrefixCache | None = None) -> None:
+        self.prefix_cache = prefix_cache
         self.requests: list[Request] = []
         self.chunks: list[ScheduledChunk] = []
         self.num_tokens = 0
@@ -162,10 +175,19 @@ class _StepBuilder:
         start = request.num_scheduled_tokens
         request.num_scheduled_tokens += num_tokens
         request.status = RequestStatus.RUNNING
+        blocks = None
+        if self.prefix_cache is not None:
+            blocks = self.prefix_cache.produce(request, start, start + num_tokens)
         self.requests.append(request)
         self.chunks.append(
             ScheduledChunk(
-                request.request_id, request.prompt, request.params, request.task, start, num_tokens
+                request.request_id,
+                request.prompt,
+                request.params,
+                request.task,
+                start,
+                num_tokens,
+                blocks,
             )
         )
         self.num_tokens += num_tokens

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from vecpool.models.kv_blocks import PrefixKV
+
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -91,6 +93,8 @@ class ChunkedKV:
     max_seqlen_k: int  # longest key sequence (cached positions and the chunk's own)
     key_seq_ids: torch.Tensor  # [num_keys] int64: the sequence of each key row
     key_pos: torch.Tensor  # [num_keys] int64: each key row's prompt position
+    # Shared-prefix caching: the block pool rows the chunks read and write; None: not in use.
+    prefix: PrefixKV | None = None
     _layer: int = field(default=0, repr=False)  # the layer `extend` serves next
 
     def rewind(self) -> None:
@@ -103,6 +107,8 @@ class ChunkedKV:
         cached positions before its own rows, in batch order."""
         layer = self._layer
         self._layer += 1
+        if self.prefix is not None:
+            return self.prefix.extend(layer, k, v, self)
         cu = self.cu_seqlens_q
         k_parts: list[torch.Tensor] = []
         v_parts: list[torch.Tensor] = []

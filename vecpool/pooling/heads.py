@@ -92,6 +92,10 @@ class TaskHead(Protocol):
     per_token: bool
     # True: every request needs its token ids, whatever its task says (the head reads them).
     needs_token_ids: bool
+    # Shared-prefix caching: the names of the carried values (see `HeadBatch.merge`) that a
+    # cached prefix's float32 hidden-state sum stands for; () when the head needs nothing of
+    # a prefix (it reads the last row); None when it needs the prefix's rows (no sharing).
+    prefix_carry: tuple[str, ...] | None
 
     def __call__(self, b: HeadBatch, /) -> list[np.ndarray | None]:
         """One output per sequence of `b`, in its order (None: a sequence head's sequence whose
@@ -142,6 +146,7 @@ class EmbedHead:
 
     per_token = False
     needs_token_ids = False
+    prefix_carry: tuple[str, ...] | None = None
 
     def __init__(self, pooler: str, dense: DenseStack, normalize: bool, output_dim: int):
         self.pooler, self.dense, self.normalize, self.output_dim = (
@@ -150,6 +155,7 @@ class EmbedHead:
             normalize,
             output_dim,
         )
+        self.prefix_carry = _PREFIX_CARRY.get(pooler, {}).get("pooled")
 
     def __call__(self, b: HeadBatch) -> list[np.ndarray | None]:
         method = METHODS[self.pooler]
@@ -172,9 +178,11 @@ class ClassifierHead:
 
     per_token = False
     needs_token_ids = False
+    prefix_carry: tuple[str, ...] | None = None
 
     def __init__(self, classify: RowFn, pooler: str, activation: str):
         self.classify, self.pooler, self.activation = classify, pooler, activation
+        self.prefix_carry = _PREFIX_CARRY.get(pooler, {}).get("sum" if pooler == "MEAN" else "row")
 
     def __call__(self, b: HeadBatch) -> list[np.ndarray | None]:
         if self.pooler == "MEAN":
@@ -199,6 +207,7 @@ class LogitScoreHead:
 
     per_token = False
     needs_token_ids = False
+    prefix_carry: tuple[str, ...] | None = ()  # the last row only
 
     def __init__(self, compute_logits: LogitsFn, vocab_ids: torch.Tensor):
         self.compute_logits = compute_logits
@@ -222,6 +231,7 @@ class TokenEmbedHead:
 
     per_token = True
     needs_token_ids = False
+    prefix_carry: tuple[str, ...] | None = None
 
     def __init__(
         self,
@@ -263,6 +273,7 @@ class TokenClassifierHead:
 
     per_token = True
     needs_token_ids = False
+    prefix_carry: tuple[str, ...] | None = None
 
     def __init__(self, classify_tokens: RowFn, activation: str):
         self.classify_tokens, self.activation = classify_tokens, activation
@@ -283,6 +294,7 @@ class ListwiseHead:
 
     per_token = True  # each chunk's marker rows; the pooling runner joins a prompt's chunks
     needs_token_ids = True
+    prefix_carry: tuple[str, ...] | None = None
 
     def __init__(self, project: RowFn, marked: torch.Tensor):
         self.project = project
@@ -303,6 +315,7 @@ class SparseHead:
 
     per_token = False
     needs_token_ids = False
+    prefix_carry: tuple[str, ...] | None = None
 
     def __init__(
         self,
@@ -358,6 +371,7 @@ class LexicalSparseHead:
 
     per_token = False
     needs_token_ids = True
+    prefix_carry: tuple[str, ...] | None = None
 
     def __init__(self, token_weight: RowFn, unused: torch.Tensor, special: torch.Tensor):
         self.token_weight = token_weight  # [n, hidden] -> [n, 1]
@@ -381,6 +395,16 @@ class LexicalSparseHead:
         out.scatter_reduce_(0, row_local[rows] * vocab + ids[rows], weights, reduce="amax")
         merged = b.merge("weights", out.view(b.num_seqs, vocab), "max")
         return b.final_only(list(merged.cpu().numpy()))
+
+
+# By sequence method, then by the name a head carries its reduction under: what a cached
+# prefix gives it. LAST needs nothing of a prefix; MEAN and MEAN_SQRT_LEN add its plain sum.
+# The others (CLS, MAX, WEIGHTED_MEAN) would need its rows: such heads share no prefix.
+_PREFIX_CARRY: dict[str, dict[str, tuple[str, ...]]] = {
+    "LAST": {"pooled": (), "row": ()},
+    "MEAN": {"pooled": ("pooled",), "sum": ("sum",)},
+    "MEAN_SQRT_LEN": {"pooled": ("pooled",)},
+}
 
 
 def _not_prompt_first(meta: PoolingMetadata) -> torch.Tensor:  # [num_tokens] bool

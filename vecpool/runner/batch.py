@@ -10,6 +10,7 @@ import torch
 
 from vecpool.errors import EngineError
 from vecpool.models.attention import AttentionMetadata, ChunkedKV
+from vecpool.models.kv_blocks import BlockPool, PrefixKV
 from vecpool.pooling.methods import PoolingMetadata
 from vecpool.runner.kv_cache import KVCache
 from vecpool.runner.step import StepInput
@@ -27,6 +28,9 @@ class FlatBatch:
     attn: AttentionMetadata
     pooling: PoolingMetadata
     has_token_ids: list[bool]  # [num_seqs]: False where the prompt came as embeddings
+    # Shared-prefix caching: each sequence's cached prefix's float32 hidden-state sum (zero
+    # where it has none). Set by the model runner's forward; None: no sequence reads the pool.
+    prefix_sums: torch.Tensor | None = None  # [num_seqs, hidden] float32
 
     @property
     def num_tokens(self) -> int:
@@ -40,10 +44,12 @@ def build_flat_batch(
     use_varlen: bool,
     with_token_types: bool,
     kv_cache: KVCache | None = None,
+    block_pool: BlockPool | None = None,
 ) -> FlatBatch:
     """Concatenate the scheduled chunks into flat tensors on `device`. A chunk of a longer
     prompt gets its buffers in `kv_cache` (a model with causal attention; None: every chunk
-    must be a whole prompt)."""
+    must be a whole prompt); chunks that read or write cached prefix blocks, their rows of
+    `block_pool`."""
     chunks = step.chunks
     lengths = np.fromiter((c.num_tokens for c in chunks), dtype=np.int64, count=len(chunks))
     starts = np.fromiter((c.start for c in chunks), dtype=np.int64, count=len(chunks))
@@ -99,7 +105,7 @@ def build_flat_batch(
     seq_ids_device = to_device(seq_ids)
     input_ids = to_device(np.concatenate(ids_parts))
     starts_device = to_device(starts)
-    kv = _chunked_kv(step, starts, lengths, cu, kv_cache, to_device)
+    kv = _chunked_kv(step, starts, lengths, cu, kv_cache, to_device, block_pool)
     return FlatBatch(
         input_ids=input_ids,
         positions=to_device(positions),
@@ -137,14 +143,29 @@ def _chunked_kv(
     cu: np.ndarray,  # [num_seqs + 1] int64
     kv_cache: KVCache | None,
     to_device: Callable[[np.ndarray], torch.Tensor],
+    block_pool: BlockPool | None = None,
 ) -> ChunkedKV | None:
     """The cached keys and values the step's chunks read and write; None when every chunk is a
-    whole prompt. A chunk's keys are its prompt's positions up to its end."""
+    whole prompt that shares no block. A chunk's keys are its prompt's positions up to its end:
+    those of a cached prefix from `block_pool`, the others of earlier chunks from `kv_cache`."""
     ends = starts + lengths
     totals = np.fromiter((c.prompt.num_tokens for c in step.chunks), np.int64, len(step.chunks))
-    chunked = (starts > 0) | (ends < totals)
-    if not chunked.any():
+    shares = any(
+        c.blocks is not None and (c.blocks.prefix_tokens or c.blocks.write_slots)
+        for c in step.chunks
+    )
+    prefix = np.fromiter(
+        (c.blocks.prefix_tokens if c.blocks is not None else 0 for c in step.chunks),
+        np.int64,
+        len(step.chunks),
+    )
+    # Buffers hold what a prompt's earlier chunks computed (not its cached prefix), for chunks
+    # that continue or follow one.
+    chunked = (starts > prefix) | (ends < totals)
+    if not chunked.any() and not shares:
         return None
+    if shares and block_pool is None:
+        raise EngineError("a step reads or writes prefix blocks, but the engine keeps none")
     if kv_cache is None:
         raise EngineError(
             "a step holds part of a prompt, but this model's attention is bidirectional: its "
@@ -153,6 +174,10 @@ def _chunked_kv(
     cu_k = np.zeros(len(ends) + 1, dtype=np.int64)
     np.cumsum(ends, out=cu_k[1:])
     key_pos = np.arange(int(cu_k[-1])) - np.repeat(cu_k[:-1], ends)
+    prefix_kv = None
+    if shares:
+        assert block_pool is not None
+        prefix_kv = _prefix_kv(step, starts, lengths, cu, cu_k, prefix, block_pool, to_device)
     return ChunkedKV(
         buffers=[
             kv_cache.buffers(c.request_id, c.prompt.num_tokens) if is_chunked else None
@@ -165,4 +190,59 @@ def _chunked_kv(
         max_seqlen_k=int(ends.max()),
         key_seq_ids=to_device(np.repeat(np.arange(len(ends)), ends)),
         key_pos=to_device(key_pos),
+        prefix=prefix_kv,
+    )
+
+
+def _prefix_kv(
+    step: StepInput,
+    starts: np.ndarray,  # [num_seqs] int64
+    lengths: np.ndarray,  # [num_seqs] int64
+    cu: np.ndarray,  # [num_seqs + 1] int64: the chunks' rows in the batch
+    cu_k: np.ndarray,  # [num_seqs + 1] int64: their keys' rows
+    prefix: np.ndarray,  # [num_seqs] int64: positions read from the pool
+    pool: BlockPool,
+    to_device: Callable[[np.ndarray], torch.Tensor],
+) -> PrefixKV:
+    """The pool rows the step's chunks write (blocks they compute) and read (their cached
+    prefixes), and where each row goes among the keys."""
+    size = pool.block_size
+    offsets = np.arange(size)
+    empty = np.zeros(0, dtype=np.int64)
+    read_slots, read_seq, write_slots, write_first = [empty], [empty], [empty], [empty]
+    for i, c in enumerate(step.chunks):
+        b = c.blocks
+        if b is None:
+            continue
+        if b.prefix_slots:
+            read_slots.append(np.asarray(b.prefix_slots, dtype=np.int64))
+            read_seq.append(np.full(len(b.prefix_slots), i, dtype=np.int64))
+        if b.write_slots:
+            first = cu[i] + b.write_from - starts[i]  # batch row of the first block written
+            write_slots.append(np.asarray(b.write_slots, dtype=np.int64))
+            write_first.append(first + size * np.arange(len(b.write_slots)))
+    r_slots, r_seq = np.concatenate(read_slots), np.concatenate(read_seq)
+    w_slots, w_first = np.concatenate(write_slots), np.concatenate(write_first)
+    # Block j of a sequence's prefix: its keys' rows from cu_k[i] + j * size.
+    block_index = np.arange(len(r_seq)) - np.searchsorted(r_seq, r_seq)
+    read_key_first = cu_k[:-1][r_seq] + size * block_index
+    seq_of_row = np.repeat(np.arange(len(lengths)), lengths)
+    own = cu_k[:-1][seq_of_row] + starts[seq_of_row] + np.arange(int(cu[-1])) - cu[:-1][seq_of_row]
+
+    def rows(first: np.ndarray) -> np.ndarray:  # [n] first rows -> [n * size] every row
+        return (first[:, None] + offsets[None, :]).reshape(-1)
+
+    return PrefixKV(
+        pool=pool,
+        write_rows=to_device(rows(w_first)),
+        write_pool_rows=to_device(rows(w_slots * size)),
+        write_slots=to_device(w_slots),
+        read_pool_rows=to_device(rows(r_slots * size)),
+        read_key_rows=to_device(rows(read_key_first)),
+        read_slots=to_device(r_slots),
+        read_blocks=to_device(np.bincount(r_seq, minlength=len(lengths)).astype(np.int64)),
+        own_key_rows=to_device(own),
+        num_keys=int(cu_k[-1]),
+        prefix_tokens=prefix.tolist(),
+        key_starts=cu_k[:-1].tolist(),
     )

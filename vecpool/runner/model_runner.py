@@ -9,6 +9,7 @@ import torch
 
 from vecpool.models.attention import varlen_available
 from vecpool.models.base import PoolingModel
+from vecpool.models.kv_blocks import BlockPool
 from vecpool.runner.batch import FlatBatch, build_flat_batch
 from vecpool.runner.compiled import compile_blocks
 from vecpool.runner.graphs import StepGraphs
@@ -34,6 +35,7 @@ class ModelRunner:
         graphs: bool = False,  # replay small steps from CUDA graphs (see graphs.py)
         max_seqs: int = 256,  # sequences one step may hold
         max_model_len: int = 512,
+        block_pool: BlockPool | None = None,  # shared-prefix caching's blocks (causal models)
     ):
         self.model = model
         self.device = device
@@ -46,6 +48,7 @@ class ModelRunner:
         # plain forwards only (the transformers fallback): such models keep no cache.
         chunks = model.is_causal and model.step_optimizations
         self.kv_cache: KVCache | None = KVCache() if chunks else None
+        self.block_pool = block_pool if chunks else None
         # Without a CUDA device, graphs=True runs the same padded shapes as plain forwards.
         self.graphs = (
             StepGraphs(
@@ -79,6 +82,7 @@ class ModelRunner:
             use_varlen=self.use_varlen,
             with_token_types=self.model.uses_token_type_ids,
             kv_cache=self.kv_cache,
+            block_pool=self.block_pool,
         )
 
     def release(self, request_ids: list[str]) -> None:
@@ -100,4 +104,7 @@ class ModelRunner:
             if replayed is not None:
                 return replayed
         hidden: torch.Tensor = self.model(x, batch.positions, batch.attn, batch.token_type_ids)
+        kv = batch.attn.kv
+        if kv is not None and kv.prefix is not None:  # blocks written, prefixes read
+            batch.prefix_sums = kv.prefix.pool.hidden_sums(hidden, kv.prefix)
         return hidden

@@ -22,7 +22,7 @@ from vecpool.errors import EngineError, RequestFailedError
 from vecpool.pooling.carry import Carry
 from vecpool.pooling.heads import HeadBatch, TaskHead
 from vecpool.runner.batch import FlatBatch
-from vecpool.runner.step import StepInput
+from vecpool.runner.step import ScheduledChunk, StepInput
 from vecpool.tasks import Head
 
 
@@ -71,7 +71,9 @@ class PoolingRunner:
         groups: dict[Head, list[int]] = {}
         for i, (chunk, has_ids) in enumerate(zip(chunks, batch.has_token_ids, strict=True)):
             if chunk.start > 0:
-                earlier[i] = self._states.get(chunk.request_id)
+                earlier[i] = self._states.get(chunk.request_id) or self._from_prefix(
+                    i, chunk, batch
+                )
                 if earlier[i] is None:
                     raise EngineError(
                         f"request {chunk.request_id} continues at position {chunk.start} "
@@ -129,6 +131,21 @@ class PoolingRunner:
                 self._states.pop(chunk.request_id, None)
         assert all(r is not None for r in results)
         return [r for r in results if r is not None]
+
+    def _from_prefix(self, i: int, chunk: ScheduledChunk, batch: FlatBatch) -> PromptState | None:
+        """The state a prompt starts from after its cached prefix (shared-prefix caching): the
+        prefix's hidden-state sum under the names its head carries sums by. None: the chunk
+        does not start right after a cached prefix."""
+        blocks = chunk.blocks
+        if blocks is None or blocks.prefix_tokens != chunk.start or batch.prefix_sums is None:
+            return None
+        names = self.heads[chunk.task.head].prefix_carry
+        if names is None:
+            raise EngineError(
+                f"request {chunk.request_id} starts after a cached prefix, but its "
+                f"{chunk.task.head.value!r} head needs the prefix's rows"
+            )
+        return PromptState(carried={name: batch.prefix_sums[i] for name in names})
 
 
 def _carried(state: PromptState | None) -> dict[str, torch.Tensor] | None:

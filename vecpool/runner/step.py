@@ -14,6 +14,17 @@ from vecpool.tasks import PoolingParams, TaskSpec
 
 
 @dataclass(frozen=True, slots=True)
+class ChunkBlocks:
+    """The rows of the model runner's block pool (shared-prefix caching) that one scheduled
+    chunk reads and writes, in blocks of `vecpool.engine.prefix_cache.BLOCK_SIZE` tokens."""
+
+    prefix_tokens: int  # prompt positions [0, prefix_tokens) are read from the pool
+    prefix_slots: tuple[int, ...]  # their blocks' slots, in order
+    write_from: int  # prompt position of the first block the chunk writes
+    write_slots: tuple[int, ...]  # the slots of the blocks it writes, in order
+
+
+@dataclass(frozen=True, slots=True)
 class ScheduledChunk:
     """`num_tokens` tokens of one prompt, from position `start`, run in this step: the whole
     prompt, or one chunk of a longer one."""
@@ -24,6 +35,7 @@ class ScheduledChunk:
     task: TaskSpec
     start: int  # first prompt position run in this step
     num_tokens: int
+    blocks: ChunkBlocks | None = None  # shared-prefix caching: the pool rows it reads, writes
 
     @property
     def ends_prompt(self) -> bool:

@@ -254,6 +254,7 @@ def run_engine_process(
             from prometheus_client import CollectorRegistry
 
             metrics = EngineMetrics(CollectorRegistry())
+            metrics.prefix_cache_stats = lambda: engine.core.prefix_cache_stats
         loop = EngineLoop(engine, config, metrics)
     except VecpoolError as exc:  # a setting or the model folder: the user's to fix
         ready.send(("invalid", str(exc)))

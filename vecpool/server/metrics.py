@@ -4,7 +4,8 @@ HTTP (`ServerMetrics`, in each API process): requests by endpoint and status, la
 request, seconds spent in tokenization (input processing, prompt-embeds decoding included), in
 the queue and in inference. Engine (`EngineMetrics`, where the engine runs): queue size, steps,
 tokens per step (batch tokens), request outcomes (finished, failed, and cancelled: dropped
-because the client went away). The supervisor (`SupervisorMetrics`): engine processes restarted.
+because the client went away), prompt tokens the shared-prefix cache was queried for and hit.
+The supervisor (`SupervisorMetrics`): engine processes restarted.
 
 With several processes, each records into prometheus-client's multiprocess directory (the
 `PROMETHEUS_MULTIPROC_DIR` the launcher sets for them) and `/metrics`, answered by any API
@@ -128,6 +129,20 @@ class EngineMetrics:
             ["outcome"],
             registry=r,
         )
+        self.prefix_cache_hit_tokens = Counter(
+            "vecpool_prefix_cache_hit_tokens",
+            "Prompt tokens served from the shared-prefix cache instead of computed",
+            registry=r,
+        )
+        self.prefix_cache_queried_tokens = Counter(
+            "vecpool_prefix_cache_queried_tokens",
+            "Prompt tokens of the requests that looked the shared-prefix cache up",
+            registry=r,
+        )
+        # The engine's (hit, queried) totals, read after each step (`EngineCore`'s
+        # `prefix_cache_stats`); None: no prefix cache to report.
+        self.prefix_cache_stats: Callable[[], tuple[int, int]] | None = None
+        self._prefix_cache_seen = (0, 0)
         self._step_tokens = 0  # written by the engine loop thread only
 
     def on_request_done(self, request: Request) -> None:
@@ -135,6 +150,7 @@ class EngineMetrics:
         self.engine_requests.labels(request.status.value).inc()
         if request.status in (RequestStatus.FINISHED, RequestStatus.FAILED):
             self._step_tokens += request.num_prompt_tokens
+            self._sync_prefix_cache()  # the loop thread: before the answer goes out
 
     def on_step(self, started: float, ended: float) -> None:
         """After each step that ran a batch (loop thread), its done callbacks run."""
@@ -142,6 +158,20 @@ class EngineMetrics:
         self.step_seconds.observe(ended - started)
         self.batch_tokens.observe(self._step_tokens)
         self._step_tokens = 0
+        self._sync_prefix_cache()
+
+    def _sync_prefix_cache(self) -> None:
+        """Bring the prefix cache counters to the engine's totals (loop thread only)."""
+        if self.prefix_cache_stats is None:
+            return
+        (hit, queried), (seen_hit, seen_queried) = (
+            self.prefix_cache_stats(),
+            self._prefix_cache_seen,
+        )
+        if (hit, queried) != (seen_hit, seen_queried):
+            self.prefix_cache_hit_tokens.inc(hit - seen_hit)
+            self.prefix_cache_queried_tokens.inc(queried - seen_queried)
+            self._prefix_cache_seen = (hit, queried)
 
     def set_queue_size(self, n: int) -> None:
         self.queue_size.set(n)

@@ -1,0 +1,114 @@
+"""The block pool of shared-prefix caching: keys and values of prompt blocks, by slot.
+
+Prompts that start with the same tokens share their leading blocks (which block is where is
+the engine's `vecpool.engine.prefix_cache`). The pool holds, per layer, the keys and values
+(rotary already applied) of `num_slots` blocks of `block_size` positions, and per block the
+float32 sum of its final hidden states (what MEAN pooling needs of a prefix it did not run).
+A step's `PrefixKV` says which rows its chunks write (blocks they compute) and read (the
+cached prefix they start after); layer by layer the writes come first, so a chunk may read a
+block that another chunk of the same step computes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from vecpool.models.attention import ChunkedKV
+
+
+class BlockPool:
+    """Per layer, one `[num_slots * block_size, num_kv_heads, head_dim]` buffer of keys and
+    one of values, allocated at the layer's first write (dtype and device of its keys); and
+    `[num_slots, hidden]` float32 hidden-state sums. Owned by the model runner."""
+
+    def __init__(self, num_slots: int, block_size: int):
+        self.num_slots = num_slots
+        self.block_size = block_size
+        self.keys: list[torch.Tensor] = []  # per layer [num_slots * block_size, kv_heads, dim]
+        self.values: list[torch.Tensor] = []  # per layer, as `keys`
+        self.sums: torch.Tensor | None = None  # [num_slots, hidden] float32
+
+    def layer(self, index: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The key and value buffers of layer `index` (allocated shaped as `like`'s rows)."""
+        while len(self.keys) <= index:
+            shape = (self.num_slots * self.block_size, *like.shape[1:])
+            self.keys.append(like.new_empty(shape))
+            self.values.append(like.new_empty(shape))
+        return self.keys[index], self.values[index]
+
+    def hidden_sums(
+        self, hidden: torch.Tensor, prefix: PrefixKV
+    ) -> torch.Tensor:  # [num_seqs, hidden] float32
+        """Record the hidden-state sums of the blocks this step wrote, and return each
+        sequence's cached prefix sum (zero where it has none), its blocks added in order."""
+        if self.sums is None:
+            self.sums = hidden.new_zeros((self.num_slots, hidden.shape[1]), dtype=torch.float32)
+        if prefix.write_slots.numel():
+            rows = hidden.index_select(0, prefix.write_rows).float()
+            block_sums = rows.view(-1, self.block_size, hidden.shape[1]).sum(1)
+            self.sums.index_copy_(0, prefix.write_slots, block_sums)
+        if not prefix.read_slots.numel():  # only writers (a shape: no device sync to read)
+            return self.sums.new_zeros((prefix.read_blocks.shape[0], hidden.shape[1]))
+        per_block = self.sums.index_select(0, prefix.read_slots)  # [num_read_blocks, hidden]
+        return torch.segment_reduce(
+            per_block, "sum", lengths=prefix.read_blocks, axis=0, initial=0.0
+        )
+
+    @property
+    def num_bytes(self) -> int:
+        tensors = (*self.keys, *self.values, *(() if self.sums is None else (self.sums,)))
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@dataclass
+class PrefixKV:
+    """One step's rows of the block pool: built by the model runner with the step's batch."""
+
+    pool: BlockPool
+    write_rows: torch.Tensor  # [num_written] int64: batch rows whose keys go to the pool
+    write_pool_rows: torch.Tensor  # [num_written] int64: the pool rows they go to
+    write_slots: torch.Tensor  # [num_written // block_size] int64: the blocks written
+    read_pool_rows: torch.Tensor  # [num_read] int64: pool rows of the cached prefixes
+    read_key_rows: torch.Tensor  # [num_read] int64: where they go among the keys
+    read_slots: torch.Tensor  # [num_read // block_size] int64: the blocks read, by sequence
+    read_blocks: torch.Tensor  # [num_seqs] int64: blocks each sequence reads
+    own_key_rows: torch.Tensor  # [num_tokens] int64: where each batch row goes among the keys
+    num_keys: int
+    prefix_tokens: list[int]  # [num_seqs]: positions each sequence reads from the pool
+    key_starts: list[int]  # [num_seqs]: each sequence's first row among the keys (host)
+
+    def extend(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, kv: ChunkedKV
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`ChunkedKV.extend` with a block pool: write this layer's computed blocks, then
+        lay out every sequence's keys (and values) as its cached prefix, the positions its
+        earlier chunks left in its buffers, then its own rows."""
+        pool_k, pool_v = self.pool.layer(layer, k)
+        if self.write_rows.numel():
+            pool_k.index_copy_(0, self.write_pool_rows, k.index_select(0, self.write_rows))
+            pool_v.index_copy_(0, self.write_pool_rows, v.index_select(0, self.write_rows))
+        keys = k.new_empty((self.num_keys, *k.shape[1:]))
+        values = v.new_empty((self.num_keys, *v.shape[1:]))
+        keys.index_copy_(0, self.own_key_rows, k)
+        values.index_copy_(0, self.own_key_rows, v)
+        if self.read_pool_rows.numel():
+            keys.index_copy_(0, self.read_key_rows, pool_k.index_select(0, self.read_pool_rows))
+            values.index_copy_(0, self.read_key_rows, pool_v.index_select(0, self.read_pool_rows))
+        cu = kv.cu_seqlens_q
+        for i, buffers in enumerate(kv.buffers):
+            if buffers is None:
+                continue
+            start, lo, hi = kv.starts[i], cu[i], cu[i + 1]
+            cached_k, cached_v = buffers.layer(layer, k)
+            if kv.keep[i]:
+                cached_k[start : start + hi - lo] = k[lo:hi]
+                cached_v[start : start + hi - lo] = v[lo:hi]
+            first, at = self.prefix_tokens[i], self.key_starts[i]
+            if start > first:  # positions after the cached prefix, from earlier chunks
+                keys[at + first : at + start] = cached_k[first:start]
+                values[at + first : at + start] = cached_v[first:start]
+        return keys, values
