@@ -253,7 +253,11 @@ def single_token_words(tokenizer: Any, limit: int = 4000) -> list[str]:
 def make_inputs(
     tokenizer: Any, lengths: np.ndarray, seed: int = 0
 ) -> tuple[list[str], list[list[int]]]:
-    """Texts of `lengths` tokens each (with [CLS] and [SEP]) and their token ids."""
+    """Texts of `lengths` tokens each (with [CLS] and [SEP]) and their token ids. The
+    tokenizer's own padding and truncation (a folder's tokenizer.json may carry them) are
+    turned off: the lengths are planned exactly."""
+    tokenizer.no_padding()
+    tokenizer.no_truncation()
     words = np.array(single_token_words(tokenizer))
     gen = np.random.default_rng(seed + 1)
     texts = [" ".join(gen.choice(words, size=int(n) - 2)) for n in lengths]
