@@ -82,14 +82,22 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--compile", action="store_true", help="compile both engines")
     parser.add_argument("--cuda-graphs", action="store_true", help="CUDA graphs on both")
     parser.add_argument("--output", type=Path)
+    parser.add_argument("--tokenizer", type=Path, help="default: the packaged model's folder")
     args = parser.parse_args(argv)
     if args.rounds < 3:
         parser.error("--rounds must be at least 3 (the median of 3 or more)")
     return args
 
 
-def write_folder(shape: dict[str, Any], dest: Path, device: str, dtype: torch.dtype) -> Path:
-    """A Qwen3ForCausalLM of `shape`, random weights (drawn on `device`), packaged tokenizer."""
+def write_folder(
+    shape: dict[str, Any],
+    dest: Path,
+    device: str,
+    dtype: torch.dtype,
+    tokenizer_dir: Path | None = None,
+) -> Path:
+    """A Qwen3ForCausalLM of `shape`, random weights (drawn on `device`), and the tokenizer of
+    `tokenizer_dir` (default: the packaged model's)."""
     torch.manual_seed(0)
     config = transformers.Qwen3Config(max_position_embeddings=32768, rms_norm_eps=1e-6, **shape)
     with torch.device(device):
@@ -97,7 +105,7 @@ def write_folder(shape: dict[str, Any], dest: Path, device: str, dtype: torch.dt
         torch.nn.Module.to(model, dtype)  # (transformers types its own `to` oddly)
     model.save_pretrained(str(dest), safe_serialization=True)
     del model
-    tokenizer_dir = default_model_path()
+    tokenizer_dir = tokenizer_dir or default_model_path()
     for name in TOKENIZER_FILES:
         (dest / name).write_bytes((tokenizer_dir / name).read_bytes())
     return dest
@@ -148,7 +156,7 @@ def main(argv: list[str]) -> dict[str, Any]:
     }
     with tempfile.TemporaryDirectory() as tmp:
         started = time.perf_counter()
-        folder = write_folder(SHAPES[args.shape], Path(tmp), str(device), dtype)
+        folder = write_folder(SHAPES[args.shape], Path(tmp), str(device), dtype, args.tokenizer)
         report["folder_seconds"] = round(time.perf_counter() - started, 2)
         options: dict[str, Any] = dict(
             device=str(device),
