@@ -67,6 +67,8 @@ class EngineArgs:
     # "auto": the native class, else the transformers fallback; "vecpool": native only;
     # "transformers": the fallback even where a native class exists (to compare).
     model_impl: str = "auto"
+    # Every input's output the same to the bit whatever shares its step (see models/invariant.py).
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         for name in (
@@ -274,6 +276,13 @@ class EngineArgs:
             help="auto: the model's native vecpool class, else its transformers class (slower); "
             "vecpool: native only; transformers: always through transformers (default: "
             "%(default)s)",
+        )
+        eng.add_argument(
+            "--batch-invariant",
+            action=argparse.BooleanOptionalAction,
+            default=False,
+            help="every input's output the same to the bit whatever else shares its step "
+            "(fixed-shape matrix products and attention; slower; default: %(default)s)",
         )
         eng.add_argument(
             "--llm-reranker",

@@ -36,6 +36,7 @@ from vecpool.models.attention import varlen_available
 from vecpool.models.base import Capability
 from vecpool.models.folder import ModelFolder
 from vecpool.models.hf import hf_get
+from vecpool.models.invariant import InvariantHead
 from vecpool.models.loader import load_model
 from vecpool.models.st import load_dense_stack
 from vecpool.pooling.build import PoolingDefaults, build_heads
@@ -97,6 +98,8 @@ class Engine:
     on first use).
     `data_parallel_size` above 1 is refused: an Engine is one engine in this process (see
     `EngineArgs.replicas` for how `vecpool serve` and `vecpool embed` place several).
+    `batch_invariant` makes every input's output the same to the bit whatever else shares its
+    step or call (fixed-shape matrix products and attention; see `vecpool.models.invariant`).
     `model_impl` "auto" runs the folder's native vecpool class, else (slower, prompts whole,
     neither compiled nor graphed) the `transformers` class its config names; "vecpool" refuses
     an architecture with no native class; "transformers" always takes the fallback.
@@ -124,6 +127,7 @@ class Engine:
         embed_window_overlap: int | None = None,
         data_parallel_size: int = 1,
         model_impl: str = "auto",
+        batch_invariant: bool = False,
     ):
         self.args = args = EngineArgs(
             model,
@@ -145,6 +149,7 @@ class Engine:
             embed_window_overlap=embed_window_overlap,
             data_parallel_size=data_parallel_size,
             model_impl=model_impl,
+            batch_invariant=batch_invariant,
         )
         if data_parallel_size > 1:
             raise ConfigError(
@@ -213,6 +218,11 @@ class Engine:
                 f"{self.folder.architecture} runs through transformers, which vecpool neither "
                 "compiles nor replays from CUDA graphs: leave compile and cuda_graphs unset"
             )
+        if plain and batch_invariant:
+            raise ConfigError(
+                f"{self.folder.architecture} runs through transformers, whose products vecpool "
+                "cannot make batch-invariant: leave batch_invariant unset"
+            )
         if compile is None:
             compile = not plain and compile_by_default(self.device, self.model.hidden_size)
         if cuda_graphs is None:
@@ -225,6 +235,7 @@ class Engine:
             graphs=cuda_graphs,
             max_seqs=self.scheduler_config.max_num_seqs,
             max_model_len=self.max_model_len,
+            batch_invariant=batch_invariant,
         )
         heads, self.missing_heads = build_heads(
             self.model,
@@ -258,6 +269,8 @@ class Engine:
             if late is not None and self.tokenizer is not None
             else None,
         )
+        if batch_invariant:  # the heads' products on [num_seqs, hidden] rows too
+            heads = {name: InvariantHead(head) for name, head in heads.items()}
         self.core = EngineCore(
             Scheduler(self.scheduler_config),
             self.model_runner,
@@ -292,6 +305,7 @@ class Engine:
             embed_window_overlap=args.embed_window_overlap,
             data_parallel_size=args.data_parallel_size,
             model_impl=args.model_impl,
+            batch_invariant=args.batch_invariant,
         )
 
     def _max_model_len(self, asked: int | None) -> int:

@@ -9,6 +9,7 @@ import torch
 
 from vecpool.models.attention import varlen_available
 from vecpool.models.base import PoolingModel
+from vecpool.models.invariant import make_batch_invariant
 from vecpool.runner.batch import FlatBatch, build_flat_batch
 from vecpool.runner.compiled import compile_blocks
 from vecpool.runner.graphs import StepGraphs
@@ -34,11 +35,15 @@ class ModelRunner:
         graphs: bool = False,  # replay small steps from CUDA graphs (see graphs.py)
         max_seqs: int = 256,  # sequences one step may hold
         max_model_len: int = 512,
+        batch_invariant: bool = False,  # every row's result independent of the step's others
     ):
         self.model = model
         self.device = device
         self.dtype = dtype
         self.use_varlen = varlen_available(device, dtype)
+        self.batch_invariant = batch_invariant
+        if batch_invariant:  # before compiling: the compiled blocks call the invariant products
+            make_batch_invariant(model)
         self.compiled = compile_backend is not None
         if compile_backend is not None:
             compile_blocks(model, backend=compile_backend)
@@ -73,13 +78,15 @@ class ModelRunner:
 
     def prepare(self, step: StepInput) -> FlatBatch:
         """Build the flat batch of a step and copy it to the device."""
-        return build_flat_batch(
+        batch = build_flat_batch(
             step,
             self.device,
             use_varlen=self.use_varlen,
             with_token_types=self.model.uses_token_type_ids,
             kv_cache=self.kv_cache,
         )
+        batch.attn.batch_invariant = self.batch_invariant
+        return batch
 
     def release(self, request_ids: list[str]) -> None:
         """Free the cached keys and values of requests that are done."""

@@ -1,0 +1,316 @@
+"""Batch-invariant matrix products: a row's result does not depend on the other rows.
+
+A vendor matmul picks its kernel, its blocking and its split of the reduction from the shape,
+and the number of rows M is part of the shape: on the CPU, MKL computes a product of one to
+three rows with another kernel than a product of more (float32), so a short input alone gets
+other last bits than the same input in a batch; on CUDA, cuBLAS splits the reduction over K when
+M is small. Everything else a pooling model computes is already per row or per sequence: norms,
+activations and softmax reduce along a row, attention along a sequence (the varlen kernel) or a
+padded sequence whose padding adds exact zeros, pooling by a segment reduction in order.
+
+So the batch-invariant mode (`Engine(batch_invariant=True)`) replaces the matrix products:
+- on the CPU (and on CUDA without Triton), the flat rows are padded to a multiple of a fixed
+  tile and run as a batch of `[TILE, K] x [K, N]` products (`torch.bmm` over a stride-0 weight):
+  every tile is one call of the same shape, whatever M is;
+- on CUDA with Triton, a matmul kernel with fixed block sizes and no split of K: each output
+  block is one program that walks K in order, so a row's sums are the same in any batch.
+
+`make_batch_invariant(model)` switches a built model's linear layers to these products (their
+classes change; parameters and names stay), and `InvariantHead` runs a task head with every
+`F.linear` call (classifiers, vocabulary logits, Dense projections) routed the same way.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from vecpool.models.layers import FusedProjections
+
+# Rows of one tile on the CPU path: small enough that padding a step costs little, large enough
+# that each product is a real matrix product (MKL's kernels for one to three rows differ).
+CPU_ROW_TILE = 64
+# Block sizes of the Triton kernel: fixed, so that no launch depends on M.
+_BLOCK_M, _BLOCK_N, _BLOCK_K, _GROUP_M = 128, 128, 64, 8
+
+
+def tiled_linear(
+    x: torch.Tensor,  # [M, K]
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None = None,  # [N]
+    tile: int = CPU_ROW_TILE,
+) -> torch.Tensor:  # [M, N]
+    """`F.linear` on `[tile, K]` row tiles: the rows padded with zeros to a multiple of `tile`,
+    one batched product over the tiles with the weight shared (stride 0)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    tiles = -(-m // tile) if m else 0
+    padded = F.pad(x, (0, 0, 0, tiles * tile - m)).view(tiles, tile, k)
+    w = weight.t().expand(tiles, k, n)
+    if bias is None:
+        out = torch.bmm(padded, w)
+    else:
+        out = torch.baddbmm(bias.expand(tiles, tile, n), padded, w)
+    return out.view(tiles * tile, n)[:m]
+
+
+@functools.cache
+def _triton_kernel() -> Any | None:
+    """The Triton matmul kernel, or None where Triton is not installed (imported on first use)."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit  # type: ignore[misc]
+    def kernel(  # pragma: no cover - runs on CUDA (or Triton's interpreter)
+        x_ptr,
+        w_ptr,
+        b_ptr,
+        out_ptr,
+        M,
+        N,
+        K,
+        stride_xm,
+        stride_xk,
+        stride_wn,
+        stride_wk,
+        stride_om,
+        stride_on,
+        HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        GROUP_M: tl.constexpr,
+    ):
+        # Grouped block order (neighbouring programs share weight blocks in L2); the order in
+        # which blocks run does not change any block's sums.
+        pid = tl.program_id(0)
+        num_m = tl.cdiv(M, BLOCK_M)
+        num_n = tl.cdiv(N, BLOCK_N)
+        group = GROUP_M * num_n
+        first_m = (pid // group) * GROUP_M
+        group_m = min(num_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % group) % group_m
+        pid_n = (pid % group) // group_m
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + rk
+            a = tl.load(
+                x_ptr + rm[:, None] * stride_xm + kk[None, :] * stride_xk,
+                mask=(rm[:, None] < M) & (kk[None, :] < K),
+                other=0.0,
+            )
+            b = tl.load(
+                w_ptr + rn[None, :] * stride_wn + kk[:, None] * stride_wk,
+                mask=(rn[None, :] < N) & (kk[:, None] < K),
+                other=0.0,
+            )
+            acc = tl.dot(a, b, acc)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(
+            out_ptr + rm[:, None] * stride_om + rn[None, :] * stride_on,
+            acc.to(out_ptr.dtype.element_ty),
+            mask=(rm[:, None] < M) & (rn[None, :] < N),
+        )
+
+    def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        m, k = x.shape
+        n = weight.shape[0]
+        out = x.new_empty((m, n))
+        grid = (triton.cdiv(m, _BLOCK_M) * triton.cdiv(n, _BLOCK_N),)
+        kernel[grid](
+            x,
+            weight,
+            bias if bias is not None else x,
+            out,
+            m,
+            n,
+            k,
+            x.stride(0),
+            x.stride(1),
+            weight.stride(0),
+            weight.stride(1),
+            out.stride(0),
+            out.stride(1),
+            HAS_BIAS=bias is not None,
+            BLOCK_M=_BLOCK_M,
+            BLOCK_N=_BLOCK_N,
+            BLOCK_K=_BLOCK_K,
+            GROUP_M=_GROUP_M,
+            num_warps=8,
+            num_stages=3,
+        )
+        return out
+
+    return launch
+
+
+def triton_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`F.linear` of `[M, K]` rows by the fixed-block Triton kernel (float32 sums, the result
+    in `x`'s dtype). Raises `RuntimeError` where Triton is not installed."""
+    launch = _triton_kernel()
+    if launch is None:
+        raise RuntimeError("the Triton matmul needs the triton package")
+    out: torch.Tensor = launch(x, weight, bias)
+    return out
+
+
+@torch.library.custom_op("vecpool::invariant_linear", mutates_args=())
+def _invariant_linear_op(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """One opaque operator for `torch.compile`: the compiled graph calls it as it is."""
+    if x.device.type == "cuda" and _triton_kernel() is not None:
+        return triton_linear(x.contiguous(), weight, bias)
+    return tiled_linear(x, weight, bias)
+
+
+@_invariant_linear_op.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+def invariant_linear(
+    x: torch.Tensor,  # [..., K]
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:  # [..., N]
+    """`F.linear` whose every output row depends on its input row and the weights only."""
+    rows = x.reshape(-1, x.shape[-1])
+    out = _invariant_linear_op(rows, weight, bias)
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+class InvariantLinear(nn.Linear):
+    """An `nn.Linear` computed by `invariant_linear` (set by `make_batch_invariant`)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return invariant_linear(x, self.weight, self.bias)
+
+
+class InvariantFusedProjections(FusedProjections):
+    """`FusedProjections` computed by `invariant_linear` (set by `make_batch_invariant`)."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return invariant_linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+
+
+_SWAPS: dict[type[nn.Module], type[nn.Module]] = {
+    nn.Linear: InvariantLinear,
+    FusedProjections: InvariantFusedProjections,
+}
+
+
+def make_batch_invariant(module: nn.Module) -> int:
+    """Switch every linear layer of `module` (`nn.Linear`, `FusedProjections`; their exact
+    classes, not subclasses that compute otherwise) to the batch-invariant products, in place.
+    Returns how many were switched. Done once, after the weights are loaded and fused."""
+    switched = 0
+    for sub in module.modules():
+        swap = _SWAPS.get(type(sub))
+        if swap is not None:
+            sub.__class__ = swap
+            switched += 1
+    return switched
+
+
+# Keys (and query rows) of one block of the invariant attention.
+KEY_BLOCK = 64
+
+
+def padded_attention(
+    q: torch.Tensor,  # [B, H, Lq, D]
+    k: torch.Tensor,  # [B, H, Lk, D] (grouped heads already repeated)
+    v: torch.Tensor,  # [B, H, Lk, D]
+    mask: torch.Tensor,  # [B, 1, Lq, Lk] bool: True where a query attends to a key
+    *,
+    scale: float,
+    softcap: float | None = None,
+    bias: torch.Tensor | None = None,  # [1 or B, H, Lq, Lk], added to the scaled logits
+) -> torch.Tensor:  # [B, H, Lq, D], in q's dtype
+    """Attention over the padded layout whose every row is the same whatever `Lq` and `Lk`
+    are (the longest sequence of the step), in float32.
+
+    A fused kernel sizes its blocks and its reduction over keys from `Lk`; here queries and
+    keys are padded to whole `KEY_BLOCK`s and every product has one of two fixed shapes,
+    `[KEY_BLOCK, D] x [D, KEY_BLOCK]` and `[KEY_BLOCK, KEY_BLOCK] x [KEY_BLOCK, D]`. The row
+    maximum is exact in any order; the exponentials' sums and the weighted values add up
+    block by block from the first key on, and a block past a sequence's keys adds exact zeros,
+    so a sequence's rows do not change with the padding the rest of the step needs."""
+    b, h, lq, d = q.shape
+    lk = k.shape[2]
+    pq, pk = -lq % KEY_BLOCK, -lk % KEY_BLOCK
+    nq, nk = (lq + pq) // KEY_BLOCK, (lk + pk) // KEY_BLOCK
+    qt = F.pad(q.float(), (0, 0, 0, pq)).view(b * h, nq, KEY_BLOCK, d)
+    kt = F.pad(k.float(), (0, 0, 0, pk)).view(b * h, 1, nk, KEY_BLOCK, d)
+    vt = F.pad(v.float(), (0, 0, 0, pk)).view(b * h, 1, nk, KEY_BLOCK, d)
+    keep = F.pad(mask, (0, pk, 0, pq)).expand(b, h, lq + pq, lk + pk)
+    keep = keep.reshape(b * h, nq, KEY_BLOCK, nk, KEY_BLOCK)
+    if bias is not None:
+        bias = F.pad(bias.float(), (0, pk, 0, pq)).expand(b, h, lq + pq, lk + pk)
+        bias = bias.reshape(b * h, nq, KEY_BLOCK, nk, KEY_BLOCK)
+    blocks: list[torch.Tensor] = []  # per key block [b * h, nq, KEY_BLOCK, KEY_BLOCK]
+    for j in range(nk):
+        s = torch.matmul(qt, kt[:, :, j].transpose(-1, -2)) * scale
+        if softcap is not None:
+            s = torch.tanh(s / softcap) * softcap
+        if bias is not None:
+            s = s + bias[:, :, :, j]
+        blocks.append(s.masked_fill(~keep[:, :, :, j], float("-inf")))
+    top = torch.stack([s.amax(dim=-1) for s in blocks]).amax(dim=0)  # [b * h, nq, KEY_BLOCK]
+    top = top.masked_fill(torch.isinf(top), 0.0)  # rows that attend to nothing: added rows
+    total = torch.zeros_like(top)
+    out = qt.new_zeros((b * h, nq, KEY_BLOCK, d))
+    for j, s in enumerate(blocks):
+        p = torch.exp(s - top[..., None])
+        total = total + p.sum(dim=-1)
+        out = out + torch.matmul(p, vt[:, :, j])
+    out = out / total.clamp_min(torch.finfo(torch.float32).tiny)[..., None]
+    return out.view(b, h, lq + pq, d)[:, :, :lq].to(q.dtype)
+
+
+class _InvariantFunctions(TorchFunctionMode):
+    """Routes `F.linear` calls made while active to `invariant_linear`."""
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is F.linear:
+            return invariant_linear(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+class InvariantHead:
+    """A task head run with every `F.linear` call batch-invariant: the heads' products
+    (`[num_seqs, hidden]` rows through a classifier, the vocabulary, Dense projections) take
+    as many rows as the step has sequences of that task."""
+
+    def __init__(self, head: Any):
+        self.head = head
+        self.per_token: bool = head.per_token
+        self.needs_token_ids: bool = head.needs_token_ids
+
+    def __call__(self, b: Any, /) -> list[np.ndarray | None]:
+        with _InvariantFunctions():
+            out: list[np.ndarray | None] = self.head(b)
+        return out
