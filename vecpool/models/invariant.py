@@ -78,7 +78,7 @@ def _triton_kernel() -> Any | None:
         out_ptr,
         M,
         N,
-        K,
+        K: tl.constexpr,
         stride_xm,
         stride_xk,
         stride_wn,
@@ -105,7 +105,7 @@ def _triton_kernel() -> Any | None:
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(0, K, BLOCK_K):  # K is a constant of the layer: one order for every M
             kk = k0 + rk
             a = tl.load(
                 x_ptr + rm[:, None] * stride_xm + kk[None, :] * stride_xk,
