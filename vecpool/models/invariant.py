@@ -52,7 +52,7 @@ def tiled_linear(
     m, k = x.shape
     n = weight.shape[0]
     tiles = -(-m // tile) if m else 0
-    padded = F.pad(x, (0, 0, 0, tiles * tile - m)).view(tiles, tile, k)
+    padded = F.pad(x, (0, 0, 0, tiles * tile - m)).reshape(tiles, tile, k)
     w = weight.t().expand(tiles, k, n)
     if bias is None:
         out = torch.bmm(padded, w)
@@ -256,9 +256,9 @@ def padded_attention(
     lk = k.shape[2]
     pq, pk = -lq % KEY_BLOCK, -lk % KEY_BLOCK
     nq, nk = (lq + pq) // KEY_BLOCK, (lk + pk) // KEY_BLOCK
-    qt = F.pad(q.float(), (0, 0, 0, pq)).view(b * h, nq, KEY_BLOCK, d)
-    kt = F.pad(k.float(), (0, 0, 0, pk)).view(b * h, 1, nk, KEY_BLOCK, d)
-    vt = F.pad(v.float(), (0, 0, 0, pk)).view(b * h, 1, nk, KEY_BLOCK, d)
+    qt = F.pad(q.float(), (0, 0, 0, pq)).reshape(b * h, nq, KEY_BLOCK, d)
+    kt = F.pad(k.float(), (0, 0, 0, pk)).reshape(b * h, 1, nk, KEY_BLOCK, d)
+    vt = F.pad(v.float(), (0, 0, 0, pk)).reshape(b * h, 1, nk, KEY_BLOCK, d)
     keep = F.pad(mask, (0, pk, 0, pq)).expand(b, h, lq + pq, lk + pk)
     keep = keep.reshape(b * h, nq, KEY_BLOCK, nk, KEY_BLOCK)
     if bias is not None:
