@@ -61,6 +61,20 @@ def tiled_linear(
     return out.view(tiles * tile, n)[:m]
 
 
+def tiled_matmul(a: torch.Tensor, b: torch.Tensor, invariant: bool = True) -> torch.Tensor:
+    """`torch.matmul(a, b)` (`a`: `[..., M, K]`, `b`: `[..., K, N]`, broadcast) whose rows do not
+    depend on M when `invariant`: `a`'s rows padded to whole `CPU_ROW_TILE`s, every product
+    `[CPU_ROW_TILE, K] x [K, N]`. For a model's own products over the padded layout (DeBERTa's
+    relative-position terms); `invariant` False is the plain product."""
+    if not invariant:
+        return torch.matmul(a, b)
+    m, k = a.shape[-2:]
+    tiles = -(-m // CPU_ROW_TILE)
+    padded = F.pad(a, (0, 0, 0, tiles * CPU_ROW_TILE - m))
+    out = torch.matmul(padded.reshape(*a.shape[:-2], tiles, CPU_ROW_TILE, k), b.unsqueeze(-3))
+    return out.reshape(*out.shape[:-3], tiles * CPU_ROW_TILE, out.shape[-1])[..., :m, :]
+
+
 @functools.cache
 def _triton_kernel() -> Any | None:
     """The Triton matmul kernel, or None where Triton is not installed (imported on first use)."""
