@@ -223,6 +223,11 @@ class Engine:
                 f"{self.folder.architecture} runs through transformers, whose products vecpool "
                 "cannot make batch-invariant: leave batch_invariant unset"
             )
+        if batch_invariant and compile and self.device.type == "cpu":
+            raise ConfigError(
+                "batch_invariant on the CPU runs its elementwise functions piece by piece, "
+                "which torch.compile would not keep: leave compile unset on the CPU"
+            )
         if compile is None:
             compile = not plain and compile_by_default(self.device, self.model.hidden_size)
         if cuda_graphs is None:

@@ -278,11 +278,15 @@ def padded_attention(
     if bias is not None:
         bias = F.pad(bias.float(), (0, pk, 0, pq)).expand(b, h, lq + pq, lk + pk)
         bias = bias.reshape(b * h, nq, KEY_BLOCK, nk, KEY_BLOCK)
+    # On the CPU, exponentials and tanh whose rounding does not depend on the tensor's size.
+    exp, tanh = torch.exp, torch.tanh
+    if q.device.type == "cpu":
+        exp, tanh = functools.partial(piecewise, exp), functools.partial(piecewise, tanh)
     blocks: list[torch.Tensor] = []  # per key block [b * h, nq, KEY_BLOCK, KEY_BLOCK]
     for j in range(nk):
         s = torch.matmul(qt, kt[:, :, j].transpose(-1, -2)) * scale
         if softcap is not None:
-            s = torch.tanh(s / softcap) * softcap
+            s = tanh(s / softcap) * softcap
         if bias is not None:
             s = s + bias[:, :, :, j]
         blocks.append(s.masked_fill(~keep[:, :, :, j], float("-inf")))
@@ -291,15 +295,61 @@ def padded_attention(
     total = torch.zeros_like(top)
     out = qt.new_zeros((b * h, nq, KEY_BLOCK, d))
     for j, s in enumerate(blocks):
-        p = torch.exp(s - top[..., None])
+        p = exp(s - top[..., None])
         total = total + p.sum(dim=-1)
         out = out + torch.matmul(p, vt[:, :, j])
     out = out / total.clamp_min(torch.finfo(torch.float32).tiny)[..., None]
     return out.view(b, h, lq + pq, d)[:, :, :lq].to(q.dtype)
 
 
-class _InvariantFunctions(TorchFunctionMode):
-    """Routes `F.linear` calls made while active to `invariant_linear`."""
+# Elements of one piece of a CPU elementwise function: at most two threads' chunks of 32,768
+# (torch's grain size), each a whole number of vectors.
+_PIECE = 1 << 16
+
+
+def piecewise(
+    fn: Callable[..., torch.Tensor], x: torch.Tensor, *args: Any, **kwargs: Any
+) -> torch.Tensor:
+    """`fn(x, ...)`, an elementwise function, with every element computed by the same code.
+
+    On the CPU torch computes an elementwise function with vector instructions and the few
+    elements left at the end of a thread's range with scalar code, whose exponentials, erf,
+    tanh, cos and sin round differently in the last bit; where a range ends depends on the
+    tensor's size, so on the batch. Here the flat elements are padded to whole pieces of
+    `_PIECE` and `fn` runs on one piece at a time: a piece splits into whole vectors only."""
+    flat = x.reshape(-1)
+    n = flat.numel()
+    pieces = max(1, -(-n // _PIECE))
+    padded = F.pad(flat, (0, pieces * _PIECE - n)).view(pieces, _PIECE)
+    out = torch.cat([fn(piece, *args, **kwargs) for piece in padded])
+    return out[:n].view(x.shape)
+
+
+# Elementwise functions whose vector and scalar code differ (exactly rounded ones need nothing).
+_TRANSCENDENTAL = frozenset(
+    {
+        F.gelu,
+        F.silu,
+        torch.exp,
+        torch.tanh,
+        torch.sigmoid,
+        torch.erf,
+        torch.cos,
+        torch.sin,
+        torch.Tensor.exp,
+        torch.Tensor.tanh,
+        torch.Tensor.sigmoid,
+        torch.Tensor.erf,
+        torch.Tensor.cos,
+        torch.Tensor.sin,
+    }
+)
+
+
+class InvariantFunctions(TorchFunctionMode):
+    """While active: `F.linear` runs as `invariant_linear`, and on the CPU the transcendental
+    elementwise functions (activations, rotary cos / sin, the attention's exponentials) run
+    `piecewise`. Used around a CPU engine's forward and around every task head."""
 
     def __torch_function__(
         self,
@@ -311,11 +361,19 @@ class _InvariantFunctions(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.linear:
             return invariant_linear(*args, **kwargs)
+        if (
+            func in _TRANSCENDENTAL
+            and args
+            and isinstance(args[0], torch.Tensor)
+            and args[0].device.type == "cpu"
+            and "out" not in kwargs
+        ):
+            return piecewise(func, *args, **kwargs)
         return func(*args, **kwargs)
 
 
 class InvariantHead:
-    """A task head run with every `F.linear` call batch-invariant: the heads' products
+    """A task head run under `InvariantFunctions`: the heads' products and activations
     (`[num_seqs, hidden]` rows through a classifier, the vocabulary, Dense projections) take
     as many rows as the step has sequences of that task."""
 
@@ -325,6 +383,6 @@ class InvariantHead:
         self.needs_token_ids: bool = head.needs_token_ids
 
     def __call__(self, b: Any, /) -> list[np.ndarray | None]:
-        with _InvariantFunctions():
+        with InvariantFunctions():
             out: list[np.ndarray | None] = self.head(b)
         return out

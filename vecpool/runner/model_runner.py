@@ -5,11 +5,13 @@ Only code common to every model belongs here.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from vecpool.models.attention import varlen_available
 from vecpool.models.base import PoolingModel
-from vecpool.models.invariant import make_batch_invariant
+from vecpool.models.invariant import InvariantFunctions, make_batch_invariant
 from vecpool.runner.batch import FlatBatch, build_flat_batch
 from vecpool.runner.compiled import compile_blocks
 from vecpool.runner.graphs import StepGraphs
@@ -106,5 +108,8 @@ class ModelRunner:
             replayed = self.graphs.run(x, batch.positions, batch.attn, batch.token_type_ids)
             if replayed is not None:
                 return replayed
-        hidden: torch.Tensor = self.model(x, batch.positions, batch.attn, batch.token_type_ids)
+        # On the CPU the invariant mode also needs its elementwise functions (InvariantFunctions).
+        invariant_cpu = self.batch_invariant and self.device.type == "cpu"
+        with InvariantFunctions() if invariant_cpu else contextlib.nullcontext():
+            hidden: torch.Tensor = self.model(x, batch.positions, batch.attn, batch.token_type_ids)
         return hidden
