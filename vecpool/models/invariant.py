@@ -23,6 +23,7 @@ classes change; parameters and names stay), and `InvariantHead` runs a task head
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -270,41 +271,42 @@ def padded_attention(
     lk = k.shape[2]
     pq, pk = -lq % KEY_BLOCK, -lk % KEY_BLOCK
     nq, nk = (lq + pq) // KEY_BLOCK, (lk + pk) // KEY_BLOCK
-    qt = F.pad(q.float(), (0, 0, 0, pq)).reshape(b * h, nq, KEY_BLOCK, d)
-    kt = F.pad(k.float(), (0, 0, 0, pk)).reshape(b * h, 1, nk, KEY_BLOCK, d)
-    vt = F.pad(v.float(), (0, 0, 0, pk)).reshape(b * h, 1, nk, KEY_BLOCK, d)
-    keep = F.pad(mask, (0, pk, 0, pq)).expand(b, h, lq + pq, lk + pk)
-    keep = keep.reshape(b * h, nq, KEY_BLOCK, nk, KEY_BLOCK)
+    # [b, h, query blocks, KEY_BLOCK, d] and [b, h, key blocks, KEY_BLOCK, d]
+    qt = F.pad(q.float(), (0, 0, 0, pq)).reshape(b, h, nq, KEY_BLOCK, d)
+    kt = F.pad(k.float(), (0, 0, 0, pk)).reshape(b, h, nk, KEY_BLOCK, d)
+    vt = F.pad(v.float(), (0, 0, 0, pk)).reshape(b, h, nk, KEY_BLOCK, d)
+    # [b, 1, query blocks, KEY_BLOCK, key blocks, KEY_BLOCK]: True where a key is not attended
+    drop = ~F.pad(mask, (0, pk, 0, pq)).reshape(b, 1, nq, KEY_BLOCK, nk, KEY_BLOCK)
     if bias is not None:
-        bias = F.pad(bias.float(), (0, pk, 0, pq)).expand(b, h, lq + pq, lk + pk)
-        bias = bias.reshape(b * h, nq, KEY_BLOCK, nk, KEY_BLOCK)
+        bias = F.pad(bias.float(), (0, pk, 0, pq))
+        bias = bias.reshape(bias.shape[0], h, nq, KEY_BLOCK, nk, KEY_BLOCK)
     # On the CPU, exponentials and tanh whose rounding does not depend on the tensor's size.
     exp, tanh = torch.exp, torch.tanh
     if q.device.type == "cpu":
         exp, tanh = functools.partial(piecewise, exp), functools.partial(piecewise, tanh)
-    blocks: list[torch.Tensor] = []  # per key block [b * h, nq, KEY_BLOCK, KEY_BLOCK]
+    blocks: list[torch.Tensor] = []  # per key block [b, h, nq, KEY_BLOCK, KEY_BLOCK]
     for j in range(nk):
-        s = torch.matmul(qt, kt[:, :, j].transpose(-1, -2)) * scale
+        s = torch.matmul(qt, kt[:, :, j, None].transpose(-1, -2)) * scale
         if softcap is not None:
             s = tanh(s / softcap) * softcap
         if bias is not None:
-            s = s + bias[:, :, :, j]
-        blocks.append(s.masked_fill(~keep[:, :, :, j], float("-inf")))
-    top = torch.stack([s.amax(dim=-1) for s in blocks]).amax(dim=0)  # [b * h, nq, KEY_BLOCK]
+            s = s + bias[..., j, :]
+        blocks.append(s.masked_fill(drop[..., j, :], float("-inf")))
+    top = torch.stack([s.amax(dim=-1) for s in blocks]).amax(dim=0)  # [b, h, nq, KEY_BLOCK]
     top = top.masked_fill(torch.isinf(top), 0.0)  # rows that attend to nothing: added rows
     total = torch.zeros_like(top)
-    out = qt.new_zeros((b * h, nq, KEY_BLOCK, d))
+    out = qt.new_zeros((b, h, nq, KEY_BLOCK, d))
     for j, s in enumerate(blocks):
         p = exp(s - top[..., None])
         total = total + p.sum(dim=-1)
-        out = out + torch.matmul(p, vt[:, :, j])
+        out = out + torch.matmul(p, vt[:, :, j, None])
     out = out / total.clamp_min(torch.finfo(torch.float32).tiny)[..., None]
     return out.view(b, h, lq + pq, d)[:, :, :lq].to(q.dtype)
 
 
-# Elements of one piece of a CPU elementwise function: at most two threads' chunks of 32,768
-# (torch's grain size), each a whole number of vectors.
-_PIECE = 1 << 16
+# torch's grain: a CPU elementwise function splits its elements between threads in chunks of
+# at least this many, equal but for the last.
+_GRAIN = 1 << 15
 
 
 def piecewise(
@@ -312,16 +314,21 @@ def piecewise(
 ) -> torch.Tensor:
     """`fn(x, ...)`, an elementwise function, with every element computed by the same code.
 
-    On the CPU torch computes an elementwise function with vector instructions and the few
+    On the CPU torch computes an elementwise function with vector instructions, and the few
     elements left at the end of a thread's range with scalar code, whose exponentials, erf,
     tanh, cos and sin round differently in the last bit; where a range ends depends on the
-    tensor's size, so on the batch. Here the flat elements are padded to whole pieces of
-    `_PIECE` and `fn` runs on one piece at a time: a piece splits into whole vectors only."""
+    tensor's size, so on the batch. Here the flat elements are padded so that every thread's
+    range is a whole number of 1,024-element runs: `p` pieces of 2 x `_GRAIN` split into
+    min(threads, 2p) ranges of `_GRAIN`'s multiples when the thread count divides 1,024 p
+    (`p` is rounded up until it does), so no element is left to the scalar code."""
     flat = x.reshape(-1)
     n = flat.numel()
-    pieces = max(1, -(-n // _PIECE))
-    padded = F.pad(flat, (0, pieces * _PIECE - n)).view(pieces, _PIECE)
-    out = torch.cat([fn(piece, *args, **kwargs) for piece in padded])
+    pieces = max(1, -(-n // (2 * _GRAIN)))
+    threads = torch.get_num_threads()
+    if 2 * pieces >= threads:  # else each of the 2p threads takes one grain
+        step = threads // math.gcd(threads, 1024)
+        pieces = -(-pieces // step) * step
+    out = fn(F.pad(flat, (0, pieces * 2 * _GRAIN - n)), *args, **kwargs)
     return out[:n].view(x.shape)
 
 
