@@ -101,6 +101,7 @@ def _triton_kernel() -> Any | None:
         stride_om,
         stride_on,
         HAS_BIAS: tl.constexpr,
+        IEEE: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
@@ -132,7 +133,10 @@ def _triton_kernel() -> Any | None:
                 mask=(rn[None, :] < N) & (kk[:, None] < K),
                 other=0.0,
             )
-            acc = tl.dot(a, b, acc)
+            if IEEE:  # float32 inputs: full-precision products, as cuBLAS gives by default
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
         tl.store(
@@ -161,6 +165,7 @@ def _triton_kernel() -> Any | None:
             out.stride(0),
             out.stride(1),
             HAS_BIAS=bias is not None,
+            IEEE=x.dtype == torch.float32,
             BLOCK_M=_BLOCK_M,
             BLOCK_N=_BLOCK_N,
             BLOCK_K=_BLOCK_K,
