@@ -1,23 +1,26 @@
-"""Batch-invariant matrix products: a row's result does not depend on the other rows.
+"""The batch-invariant mode: a row's result does not depend on the other rows of its step.
 
-A vendor matmul picks its kernel, its blocking and its split of the reduction from the shape,
-and the number of rows M is part of the shape: on the CPU, MKL computes a product of one to
-three rows with another kernel than a product of more (float32), so a short input alone gets
-other last bits than the same input in a batch; on CUDA, cuBLAS splits the reduction over K when
-M is small. Everything else a pooling model computes is already per row or per sequence: norms,
-activations and softmax reduce along a row, attention along a sequence (the varlen kernel) or a
-padded sequence whose padding adds exact zeros, pooling by a segment reduction in order.
-
-So the batch-invariant mode (`Engine(batch_invariant=True)`) replaces the matrix products:
-- on the CPU (and on CUDA without Triton), the flat rows are padded to a multiple of a fixed
-  tile and run as a batch of `[TILE, K] x [K, N]` products (`torch.bmm` over a stride-0 weight):
-  every tile is one call of the same shape, whatever M is;
-- on CUDA with Triton, a matmul kernel with fixed block sizes and no split of K: each output
-  block is one program that walks K in order, so a row's sums are the same in any batch.
-
-`make_batch_invariant(model)` switches a built model's linear layers to these products (their
-classes change; parameters and names stay), and `InvariantHead` runs a task head with every
-`F.linear` call (classifiers, vocabulary logits, Dense projections) routed the same way.
+Where the normal mode is not invariant, and what replaces it (`Engine(batch_invariant=True)`):
+- Matrix products. A vendor matmul picks its kernel, blocking and split of the reduction from
+  the shape, M (the rows) included: on the CPU, MKL computes a float32 product of one to three
+  rows with other kernels than a product of more; on CUDA, cuBLAS splits K when M is small.
+  Here: on the CPU (and on CUDA without Triton) the rows are padded to whole `CPU_ROW_TILE`s and
+  run as a batch of `[TILE, K] x [K, N]` products (`torch.bmm`, the weight at stride 0); on CUDA
+  a Triton kernel with fixed blocks and no split of K (each output block is one program that
+  walks K in order). `make_batch_invariant` switches a model's linear layers at build.
+- Attention. The padded CPU fallback's fused kernel sizes its blocks from the step's longest
+  sequence; `padded_attention` uses two fixed product shapes and adds key blocks in order (a
+  block past a sequence's keys adds exact zeros). The CUDA varlen kernel is per sequence already.
+- CPU elementwise functions. torch computes most elements with vector code and those left at
+  the end of a thread's range with scalar code, whose exp / erf / tanh / cos / sin round
+  differently; `piecewise` pads so that no element is left over. `InvariantFunctions` routes
+  them (and `F.linear`) while a CPU forward or any task head runs. On CUDA an elementwise
+  kernel computes every element with the same code.
+- Norms and softmax reduce along one row, pooling along one sequence in order (segment sums):
+  the same in any batch already.
+`torch.compile` (CUDA) stays on: the products are one opaque operator in the compiled graph,
+and what the compiler fuses around them is per row. CUDA graphs stay on too: a replay runs the
+same kernels on padded rows, and every kernel computes a row from that row alone.
 """
 
 from __future__ import annotations
