@@ -44,7 +44,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, else float32")
     parser.add_argument("--workload", default="passages", choices=WORKLOADS)
-    parser.add_argument("--n", type=int, default=2048, help="inputs per timed call")
+    parser.add_argument("--n", type=int, default=1024, help="inputs per timed call")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--check", type=int, default=200, help="inputs of the exactness check")
     parser.add_argument("--output", type=Path, help="default: benchmarks/results/...json")
