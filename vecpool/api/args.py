@@ -76,6 +76,8 @@ class EngineArgs:
     # `prefix_cache_size`). Refused for a bidirectional model.
     enable_prefix_caching: bool = False
     prefix_cache_tokens: int | None = None
+    # Every input's output the same to the bit whatever shares its step (see models/invariant.py).
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         for name in (
@@ -99,6 +101,17 @@ class EngineArgs:
             raise ConfigError(f"quantization {self.quantization!r} is not one of {QUANTIZATIONS}")
         if self.score_mode is not None and self.score_mode not in SCORE_MODES:
             raise ConfigError(f"score_mode {self.score_mode!r} is not one of {SCORE_MODES}")
+        if self.batch_invariant and self.enable_prefix_caching:
+            raise ConfigError(
+                "batch_invariant and enable_prefix_caching: a prompt whose prefix came from the "
+                "cache adds the same numbers in another order, so its output would depend on "
+                "what ran before it; choose one"
+            )
+        if self.batch_invariant and self.quantization is not None:
+            raise ConfigError(
+                f"batch_invariant and quantization={self.quantization!r}: the quantized "
+                "products are not made batch-invariant; choose one"
+            )
 
     def scheduler_config(
         self, device: torch.device, max_model_len: int, *, causal: bool
@@ -313,6 +326,13 @@ class EngineArgs:
             metavar="N",
             help="prompt positions the prefix cache keeps keys and values for, least recently "
             "used evicted (default: 8192, at least max_model_len)",
+        )
+        eng.add_argument(
+            "--batch-invariant",
+            action=argparse.BooleanOptionalAction,
+            default=False,
+            help="every input's output the same to the bit whatever else shares its step "
+            "(fixed-shape matrix products and attention; slower; default: %(default)s)",
         )
         eng.add_argument(
             "--llm-reranker",

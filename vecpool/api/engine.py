@@ -37,6 +37,7 @@ from vecpool.models.attention import varlen_available
 from vecpool.models.base import Capability
 from vecpool.models.folder import ModelFolder
 from vecpool.models.hf import hf_get
+from vecpool.models.invariant import InvariantHead
 from vecpool.models.kv_blocks import BlockPool
 from vecpool.models.loader import load_model
 from vecpool.models.quant import check_quantization, quantize_model
@@ -100,6 +101,8 @@ class Engine:
     on first use).
     `data_parallel_size` above 1 is refused: an Engine is one engine in this process (see
     `EngineArgs.replicas` for how `vecpool serve` and `vecpool embed` place several).
+    `batch_invariant` makes every input's output the same to the bit whatever else shares its
+    step or call (fixed-shape matrix products and attention; see `vecpool.models.invariant`).
     `model_impl` "auto" runs the folder's native vecpool class, else (slower, prompts whole,
     neither compiled nor graphed) the `transformers` class its config names; "vecpool" refuses
     an architecture with no native class; "transformers" always takes the fallback.
@@ -138,6 +141,7 @@ class Engine:
         quantization: str | None = None,
         enable_prefix_caching: bool = False,
         prefix_cache_tokens: int | None = None,
+        batch_invariant: bool = False,
     ):
         self.args = args = EngineArgs(
             model,
@@ -162,6 +166,7 @@ class Engine:
             quantization=quantization,
             enable_prefix_caching=enable_prefix_caching,
             prefix_cache_tokens=prefix_cache_tokens,
+            batch_invariant=batch_invariant,
         )
         if data_parallel_size > 1:
             raise ConfigError(
@@ -238,6 +243,16 @@ class Engine:
                 f"{self.folder.architecture} runs through transformers, which vecpool neither "
                 "compiles nor replays from CUDA graphs: leave compile and cuda_graphs unset"
             )
+        if plain and batch_invariant:
+            raise ConfigError(
+                f"{self.folder.architecture} runs through transformers, whose products vecpool "
+                "cannot make batch-invariant: leave batch_invariant unset"
+            )
+        if batch_invariant and compile and self.device.type == "cpu":
+            raise ConfigError(
+                "batch_invariant on the CPU runs its elementwise functions piece by piece, "
+                "which torch.compile would not keep: leave compile unset on the CPU"
+            )
         if compile is None:
             compile = not plain and compile_by_default(self.device, self.model.hidden_size)
         if cuda_graphs is None:
@@ -254,6 +269,7 @@ class Engine:
             block_pool=BlockPool(prefix_tokens // BLOCK_SIZE, BLOCK_SIZE)
             if prefix_tokens
             else None,
+            batch_invariant=batch_invariant,
         )
         heads, self.missing_heads = build_heads(
             self.model,
@@ -287,6 +303,8 @@ class Engine:
             if late is not None and self.tokenizer is not None
             else None,
         )
+        if batch_invariant:  # the heads' products on [num_seqs, hidden] rows too
+            heads = {name: InvariantHead(head) for name, head in heads.items()}
         self.core = EngineCore(
             Scheduler(
                 self.scheduler_config,
@@ -334,6 +352,7 @@ class Engine:
             quantization=args.quantization,
             enable_prefix_caching=args.enable_prefix_caching,
             prefix_cache_tokens=args.prefix_cache_tokens,
+            batch_invariant=args.batch_invariant,
         )
 
     def _prefix_cache_tokens(self, args: EngineArgs) -> int:

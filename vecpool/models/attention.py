@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from vecpool.models import invariant
 from vecpool.models.kv_blocks import PrefixKV
 
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
@@ -155,6 +156,9 @@ class AttentionMetadata:
     # A CUDA graph is being recorded with this metadata: only the varlen kernel may run (the
     # padded fallback's shapes depend on the step, which a replay would not see).
     static: bool = False
+    # Batch-invariant mode: the padded fallback runs `invariant.padded_attention`, whose rows do
+    # not depend on the step's longest sequence (the varlen kernel is per sequence already).
+    batch_invariant: bool = False
     # Padded-fallback masks, built at most once per (causal, window) per step.
     _masks: dict[tuple[bool, int | None], torch.Tensor] = field(default_factory=dict, repr=False)
     # Padded-fallback layouts of q, k and v, zeroed once per step and rewritten by every layer.
@@ -425,7 +429,9 @@ def _padded_attention(
         kp = kp.repeat_interleave(group, dim=1)
         vp = vp.repeat_interleave(group, dim=1)
     mask = meta.padded_mask(causal, window)  # [B, 1, Lq, Lk]
-    if bias is not None:  # additive: the bias where attended, -inf elsewhere
+    if meta.batch_invariant:
+        out = invariant.padded_attention(qp, kp, vp, mask, scale=scale, softcap=softcap, bias=bias)
+    elif bias is not None:  # additive: the bias where attended, -inf elsewhere
         float_mask = bias.to(qp.dtype).masked_fill(~mask, float("-inf"))
         out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=float_mask, scale=scale)
     elif softcap is None:

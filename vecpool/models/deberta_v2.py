@@ -22,6 +22,7 @@ from torch import nn
 from vecpool.errors import ConfigError
 from vecpool.models.attention import AttentionMetadata, GraphUnsupported, flat_attention
 from vecpool.models.base import Capability, PoolingModel, hf_num_labels
+from vecpool.models.invariant import tiled_matmul
 from vecpool.models.layers import FusedProjections, activation, activation_name, fuse
 
 _POS_ATT_TYPES = ("c2p", "p2c")
@@ -213,12 +214,14 @@ class DisentangledSelfAttention(nn.Module):
         score = torch.zeros((), dtype=q.dtype, device=q.device)
         if "c2p" in self.pos_att_type:
             # Query i against the embedding of its offset to key j.
-            c2p = torch.matmul(qp, self._heads(pos_key).transpose(-1, -2))  # [B, H, L, 2 span]
+            # [B, H, L, 2 span]; fixed row tiles in the batch-invariant mode
+            c2p = tiled_matmul(qp, self._heads(pos_key).transpose(-1, -2), attn.batch_invariant)
             index = torch.clamp(rel_pos + span, 0, 2 * span - 1)
             score = score + torch.gather(c2p, -1, index.expand(shape)) / self.scale_divisor
         if "p2c" in self.pos_att_type:
             # Key j against the embedding of query i's offset to it, gathered by key rows.
-            p2c = torch.matmul(kp, self._heads(pos_query).transpose(-1, -2))  # [B, H, L, 2 span]
+            # [B, H, L, 2 span]
+            p2c = tiled_matmul(kp, self._heads(pos_query).transpose(-1, -2), attn.batch_invariant)
             index = torch.clamp(-rel_pos + span, 0, 2 * span - 1)
             p2c = torch.gather(p2c, -1, index.expand(shape)).transpose(-1, -2)
             score = score + p2c / self.scale_divisor

@@ -5,10 +5,13 @@ Only code common to every model belongs here.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from vecpool.models.attention import varlen_available
 from vecpool.models.base import PoolingModel
+from vecpool.models.invariant import InvariantFunctions, make_batch_invariant
 from vecpool.models.kv_blocks import BlockPool
 from vecpool.runner.batch import FlatBatch, build_flat_batch
 from vecpool.runner.compiled import compile_blocks
@@ -36,11 +39,15 @@ class ModelRunner:
         max_seqs: int = 256,  # sequences one step may hold
         max_model_len: int = 512,
         block_pool: BlockPool | None = None,  # shared-prefix caching's blocks (causal models)
+        batch_invariant: bool = False,  # every row's result independent of the step's others
     ):
         self.model = model
         self.device = device
         self.dtype = dtype
         self.use_varlen = varlen_available(device, dtype)
+        self.batch_invariant = batch_invariant
+        if batch_invariant:  # before compiling: the compiled blocks call the invariant products
+            make_batch_invariant(model)
         self.compiled = compile_backend is not None
         if compile_backend is not None:
             compile_blocks(model, backend=compile_backend)
@@ -76,7 +83,7 @@ class ModelRunner:
 
     def prepare(self, step: StepInput) -> FlatBatch:
         """Build the flat batch of a step and copy it to the device."""
-        return build_flat_batch(
+        batch = build_flat_batch(
             step,
             self.device,
             use_varlen=self.use_varlen,
@@ -84,6 +91,8 @@ class ModelRunner:
             kv_cache=self.kv_cache,
             block_pool=self.block_pool,
         )
+        batch.attn.batch_invariant = self.batch_invariant
+        return batch
 
     def release(self, request_ids: list[str]) -> None:
         """Free the cached keys and values of requests that are done."""
@@ -103,7 +112,10 @@ class ModelRunner:
             replayed = self.graphs.run(x, batch.positions, batch.attn, batch.token_type_ids)
             if replayed is not None:
                 return replayed
-        hidden: torch.Tensor = self.model(x, batch.positions, batch.attn, batch.token_type_ids)
+        # On the CPU the invariant mode also needs its elementwise functions (InvariantFunctions).
+        invariant_cpu = self.batch_invariant and self.device.type == "cpu"
+        with InvariantFunctions() if invariant_cpu else contextlib.nullcontext():
+            hidden: torch.Tensor = self.model(x, batch.positions, batch.attn, batch.token_type_ids)
         kv = batch.attn.kv
         if kv is not None and kv.prefix is not None:  # blocks written, prefixes read
             batch.prefix_sums = kv.prefix.pool.hidden_sums(hidden, kv.prefix)
