@@ -67,6 +67,9 @@ class EngineArgs:
     # "auto": the native class, else the transformers fallback; "vecpool": native only;
     # "transformers": the fallback even where a native class exists (to compare).
     model_impl: str = "auto"
+    # The share of its CUDA device's memory this engine's allocator may take (engines sharing a
+    # device, e.g. several models behind one server, each keep theirs); None: no cap.
+    gpu_memory_fraction: float | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -87,6 +90,9 @@ class EngineArgs:
             raise ConfigError(f"pooling {self.pooling!r} is not one of {SEQUENCE_METHODS}")
         if self.score_mode is not None and self.score_mode not in SCORE_MODES:
             raise ConfigError(f"score_mode {self.score_mode!r} is not one of {SCORE_MODES}")
+        fraction = self.gpu_memory_fraction
+        if fraction is not None and not 0 < fraction <= 1:
+            raise ConfigError(f"gpu_memory_fraction must be in (0, 1], got {fraction}")
 
     def scheduler_config(
         self, device: torch.device, max_model_len: int, *, causal: bool
@@ -169,16 +175,23 @@ class EngineArgs:
     # ---- command line ------------------------------------------------------------------
 
     @staticmethod
-    def add_cli_args(parser: argparse.ArgumentParser, *, enable_prompt_embeds: bool = True) -> None:
+    def add_cli_args(
+        parser: argparse.ArgumentParser,
+        *,
+        enable_prompt_embeds: bool = True,
+        several_models: bool = False,
+    ) -> None:
         """Add the positional MODEL and the engine's options to `parser`.
 
         `enable_prompt_embeds` is the command's default for accepting prompt-embeds inputs
-        (a server refuses them unless asked)."""
+        (a server refuses them unless asked). `several_models`: MODEL may be given several
+        times (`vecpool serve`: one engine each); the command reads them with `per_model`."""
         parser.add_argument(
             "model",
-            nargs="?",
+            nargs="*" if several_models else "?",
             metavar="MODEL",
-            help=f"model folder (default: {DEFAULT_MODEL_NAME})",
+            help=f"model folder{'s, one engine each' if several_models else ''} "
+            f"(default: {DEFAULT_MODEL_NAME})",
         )
         eng = parser.add_argument_group("engine")
         eng.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
@@ -281,6 +294,15 @@ class EngineArgs:
             help="serve a causal LM as a reranker with this prompt template (qwen3: Qwen3-Reranker; "
             "bge-gemma: bge-reranker-v2-gemma)",
         )
+        eng.add_argument(
+            "--gpu-memory-fraction",
+            type=float,
+            action="append",
+            metavar="F",
+            help="the share of its GPU's memory an engine may take, in (0, 1]; with several "
+            "models, once per model in their order, or once for all (an even split) "
+            "(default: no cap)",
+        )
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
@@ -288,7 +310,36 @@ class EngineArgs:
         values: dict[str, Any] = {f.name: getattr(args, f.name) for f in fields(cls)}
         name = values["llm_reranker"]
         values["llm_reranker"] = LLM_RERANKERS[name]() if name is not None else None
+        fractions = values["gpu_memory_fraction"]
+        if isinstance(fractions, list):  # the flag appends: one model takes one value
+            if len(fractions) > 1:
+                raise ConfigError(
+                    f"--gpu-memory-fraction is given {len(fractions)} times for one model"
+                )
+            values["gpu_memory_fraction"] = fractions[0]
         return cls(**values)
+
+    @classmethod
+    def per_model(cls, args: argparse.Namespace) -> list[EngineArgs]:
+        """Each MODEL's options (`add_cli_args(several_models=True)`), in order: the flags
+        apply to every model, except `--gpu-memory-fraction`, given once per model or once
+        for all (split evenly between them)."""
+        models = list(args.model or [None])
+        fractions = args.gpu_memory_fraction or [None]
+        if len(fractions) == 1:
+            share = fractions[0]
+            fractions = [None if share is None else share / len(models)] * len(models)
+        elif len(fractions) != len(models):
+            raise ConfigError(
+                f"--gpu-memory-fraction is given {len(fractions)} times for {len(models)} "
+                "models: give it once per model, in their order, or once for all"
+            )
+        return [
+            cls.from_cli_args(
+                argparse.Namespace(**{**vars(args), "model": m, "gpu_memory_fraction": f})
+            )
+            for m, f in zip(models, fractions, strict=True)
+        ]
 
 
 @dataclass(frozen=True)

@@ -100,6 +100,9 @@ class Engine:
     `model_impl` "auto" runs the folder's native vecpool class, else (slower, prompts whole,
     neither compiled nor graphed) the `transformers` class its config names; "vecpool" refuses
     an architecture with no native class; "transformers" always takes the fallback.
+    `gpu_memory_fraction` caps the share of its CUDA device's memory the process's allocator
+    may take (`torch.cuda.set_per_process_memory_fraction`): past it, an allocation fails
+    instead of taking memory another engine on the device counts on.
     """
 
     def __init__(
@@ -124,6 +127,7 @@ class Engine:
         embed_window_overlap: int | None = None,
         data_parallel_size: int = 1,
         model_impl: str = "auto",
+        gpu_memory_fraction: float | None = None,
     ):
         self.args = args = EngineArgs(
             model,
@@ -145,6 +149,7 @@ class Engine:
             embed_window_overlap=embed_window_overlap,
             data_parallel_size=data_parallel_size,
             model_impl=model_impl,
+            gpu_memory_fraction=gpu_memory_fraction,
         )
         if data_parallel_size > 1:
             raise ConfigError(
@@ -155,6 +160,9 @@ class Engine:
             )
         self.folder = ModelFolder.load(model if model is not None else default_model_path())
         self.device = resolve_device(device)
+        if gpu_memory_fraction is not None and self.device.type == "cuda":
+            # The allocator refuses past this share, so engines sharing the device keep theirs.
+            torch.cuda.set_per_process_memory_fraction(gpu_memory_fraction, self.device)
         self.dtype = resolve_dtype(
             dtype, self.device, hf_get(self.folder.hf_config, "dtype", "torch_dtype")
         )
@@ -292,6 +300,7 @@ class Engine:
             embed_window_overlap=args.embed_window_overlap,
             data_parallel_size=args.data_parallel_size,
             model_impl=args.model_impl,
+            gpu_memory_fraction=args.gpu_memory_fraction,
         )
 
     def _max_model_len(self, asked: int | None) -> int:

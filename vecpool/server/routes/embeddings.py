@@ -41,7 +41,7 @@ async def embeddings(request: Request, data: dict[str, Any]) -> Response:
     """OpenAI embeddings of a parsed body (also reached through `/invocations`)."""
     state = get_state(request)
     body = validate(EmbeddingRequest, data)
-    state.check_model(body.model)
+    state = state.for_model(body.model)
     items = parse_items(state, body.input)
     ranges = quantization(state, body)
     normalize = body.normalize

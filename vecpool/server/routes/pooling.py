@@ -30,7 +30,7 @@ async def pooling(request: Request, data: dict[str, Any]) -> Response:
     """Any task's raw output for a parsed body (also reached through `/invocations`)."""
     state = get_state(request)
     body = validate(PoolingRequest, data)
-    state.check_model(body.model)
+    state = state.for_model(body.model)
     items = parse_items(state, body.input)
 
     def prepare() -> PreparedCall[list[np.ndarray]]:

@@ -68,7 +68,7 @@ async def rerank_any(request: Request, data: dict[str, Any]) -> Response:
 async def rerank(request: Request, data: dict[str, Any]) -> Response:
     state = get_state(request)
     body = validate(RerankRequest, data)
-    state.check_model(body.model)
+    state = state.for_model(body.model)
     state.check_count(len(body.documents), "documents")
     if body.rank_fields not in (None, ["text"]):
         raise ApiError(
@@ -162,7 +162,7 @@ async def score(request: Request, data: dict[str, Any]) -> Response:
     state = get_state(request)
     model, first_name, second_name = score_shape(data)
     body = validate(model, data)
-    state.check_model(body.model)
+    state = state.for_model(body.model)
     first, second = getattr(body, first_name), getattr(body, second_name)
     firsts = [first] if isinstance(first, str) else first
     seconds = [second] if isinstance(second, str) else second
@@ -208,7 +208,7 @@ async def create_classify(request: Request) -> Response:
 async def classify(request: Request, data: dict[str, Any]) -> Response:
     state = get_state(request)
     body = validate(ClassifyRequest, data)
-    state.check_model(body.model)
+    state = state.for_model(body.model)
     items = parse_items(state, body.input)
 
     def prepare() -> PreparedCall[np.ndarray]:

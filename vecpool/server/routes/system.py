@@ -16,21 +16,22 @@ router = APIRouter()
 @router.get("/v1/models")
 @router.get("/models")  # Infinity's
 async def list_models(request: Request) -> Response:
+    """Every served model, each under each of its names, the default (first) model first."""
     state = get_state(request)
-    info = state.info
     models = [
         {
             "id": name,
             "object": "model",
             "created": state.created,
             "owned_by": "vecpool",
-            "max_model_len": info.max_model_len,
-            "hidden_size": info.hidden_size,
-            "output_dim": info.output_dim,
-            "tasks": list(info.tasks),
-            "score_mode": info.score_mode,  # how /score and /rerank compare texts
+            "max_model_len": model.info.max_model_len,
+            "hidden_size": model.info.hidden_size,
+            "output_dim": model.info.output_dim,
+            "tasks": list(model.info.tasks),
+            "score_mode": model.info.score_mode,  # how /score and /rerank compare texts
         }
-        for name in state.config.model_names
+        for model in state.each_model()
+        for name in model.config.model_names
     ]
     return json_response(dumps({"object": "list", "data": models}))
 
