@@ -184,15 +184,21 @@ class EngineArgs:
         """Add the positional MODEL and the engine's options to `parser`.
 
         `enable_prompt_embeds` is the command's default for accepting prompt-embeds inputs
-        (a server refuses them unless asked). `several_models`: MODEL may be given several
-        times (`vecpool serve`: one engine each); the command reads them with `per_model`."""
+        (a server refuses them unless asked). `several_models`: more MODELs may follow the
+        first (`vecpool serve`: one engine each), read with `per_model`."""
         parser.add_argument(
             "model",
-            nargs="*" if several_models else "?",
+            nargs="?",
             metavar="MODEL",
-            help=f"model folder{'s, one engine each' if several_models else ''} "
-            f"(default: {DEFAULT_MODEL_NAME})",
+            help=f"model folder (default: {DEFAULT_MODEL_NAME})",
         )
+        if several_models:
+            parser.add_argument(
+                "more_models",
+                nargs="*",
+                metavar="MODEL",
+                help="more model folders, one engine each (a call's `model` picks one)",
+            )
         eng = parser.add_argument_group("engine")
         eng.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
         eng.add_argument(
@@ -324,7 +330,7 @@ class EngineArgs:
         """Each MODEL's options (`add_cli_args(several_models=True)`), in order: the flags
         apply to every model, except `--gpu-memory-fraction`, given once per model or once
         for all (split evenly between them)."""
-        models = list(args.model or [None])
+        models = [args.model, *args.more_models]
         fractions = args.gpu_memory_fraction or [None]
         if len(fractions) == 1:
             share = fractions[0]
