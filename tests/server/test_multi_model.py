@@ -34,6 +34,7 @@ from tests.server.test_processes import _alive
 from tests.tasks.conftest import tiny_bert_head, with_minilm_tokenizer
 from vecpool.api import EngineArgs
 from vecpool.cli.serve import add_serve_arguments, serve
+from vecpool.config import LLMRerankerConfig
 from vecpool.errors import ConfigError
 from vecpool.server.config import ServerConfig
 
@@ -244,6 +245,33 @@ def _serve_args(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)
     return parser.parse_args(list(argv))
+
+
+def test_options_that_differ_by_model_are_given_once_per_model(tmp_path: Path) -> None:
+    """An embedder and an LLM reranker: the reranker's template, lengths and dtype given per
+    model ("auto" / "none": as the folder says); options given once apply to both."""
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    args = _serve_args(
+        a, b,
+        "--llm-reranker", "none", "--llm-reranker", "qwen3",
+        "--max-model-len", "auto", "--max-model-len", "64",
+        "--score-mode", "embed", "--score-mode", "auto",
+        "--dtype", "bfloat16",
+        "--max-num-seqs", "8",
+    )  # fmt: skip
+    first, second = EngineArgs.per_model(args)
+    assert (first.llm_reranker, second.llm_reranker) == (None, LLMRerankerConfig.qwen3())
+    assert (first.max_model_len, second.max_model_len) == (None, 64)
+    assert (first.score_mode, second.score_mode) == ("embed", None)
+    assert first.dtype == second.dtype == "bfloat16"
+    assert first.max_num_seqs == second.max_num_seqs == 8
+    with pytest.raises(ConfigError, match="--max-model-len is given 3 times for 2 models"):
+        EngineArgs.per_model(_serve_args(a, b, *["--max-model-len", "8"] * 3))
+    # One model: each option once, as before.
+    (alone,) = EngineArgs.per_model(_serve_args(a, "--max-model-len", "32"))
+    assert alone.max_model_len == 32 and alone.llm_reranker is None
+    with pytest.raises(ConfigError, match="--dtype is given 2 times for 1 model:"):
+        EngineArgs.per_model(_serve_args(a, "--dtype", "float32", "--dtype", "bfloat16"))
 
 
 def test_memory_shares_one_per_model_or_split_evenly(tmp_path: Path) -> None:
