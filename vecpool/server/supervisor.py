@@ -7,9 +7,10 @@ window, up to `RESTART_MAX_DELAY`. Once it has loaded, each API process is hande
 control pipe, the engine's model (its index among the served models), rank and generation and
 the new process's "alive" pipe (the file descriptor itself, `send_handle`): it then connects to
 the new process with a fresh socket (`EngineProcessClient.restarted`). With several models
-served, a lost engine of one is restarted while the others serve on. More than `max_restarts` restarts within `window` seconds
-(every engine of the server counted together) stop the server, exit status 1: whatever keeps
-failing is the orchestrator's to handle (another machine, a page to a person).
+served, a lost engine of one is restarted while the others serve on. More than `max_restarts`
+restarts within `window` seconds (every engine of the server counted together) stop the
+server, exit status 1: whatever keeps failing is the orchestrator's to handle (another
+machine, a page to a person).
 """
 
 from __future__ import annotations
@@ -91,15 +92,15 @@ class RestartPolicy:
     window: float
     restarts: deque[tuple[float, Hashable]] = field(default_factory=deque)  # (when, engine)
 
-    def delay(self, rank: Hashable, now: float) -> float | None:
-        """Seconds before engine `rank` (any key naming one engine: with several models,
-        (model, rank)), lost now, restarts; None when the limit is spent."""
+    def delay(self, engine: Hashable, now: float) -> float | None:
+        """Seconds before `engine` (a key naming one engine: (model, rank)), lost now,
+        restarts; None when the limit is spent."""
         while self.restarts and now - self.restarts[0][0] > self.window:
             self.restarts.popleft()
         if len(self.restarts) >= self.max_restarts:
             return None
-        self.restarts.append((now, rank))
-        mine = sum(1 for _, r in self.restarts if r == rank)
+        self.restarts.append((now, engine))
+        mine = sum(1 for _, e in self.restarts if e == engine)
         return float(min(RESTART_MAX_DELAY, RESTART_DELAY * 2 ** (mine - 1)))
 
 
