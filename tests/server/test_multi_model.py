@@ -297,7 +297,7 @@ def test_memory_shares_one_per_model_or_split_evenly(tmp_path: Path) -> None:
             ["--gpu-memory-fraction", "0.6", "--gpu-memory-fraction", "0.5"],
             "add up to 1.1, more than the whole of a device",
         ),
-        (["--served-model-name", "x"], "2 models and 1 --served-model-name"),
+        (["--served-model-name", "x"], "--served-model-name is given 1 times for 2 models"),
         (
             ["--served-model-name", "x", "--served-model-name", "x"],
             "the served model name 'x' is given twice",

@@ -211,7 +211,8 @@ class EngineArgs:
                 "more_models",
                 nargs="*",
                 metavar="MODEL",
-                help="more model folders, one engine each (a call's `model` picks one)",
+                help="more model folders, one engine each (a call's `model` picks one); the "
+                "folders go together, before or after the options",
             )
         eng = parser.add_argument_group("engine")
         eng.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
@@ -330,7 +331,7 @@ class EngineArgs:
         )
         if several_models:
             parser.epilog = (
-                "With several models, --"
+                "Several models: `vecpool serve A B [options]`. With several models, --"
                 + ", --".join(name.replace("_", "-") for name in PER_MODEL_OPTIONS)
                 + " may be given once per model, in their order ('auto', or 'none' for "
                 "--llm-reranker: as the folder says); given once, they apply to every model "

@@ -234,7 +234,8 @@ def served_model_names(
         return tuple((m.model_name,) for m in models)
     if len(given) != len(models):
         raise ConfigError(
-            f"{len(models)} models and {len(given)} --served-model-name: give it once per "
-            "model, in their order (the names given at once are one model's)"
+            f"--served-model-name is given {len(given)} times for {len(models)} "
+            f"model{'s' * (len(models) > 1)}: give it once per model, in their order (the "
+            "names given at once are one model's)"
         )
     return tuple(tuple(names) for names in given)
