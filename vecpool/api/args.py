@@ -35,6 +35,18 @@ LLM_RERANKERS = {"qwen3": LLMRerankerConfig.qwen3, "bge-gemma": LLMRerankerConfi
 # about 1.4 GB); at 4,096 they stay in the heap: passages 12% faster on 2 cores, sys time
 # from 15% of the CPU time to under 1%.
 _STEP_DEFAULTS = {"cuda": (32768, 1024), "cpu": (4096, 256)}
+# Options that differ by model in practice: `vecpool serve A B` takes each once for every model
+# or once per model, in their order (as Infinity's command line does); the word "auto" ("none"
+# for --llm-reranker) leaves a model as its folder says. The other options apply to all.
+PER_MODEL_OPTIONS = (
+    "dtype",
+    "max_model_len",
+    "pooling",
+    "score_mode",
+    "llm_reranker",
+    "gpu_memory_fraction",
+)
+_AS_THE_MODEL_SAYS = ("auto", "none")
 
 
 @dataclass(frozen=True)
@@ -78,6 +90,9 @@ class EngineArgs:
     prefix_cache_tokens: int | None = None
     # Every input's output the same to the bit whatever shares its step (see models/invariant.py).
     batch_invariant: bool = False
+    # The share of its CUDA device's memory this engine's allocator may take (engines sharing a
+    # device, e.g. several models behind one server, each keep theirs); None: no cap.
+    gpu_memory_fraction: float | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -112,6 +127,9 @@ class EngineArgs:
                 f"batch_invariant and quantization={self.quantization!r}: the quantized "
                 "products are not made batch-invariant; choose one"
             )
+        fraction = self.gpu_memory_fraction
+        if fraction is not None and not 0 < fraction <= 1:
+            raise ConfigError(f"gpu_memory_fraction must be in (0, 1], got {fraction}")
 
     def scheduler_config(
         self, device: torch.device, max_model_len: int, *, causal: bool
@@ -201,23 +219,41 @@ class EngineArgs:
     # ---- command line ------------------------------------------------------------------
 
     @staticmethod
-    def add_cli_args(parser: argparse.ArgumentParser, *, enable_prompt_embeds: bool = True) -> None:
+    def add_cli_args(
+        parser: argparse.ArgumentParser,
+        *,
+        enable_prompt_embeds: bool = True,
+        several_models: bool = False,
+    ) -> None:
         """Add the positional MODEL and the engine's options to `parser`.
 
         `enable_prompt_embeds` is the command's default for accepting prompt-embeds inputs
-        (a server refuses them unless asked)."""
+        (a server refuses them unless asked). `several_models`: more MODELs may follow the
+        first (`vecpool serve`: one engine each), and the `PER_MODEL_OPTIONS` may be given
+        once per model; read them with `per_model`."""
+        each: dict[str, Any] = {"action": "append"} if several_models else {}
         parser.add_argument(
             "model",
             nargs="?",
             metavar="MODEL",
             help=f"model folder (default: {DEFAULT_MODEL_NAME})",
         )
+        if several_models:
+            parser.add_argument(
+                "more_models",
+                nargs="*",
+                metavar="MODEL",
+                help="more model folders, one engine each (a call's `model` picks one); the "
+                "folders go together, before or after the options",
+            )
         eng = parser.add_argument_group("engine")
         eng.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
         eng.add_argument(
-            "--dtype", help="float32, float16 or bfloat16 (default: float32 on the CPU)"
+            "--dtype", help="float32, float16 or bfloat16 (default: float32 on the CPU)", **each
         )
-        eng.add_argument("--max-model-len", type=int, metavar="N", help="max tokens per input")
+        eng.add_argument(
+            "--max-model-len", type=_int_or_auto, metavar="N", help="max tokens per input", **each
+        )
         eng.add_argument(
             "--max-num-batched-tokens",
             type=int,
@@ -255,6 +291,7 @@ class EngineArgs:
         eng.add_argument(
             "--pooling",
             help="override the model's pooling: CLS, MEAN, LAST, MAX, MEAN_SQRT_LEN, WEIGHTED_MEAN",
+            **each,
         )
         eng.add_argument(
             "--normalize",
@@ -269,8 +306,9 @@ class EngineArgs:
         )
         eng.add_argument(
             "--score-mode",
-            choices=SCORE_MODES,
-            help="how score and rerank compare texts (default: from the model)",
+            choices=(*SCORE_MODES, "auto"),
+            help="how score and rerank compare texts (default, auto: from the model)",
+            **each,
         )
         eng.add_argument(
             "--max-input-chars",
@@ -336,18 +374,81 @@ class EngineArgs:
         )
         eng.add_argument(
             "--llm-reranker",
-            choices=sorted(LLM_RERANKERS),
+            choices=[*sorted(LLM_RERANKERS), "none"],
             help="serve a causal LM as a reranker with this prompt template (qwen3: Qwen3-Reranker; "
-            "bge-gemma: bge-reranker-v2-gemma)",
+            "bge-gemma: bge-reranker-v2-gemma; default, none: not as a reranker)",
+            **each,
         )
+        eng.add_argument(
+            "--gpu-memory-fraction",
+            type=float,
+            metavar="F",
+            help="the share of its GPU's memory an engine may take, in (0, 1]; with several "
+            "models, once per model in their order, or once for all (an even split) "
+            "(default: no cap)",
+            **each,
+        )
+        if several_models:
+            parser.epilog = (
+                "Several models: `vecpool serve A B [options]`. With several models, --"
+                + ", --".join(name.replace("_", "-") for name in PER_MODEL_OPTIONS)
+                + " may be given once per model, in their order ('auto', or 'none' for "
+                "--llm-reranker: as the folder says); given once, they apply to every model "
+                "(--gpu-memory-fraction: split evenly). Every other option applies to all."
+            )
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
         """The options `add_cli_args` added, read back from parsed `args`."""
         values: dict[str, Any] = {f.name: getattr(args, f.name) for f in fields(cls)}
+        for option in PER_MODEL_OPTIONS:
+            value = values[option]
+            if isinstance(value, list):  # `several_models` appends; one model takes one value
+                if len(value) > 1:
+                    raise ConfigError(f"{_flag(option)} is given {len(value)} times for one model")
+                value = value[0]
+            values[option] = None if value in _AS_THE_MODEL_SAYS else value
         name = values["llm_reranker"]
         values["llm_reranker"] = LLM_RERANKERS[name]() if name is not None else None
         return cls(**values)
+
+    @classmethod
+    def per_model(cls, args: argparse.Namespace) -> list[EngineArgs]:
+        """Each MODEL's options (`add_cli_args(several_models=True)`), in order. Each of the
+        `PER_MODEL_OPTIONS` is given once per model or once for all (`--gpu-memory-fraction`
+        once: the share split evenly between them); the other flags apply to every model."""
+        models = [args.model, *args.more_models]
+        n = len(models)
+        own: list[dict[str, Any]] = [{} for _ in models]
+        for option in PER_MODEL_OPTIONS:
+            given = getattr(args, option)
+            if given is None:
+                continue
+            if len(given) == 1:
+                value = given[0]
+                if option == "gpu_memory_fraction":
+                    value /= n
+                given = [value] * n
+            elif len(given) != n:
+                raise ConfigError(
+                    f"{_flag(option)} is given {len(given)} times for {n} model{'s' * (n > 1)}: "
+                    "give it once for all, or once per model in their order"
+                )
+            for values, value in zip(own, given, strict=True):
+                values[option] = [value]
+        return [
+            cls.from_cli_args(argparse.Namespace(**{**vars(args), "model": m, **values}))
+            for m, values in zip(models, own, strict=True)
+        ]
+
+
+def _int_or_auto(text: str) -> int | str:
+    """An integer flag's value, or "auto" (as the model says) for `PER_MODEL_OPTIONS`."""
+    return text if text == "auto" else int(text)
+
+
+def _flag(option: str) -> str:
+    return "--" + option.replace("_", "-")
 
 
 @dataclass(frozen=True)

@@ -114,6 +114,9 @@ class Engine:
     same token ids compute them once, keeping their keys and values in a cache of
     `prefix_cache_tokens` positions (default 8192, at least `max_model_len`), least recently
     used evicted (see `vecpool.engine.prefix_cache`).
+    `gpu_memory_fraction` caps the share of its CUDA device's memory the process's allocator
+    may take (`torch.cuda.set_per_process_memory_fraction`): past it, an allocation fails
+    instead of taking memory another engine on the device counts on.
     """
 
     def __init__(
@@ -142,6 +145,7 @@ class Engine:
         enable_prefix_caching: bool = False,
         prefix_cache_tokens: int | None = None,
         batch_invariant: bool = False,
+        gpu_memory_fraction: float | None = None,
     ):
         self.args = args = EngineArgs(
             model,
@@ -167,6 +171,7 @@ class Engine:
             enable_prefix_caching=enable_prefix_caching,
             prefix_cache_tokens=prefix_cache_tokens,
             batch_invariant=batch_invariant,
+            gpu_memory_fraction=gpu_memory_fraction,
         )
         if data_parallel_size > 1:
             raise ConfigError(
@@ -177,6 +182,9 @@ class Engine:
             )
         self.folder = ModelFolder.load(model if model is not None else default_model_path())
         self.device = resolve_device(device)
+        if gpu_memory_fraction is not None and self.device.type == "cuda":
+            # The allocator refuses past this share, so engines sharing the device keep theirs.
+            torch.cuda.set_per_process_memory_fraction(gpu_memory_fraction, self.device)
         self.dtype = resolve_dtype(
             dtype, self.device, hf_get(self.folder.hf_config, "dtype", "torch_dtype")
         )
@@ -353,6 +361,7 @@ class Engine:
             enable_prefix_caching=args.enable_prefix_caching,
             prefix_cache_tokens=args.prefix_cache_tokens,
             batch_invariant=args.batch_invariant,
+            gpu_memory_fraction=args.gpu_memory_fraction,
         )
 
     def _prefix_cache_tokens(self, args: EngineArgs) -> int:

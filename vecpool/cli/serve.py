@@ -12,28 +12,32 @@ import dataclasses
 import sys
 
 from vecpool.api import EngineArgs
-from vecpool.errors import VecpoolError
+from vecpool.errors import ConfigError, VecpoolError
 from vecpool.server import launcher
 
 DEFAULT_BATCH_INPUTS = 2048
 SERVE_DESCRIPTION = """\
-Serve a pooling model over HTTP: OpenAI /v1/embeddings, /pooling, /rerank (Cohere, Jina),
+Serve pooling models over HTTP: OpenAI /v1/embeddings, /pooling, /rerank (Cohere, Jina),
 /score, /classify, /tokenize, /detokenize, /v1/models, /health, /metrics (Prometheus).
+Several models (`vecpool serve A B`) run one engine each; a call's `model` picks one.
 """
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the `serve` options to `parser`."""
     # Prompt embeds arrive as base64 blobs from any client: refused unless asked for.
-    EngineArgs.add_cli_args(parser, enable_prompt_embeds=False)
+    EngineArgs.add_cli_args(parser, enable_prompt_embeds=False, several_models=True)
     http = parser.add_argument_group("HTTP")
     http.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     http.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
     http.add_argument(
         "--served-model-name",
         nargs="+",
+        action="append",
         metavar="NAME",
-        help="model names clients may send; the first is reported (default: the folder name)",
+        help="names clients may send in `model`; the first is reported (default: the folder "
+        "name). With several models, give it once per model, in their order; a call that "
+        "names no model goes to the first",
     )
     http.add_argument(
         "--api-key",
@@ -174,9 +178,11 @@ def serve(args: argparse.Namespace) -> int:
     from vecpool.server.connections import raise_open_file_limit
 
     try:
-        engine_args = EngineArgs.from_cli_args(args)
+        models = EngineArgs.per_model(args)
+        names = served_model_names(args.served_model_name, models)
         config = ServerConfig(  # checked before the model loads: fail fast
-            model_names=tuple(args.served_model_name or [engine_args.model_name]),
+            model_names=names[0],
+            other_model_names=names[1:],
             api_key=args.api_key,
             max_queued=args.max_queued,
             max_batch_inputs=(
@@ -199,7 +205,7 @@ def serve(args: argparse.Namespace) -> int:
             host=args.host,
             port=args.port,
             api_server_count=(
-                launcher.default_api_server_count(engine_args.device) if count is None else count
+                launcher.default_api_server_count(models[0].device) if count is None else count
             ),
             batch_wait_ms=args.batch_wait_ms,
             timeout_keep_alive=args.timeout_keep_alive,
@@ -208,12 +214,28 @@ def serve(args: argparse.Namespace) -> int:
             engine_restart_window=args.engine_restart_window,
             log_level=args.log_level,
         )
-        launcher.check_layout(engine_args, options)
+        launcher.check_layout(models, options)
         sock = launcher.bind_socket(args.host, args.port)
     except VecpoolError as exc:
         print(f"vecpool serve: {exc}", file=sys.stderr)
         return 2
     with sock:
-        if options.api_server_count == 0:
-            return launcher.serve_in_process(engine_args, config, options, sock)
-        return launcher.serve_processes(engine_args, config, options, sock)
+        if options.api_server_count == 0:  # one model (check_layout refuses more)
+            return launcher.serve_in_process(models[0], config, options, sock)
+        return launcher.serve_processes(models, config, options, sock)
+
+
+def served_model_names(
+    given: list[list[str]] | None, models: list[EngineArgs]
+) -> tuple[tuple[str, ...], ...]:
+    """Each model's names: those given (`--served-model-name`, once per model), else its
+    folder's name."""
+    if given is None:
+        return tuple((m.model_name,) for m in models)
+    if len(given) != len(models):
+        raise ConfigError(
+            f"--served-model-name is given {len(given)} times for {len(models)} "
+            f"model{'s' * (len(models) > 1)}: give it once per model, in their order (the "
+            "names given at once are one model's)"
+        )
+    return tuple(tuple(names) for names in given)

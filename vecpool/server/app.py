@@ -9,7 +9,8 @@ stopped with it. Every refusal is an OpenAI-shaped JSON error (see `errors.py`).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+import dataclasses
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import TYPE_CHECKING
@@ -38,7 +39,7 @@ from vecpool.server.routes import ROUTERS
 from vecpool.server.state import ServerState
 
 if TYPE_CHECKING:  # the process layout's modules (ZeroMQ, msgspec) load only where used
-    from vecpool.server.engine_group import EngineGroupClient
+    from vecpool.server.served import ServedModelsClient
 
 Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
 
@@ -74,27 +75,45 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
 
 
 def create_api_app(
-    info: EngineInfo,
+    infos: EngineInfo | Sequence[EngineInfo],
     config: ServerConfig,
-    client: EngineGroupClient,
+    client: ServedModelsClient,
     *,
     multiprocess_dir: str | None = None,
 ) -> FastAPI:
-    """An API-server process's app: calls prepared here (tokenizer and rules from `info`, no
-    model), run on the engine processes through `client`. `multiprocess_dir`: where every
-    process of the server records its metrics (`/metrics` sums them)."""
+    """An API-server process's app: calls prepared here (tokenizer and rules from each
+    model's info, no model), run on the engine processes through `client` (one group per
+    model, in `config.served_model_names`' order). `multiprocess_dir`: where every process of
+    the server records its metrics (`/metrics` sums them)."""
+    infos = [infos] if isinstance(infos, EngineInfo) else list(infos)
+    names = config.served_model_names
+    if not len(infos) == len(client.groups) == len(names):
+        raise ValueError("create_api_app needs one engine info and one group per served model")
     metrics = ServerMetrics(multiprocess_dir=multiprocess_dir)
-    state = ServerState(info, CallContext.from_info(info), config, metrics)
+    state = ServerState(infos[0], CallContext.from_info(infos[0]), config, metrics)
+    models = [state] + [
+        ServerState(
+            info,
+            CallContext.from_info(info),
+            dataclasses.replace(config, model_names=model_names, other_model_names=()),
+            metrics,
+        )
+        for info, model_names in zip(infos[1:], names[1:], strict=True)
+    ]
+    state.models = {name: model for model, n in zip(models, names, strict=True) for name in n}
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await client.start()
-        state.client = client
+        state.client = client  # the server's as a whole; its calls run on the first model
+        for model, group in zip(models[1:], client.groups[1:], strict=True):
+            model.client = group
         async with _executor(state):
             try:
                 yield
             finally:
-                state.client = None
+                for model in models:
+                    model.client = None
                 await client.close()
 
     return _build(state, lifespan)
@@ -106,11 +125,13 @@ async def _executor(state: ServerState) -> AsyncIterator[None]:
     executor = ThreadPoolExecutor(
         state.config.tokenizer_threads, thread_name_prefix="vecpool-server-inputs"
     )
-    state.executor = executor
+    for model in state.each_model():  # several models share it
+        model.executor = executor
     try:
         yield
     finally:
-        state.executor = None
+        for model in state.each_model():
+            model.executor = None
         executor.shutdown(wait=False, cancel_futures=True)
 
 

@@ -15,6 +15,9 @@ class ServerConfig:
     """What the HTTP layer enforces; the engine's own limits live in `Engine`."""
 
     model_names: tuple[str, ...]  # names accepted in `model`; the first is the one reported
+    # With several models served (`vecpool serve A B`): each further model's names, in order.
+    # A call naming none of the models' names is a 404; a call naming no model goes to the first.
+    other_model_names: tuple[tuple[str, ...], ...] = ()
     api_key: str | None = None  # Bearer token every non-public path requires
     max_queued: int = 4096  # requests (inputs) waiting or running before 429
     max_batch_inputs: int = 2048  # inputs one HTTP request may hold
@@ -28,8 +31,16 @@ class ServerConfig:
     max_connections: int = 8192  # open connections per API process; past it, 503 and close
 
     def __post_init__(self) -> None:
-        if not self.model_names or any(not name for name in self.model_names):
-            raise ConfigError("the server needs at least one non-empty model name")
+        for names in self.served_model_names:
+            if not names or any(not name for name in names):
+                raise ConfigError("each served model needs at least one non-empty model name")
+        every = [name for names in self.served_model_names for name in names]
+        if len(set(every)) != len(every):
+            twice = sorted({name for name in every if every.count(name) > 1})
+            raise ConfigError(
+                f"the served model name {twice[0]!r} is given twice; each model's names "
+                "must be its own (--served-model-name, once per model)"
+            )
         if self.api_key is not None and not self.api_key:
             raise ConfigError("--api-key must not be empty")
         for name in (
@@ -53,3 +64,8 @@ class ServerConfig:
     @property
     def model_name(self) -> str:
         return self.model_names[0]
+
+    @property
+    def served_model_names(self) -> tuple[tuple[str, ...], ...]:
+        """Every served model's names, the default (first) model's first."""
+        return (self.model_names, *self.other_model_names)

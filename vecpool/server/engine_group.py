@@ -9,19 +9,15 @@ sent; every one of them spreading its share evenly spreads the whole. Ties go ro
 An engine process that exits fails its own calls in flight at once (`EngineDeadError`, seen on
 its pipe) and is sent no new ones; the others go on serving. `is_running` while any engine
 runs; `health_problem` names the engines gone (`/health` then answers 503). The supervisor
-restarts a lost engine process and says so on this process's control pipe: the engine's rank
-and generation, then the new process's alive pipe (a file descriptor, `recv_handle`); that
-engine then takes calls again. While none runs, new calls are refused with `retry_after`.
+restarts a lost engine process and hands it over (`served.ServedModelsClient` reads the
+hand-overs: `EngineProcessClient.restarted`); that engine then takes calls again. While none
+runs, new calls are refused with `retry_after`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import threading
 from collections.abc import Sequence
-from multiprocessing.connection import Connection
-from multiprocessing.reduction import recv_handle
 
 from vecpool.api.async_engine import EngineDeadError
 from vecpool.api.outputs import PoolingOutput, PromptRequest, RunTimes
@@ -35,15 +31,12 @@ RESTART_RETRY_AFTER = 1.0
 
 class EngineGroupClient:
     """Runs each call on one engine of `engines` (indexed by rank). `start()` inside the
-    event loop that will use it; `close()` at exit. `control`: the supervisor's pipe of
-    hand-overs (restarted engine processes), if any."""
+    event loop that will use it; `close()` at exit."""
 
     def __init__(
         self,
         engines: Sequence[EngineProcessClient],
         metrics: EngineGroupMetrics | None = None,
-        *,
-        control: Connection | None = None,
     ):
         if not engines:
             raise ValueError("an engine group needs at least one engine")
@@ -52,38 +45,14 @@ class EngineGroupClient:
         self.metrics = metrics
         self.queued_tokens = [0] * len(self.engines)  # by rank: sent, not yet answered
         self._next = 0  # where the search for the least loaded engine starts (round robin)
-        self._control = control
 
     async def start(self) -> None:
         for engine in self.engines:
             await engine.start()
-        if self._control is not None:
-            loop = asyncio.get_running_loop()
-            threading.Thread(
-                target=self._watch_control, args=(loop,), name="vecpool-handovers", daemon=True
-            ).start()
 
     async def close(self) -> None:
         for engine in self.engines:
             await engine.close()
-
-    def _watch_control(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Take the supervisor's hand-overs, each ("engine", rank, generation) and then the
-        alive pipe's descriptor, and pass them to the event loop; until the supervisor is gone.
-        A thread of its own: the reads block, and the event loop must never wait on them."""
-        control = self._control
-        assert control is not None
-        while True:
-            try:
-                _, rank, generation = control.recv()
-                alive = Connection(recv_handle(control), writable=False)
-            except (EOFError, OSError):  # the supervisor is gone: this process is stopping
-                return
-            try:
-                loop.call_soon_threadsafe(self.engines[rank].restarted, generation, alive)
-            except RuntimeError:  # the event loop has closed: nothing to hand it to
-                alive.close()
-                return
 
     @property
     def num_queued(self) -> int:
@@ -142,10 +111,10 @@ class EngineGroupClient:
         finally:
             self._add(rank, -tokens)
         if self.metrics is not None:
-            self.metrics.answered_tokens.labels(str(rank)).inc(tokens)
+            self.metrics.answered_tokens(rank).inc(tokens)
         return outputs
 
     def _add(self, rank: int, tokens: int) -> None:
         self.queued_tokens[rank] += tokens
         if self.metrics is not None:
-            self.metrics.queued_tokens.labels(str(rank)).set(self.queued_tokens[rank])
+            self.metrics.queued_tokens(rank).set(self.queued_tokens[rank])

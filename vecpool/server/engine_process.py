@@ -47,6 +47,7 @@ class EngineProcessConfig:
     batch_wait: float  # seconds an idle engine waits for more requests before it steps
     max_wait: float | None = None  # seconds of work ahead of a call before it is refused
     metrics: bool = True  # record the engine's metrics (into the multiprocess directory)
+    model: str | None = None  # its metrics' `model` label, where several models are served
 
 
 @dataclass(eq=False)
@@ -253,7 +254,7 @@ def run_engine_process(
         if config.metrics:
             from prometheus_client import CollectorRegistry
 
-            metrics = EngineMetrics(CollectorRegistry())
+            metrics = EngineMetrics(CollectorRegistry(), model=config.model)
             metrics.prefix_cache_stats = lambda: engine.core.prefix_cache_stats
         loop = EngineLoop(engine, config, metrics)
     except VecpoolError as exc:  # a setting or the model folder: the user's to fix

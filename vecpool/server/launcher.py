@@ -1,15 +1,18 @@
 """How `vecpool serve` runs: the processes of the server and the socket they share.
 
-With `api_server_count` N >= 1 (the default), the server is N + D + 1 processes:
+With `api_server_count` N >= 1 (the default), the server is N + M * D + 1 processes:
 
 - this one, the supervisor: binds the listening socket, starts the others, and stops them;
-- D engine processes (`data_parallel_size`, default 1; one per device, `EngineArgs.replicas`):
-  each loads the model and runs the engine loop alone (`engine_process.EngineLoop`), fed over a
-  ZeroMQ socket of its own (`ipc://`, a local Unix socket);
+- for each of the M models served (`vecpool serve A B`, default one), D engine processes
+  (`data_parallel_size`, default 1; one per device, `EngineArgs.replicas`): each loads its
+  model and runs the engine loop alone (`engine_process.EngineLoop`), fed over a ZeroMQ socket
+  of its own (`ipc://`, a local Unix socket); on the CPU they share the cores (each gets an
+  equal share of the threads);
 - N API-server processes: uvicorn on the inherited listening socket (the kernel hands each new
   connection to one of them), doing HTTP, validation, tokenization and response encoding with
-  no model (`app.create_api_app`), each call run whole by one engine process: the live one to
-  which this API process has the fewest prompt tokens in flight (`engine_group`).
+  no model (`app.create_api_app`), each call run whole by one engine process of the model it
+  names: the live one to which this API process has the fewest prompt tokens in flight
+  (`engine_group`, `served`).
 
 Pipes tell each process when another is gone: the API processes see an engine process exit
 (its calls in flight fail at once, no new call goes to it, /health answers 503 naming it, the
@@ -35,7 +38,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -46,11 +49,15 @@ from vecpool.server.supervisor import (
     STOP_SECONDS,
     EngineProcess,
     RestartPolicy,
+    Spawn,
     Supervisor,
     report_start_failure,
     stop,
     wait_ready,
 )
+
+if TYPE_CHECKING:  # the engine process's module (ZeroMQ) loads only where it runs
+    from vecpool.server.engine_process import EngineProcessConfig
 
 logger = logging.getLogger("vecpool.server")
 
@@ -165,10 +172,15 @@ def serve_in_process(
 
 
 def serve_processes(
-    engine_args: EngineArgs, config: ServerConfig, options: ServeOptions, sock: socket.socket
+    models: EngineArgs | Sequence[EngineArgs],
+    config: ServerConfig,
+    options: ServeOptions,
+    sock: socket.socket,
 ) -> int:
-    """The engine process and `options.api_server_count` API processes, supervised until
-    interrupted (SIGINT, SIGTERM) or until every API process has exited."""
+    """Each model's engine processes (`models`, in the order of `config.served_model_names`)
+    and `options.api_server_count` API processes, supervised until interrupted (SIGINT,
+    SIGTERM) or until every API process has exited."""
+    models = [models] if isinstance(models, EngineArgs) else list(models)
     logging.basicConfig(level=options.log_level.upper(), format="%(levelname)s:     %(message)s")
     with tempfile.TemporaryDirectory(prefix="vecpool-serve-") as tmp:
         # Every process records its metrics here and /metrics sums them; prometheus-client
@@ -176,7 +188,7 @@ def serve_processes(
         metrics_dir = Path(tmp) / "metrics"
         metrics_dir.mkdir()
         with _environ("PROMETHEUS_MULTIPROC_DIR", str(metrics_dir)):  # for the children
-            return _serve_processes(engine_args, config, options, sock, tmp, metrics_dir)
+            return _serve_processes(models, config, options, sock, tmp, metrics_dir)
 
 
 @contextlib.contextmanager
@@ -193,19 +205,34 @@ def _environ(name: str, value: str) -> Iterator[None]:
             os.environ[name] = previous
 
 
-def check_layout(engine_args: EngineArgs, options: ServeOptions) -> None:
-    """Refuse, before any model loads, a data-parallel group this layout or machine cannot
-    run."""
-    if engine_args.data_parallel_size > 1 and options.api_server_count == 0:
+def check_layout(models: EngineArgs | Sequence[EngineArgs], options: ServeOptions) -> None:
+    """Refuse, before any model loads, a data-parallel group or a set of models this layout or
+    machine cannot run, or whose GPU memory fractions add up to more than a device."""
+    models = [models] if isinstance(models, EngineArgs) else list(models)
+    if len(models) > 1 and options.api_server_count == 0:
         raise ConfigError(
-            "--data-parallel-size runs engine processes; --api-server-count 0 runs the engine "
-            "in the API process: give --api-server-count 1 or more"
+            f"{len(models)} models run one engine process each; --api-server-count 0 runs the "
+            "engine in the API process: give --api-server-count 1 or more"
         )
-    engine_args.replicas()  # raises when the devices are not there
+    for engine_args in models:
+        if engine_args.data_parallel_size > 1 and options.api_server_count == 0:
+            raise ConfigError(
+                "--data-parallel-size runs engine processes; --api-server-count 0 runs the "
+                "engine in the API process: give --api-server-count 1 or more"
+            )
+        engine_args.replicas()  # raises when the devices are not there
+    # Every model's group spans the same devices: each device holds one engine of each.
+    fractions = [m.gpu_memory_fraction for m in models if m.gpu_memory_fraction is not None]
+    if sum(fractions) > 1 + 1e-9:
+        raise ConfigError(
+            f"--gpu-memory-fraction: the models' shares ({', '.join(f'{f:g}' for f in fractions)}) "
+            f"add up to {sum(fractions):g}, more than the whole of a device; each device runs "
+            "one engine of every model"
+        )
 
 
 def _serve_processes(  # the body of `serve_processes`, inside its directory and environment
-    engine_args: EngineArgs,
+    models: Sequence[EngineArgs],
     config: ServerConfig,
     options: ServeOptions,
     sock: socket.socket,
@@ -219,25 +246,27 @@ def _serve_processes(  # the body of `serve_processes`, inside its directory and
     ctx = mp.get_context("spawn")
     # Children see EOF on this when this process is gone.
     parent_alive, parent_writer = ctx.Pipe(duplex=False)
-    engines = _start_engines(ctx, engine_args, options, config, tmp, parent_alive)
-    infos = []
+    engines = _start_engines(ctx, models, options, config, tmp, parent_alive)
+    results = []
     for e in engines:
         assert e.ready is not None
-        infos.append(wait_ready(e.process, e.ready))
+        results.append(wait_ready(e.process, e.ready))
         e.ready = None
-    for result in infos:
+    infos: list[EngineInfo] = []  # each model's, from its first engine
+    for e, result in zip(engines, results, strict=True):
         if not isinstance(result, EngineInfo):  # one failed to load: stop the others
             parent_writer.close()
             stop([e.process for e in engines], STOP_SECONDS)
             return report_start_failure(result)
-    info = infos[0]
-    assert isinstance(info, EngineInfo)
+        if e.rank == 0:
+            infos.append(result)
+    labels = _model_labels(config)
     # One duplex pipe per API process: the supervisor hands it each restarted engine process.
     controls = [ctx.Pipe(duplex=True) for _ in range(options.api_server_count)]
     apis = [
         ctx.Process(
             target=run_api_process,
-            args=(info, config, options, sock, [(e.address, e.name) for e in engines]),
+            args=(infos, config, options, sock, [(e.model, e.address, e.name) for e in engines]),
             kwargs={
                 "engine_alive": [e.alive for e in engines],
                 "parent_alive": parent_alive,
@@ -259,20 +288,20 @@ def _serve_processes(  # the body of `serve_processes`, inside its directory and
     pids = ", ".join(str(e.process.pid) for e in engines)
     logger.info(
         "serving %s on http://%s:%d: %s, API-server processes (pids %s)",
-        info.model_name,
+        ", ".join(info.model_name for info in infos),
         options.host,
         options.port,
         f"engine process (pid {pids})" if len(engines) == 1 else f"engine processes (pids {pids})",
         ", ".join(str(api.pid) for api in apis),
     )
-    metrics = SupervisorMetrics(registry=None, ranks=len(engines))
+    metrics = SupervisorMetrics(None, [(labels[e.model], e.rank) for e in engines])
     supervisor = Supervisor(
         engines,
         apis,
         [ours for ours, _ in controls],
         RestartPolicy(options.max_engine_restarts, options.engine_restart_window),
         grace=options.shutdown_timeout,
-        on_restart=lambda rank: metrics.engine_restarts.labels(str(rank)).inc(),
+        on_restart=lambda e: metrics.engine_restarts(labels[e.model], e.rank).inc(),
     )
     try:
         return supervisor.run()
@@ -282,68 +311,95 @@ def _serve_processes(  # the body of `serve_processes`, inside its directory and
             ours.close()
 
 
+def _model_labels(config: ServerConfig) -> list[str | None]:
+    """Each model's `model` label in the metrics (its first served name); None with one model."""
+    names = config.served_model_names
+    return [n[0] if len(names) > 1 else None for n in names]
+
+
 def _start_engines(
     ctx: Any,
-    engine_args: EngineArgs,
+    models: Sequence[EngineArgs],
     options: ServeOptions,
     config: ServerConfig,
     tmp: str,
     parent_alive: Connection,
 ) -> list[EngineProcess]:
-    """Start an engine process on each device of the group (they load their models at once)."""
-    from vecpool.server.engine_process import EngineProcessConfig, run_engine_process
+    """Start an engine process on each device of each model's group (they load at once)."""
+    from vecpool.server.engine_process import EngineProcessConfig
 
-    replicas = engine_args.replicas()
-    group = len(replicas) > 1
+    labels = _model_labels(config)
     engines = []
-    for replica in replicas:
-        rank = replica.rank
-        name = f"engine process {rank} ({replica.args.device})" if group else "the engine process"
-        engine_config = EngineProcessConfig(
-            address=f"ipc://{tmp}/engine-{rank}",
-            max_queued=config.max_queued,
-            max_wait=config.max_queue_wait,
-            batch_wait=options.batch_wait_ms / 1000,
-        )
-
-        def spawn(
-            args: EngineArgs = replica.args,
-            engine_config: EngineProcessConfig = engine_config,
-            threads: int | None = replica.threads if group else None,
-            rank: int = rank,
-        ) -> tuple[BaseProcess, Connection, Connection]:
-            """Start this rank's engine process (again: on the same device and address)."""
-            alive, alive_w = ctx.Pipe(duplex=False)
-            ready, ready_w = ctx.Pipe(duplex=False)
-            process = ctx.Process(
-                target=run_engine_process,
-                args=(args, engine_config, ready_w, parent_alive, alive_w),
-                kwargs={
-                    "log_level": options.log_level,
-                    "threads": threads,
-                    "tag": f"engine {rank}" if group else "engine",
-                },
-                name=f"vecpool-engine-{rank}" if group else "vecpool-engine",
+    for index, engine_args in enumerate(models):
+        label = labels[index]
+        replicas = engine_args.replicas()
+        group = len(replicas) > 1
+        for replica in replicas:
+            rank = replica.rank
+            name = (
+                f"engine process {rank} ({replica.args.device})" if group else "the engine process"
             )
-            process.start()
-            ready_w.close()
-            alive_w.close()  # the engine process holds the only writer now
-            return process, alive, ready
-
-        process, alive, ready = spawn()
-        logger.info("%s started (pid %s), loading the model", name, process.pid)
-        engines.append(
-            EngineProcess(rank, name, engine_config.address, spawn, process, alive, ready)
-        )
+            if label is not None:
+                name += f" of model {label!r}"
+            engine_config = EngineProcessConfig(
+                address=f"ipc://{tmp}/engine-{index}-{rank}",
+                max_queued=config.max_queued,
+                max_wait=config.max_queue_wait,
+                batch_wait=options.batch_wait_ms / 1000,
+                model=label,
+            )
+            # Several engines on one machine share its cores: each gets an equal share.
+            shared = group or len(models) > 1
+            threads = max(1, replica.threads // len(models)) if shared else None
+            tag = f"engine {rank}" if group else "engine"
+            if label is not None:
+                tag += f" {label}"
+            spawn = _spawner(ctx, replica.args, engine_config, threads, tag, parent_alive, options)
+            process, alive, ready = spawn()
+            logger.info("%s started (pid %s), loading the model", name, process.pid)
+            engines.append(
+                EngineProcess(
+                    rank, name, engine_config.address, spawn, process, alive, ready, model=index
+                )
+            )
     return engines
 
 
+def _spawner(
+    ctx: Any,
+    args: EngineArgs,
+    engine_config: EngineProcessConfig,
+    threads: int | None,
+    tag: str,
+    parent_alive: Connection,
+    options: ServeOptions,
+) -> Spawn:
+    """What starts one engine process (again, after a loss: on the same device and address)."""
+    from vecpool.server.engine_process import run_engine_process
+
+    def spawn() -> tuple[BaseProcess, Connection, Connection]:
+        alive, alive_w = ctx.Pipe(duplex=False)
+        ready, ready_w = ctx.Pipe(duplex=False)
+        process = ctx.Process(
+            target=run_engine_process,
+            args=(args, engine_config, ready_w, parent_alive, alive_w),
+            kwargs={"log_level": options.log_level, "threads": threads, "tag": tag},
+            name=f"vecpool-{tag.replace(' ', '-')}",
+        )
+        process.start()
+        ready_w.close()
+        alive_w.close()  # the engine process holds the only writer now
+        return process, alive, ready
+
+    return spawn
+
+
 def run_api_process(
-    info: EngineInfo,
+    infos: Sequence[EngineInfo],
     config: ServerConfig,
     options: ServeOptions,
     sock: socket.socket,
-    engines: Sequence[tuple[str, str]],
+    engines: Sequence[tuple[int, str, str]],
     *,
     engine_alive: Sequence[Connection],
     parent_alive: Connection,
@@ -351,23 +407,28 @@ def run_api_process(
     metrics_dir: str,
 ) -> None:
     """An API-server process's entry point: uvicorn on `sock` until stopped, or until the
-    supervisor is gone. `engines`: each engine process's (address, name), by rank;
-    `engine_alive`: the pipe that closes when it exits; `control`: where the supervisor hands
-    over each restarted engine process."""
+    supervisor is gone. `infos`: each served model's; `engines`: each engine process's
+    (model, address, name), by model and rank; `engine_alive`: the pipe that closes when it
+    exits; `control`: where the supervisor hands over each restarted engine process."""
     import uvicorn
 
     from vecpool.server.app import create_api_app
     from vecpool.server.engine_client import EngineProcessClient
     from vecpool.server.engine_group import EngineGroupClient
     from vecpool.server.metrics import EngineGroupMetrics
+    from vecpool.server.served import ServedModelsClient
 
-    clients = [
-        EngineProcessClient(address, alive, max_queued=config.max_queued, name=name)
-        for (address, name), alive in zip(engines, engine_alive, strict=True)
-    ]
+    by_model: list[list[EngineProcessClient]] = [[] for _ in infos]
+    for (model, address, name), alive in zip(engines, engine_alive, strict=True):
+        client = EngineProcessClient(address, alive, max_queued=config.max_queued, name=name)
+        by_model[model].append(client)
     # Recorded into the multiprocess directory, which /metrics reads whole.
-    group = EngineGroupClient(clients, EngineGroupMetrics(registry=None), control=control)
-    app = create_api_app(info, config, group, multiprocess_dir=metrics_dir)
+    groups = [
+        EngineGroupClient(clients, EngineGroupMetrics(None, model=label))
+        for clients, label in zip(by_model, _model_labels(config), strict=True)
+    ]
+    served = ServedModelsClient(groups, control=control)
+    app = create_api_app(infos, config, served, multiprocess_dir=metrics_dir)
     server = uvicorn.Server(uvicorn_config(app, options, config))
 
     def watch_parent() -> None:

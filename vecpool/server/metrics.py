@@ -7,6 +7,10 @@ tokens per step (batch tokens), request outcomes (finished, failed, and cancelle
 because the client went away), prompt tokens the shared-prefix cache was queried for and hit.
 The supervisor (`SupervisorMetrics`): engine processes restarted.
 
+With several models served, every engine's metric (the engine process's, and those labelled
+`engine`) carries a `model` label too: the model's served name. With one model it has none, so
+a single-model server's metrics read as they always have.
+
 With several processes, each records into prometheus-client's multiprocess directory (the
 `PROMETHEUS_MULTIPROC_DIR` the launcher sets for them) and `/metrics`, answered by any API
 process, sums them all.
@@ -14,7 +18,8 @@ process, sums them all.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
@@ -23,6 +28,24 @@ from vecpool.engine.request import Request, RequestStatus
 
 _SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _TOKENS = tuple(float(2**i) for i in range(4, 18))
+
+
+def _model_label(model: str | None) -> tuple[str, ...]:
+    """The `model` label's values: none with one model served (`model` None)."""
+    return () if model is None else (model,)
+
+
+def _names(model: str | None, *names: str) -> list[str]:
+    """Label names: `names`, then `model` where several models are served."""
+    return [*names, *(("model",) if model is not None else ())]
+
+
+M = TypeVar("M", Counter, Gauge, Histogram)
+
+
+def _bound(metric: M, model: tuple[str, ...]) -> M:
+    """`metric` with its `model` label set, where it has one."""
+    return metric.labels(*model) if model else metric
 
 
 class ServerMetrics:
@@ -98,35 +121,51 @@ class ServerMetrics:
 class EngineMetrics:
     """The engine's metrics, recorded by whatever runs its loop (the in-process front's
     hooks, or the engine process). `queue_size`: read at each scrape; without it, the loop
-    sets the gauge itself (`set_queue_size`)."""
+    sets the gauge itself (`set_queue_size`). `model`: the served name its metrics are
+    labelled with where several models are served (None: one model, no label)."""
 
-    def __init__(self, registry: CollectorRegistry, queue_size: Callable[[], float] | None = None):
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        queue_size: Callable[[], float] | None = None,
+        *,
+        model: str | None = None,
+    ):
         r = registry
-        self.queue_size = Gauge(
+        by_model = _names(model)
+        self._model = _model_label(model)
+        queue = Gauge(
             "vecpool_queue_size",
             "Inputs queued or running in the engine",
+            by_model,
             multiprocess_mode="livesum",
             registry=r,
         )
+        self.queue_size = _bound(queue, self._model)
         if queue_size is not None:
             self.queue_size.set_function(queue_size)
-        self.engine_steps = Counter("vecpool_engine_steps", "Engine steps run", registry=r)
-        self.step_seconds = Histogram(
+        steps = Counter("vecpool_engine_steps", "Engine steps run", by_model, registry=r)
+        self.engine_steps = _bound(steps, self._model)
+        step_seconds = Histogram(
             "vecpool_engine_step_seconds",
             "Duration of one engine step",
+            by_model,
             buckets=_SECONDS,
             registry=r,
         )
-        self.batch_tokens = Histogram(
+        self.step_seconds = _bound(step_seconds, self._model)
+        batch_tokens = Histogram(
             "vecpool_batch_tokens",
             "Prompt tokens completed per engine step",
+            by_model,
             buckets=_TOKENS,
             registry=r,
         )
+        self.batch_tokens = _bound(batch_tokens, self._model)
         self.engine_requests = Counter(
             "vecpool_engine_requests",
             "Engine requests (one per input) by outcome: finished, failed, cancelled",
-            ["outcome"],
+            _names(model, "outcome"),
             registry=r,
         )
         self.prefix_cache_hit_tokens = Counter(
@@ -147,7 +186,7 @@ class EngineMetrics:
 
     def on_request_done(self, request: Request) -> None:
         """A request's done callback: runs in the loop thread, or where it was cancelled."""
-        self.engine_requests.labels(request.status.value).inc()
+        self.engine_requests.labels(request.status.value, *self._model).inc()
         if request.status in (RequestStatus.FINISHED, RequestStatus.FAILED):
             self._step_tokens += request.num_prompt_tokens
             self._sync_prefix_cache()  # the loop thread: before the answer goes out
@@ -179,35 +218,50 @@ class EngineMetrics:
 
 class EngineGroupMetrics:
     """An API process's view of each engine process of a data-parallel group (label
-    `engine`: its rank), summed over the API processes: prompt tokens sent and not yet
-    answered (what the balancer compares), and prompt tokens of the calls each answered."""
+    `engine`: its rank; and `model`, the model's served name, where several are served),
+    summed over the API processes: prompt tokens sent and not yet answered (what the balancer
+    compares), and prompt tokens of the calls each answered."""
 
-    def __init__(self, registry: CollectorRegistry | None):
-        self.queued_tokens = Gauge(
+    def __init__(self, registry: CollectorRegistry | None, *, model: str | None = None):
+        self._model = _model_label(model)
+        self._queued_tokens = Gauge(
             "vecpool_engine_queued_tokens",
             "Prompt tokens of calls sent to an engine process and not yet answered",
-            ["engine"],
+            _names(model, "engine"),
             multiprocess_mode="livesum",
             registry=registry,
         )
-        self.answered_tokens = Counter(
+        self._answered_tokens = Counter(
             "vecpool_engine_answered_tokens",
             "Prompt tokens of the calls an engine process answered",
-            ["engine"],
+            _names(model, "engine"),
             registry=registry,
         )
+
+    def queued_tokens(self, rank: int) -> Gauge:
+        return self._queued_tokens.labels(str(rank), *self._model)
+
+    def answered_tokens(self, rank: int) -> Counter:
+        return self._answered_tokens.labels(str(rank), *self._model)
 
 
 class SupervisorMetrics:
-    """The supervisor's: engine processes restarted, by rank (label `engine`), each counted
-    once it is back in service. `ranks`: the engines, each shown from the start (at 0)."""
+    """The supervisor's: engine processes restarted, by rank (label `engine`) and, where
+    several models are served, model (label `model`), each counted once it is back in
+    service. `engines`: each engine's (model label or None, rank), shown from the start (at 0)."""
 
-    def __init__(self, registry: CollectorRegistry | None, ranks: int):
-        self.engine_restarts = Counter(
+    def __init__(
+        self, registry: CollectorRegistry | None, engines: Sequence[tuple[str | None, int]]
+    ):
+        several = any(model is not None for model, _ in engines)
+        self._engine_restarts = Counter(
             "vecpool_engine_restarts",
             "Engine processes restarted after they were lost or exited at fault",
-            ["engine"],
+            ["engine", "model"] if several else ["engine"],
             registry=registry,
         )
-        for rank in range(ranks):
-            self.engine_restarts.labels(str(rank))
+        for model, rank in engines:
+            self.engine_restarts(model, rank)
+
+    def engine_restarts(self, model: str | None, rank: int) -> Counter:
+        return self._engine_restarts.labels(str(rank), *_model_label(model))

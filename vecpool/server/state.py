@@ -8,6 +8,7 @@ another process.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from concurrent.futures import Executor
@@ -53,7 +54,14 @@ class EngineClient(Protocol):
 @dataclass
 class ServerState:
     """The engine's description and input stage, its client (set at startup), the settings
-    and the metrics."""
+    and the metrics.
+
+    With several models served, the app's state is the first (default) model's, its client
+    the server's as a whole (`served.ServedModelsClient`: calls on it run on the first model),
+    and `models` maps every served name to its model's state (the first model's names to the
+    app's state itself): each with that model's info, context, names (`config.model_names`) and
+    engines' client, sharing the metrics and the input thread pool. Routes find the state of
+    the model a call names with `for_model`."""
 
     info: EngineInfo
     context: CallContext
@@ -62,12 +70,43 @@ class ServerState:
     client: EngineClient | None = None  # set at startup
     executor: Executor | None = None  # decodes and tokenizes inputs; set at startup
     created: int = field(default_factory=lambda: int(time.time()))
+    # Every served name -> its model's state, where the server runs engine processes (set at
+    # startup); empty for an engine in this process (one model: `check_model` decides).
+    models: dict[str, ServerState] = field(default_factory=dict)
+
+    def for_model(self, name: str | None) -> ServerState:
+        """The state of the model a call names in its `model` field: None names the first
+        model (this state); a name not served is a 404."""
+        if name is None:
+            return self
+        state = self.models.get(name)
+        if state is None:
+            self.check_model(name)  # one model, in this process: its names are the config's
+            return self
+        return state
+
+    def each_model(self) -> list[ServerState]:
+        """Every served model's state, once each, the first model's (this one) first."""
+        states = [self]
+        for state in self.models.values():
+            if all(state is not seen for seen in states):
+                states.append(state)
+        return states
 
     def running_client(self) -> EngineClient:
-        """The engine's client while the engine runs, or a 503."""
-        if self.client is None or not self.client.is_running:
-            raise ApiError(503, "the engine is not running", code="unavailable")
-        return self.client
+        """The engine's client while the engine runs, or a 503 (saying when to retry while
+        its engine processes restart)."""
+        client = self.client
+        if client is None or not client.is_running:
+            retry = client.retry_after if client is not None else None
+            problem = client.health_problem if client is not None else None
+            raise ApiError(
+                503,
+                "the engine is not running" + (f": {problem}" if problem else ""),
+                code="unavailable",
+                headers={"retry-after": str(math.ceil(retry))} if retry is not None else None,
+            )
+        return client
 
     def check_health(self) -> None:
         """A 503 unless every engine runs. With data parallel, one engine process gone fails
@@ -78,11 +117,13 @@ class ServerState:
             raise ApiError(503, problem, code="unavailable")
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name not in self.config.model_names:
+        """A 404 unless `name` (when given) is one of the served models' names."""
+        served = [n for names in self.config.served_model_names for n in names]
+        if name is not None and name not in served and name not in self.models:
             raise ApiError(
                 404,
                 f"the model {name!r} does not exist; this server serves "
-                f"{', '.join(map(repr, self.config.model_names))}",
+                f"{', '.join(map(repr, served))}",
                 param="model",
                 code="model_not_found",
             )

@@ -4,11 +4,13 @@ An engine process that exits while the server runs (killed, crashed, or at fault
 itself with status 1) is started again on the same device and the same ipc address, after a
 back-off: `RESTART_DELAY` seconds, doubling with each restart of that engine within the
 window, up to `RESTART_MAX_DELAY`. Once it has loaded, each API process is handed, on its
-control pipe, the engine's rank and generation and the new process's "alive" pipe (the file
-descriptor itself, `send_handle`): it then connects to the new process with a fresh socket
-(`EngineProcessClient.restarted`). More than `max_restarts` restarts within `window` seconds
-(every engine of the server counted together) stop the server, exit status 1: whatever keeps
-failing is the orchestrator's to handle (another machine, a page to a person).
+control pipe, the engine's model (its index among the served models), rank and generation and
+the new process's "alive" pipe (the file descriptor itself, `send_handle`): it then connects to
+the new process with a fresh socket (`EngineProcessClient.restarted`). With several models
+served, a lost engine of one is restarted while the others serve on. More than `max_restarts`
+restarts within `window` seconds (every engine of the server counted together) stop the
+server, exit status 1: whatever keeps failing is the orchestrator's to handle (another
+machine, a page to a person).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
@@ -46,9 +48,9 @@ Spawn = Callable[[], tuple[BaseProcess, Connection, Connection]]
 
 @dataclass
 class EngineProcess:
-    """One engine process of the group, as the supervisor holds it, across its restarts."""
+    """One engine process of the server, as the supervisor holds it, across its restarts."""
 
-    rank: int
+    rank: int  # within its model's data-parallel group
     name: str  # in logs and errors: "the engine process", or "engine process 1 (cuda:1)"
     address: str  # where it listens, e.g. "ipc:///tmp/.../engine-0"; the same after a restart
     spawn: Spawn
@@ -57,6 +59,7 @@ class EngineProcess:
     ready: Connection | None  # while it loads: the pipe it reports on
     generation: int = 0  # 0 for the first process of this rank, +1 each restart
     restart_at: float | None = None  # while it waits out the back-off (time.monotonic())
+    model: int = 0  # which served model it runs (an index, in the order they were given)
 
     @property
     def loading(self) -> bool:
@@ -87,16 +90,17 @@ class RestartPolicy:
 
     max_restarts: int
     window: float
-    restarts: deque[tuple[float, int]] = field(default_factory=deque)  # (when, rank)
+    restarts: deque[tuple[float, Hashable]] = field(default_factory=deque)  # (when, engine)
 
-    def delay(self, rank: int, now: float) -> float | None:
-        """Seconds before engine `rank`, lost now, restarts; None when the limit is spent."""
+    def delay(self, engine: Hashable, now: float) -> float | None:
+        """Seconds before `engine` (a key naming one engine: (model, rank)), lost now,
+        restarts; None when the limit is spent."""
         while self.restarts and now - self.restarts[0][0] > self.window:
             self.restarts.popleft()
         if len(self.restarts) >= self.max_restarts:
             return None
-        self.restarts.append((now, rank))
-        mine = sum(1 for _, r in self.restarts if r == rank)
+        self.restarts.append((now, engine))
+        mine = sum(1 for _, e in self.restarts if e == engine)
         return float(min(RESTART_MAX_DELAY, RESTART_DELAY * 2 ** (mine - 1)))
 
 
@@ -112,14 +116,14 @@ class Supervisor:
         policy: RestartPolicy,
         *,
         grace: float,
-        on_restart: Callable[[int], Any] | None = None,
+        on_restart: Callable[[EngineProcess], Any] | None = None,
     ):
         self.engines = engines
         self.apis = apis
         self.controls = controls  # one per API process (index for index): hand-overs
         self.policy = policy
         self.grace = grace
-        self.on_restart = on_restart  # called with the rank of each engine back in service
+        self.on_restart = on_restart  # called with each engine back in service
         self.stopping = threading.Event()
 
     def run(self) -> int:
@@ -190,7 +194,7 @@ class Supervisor:
         if e.alive is not None:
             e.alive.close()
             e.alive = None
-        delay = self.policy.delay(e.rank, time.monotonic())
+        delay = self.policy.delay((e.model, e.rank), time.monotonic())
         if delay is None:
             logger.error(
                 "%s %s: %d restarts within %g s (--max-engine-restarts, --engine-restart-window); "
@@ -206,18 +210,18 @@ class Supervisor:
         return True
 
     def _hand_over(self, e: EngineProcess) -> None:
-        """Tell each API process that engine `e` is back: its rank, its generation, and the
-        new process's alive pipe (each gets its own descriptor)."""
+        """Tell each API process that engine `e` is back: its model, rank and generation, and
+        the new process's alive pipe (each gets its own descriptor)."""
         assert e.alive is not None
         # Counted before any API process hears of it: whoever sees the engine serve again
         # (/health 200) sees the restart counted too.
         if self.on_restart is not None:
-            self.on_restart(e.rank)
+            self.on_restart(e)
         for api, control in zip(self.apis, self.controls, strict=True):
             if api.exitcode is not None or api.pid is None:
                 continue
             with contextlib.suppress(OSError):  # that API process is gone
-                control.send(("engine", e.rank, e.generation))
+                control.send(("engine", e.model, e.rank, e.generation))
                 send_handle(control, e.alive.fileno(), api.pid)
         e.alive.close()
         e.alive = None

@@ -69,7 +69,7 @@ async def embed(request: Request, data: dict[str, Any], *, version: int) -> Resp
     "embeddings_floats" answer, a list of float vectors)."""
     state = get_state(request)
     body = validate(CohereEmbedRequest, data)
-    state.check_model(body.model)
+    state = state.for_model(body.model)
     for name in ("images", "inputs"):
         if getattr(body, name) is not None:
             raise ApiError(400, f"{name}: vecpool embeds texts only; send texts", param=name)

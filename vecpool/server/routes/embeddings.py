@@ -91,11 +91,13 @@ async def infinity_embeddings(request: Request) -> Response:
     classifier, whose pooled states are no embedding)."""
     state = get_state(request)
     data = await read_json(request, state.config.max_payload_bytes)
-    if "embed" not in capabilities(state.info):
+    model = data.get("model") if isinstance(data, dict) else None
+    served = state.for_model(model if isinstance(model, str) else None)
+    if "embed" not in capabilities(served.info):
         raise ApiError(
             400,
-            f"model={data.get('model') or state.config.model_name!r} does not support embed: "
-            f"it is for {', '.join(capabilities(state.info)) or 'no Infinity route'}",
+            f"model={model or served.config.model_name!r} does not support embed: "
+            f"it is for {', '.join(capabilities(served.info)) or 'no Infinity route'}",
             code="unsupported_by_model",
         )
     return await embeddings(request, data)
@@ -106,7 +108,7 @@ async def embeddings(request: Request, data: dict[str, Any]) -> Response:
     `messages`, vLLM's embedding of one conversation."""
     state = get_state(request)
     body = validate(EmbeddingChatRequest if "messages" in data else EmbeddingRequest, data)
-    state.check_model(body.model)
+    state = state.for_model(body.model)
     inputs = TextInputs(state, body)
     # vLLM and OpenAI refuse `dimensions` for a model not trained for it; Infinity cuts any.
     matryoshka_only = request.url.path != INFINITY_EMBEDDINGS

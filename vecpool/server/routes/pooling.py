@@ -29,7 +29,7 @@ async def pooling(request: Request, data: dict[str, Any]) -> Response:
     """Any task's raw output for a parsed body (also reached through `/invocations`)."""
     state = get_state(request)
     body = validate(PoolingChatRequest if "messages" in data else PoolingRequest, data)
-    state.check_model(body.model)
+    state = state.for_model(body.model)
     inputs = TextInputs(state, body)
 
     def prepare() -> PreparedCall[list[np.ndarray]]:

@@ -81,7 +81,7 @@ async def infinity_rerank(request: Request, data: dict[str, Any]) -> Response:
     answer (with `return_documents`), refusals as Infinity's (422 for what it cannot take)."""
     state = get_state(request)
     body = validate(InfinityRerankRequest, data)
-    state.check_model(body.model)
+    state = state.for_model(body.model)
     state.check_count(len(body.documents), "documents")
 
     def prepare() -> PreparedCall[list[tuple[int, float]]]:
@@ -119,7 +119,7 @@ async def infinity_rerank(request: Request, data: dict[str, Any]) -> Response:
 async def rerank(request: Request, data: dict[str, Any]) -> Response:
     state = get_state(request)
     body = validate(RerankRequest, data)
-    state.check_model(body.model)
+    state = state.for_model(body.model)
     state.check_count(len(body.documents), "documents")
     if body.rank_fields not in (None, ["text"]):
         raise ApiError(
@@ -213,7 +213,7 @@ async def score(request: Request, data: dict[str, Any]) -> Response:
     state = get_state(request)
     model, first_name, second_name = score_shape(data)
     body = validate(model, data)
-    state.check_model(body.model)
+    state = state.for_model(body.model)
     first, second = getattr(body, first_name), getattr(body, second_name)
     firsts = [first] if isinstance(first, str) else first
     seconds = [second] if isinstance(second, str) else second
@@ -265,7 +265,7 @@ async def classify(request: Request, data: dict[str, Any]) -> Response:
         return await infinity_classify(request, data)
     state = get_state(request)
     body = validate(ClassifyChatRequest if "messages" in data else ClassifyRequest, data)
-    state.check_model(body.model)
+    state = state.for_model(body.model)
     inputs = TextInputs(state, body)
 
     def prepare() -> PreparedCall[np.ndarray]:
@@ -313,7 +313,7 @@ async def infinity_classify(request: Request, data: dict[str, Any]) -> Response:
     reranker (a one-label cross-encoder) does not classify, as Infinity's reranker does not."""
     state = get_state(request)
     body = validate(InfinityClassifyRequest, data)
-    state.check_model(body.model)
+    state = state.for_model(body.model)
     texts = [body.input] if isinstance(body.input, str) else body.input
     state.check_count(len(texts))
     info = state.info

@@ -11,7 +11,7 @@ from starlette.responses import Response
 
 from vecpool.api import EngineInfo
 from vecpool.server.routes.common import dumps, json_response
-from vecpool.server.state import get_state
+from vecpool.server.state import ServerState, get_state
 
 router = APIRouter()
 
@@ -19,36 +19,41 @@ router = APIRouter()
 @router.get("/v1/models")
 @router.get("/models")  # Infinity's
 async def list_models(request: Request) -> Response:
+    """Every served model, each under each of its names, the default (first) model first."""
     state = get_state(request)
-    info = state.info
-    client = state.client
-    queued = 0 if client is None else client.num_queued
-    max_queued = 0 if client is None else client.max_queued
-    stats = {
-        "queue_fraction": queued / max_queued if max_queued else 0.0,
-        "queue_absolute": queued,
-        "results_pending": queued,  # inputs queued or running: none waits once it is done
-        "batch_size": info.max_num_seqs,
-    }
     models = [
         {
             "id": name,
             "object": "model",
             "created": state.created,
             "owned_by": "vecpool",
-            "max_model_len": info.max_model_len,
-            "hidden_size": info.hidden_size,
-            "output_dim": info.output_dim,
-            "tasks": list(info.tasks),
-            "score_mode": info.score_mode,  # how /score and /rerank compare texts
+            "max_model_len": model.info.max_model_len,
+            "hidden_size": model.info.hidden_size,
+            "output_dim": model.info.output_dim,
+            "tasks": list(model.info.tasks),
+            "score_mode": model.info.score_mode,  # how /score and /rerank compare texts
             # Infinity's fields: its clients read the queue and what the model can do.
-            "stats": stats,
+            "stats": _stats(model),
             "backend": "vecpool",
-            "capabilities": capabilities(info),
+            "capabilities": capabilities(model.info),
         }
-        for name in state.config.model_names
+        for model in state.each_model()
+        for name in model.config.model_names
     ]
     return json_response(dumps({"object": "list", "data": models}))
+
+
+def _stats(model: ServerState) -> dict[str, float | int]:
+    """Infinity's queue figures of one served model."""
+    client = model.client
+    queued = 0 if client is None else client.num_queued
+    max_queued = 0 if client is None else client.max_queued
+    return {
+        "queue_fraction": queued / max_queued if max_queued else 0.0,
+        "queue_absolute": queued,
+        "results_pending": queued,  # inputs queued or running: none waits once it is done
+        "batch_size": model.info.max_num_seqs,
+    }
 
 
 @router.get("/health")

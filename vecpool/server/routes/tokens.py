@@ -32,7 +32,7 @@ async def tokenize(request: Request) -> Response:
     if "inputs" in data:
         return await tei_routes.tokenize(request, data)
     body = validate_body(TokenizeRequest, data)
-    state.check_model(body.model)
+    state = state.for_model(body.model)
     text = await in_executor(
         state,
         request,
@@ -58,7 +58,7 @@ async def detokenize(request: Request) -> Response:
     """The text of token ids (special tokens skipped)."""
     state = get_state(request)
     body = await read_body(request, DetokenizeRequest, state.config.max_payload_bytes)
-    state.check_model(body.model)
+    state = state.for_model(body.model)
     text = await in_executor(
         state, request, lambda: calls.detokenize(state.context, body.tokens), "tokens"
     )
