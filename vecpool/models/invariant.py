@@ -361,6 +361,23 @@ _TRANSCENDENTAL = frozenset(
 )
 
 
+def _row_l2(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a `Tensor.norm` call is the L2 norm of each row of a matrix (the heads'
+    normalization: `x.norm(dim=1, keepdim=True)`)."""
+    if len(args) != 1 or not isinstance(args[0], torch.Tensor) or args[0].dim() != 2:
+        return False
+    return kwargs.get("p", 2) == 2 and kwargs.get("dim") in (1, -1) and "dtype" not in kwargs
+
+
+def row_l2_norm(x: torch.Tensor, *, keepdim: bool = False) -> torch.Tensor:
+    """`x.norm(dim=1)` of `[n, d]` rows whose every value depends on its row only: the sum of
+    squares as a product with a column of ones through `invariant_linear` (one summation order
+    for every n; a reduction kernel's order may change with the number of rows on CUDA)."""
+    squares = invariant_linear(x * x, x.new_ones((1, x.shape[1])))  # [n, 1]
+    norms = squares.sqrt()
+    return norms if keepdim else norms[:, 0]
+
+
 class InvariantFunctions(TorchFunctionMode):
     """While active: `F.linear` runs as `invariant_linear`, and on the CPU the transcendental
     elementwise functions (activations, rotary cos / sin, the attention's exponentials) run
@@ -376,6 +393,8 @@ class InvariantFunctions(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.linear:
             return invariant_linear(*args, **kwargs)
+        if func is torch.Tensor.norm and _row_l2(args, kwargs):
+            return row_l2_norm(args[0], keepdim=bool(kwargs.get("keepdim", False)))
         if (
             func in _TRANSCENDENTAL
             and args
