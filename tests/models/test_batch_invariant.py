@@ -227,13 +227,22 @@ def test_flag_reaches_engine_args() -> None:
     assert not vecpool.EngineArgs.from_cli_args(parser.parse_args([])).batch_invariant
 
 
-def test_row_norm_independent_of_the_other_rows() -> None:
+def test_row_norm_independent_of_the_other_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """The heads' normalization under the mode: each row's L2 norm is the same bits whatever
     rows share the call, and within float32 rounding of `Tensor.norm`."""
     x = torch.randn(200, 96, generator=torch.Generator().manual_seed(3))
+    calls: list[int] = []
+
+    def counted(rows: torch.Tensor, *, keepdim: bool = False) -> torch.Tensor:
+        calls.append(rows.shape[0])
+        return row_l2_norm(rows, keepdim=keepdim)
+
+    row_l2_norm = invariant.row_l2_norm
+    monkeypatch.setattr(invariant, "row_l2_norm", counted)
     with invariant.InvariantFunctions():
         full = x.norm(dim=1, keepdim=True)
         parts = [x[i : i + n].norm(dim=1, keepdim=True) for i, n in ((0, 1), (5, 3), (60, 77))]
+    assert calls == [200, 1, 3, 77]  # the mode routes the heads' norms through row_l2_norm
     for (i, n), part in zip(((0, 1), (5, 3), (60, 77)), parts, strict=True):
         assert torch.equal(part, full[i : i + n])
     assert_rel_close(full.numpy(), x.double().norm(dim=1, keepdim=True).float().numpy(), 1e-6)

@@ -366,15 +366,22 @@ def _row_l2(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     normalization: `x.norm(dim=1, keepdim=True)`)."""
     if len(args) != 1 or not isinstance(args[0], torch.Tensor) or args[0].dim() != 2:
         return False
-    return kwargs.get("p", 2) == 2 and kwargs.get("dim") in (1, -1) and "dtype" not in kwargs
+    # `Tensor.norm` hands its defaults on: p="fro" (over one dimension, the L2 norm), dtype=None.
+    return (
+        kwargs.get("p", 2) in (2, "fro")
+        and kwargs.get("dim") in (1, -1, (1,), (-1,), [1], [-1])
+        and kwargs.get("dtype") is None
+    )
 
 
 def row_l2_norm(x: torch.Tensor, *, keepdim: bool = False) -> torch.Tensor:
-    """`x.norm(dim=1)` of `[n, d]` rows whose every value depends on its row only: the sum of
-    squares as a product with a column of ones through `invariant_linear` (one summation order
-    for every n; a reduction kernel's order may change with the number of rows on CUDA)."""
-    squares = invariant_linear(x * x, x.new_ones((1, x.shape[1])))  # [n, 1]
-    norms = squares.sqrt()
+    """`x.norm(dim=1)` of `[n, d]` rows whose every value depends on its row only. On CUDA,
+    where a reduction kernel's order may change with the number of rows, the sum of squares is
+    a product with a column of ones through `invariant_linear` (one order for every n)."""
+    if x.device.type == "cuda":
+        norms = invariant_linear(x * x, x.new_ones((1, x.shape[1]))).sqrt()  # [n, 1]
+    else:  # the CPU's reduction sums each row on its own, in one order, whatever n is
+        norms = x.norm(dim=1, keepdim=True)
     return norms if keepdim else norms[:, 0]
 
 
