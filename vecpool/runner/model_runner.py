@@ -11,6 +11,7 @@ from vecpool.models.attention import varlen_available
 from vecpool.models.base import PoolingModel
 from vecpool.runner.batch import FlatBatch, build_flat_batch
 from vecpool.runner.compiled import compile_blocks
+from vecpool.runner.cpu_linear import can_pack, pack_linears
 from vecpool.runner.graphs import StepGraphs
 from vecpool.runner.kv_cache import KVCache
 from vecpool.runner.step import StepInput
@@ -42,6 +43,8 @@ class ModelRunner:
         self.compiled = compile_backend is not None
         if compile_backend is not None:
             compile_blocks(model, backend=compile_backend)
+        elif model.step_optimizations and can_pack(device, dtype):
+            pack_linears(model)  # the CPU's linears on oneDNN, weights prepacked once
         # Bidirectional attention cannot run a prompt in chunks, nor can a model that runs
         # plain forwards only (the transformers fallback): such models keep no cache.
         chunks = model.is_causal and model.step_optimizations

@@ -51,6 +51,7 @@ from vecpool.server.supervisor import (
     stop,
     wait_ready,
 )
+from vecpool.server.threads import API_PROCESS_THREADS, apply_threads, child_threads, thread_budget
 
 logger = logging.getLogger("vecpool.server")
 
@@ -249,7 +250,8 @@ def _serve_processes(  # the body of `serve_processes`, inside its directory and
         for i, (_, theirs) in enumerate(controls)
     ]
     for api in apis:
-        api.start()
+        with child_threads(API_PROCESS_THREADS):  # it runs no model: one compute thread
+            api.start()
     for e in engines:  # the API processes hold theirs now
         assert e.alive is not None
         e.alive.close()
@@ -295,6 +297,13 @@ def _start_engines(
 
     replicas = engine_args.replicas()
     group = len(replicas) > 1
+    # On the CPU the engines share the cores the API processes leave.
+    budget = thread_budget(
+        cpu=torch.device(replicas[0].args.device or "cpu").type == "cpu",
+        cores=torch.get_num_threads(),
+        api_processes=options.api_server_count,
+        engines=len(replicas),
+    )
     engines = []
     for replica in replicas:
         rank = replica.rank
@@ -309,7 +318,7 @@ def _start_engines(
         def spawn(
             args: EngineArgs = replica.args,
             engine_config: EngineProcessConfig = engine_config,
-            threads: int | None = replica.threads if group else None,
+            threads: int | None = budget.engine or (replica.threads if group else None),
             rank: int = rank,
         ) -> tuple[BaseProcess, Connection, Connection]:
             """Start this rank's engine process (again: on the same device and address)."""
@@ -325,7 +334,8 @@ def _start_engines(
                 },
                 name=f"vecpool-engine-{rank}" if group else "vecpool-engine",
             )
-            process.start()
+            with child_threads(threads):
+                process.start()
             ready_w.close()
             alive_w.close()  # the engine process holds the only writer now
             return process, alive, ready
@@ -360,6 +370,8 @@ def run_api_process(
     from vecpool.server.engine_client import EngineProcessClient
     from vecpool.server.engine_group import EngineGroupClient
     from vecpool.server.metrics import EngineGroupMetrics
+
+    apply_threads(API_PROCESS_THREADS)
 
     clients = [
         EngineProcessClient(address, alive, max_queued=config.max_queued, name=name)
