@@ -24,6 +24,15 @@ runs of the same work, and a round's ratio is to the mean of those two (on a sha
 load moves both alike); a row keeps the median round (and every round's numbers): requests/s,
 tokens/s, latency p50 / p90 / p99 / max, each connection error type and non-200 status counted,
 the ratio to offline tokens/s, and the largest difference of sampled answers from offline.
+
+CPU cost: each round also reads the CPU seconds (user and system) of the server's whole
+process tree (supervisor, API processes, engine) from /proc, and the offline runs around it
+their own (`time.process_time`, every thread of this process); a row gives the server's CPU per
+request and per item (an input; a call for rerank) next to offline's per item, and their ratio
+(`cpu_efficiency`: 100% when serving costs what offline costs). `queue_drain_ms` is how long
+the server takes to answer as many requests as there are clients (what a request waits behind
+in a closed loop), and `p99_over_drain` the 99th-percentile latency over it (near 1 when
+requests are answered first come, first served).
 """
 
 from __future__ import annotations
@@ -491,10 +500,15 @@ def _run_counts(
             row["ratio_to_offline"] = row["tokens_per_s"] / row["offline_tokens_per_s"]
             row["max_abs_diff_vs_offline"] = diff
             # CPU: the server's whole process tree per request, next to offline per item.
+            # (An item: an input of embed and batched, a call of rerank; a batched request
+            # carries several.)
             row["server_cpu_s_per_request"] = (c1 - c0) / max(len(r.latencies), 1)
+            row["server_cpu_s_per_item"] = row["server_cpu_s_per_request"] / (
+                scenario.items / len(w.bodies)
+            )
             row["offline_cpu_s_per_item"] = (cpu_before + cpu_after) / 2 / scenario.items
             row["cpu_efficiency"] = row["offline_cpu_s_per_item"] / max(
-                row["server_cpu_s_per_request"], 1e-12
+                row["server_cpu_s_per_item"], 1e-12
             )
             # A closed loop of `clients`: a request waits behind the others, which the server
             # drains at its rate; p99 against that time says whether it serves in order.
@@ -520,6 +534,7 @@ def _run_counts(
                 for k in (
                     "requests_per_s",
                     "server_cpu_s_per_request",
+                    "server_cpu_s_per_item",
                     "offline_cpu_s_per_item",
                     "p99_over_drain",
                 )
@@ -694,8 +709,9 @@ def _print(row: dict[str, Any]) -> None:
         flush=True,
     )
     print(
-        f"{'':8s} CPU: server {row['server_cpu_s_per_request'] * 1000:.2f} ms/request, offline "
-        f"{row['offline_cpu_s_per_item'] * 1000:.2f} ms/input ({row['cpu_efficiency']:.0%} "
+        f"{'':8s} CPU: server {row['server_cpu_s_per_request'] * 1000:.2f} ms/request "
+        f"({row['server_cpu_s_per_item'] * 1000:.2f} ms/item), offline "
+        f"{row['offline_cpu_s_per_item'] * 1000:.2f} ms/item ({row['cpu_efficiency']:.0%} "
         f"efficient); p99 {row['p99_over_drain']:.2f}x the queue's drain "
         f"({row['queue_drain_ms']:.1f} ms)",
         flush=True,
