@@ -64,6 +64,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.bench_gpu import (
     SHAPES,
     TOKENIZER_FILES,
+    git_commit,
     make_inputs,
     workload_lengths,
     write_folder,
@@ -774,7 +775,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     tokenizer = tokenizers.Tokenizer.from_file(str(args.tokenizer / "tokenizer.json"))
     tokenizer.no_truncation()
     tokenizer.no_padding()
+    import transformers
+
     report: dict[str, Any] = {
+        "command": "python benchmarks/bench_online.py "
+        + " ".join(sys.argv[1:] if argv is None else argv),
+        "commit": git_commit(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "python": platform.python_version(),
+        "transformers": transformers.__version__,
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "machine": {
             "platform": platform.platform(),
