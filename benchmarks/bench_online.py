@@ -784,7 +784,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "python": platform.python_version(),
         "transformers": transformers.__version__,
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        # Folders by name only: the machine's paths say nothing to another reader.
+        "args": {
+            k: (str(v) if not v.is_absolute() else v.name) if isinstance(v, Path) else v
+            for k, v in vars(args).items()
+        },
         "machine": {
             "platform": platform.platform(),
             "cpus": os.cpu_count(),
