@@ -675,7 +675,9 @@ def serve_and_run(
     if not scenarios:
         return
     server = ServerProcess(model, args, log)
-    report.setdefault("server_commands", []).append(server.command)
+    report.setdefault("server_commands", []).append(
+        [Path(c).name if os.path.isabs(c) else c for c in server.command]  # no machine paths
+    )
     try:
         server.wait_ready()
         for scenario in scenarios:
