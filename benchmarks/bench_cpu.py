@@ -7,14 +7,17 @@ The model is the packaged all-MiniLM-L6-v2 (`--model-dir` for another folder), f
 workloads are `bench_gpu.py`'s, fixed seed: **queries** of U[8, 64] tokens and **passages** of
 lognormal(ln 180, 0.6) tokens clipped to [32, 512] (truncated to the model's 256 by both
 sides), texts of whole-word vocabulary entries of the MiniLM tokenizer that are one token
-each. Systems: `vecpool` (`Engine.embed` from text, the engine's CPU defaults), `st-32` and
-`st-128` (sentence-transformers `encode` at that batch size).
+each. Systems: `vecpool` (`Engine.embed` from text, the engine's CPU defaults, float32),
+`vecpool-bf16` (the same, `dtype="bfloat16"`: opt-in, for CPUs with avx512_bf16 or AMX; its
+lowest cosine to vecpool's float32 vectors is reported), `st-32` and `st-128`
+(sentence-transformers `encode` at that batch size, float32).
 
 On a small machine other work moves the timings by several times from one minute to the next,
 so every round runs each system once on each workload, back to back, in an order that rotates
-from round to round; a round's ratio is the reference's seconds over vecpool's in that round.
-The report keeps every timing, the median tokens/s of each system, the median of the rounds'
-ratios, the load average around the run, and the lowest cosine between the two sides.
+from round to round; a round's ratio is the reference's seconds over vecpool's in that round, and `st-best` is the faster of
+the two sentence-transformers batch sizes in that round. The report keeps every timing, the
+median tokens/s of each system, the median of the rounds' ratios, the load average around the
+run, and the lowest cosine between the sides.
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ from benchmarks.bench_gpu import (
     workload_lengths,
 )
 
-SYSTEMS = ("vecpool", "st-32", "st-128")
+SYSTEMS = ("vecpool", "vecpool-bf16", "st-32", "st-128")
+OURS = ("vecpool", "vecpool-bf16")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -81,19 +85,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     runs = {}
     for s in args.systems:
-        if s == "vecpool":
+        if s in OURS:
             runs[s], _ = vecpool_runner(
                 folder,
                 "cpu",
-                "float32",
+                "bfloat16" if s == "vecpool-bf16" else "float32",
                 text=True,
                 compile=None,
                 budget=args.max_num_batched_tokens,
             )
         else:
             runs[s], _ = st_runner(folder, "cpu", torch.float32, int(s.removeprefix("st-")))
+    import sentence_transformers
+    import transformers
+
     report: dict[str, Any] = {
-        "date": time.strftime("%Y-%m-%d"),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "python": platform.python_version(),
+        "transformers": transformers.__version__,
+        "sentence_transformers": sentence_transformers.__version__,
+        "cpu_flags": cpu_flags(),
         "machine": f"{os.cpu_count()}-core CPU ({platform.processor() or platform.machine()})",
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
@@ -132,31 +143,59 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return report
 
 
+def cpu_flags() -> list[str]:
+    """The CPU's vector-unit flags that matter here (avx512*, amx*), from /proc/cpuinfo."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    flags = next(
+        (line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")),
+        [],
+    )
+    return sorted(f for f in flags if f.startswith(("avx512", "amx")))
+
+
+def min_cosine(a: np.ndarray, b: np.ndarray) -> float:
+    cos = np.sum(a * b, axis=1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+    return float(cos.min())
+
+
 def summarize(report: dict[str, Any], outputs: dict[str, dict[str, np.ndarray]]) -> dict[str, Any]:
-    """Median tokens/s of each system, and the median of the rounds' ratios to vecpool."""
+    """Median tokens/s of each system, the median of the rounds' ratios of each of ours to
+    each reference and to the faster reference of each round (`st-best`), and the lowest
+    cosines: each of ours against each reference, bfloat16 against float32."""
     out: dict[str, Any] = {"tokens_per_s_median": {}, "ratio_median": {}, "lines": []}
     for w, by_system in report["seconds"].items():
         tokens = report["workloads"][w]["num_tokens"]
         out["tokens_per_s_median"][w] = {
             s: tokens / statistics.median(sec) for s, sec in by_system.items()
         }
-        line = f"{w:8s} " + "  ".join(
-            f"{s} {v:,.0f} tok/s" for s, v in out["tokens_per_s_median"][w].items()
+        out["lines"].append(
+            f"{w:8s} "
+            + "  ".join(f"{s} {v:,.0f} tok/s" for s, v in out["tokens_per_s_median"][w].items())
         )
-        if "vecpool" in by_system:
-            ours = by_system["vecpool"]
-            for s, sec in by_system.items():
-                if s == "vecpool":
-                    continue
-                ratios = [theirs / mine for theirs, mine in zip(sec, ours, strict=True)]
-                out["ratio_median"].setdefault(w, {})[s] = statistics.median(ratios)
-                a, b = outputs[w]["vecpool"], outputs[w][s]
-                cos = np.sum(a * b, axis=1) / (
-                    np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1)
+        theirs = {s: sec for s, sec in by_system.items() if s not in OURS}
+        if len(theirs) > 1:  # each round's faster reference
+            theirs["st-best"] = [min(t) for t in zip(*theirs.values(), strict=True)]
+        for ours in (s for s in OURS if s in by_system):
+            line = f"{'':8s} {ours}:"
+            for s, sec in theirs.items():
+                ratios = [t / m for t, m in zip(sec, by_system[ours], strict=True)]
+                out["ratio_median"].setdefault(w, {}).setdefault(ours, {})[s] = statistics.median(
+                    ratios
                 )
-                report["fidelity"][f"{w}_vs_{s}_min_cosine"] = float(cos.min())
-                line += f"  | vecpool / {s}: {statistics.median(ratios):.2f}x"
-        out["lines"].append(line)
+                line += f"  / {s} {statistics.median(ratios):.2f}x"
+                if s != "st-best":
+                    cosine = min_cosine(outputs[w][ours], outputs[w][s])
+                    report["fidelity"][f"{w}_{ours}_vs_{s}_min_cosine"] = cosine
+                    diff = float(np.abs(outputs[w][ours] - outputs[w][s]).max())
+                    report["fidelity"][f"{w}_{ours}_vs_{s}_max_abs_diff"] = diff
+            if ours != "vecpool" and "vecpool" in by_system:
+                cosine = min_cosine(outputs[w][ours], outputs[w]["vecpool"])
+                report["fidelity"][f"{w}_{ours}_vs_vecpool_min_cosine"] = cosine
+                line += f"  (min cosine to float32 {cosine:.5f})"
+            out["lines"].append(line)
     return out
 
 

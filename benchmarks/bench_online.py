@@ -24,6 +24,15 @@ runs of the same work, and a round's ratio is to the mean of those two (on a sha
 load moves both alike); a row keeps the median round (and every round's numbers): requests/s,
 tokens/s, latency p50 / p90 / p99 / max, each connection error type and non-200 status counted,
 the ratio to offline tokens/s, and the largest difference of sampled answers from offline.
+
+CPU cost: each round also reads the CPU seconds (user and system) of the server's whole
+process tree (supervisor, API processes, engine) from /proc, and the offline runs around it
+their own (`time.process_time`, every thread of this process); a row gives the server's CPU per
+request and per item (an input; a call for rerank) next to offline's per item, and their ratio
+(`cpu_efficiency`: 100% when serving costs what offline costs). `queue_drain_ms` is how long
+the server takes to answer as many requests as there are clients (what a request waits behind
+in a closed loop), and `p99_over_drain` the 99th-percentile latency over it (near 1 when
+requests are answered first come, first served).
 """
 
 from __future__ import annotations
@@ -55,6 +64,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.bench_gpu import (
     SHAPES,
     TOKENIZER_FILES,
+    git_commit,
     make_inputs,
     workload_lengths,
     write_folder,
@@ -381,15 +391,46 @@ def engine_metrics(url: str) -> dict[str, float]:
     return out
 
 
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU seconds (user and system) that process `pid` and its descendants have used so far,
+    read from /proc (0 where there is none)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    parents: dict[int, int] = {}
+    times: dict[int, float] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        child = int(stat.parent.name)
+        parents[child] = int(fields[1])
+        times[child] = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+    tree, grew = {pid}, True
+    while grew:
+        grew = False
+        for child, parent in parents.items():
+            if parent in tree and child not in tree:
+                tree.add(child)
+                grew = True
+    return sum(times.get(child, 0.0) for child in tree)
+
+
 def timed(fn: Callable[[], Any], device: str) -> tuple[float, Any]:
     """Seconds of one call of `fn`, and its result."""
+    seconds, _, out = timed_cpu(fn, device)
+    return seconds, out
+
+
+def timed_cpu(fn: Callable[[], Any], device: str) -> tuple[float, float, Any]:
+    """Seconds of one call of `fn`, the CPU seconds this process (every thread) spent in it,
+    and its result."""
     if device.startswith("cuda"):
         torch.cuda.synchronize()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     out = fn()
     if device.startswith("cuda"):
         torch.cuda.synchronize()
-    return time.perf_counter() - start, out
+    return time.perf_counter() - start, time.process_time() - cpu, out
 
 
 @dataclass
@@ -406,11 +447,12 @@ class Scenario:
 
 
 def run_scenario(
-    scenario: Scenario, url: str, args: argparse.Namespace, report: dict[str, Any]
+    scenario: Scenario, server: ServerProcess, args: argparse.Namespace, report: dict[str, Any]
 ) -> None:
     """For each client count, `--repeats` times: offline, a round of clients, offline again;
     each round's ratio is to the mean of the offline runs around it (a shared machine's load
     moves both alike), and the row keeps the median round's numbers."""
+    url = server.url
     _, expected = timed(scenario.offline, args.device)  # warm-up, and the reference outputs
     w = scenario.workload
     # The answers checked against offline: a round of one client process keeps them.
@@ -424,7 +466,7 @@ def run_scenario(
     if args.client_processes > 1:
         pool = ProcessPoolExecutor(args.client_processes, mp_context=mp.get_context("spawn"))
     try:
-        _run_counts(scenario, url, args, report, pool, diff)
+        _run_counts(scenario, server, args, report, pool, diff)
     finally:
         if pool is not None:
             pool.shutdown()
@@ -432,23 +474,25 @@ def run_scenario(
 
 def _run_counts(
     scenario: Scenario,
-    url: str,
+    server: ServerProcess,
     args: argparse.Namespace,
     report: dict[str, Any],
     pool: ProcessPoolExecutor | None,
     diff: float,
 ) -> None:
-    w = scenario.workload
+    w, url = scenario.workload, server.url
     for clients in scenario.clients:
         warm = min(len(w.bodies), max(2 * clients, 64))
         load(url, w, clients, limit=warm, args=args, pool=pool)
         rounds = []
         for _ in range(args.repeats):
-            before, _ = timed(scenario.offline, args.device)
+            before, cpu_before, _ = timed_cpu(scenario.offline, args.device)
             m0 = engine_metrics(url)
+            c0 = tree_cpu_seconds(server.process.pid)
             r = load(url, w, clients, limit=args.n, args=args, pool=pool)
+            c1 = tree_cpu_seconds(server.process.pid)
             m1 = engine_metrics(url)
-            after, _ = timed(scenario.offline, args.device)
+            after, cpu_after, _ = timed_cpu(scenario.offline, args.device)
             offline_s = (before + after) / 2
             row = {"scenario": scenario.name, **r.summary()}
             row["offline_seconds"] = [before, after]
@@ -456,6 +500,21 @@ def _run_counts(
             row["offline_items_per_s"] = scenario.items / offline_s
             row["ratio_to_offline"] = row["tokens_per_s"] / row["offline_tokens_per_s"]
             row["max_abs_diff_vs_offline"] = diff
+            # CPU: the server's whole process tree per request, next to offline per item.
+            # (An item: an input of embed and batched, a call of rerank; a batched request
+            # carries several.)
+            row["server_cpu_s_per_request"] = (c1 - c0) / max(len(r.latencies), 1)
+            row["server_cpu_s_per_item"] = row["server_cpu_s_per_request"] / (
+                scenario.items / len(w.bodies)
+            )
+            row["offline_cpu_s_per_item"] = (cpu_before + cpu_after) / 2 / scenario.items
+            row["cpu_efficiency"] = row["offline_cpu_s_per_item"] / max(
+                row["server_cpu_s_per_item"], 1e-12
+            )
+            # A closed loop of `clients`: a request waits behind the others, which the server
+            # drains at its rate; p99 against that time says whether it serves in order.
+            row["queue_drain_ms"] = clients / row["requests_per_s"] * 1000
+            row["p99_over_drain"] = row["latency_ms"]["p99"] / row["queue_drain_ms"]
             steps = m1["steps"] - m0["steps"]
             row["engine"] = {
                 "steps": steps,
@@ -471,6 +530,16 @@ def _run_counts(
             {k: x[k] for k in ("tokens_per_s", "offline_tokens_per_s", "ratio_to_offline")}
             | {"p99_ms": x["latency_ms"]["p99"], "errors": x["connection_error_count"]}
             | {"inputs_per_step": x["engine"]["inputs_per_step"]}
+            | {
+                k: x[k]
+                for k in (
+                    "requests_per_s",
+                    "server_cpu_s_per_request",
+                    "server_cpu_s_per_item",
+                    "offline_cpu_s_per_item",
+                    "p99_over_drain",
+                )
+            }
             for x in rounds
         ]
         row["connection_error_count"] = sum(x["connection_error_count"] for x in rounds)
@@ -606,11 +675,13 @@ def serve_and_run(
     if not scenarios:
         return
     server = ServerProcess(model, args, log)
-    report.setdefault("server_commands", []).append(server.command)
+    report.setdefault("server_commands", []).append(
+        [Path(c).name if os.path.isabs(c) else c for c in server.command]  # no machine paths
+    )
     try:
         server.wait_ready()
         for scenario in scenarios:
-            run_scenario(scenario, server.url, args, report)
+            run_scenario(scenario, server, args, report)
     finally:
         server.stop()
 
@@ -638,6 +709,14 @@ def _print(row: dict[str, Any]) -> None:
         f"errors {row['connection_errors']} statuses {row['statuses']} | "
         f"{row['engine']['inputs_per_step']:.1f} inputs/step, step {row['engine']['step_ms']:.1f} "
         f"ms, engine busy {row['engine']['busy']:.0%}",
+        flush=True,
+    )
+    print(
+        f"{'':8s} CPU: server {row['server_cpu_s_per_request'] * 1000:.2f} ms/request "
+        f"({row['server_cpu_s_per_item'] * 1000:.2f} ms/item), offline "
+        f"{row['offline_cpu_s_per_item'] * 1000:.2f} ms/item ({row['cpu_efficiency']:.0%} "
+        f"efficient); p99 {row['p99_over_drain']:.2f}x the queue's drain "
+        f"({row['queue_drain_ms']:.1f} ms)",
         flush=True,
     )
 
@@ -698,8 +777,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     tokenizer = tokenizers.Tokenizer.from_file(str(args.tokenizer / "tokenizer.json"))
     tokenizer.no_truncation()
     tokenizer.no_padding()
+    import transformers
+
     report: dict[str, Any] = {
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "command": "python benchmarks/bench_online.py "
+        + " ".join(sys.argv[1:] if argv is None else argv),
+        "commit": git_commit(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "python": platform.python_version(),
+        "transformers": transformers.__version__,
+        # Folders by name only: the machine's paths say nothing to another reader.
+        "args": {
+            k: (str(v) if not v.is_absolute() else v.name) if isinstance(v, Path) else v
+            for k, v in vars(args).items()
+        },
         "machine": {
             "platform": platform.platform(),
             "cpus": os.cpu_count(),

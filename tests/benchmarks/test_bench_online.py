@@ -26,3 +26,10 @@ def test_bench_online_runs_on_cpu_and_reports_consistent_numbers(tmp_path: Path)
         assert len(row["rounds"]) == 2
         assert row["max_abs_diff_vs_offline"] <= 1e-6
         assert row["engine"]["steps"] >= 1 and row["engine"]["inputs_per_step"] >= 1
+        # CPU: the server's process tree spent some per request, offline some per input.
+        assert row["server_cpu_s_per_request"] > 0 and row["offline_cpu_s_per_item"] > 0
+        per_request = 1 if scenario == "embed" else 32  # inputs of one request
+        assert row["server_cpu_s_per_item"] == row["server_cpu_s_per_request"] / per_request
+        assert row["cpu_efficiency"] == row["offline_cpu_s_per_item"] / row["server_cpu_s_per_item"]
+        assert row["queue_drain_ms"] == row["clients"] / row["requests_per_s"] * 1000
+        assert row["p99_over_drain"] == row["latency_ms"]["p99"] / row["queue_drain_ms"]

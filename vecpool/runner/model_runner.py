@@ -15,6 +15,7 @@ from vecpool.models.invariant import InvariantFunctions, make_batch_invariant
 from vecpool.models.kv_blocks import BlockPool
 from vecpool.runner.batch import FlatBatch, build_flat_batch
 from vecpool.runner.compiled import compile_blocks
+from vecpool.runner.cpu_linear import can_pack, pack_linears
 from vecpool.runner.graphs import StepGraphs
 from vecpool.runner.kv_cache import KVCache
 from vecpool.runner.step import StepInput
@@ -51,6 +52,8 @@ class ModelRunner:
         self.compiled = compile_backend is not None
         if compile_backend is not None:
             compile_blocks(model, backend=compile_backend)
+        elif model.step_optimizations and not batch_invariant and can_pack(device, dtype):
+            pack_linears(model)  # the CPU's linears on oneDNN, weights prepacked once
         # Bidirectional attention cannot run a prompt in chunks, nor can a model that runs
         # plain forwards only (the transformers fallback): such models keep no cache.
         chunks = model.is_causal and model.step_optimizations

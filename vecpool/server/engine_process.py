@@ -21,7 +21,6 @@ from collections import defaultdict
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
-import torch
 import zmq
 
 from vecpool.api import Engine, EngineArgs
@@ -31,6 +30,7 @@ from vecpool.engine.request import Request, RequestStatus
 from vecpool.errors import VecpoolError
 from vecpool.server import wire
 from vecpool.server.metrics import EngineMetrics
+from vecpool.server.threads import apply_threads
 
 logger = logging.getLogger(__name__)
 # While an idle engine gathers a step, a pause this long in arrivals ends the wait: one client
@@ -246,8 +246,7 @@ def run_engine_process(
     logging.basicConfig(
         level=log_level.upper(), format=f"%(levelname)s:     [{tag}] %(name)s: %(message)s"
     )
-    if threads is not None:
-        torch.set_num_threads(threads)
+    apply_threads(threads)
     try:
         engine = Engine.from_args(engine_args)
         metrics = None

@@ -55,6 +55,7 @@ from vecpool.server.supervisor import (
     stop,
     wait_ready,
 )
+from vecpool.server.threads import API_PROCESS_THREADS, apply_threads, child_threads, thread_budget
 
 if TYPE_CHECKING:  # the engine process's module (ZeroMQ) loads only where it runs
     from vecpool.server.engine_process import EngineProcessConfig
@@ -278,7 +279,8 @@ def _serve_processes(  # the body of `serve_processes`, inside its directory and
         for i, (_, theirs) in enumerate(controls)
     ]
     for api in apis:
-        api.start()
+        with child_threads(API_PROCESS_THREADS):  # it runs no model: one compute thread
+            api.start()
     for e in engines:  # the API processes hold theirs now
         assert e.alive is not None
         e.alive.close()
@@ -329,10 +331,17 @@ def _start_engines(
     from vecpool.server.engine_process import EngineProcessConfig
 
     labels = _model_labels(config)
+    groups = [engine_args.replicas() for engine_args in models]
+    # On the CPU the engines share the cores the API processes leave.
+    budget = thread_budget(
+        cpu=torch.device(groups[0][0].args.device or "cpu").type == "cpu",
+        cores=torch.get_num_threads(),
+        api_processes=options.api_server_count,
+        engines=sum(len(replicas) for replicas in groups),
+    )
     engines = []
-    for index, engine_args in enumerate(models):
+    for index, replicas in enumerate(groups):
         label = labels[index]
-        replicas = engine_args.replicas()
         group = len(replicas) > 1
         for replica in replicas:
             rank = replica.rank
@@ -350,7 +359,7 @@ def _start_engines(
             )
             # Several engines on one machine share its cores: each gets an equal share.
             shared = group or len(models) > 1
-            threads = max(1, replica.threads // len(models)) if shared else None
+            threads = budget.engine or (max(1, replica.threads // len(models)) if shared else None)
             tag = f"engine {rank}" if group else "engine"
             if label is not None:
                 tag += f" {label}"
@@ -386,7 +395,8 @@ def _spawner(
             kwargs={"log_level": options.log_level, "threads": threads, "tag": tag},
             name=f"vecpool-{tag.replace(' ', '-')}",
         )
-        process.start()
+        with child_threads(threads):
+            process.start()
         ready_w.close()
         alive_w.close()  # the engine process holds the only writer now
         return process, alive, ready
@@ -417,6 +427,8 @@ def run_api_process(
     from vecpool.server.engine_group import EngineGroupClient
     from vecpool.server.metrics import EngineGroupMetrics
     from vecpool.server.served import ServedModelsClient
+
+    apply_threads(API_PROCESS_THREADS)
 
     by_model: list[list[EngineProcessClient]] = [[] for _ in infos]
     for (model, address, name), alive in zip(engines, engine_alive, strict=True):

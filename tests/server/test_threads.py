@@ -1,0 +1,199 @@
+"""The thread budget of a server's processes: the rule (engine threads and API processes within
+the cores, at least one thread an engine), the environment each child starts with, and a live
+`vecpool serve` whose processes each compute with no more threads than they were given; and
+first come, first served under a burst."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+import zmq
+
+import vecpool
+from tests.helpers import random_prompts
+from tests.server import thread_probe
+from tests.server.test_engine_process import RunningLoop
+from vecpool.api import calls
+from vecpool.server import wire
+from vecpool.server.threads import child_threads, thread_budget, thread_environment
+from vecpool.tasks import PoolingParams
+
+
+@pytest.mark.parametrize(
+    ("cores", "apis", "engines", "engine"),
+    [(2, 1, 1, 1), (4, 1, 1, 3), (16, 2, 2, 7), (16, 4, 3, 4), (2, 4, 1, 1), (3, 2, 2, 1)],
+)
+def test_cpu_engines_share_the_cores_the_api_processes_leave(
+    cores: int, apis: int, engines: int, engine: int
+) -> None:
+    budget = thread_budget(cpu=True, cores=cores, api_processes=apis, engines=engines)
+    assert budget.engine == engine and budget.api == 1
+    if cores >= apis + engines:  # where the cores allow, the budget stays within them
+        assert engine * engines + apis <= cores
+
+
+def test_a_gpu_engine_keeps_torchs_threads() -> None:
+    assert thread_budget(cpu=False, cores=16, api_processes=8, engines=2).engine is None
+
+
+def test_children_start_with_the_budget_and_the_parent_environment_comes_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    with child_threads(2):
+        assert {k: os.environ[k] for k in thread_environment(2)} == {
+            "OMP_NUM_THREADS": "2",
+            "MKL_NUM_THREADS": "2",
+            "OMP_WAIT_POLICY": "PASSIVE",
+            "RAYON_NUM_THREADS": "2",
+        }
+        seen = subprocess.run(
+            [sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        assert seen.strip() == "2"
+    assert os.environ["OMP_NUM_THREADS"] == "7" and "OMP_WAIT_POLICY" not in os.environ
+    with child_threads(None):  # no budget: the environment as it is
+        assert os.environ["OMP_NUM_THREADS"] == "7"
+
+
+@pytest.fixture
+def probed_server(tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    """`vecpool serve` (the packaged model on the CPU, one API process), each child recording
+    its threads."""
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    with socket_port() as port:
+        pass
+    log = tmp_path / "server.log"
+    root = str(Path(__file__).parents[2])
+    env = {
+        **os.environ,
+        thread_probe.ENV: str(probe),
+        "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+    }
+    cmd = [sys.executable, "-m", "tests.server.thread_probe", "serve", "--device", "cpu"]
+    cmd += ["--api-server-count", "1", "--port", str(port), "--log-level", "warning"]
+    with log.open("wb") as out:
+        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert process.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        yield url, probe
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+
+
+class socket_port:
+    """A free local port (closed again on exit, for the server to bind)."""
+
+    def __enter__(self) -> int:
+        import socket
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        return int(self.sock.getsockname()[1])
+
+    def __exit__(self, *exc: object) -> None:
+        self.sock.close()
+
+
+def _records(probe: Path) -> dict[int, list[dict[str, Any]]]:
+    return {
+        int(f.stem): [json.loads(line) for line in f.read_text().splitlines()]
+        for f in probe.glob("*.jsonl")
+    }
+
+
+def test_no_server_process_computes_with_more_threads_than_it_was_given(
+    probed_server: tuple[str, Path],
+) -> None:
+    url, probe = probed_server
+    texts = [" ".join(["word"] * n) for n in range(5, 200, 7)]
+    for i in range(0, len(texts), 4):  # steps of several sizes, so that the pools start
+        response = httpx.post(f"{url}/v1/embeddings", json={"input": texts[i : i + 4]}, timeout=60)
+        assert response.status_code == 200
+    records = _records(probe)
+    engines = {pid: r for pid, r in records.items() if any(x["kind"] == "step" for x in r)}
+    apis = {pid: r for pid, r in records.items() if pid not in engines}
+    assert len(engines) == 1 and len(apis) == 1, records
+    # The machine's compute threads as torch counts them (as the supervisor does), one API
+    # process: the engine has the rest.
+    given = {"engine": max(1, torch.get_num_threads() - 1), "api": 1}
+    for kind, group in (("engine", engines), ("api", apis)):
+        for rs in group.values():
+            start = rs[0]
+            assert start["kind"] == "start"
+            # Before any of vecpool's code ran in the child: its pools were already sized.
+            assert start["torch_threads"] == given[kind]
+            assert start["env"] == {
+                "OMP_NUM_THREADS": str(given[kind]),
+                "MKL_NUM_THREADS": str(given[kind]),
+                "OMP_WAIT_POLICY": "PASSIVE",
+                "RAYON_NUM_THREADS": str(given[kind]),
+            }
+    (steps,) = ([r for r in rs if r["kind"] == "step"] for rs in engines.values())
+    assert all(s["torch_threads"] == given["engine"] for s in steps)
+
+    # The steps started no more compute threads than the engine was given (the thread that
+    # steps computes too; the pool's workers start at the first parallel step).
+    assert max(s["after"] for s in steps) - steps[0]["before"] <= given["engine"] - 1
+
+
+def test_a_burst_is_served_first_come_first_served(
+    tiny_bert: tuple[Path, Any], tmp_path: Path
+) -> None:
+    # Three inputs a step: twelve calls sent at once take four steps, in the order they came,
+    # whatever their lengths (a long call early is not passed by short ones behind it).
+    engine = vecpool.Engine(tiny_bert[0], device="cpu", max_num_seqs=3)
+    address = f"ipc://{tmp_path}/engine"
+    lengths = [40, 3, 9, 33, 5, 2, 27, 8, 16, 4, 21, 6]
+    messages = [
+        wire.submit(
+            i,
+            calls.make_requests(engine.context, random_prompts(99, [n], seed=i), PoolingParams()),
+        )
+        for i, n in enumerate(lengths)
+    ]
+    context = zmq.Context()
+    socket = context.socket(zmq.DEALER)
+    loop = RunningLoop(engine, address, max_queued=64, batch_wait=0.0)
+    try:
+        socket.connect(address)
+        for message in messages:  # one burst
+            socket.send(wire.encoder.encode(message))
+        replies: list[list[int]] = []  # the calls each flush answered
+        while sum(map(len, replies)) < len(messages):
+            assert socket.poll(60_000), "no reply within a minute"
+            done = wire.replies.decode(socket.recv()).calls
+            assert all(isinstance(c, wire.CallDone) for c in done)
+            replies.append(sorted(c.call_id for c in done))
+    finally:
+        socket.close(linger=0)
+        context.term()
+        loop.stop()
+    assert [i for r in replies for i in r] == list(range(len(messages)))
+    assert all(len(r) <= 3 for r in replies)

@@ -1,0 +1,73 @@
+"""Linears of the layer stack on the CPU, through oneDNN with prepacked weights.
+
+On the CPU a plain `F.linear` goes to the BLAS library's GEMM, which re-lays out the weight on
+every call and adds the bias in a second pass over the output. oneDNN takes the weight once, in
+its own blocked layout for this CPU's vector width, and adds the bias inside the kernel. On a
+2-core avx512 machine this makes MiniLM's linears 1.2-2x faster at every step size (8 to 4,096
+rows), which is most of a CPU step's time.
+
+Every linear of the model's repeated blocks is replaced by a `PackedLinear` holding the same
+weight and bias (still readable, as parameters) and its packed copy; a fused projection keeps
+returning its parts. Both an input given as ids and as embeds run the same packed kernels, so
+they stay bit-exact; against the plain GEMM the sums run in another order (float32: relative
+differences around 1e-6).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from vecpool.models.layers import FusedProjections
+from vecpool.runner.compiled import repeated_blocks
+
+# Dtypes oneDNN's CPU linear serves (bfloat16 needs avx512_bf16 or AMX to be fast).
+PACKED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+class PackedLinear(nn.Module):
+    """`x @ weight.T + bias` through oneDNN with the weight prepacked once; with `sizes`, the
+    output split along its last dimension (a `FusedProjections`' parts)."""
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int] | None = None
+    ):
+        super().__init__()
+        self.weight = nn.Parameter(weight.detach(), requires_grad=False)  # [out, in]
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self.sizes = sizes
+        # oneDNN's opaque blocked layout of `weight`: not a parameter, never saved or moved.
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        rows = x.reshape(-1, x.shape[-1])
+        if not rows.is_contiguous():
+            rows = rows.contiguous()
+        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
+        out = out.view(*x.shape[:-1], out.shape[-1])
+        if self.sizes is not None:
+            return out.split(self.sizes, dim=-1)
+        return out
+
+
+def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether linears on `device` in `dtype` can run through oneDNN's packed kernel."""
+    return device.type == "cpu" and dtype in PACKED_DTYPES and torch.backends.mkldnn.is_available()
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Replace every `nn.Linear` and `FusedProjections` inside the model's repeated blocks by a
+    `PackedLinear` with the same parameters. Returns how many were replaced."""
+    count = 0
+    for block in repeated_blocks(model):
+        for parent in list(block.modules()):
+            for name, child in list(parent.named_children()):
+                # Exact types: a subclass computes its product its own way (batch-invariant).
+                if type(child) is nn.Linear:
+                    setattr(parent, name, PackedLinear(child.weight, child.bias))
+                elif type(child) is FusedProjections:
+                    setattr(parent, name, PackedLinear(child.weight, child.bias, child.sizes))
+                else:
+                    continue
+                count += 1
+    return count

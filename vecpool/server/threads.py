@@ -1,0 +1,87 @@
+"""How the processes of a server share the machine's cores.
+
+On the CPU the engine's matrix products and the API processes' HTTP, tokenizing and encoding
+compete for the same cores. Left alone, every process starts one OpenMP thread per core and
+every thread spins while it waits for work, so that at 64 clients half of all CPU time went to
+the kernel and requests/s fell to half of 8 clients'. The budget: each API process gets one
+compute thread, and the engine processes share the cores that are left (at least one each);
+threads that wait sleep instead of spinning (`OMP_WAIT_POLICY=PASSIVE`).
+
+OpenMP, MKL and the tokenizers' thread pool read their sizes from the environment when they
+start, which in a child happens while it imports its modules, before any of our code runs: so
+the supervisor sets the variables in its own environment around each child's start
+(`child_threads`), and the child applies the same count to torch once more (`apply_threads`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+# Compute threads of one API process: it runs no model, and torch's pool would only spin.
+API_PROCESS_THREADS = 1
+
+
+@dataclass(frozen=True)
+class ThreadBudget:
+    """Compute threads each process of a server may start."""
+
+    engine: int | None  # each engine process; None: as torch decides (a CUDA engine)
+    api: int = API_PROCESS_THREADS  # each API-server process
+
+
+def thread_budget(*, cpu: bool, cores: int, api_processes: int, engines: int) -> ThreadBudget:
+    """The budget of a server whose `engines` engine processes run on the CPU (`cpu`) or each
+    on a GPU, beside `api_processes` API processes, on a machine of `cores` compute threads:
+    on the CPU, engine threads times engines plus API processes stay within `cores` where the
+    cores allow (every engine keeps at least one thread)."""
+    if not cpu:
+        return ThreadBudget(engine=None)
+    left = cores - api_processes * API_PROCESS_THREADS
+    return ThreadBudget(engine=max(1, left // max(1, engines)))
+
+
+def thread_environment(threads: int) -> dict[str, str]:
+    """The variables that size a process's compute pools to `threads` and keep their idle
+    threads asleep."""
+    n = str(threads)
+    return {
+        "OMP_NUM_THREADS": n,
+        "MKL_NUM_THREADS": n,
+        "OMP_WAIT_POLICY": "PASSIVE",
+        "RAYON_NUM_THREADS": n,  # the tokenizers' pool (batch encoding)
+    }
+
+
+@contextlib.contextmanager
+def child_threads(threads: int | None) -> Iterator[None]:
+    """Inside: children started from this process get `threads` compute threads (None:
+    the environment as it is). The environment is restored on exit."""
+    if threads is None:
+        yield
+        return
+    changed = thread_environment(threads)
+    previous = {name: os.environ.get(name) for name in changed}
+    os.environ.update(changed)
+    try:
+        yield
+    finally:
+        for name, value in previous.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def apply_threads(threads: int | None) -> None:
+    """Hold this process's torch to `threads` compute threads and one inter-op thread (None:
+    leave torch as it is). Call before any work."""
+    if threads is None:
+        return
+    import torch
+
+    torch.set_num_threads(threads)
+    with contextlib.suppress(RuntimeError):  # only settable before the first inter-op work
+        torch.set_num_interop_threads(1)
