@@ -25,7 +25,9 @@ import vecpool
 from tests.helpers import engine_hidden, hf_last_hidden, random_prompts, save_hf_model
 from vecpool.errors import ConfigError, ModelLoadError
 from vecpool.models import quant
+from vecpool.models.folder import ModelFolder
 from vecpool.models.layers import FusedProjections
+from vecpool.models.loader import load_model
 from vecpool.models.quant import (
     FP8_DTYPE,
     FP8_MAX,
@@ -141,8 +143,8 @@ def qwen3(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
 
 
 def test_swap_quantizes_the_layer_stack_only(qwen3: tuple[Path, Any]) -> None:
-    engine = vecpool.Engine(qwen3[0], device="cpu")
-    model = engine.model
+    # The model as loaded (an engine's runner would have packed its CPU linears already).
+    model = load_model(ModelFolder.load(qwen3[0]), torch.device("cpu"), torch.float32, "auto")
     embed, norm = model.embed_tokens.weight.clone(), model.norm
     assert quantize_model(model, "fp8", torch.device("cpu")) == 2 * 4  # qkv, o, gate_up, down
     assert torch.equal(model.embed_tokens.weight, embed) and model.norm is norm
