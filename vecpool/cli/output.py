@@ -33,7 +33,6 @@ from vecpool.cli.common import CommandError
 from vecpool.cli.corpus import Chunk, Position
 
 OUTPUT_SUFFIXES = (".npy", ".parquet", ".jsonl")
-MANIFEST_VERSION = 1
 
 
 def work_folder_of(output: Path) -> Path:

@@ -117,13 +117,6 @@ def prompt_lengths(meta: PoolingMetadata) -> torch.Tensor:
     return meta.lengths if meta.starts is None else meta.starts + meta.lengths
 
 
-def pool_sequences(kind: str, hidden: torch.Tensor, meta: PoolingMetadata) -> torch.Tensor:
-    """`[num_seqs, hidden]` float32: every sequence of the batch, each a whole prompt, pooled by
-    method `kind`."""
-    method = METHODS[kind]
-    return method.finish(method.reduce(hidden, meta), prompt_lengths(meta))
-
-
 def sequence_rows(method: str, meta: PoolingMetadata, seqs: torch.Tensor) -> torch.Tensor:
     """`[k]` int64: the row each of the sequences `seqs` (`[k]` batch positions) is read at:
     its first token (CLS) or its last (LAST)."""
