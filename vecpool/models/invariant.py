@@ -52,17 +52,21 @@ def tiled_linear(
     tile: int = CPU_ROW_TILE,
 ) -> torch.Tensor:  # [M, N]
     """`F.linear` on `[tile, K]` row tiles: the rows padded with zeros to a multiple of `tile`,
-    one batched product over the tiles with the weight shared (stride 0)."""
-    m, k = x.shape
+    one product call per tile. Not one batched product over the tiles: how MKL shares a batch
+    among its threads depends on the number of tiles, and with it a row's summation order."""
+    m = x.shape[0]
     n = weight.shape[0]
     tiles = -(-m // tile) if m else 0
-    padded = F.pad(x, (0, 0, 0, tiles * tile - m)).reshape(tiles, tile, k)
-    w = weight.t().expand(tiles, k, n)
-    if bias is None:
-        out = torch.bmm(padded, w)
-    else:
-        out = torch.baddbmm(bias.expand(tiles, tile, n), padded, w)
-    return out.view(tiles * tile, n)[:m]
+    padded = F.pad(x, (0, 0, 0, tiles * tile - m))
+    out = padded.new_empty((tiles * tile, n))
+    w = weight.t()
+    for start in range(0, tiles * tile, tile):
+        rows = padded[start : start + tile]
+        if bias is None:
+            torch.mm(rows, w, out=out[start : start + tile])
+        else:
+            torch.addmm(bias, rows, w, out=out[start : start + tile])
+    return out[:m]
 
 
 def tiled_matmul(a: torch.Tensor, b: torch.Tensor, invariant: bool = True) -> torch.Tensor:
