@@ -7,6 +7,12 @@ float32 sum of its final hidden states (what MEAN pooling needs of a prefix it d
 A step's `PrefixKV` says which rows its chunks write (blocks they compute) and read (the
 cached prefix they start after); layer by layer the writes come first, so a chunk may read a
 block that another chunk of the same step computes.
+
+Sequences that read the same cached prefix need not each copy it among their keys: with
+`SharedPrefixes`, each sequence attends to the positions after its prefix, the sequences of a
+group attend together to their one prefix read from the pool, and the two halves are merged by
+their softmax normalizers (log-sum-exp) — attention split over two sets of keys, as
+FlashAttention splits it over key blocks.
 """
 
 from __future__ import annotations
@@ -65,6 +71,27 @@ class BlockPool:
 
 
 @dataclass
+class SharedPrefixes:
+    """One step's sequences that read a cached prefix, in groups reading the same blocks (runs
+    of consecutive sequences: a rerank call's documents), and the keys each sequence attends to
+    after its prefix. Built by the model runner with the step's batch, for the varlen kernel."""
+
+    q_rows: torch.Tensor  # [num_group_rows] int64: batch rows of the groups' sequences
+    cu_q: torch.Tensor  # [num_groups + 1] int32: each group's rows among `q_rows`
+    max_q: int
+    pool_rows: torch.Tensor  # [num_group_keys] int64: pool rows of each group's prefix
+    cu_k: torch.Tensor  # [num_groups + 1] int32: each group's prefix among `pool_rows`
+    max_k: int
+    # The keys after the prefixes: a sequence's earlier chunks' positions past its cached
+    # prefix, then its own rows.
+    own_cu_k: torch.Tensor  # [num_seqs + 1] int32
+    own_max_k: int
+    own_num_keys: int
+    own_key_rows: torch.Tensor | None  # [num_tokens] int64; None: the batch rows themselves
+    own_key_starts: list[int]  # [num_seqs]: each sequence's first row among them (host)
+
+
+@dataclass
 class PrefixKV:
     """One step's rows of the block pool: built by the model runner with the step's batch."""
 
@@ -80,6 +107,8 @@ class PrefixKV:
     num_keys: int
     prefix_tokens: list[int]  # [num_seqs]: positions each sequence reads from the pool
     key_starts: list[int]  # [num_seqs]: each sequence's first row among the keys (host)
+    # Set where the step's attention may read shared prefixes from the pool (`extend_shared`).
+    shared: SharedPrefixes | None = None
 
     def extend(
         self, layer: int, k: torch.Tensor, v: torch.Tensor, kv: ChunkedKV
@@ -87,10 +116,7 @@ class PrefixKV:
         """`ChunkedKV.extend` with a block pool: write this layer's computed blocks, then
         lay out every sequence's keys (and values) as its cached prefix, the positions its
         earlier chunks left in its buffers, then its own rows."""
-        pool_k, pool_v = self.pool.layer(layer, k)
-        if self.write_rows.numel():
-            pool_k.index_copy_(0, self.write_pool_rows, k.index_select(0, self.write_rows))
-            pool_v.index_copy_(0, self.write_pool_rows, v.index_select(0, self.write_rows))
+        pool_k, pool_v = self._write(layer, k, v)
         keys = k.new_empty((self.num_keys, *k.shape[1:]))
         values = v.new_empty((self.num_keys, *v.shape[1:]))
         keys.index_copy_(0, self.own_key_rows, k)
@@ -98,6 +124,53 @@ class PrefixKV:
         if self.read_pool_rows.numel():
             keys.index_copy_(0, self.read_key_rows, pool_k.index_select(0, self.read_pool_rows))
             values.index_copy_(0, self.read_key_rows, pool_v.index_select(0, self.read_pool_rows))
+        self._earlier_chunks(layer, k, v, kv, keys, values, self.key_starts, 0)
+        return keys, values
+
+    def extend_shared(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, kv: ChunkedKV
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Write this layer's computed blocks; return the keys and values after the cached
+        prefixes (laid out as `shared.own_cu_k` says) and those of the groups' prefixes (as
+        `shared.cu_k` says): each prefix is read once per group, not once per sequence."""
+        shared = self.shared
+        assert shared is not None
+        pool_k, pool_v = self._write(layer, k, v)
+        prefix_k = pool_k.index_select(0, shared.pool_rows)
+        prefix_v = pool_v.index_select(0, shared.pool_rows)
+        if shared.own_key_rows is None:  # whole prompts: their keys are their rows
+            self._earlier_chunks(layer, k, v, kv, None, None, shared.own_key_starts, 1)
+            return k, v, prefix_k, prefix_v
+        keys = k.new_empty((shared.own_num_keys, *k.shape[1:]))
+        values = v.new_empty((shared.own_num_keys, *v.shape[1:]))
+        keys.index_copy_(0, shared.own_key_rows, k)
+        values.index_copy_(0, shared.own_key_rows, v)
+        self._earlier_chunks(layer, k, v, kv, keys, values, shared.own_key_starts, 1)
+        return keys, values, prefix_k, prefix_v
+
+    def _write(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pool's buffers of `layer`, with the blocks this step computes written."""
+        pool_k, pool_v = self.pool.layer(layer, k)
+        if self.write_rows.numel():
+            pool_k.index_copy_(0, self.write_pool_rows, k.index_select(0, self.write_rows))
+            pool_v.index_copy_(0, self.write_pool_rows, v.index_select(0, self.write_rows))
+        return pool_k, pool_v
+
+    def _earlier_chunks(
+        self,
+        layer: int,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv: ChunkedKV,
+        keys: torch.Tensor | None,
+        values: torch.Tensor | None,
+        key_starts: list[int],
+        past_prefix: int,  # 1: the keys start after the cached prefix; 0: at position 0
+    ) -> None:
+        """Keep the rows of chunks that continue in their prompts' buffers, and copy the
+        positions earlier chunks left there (after the cached prefix) among the keys."""
         cu = kv.cu_seqlens_q
         for i, buffers in enumerate(kv.buffers):
             if buffers is None:
@@ -107,8 +180,8 @@ class PrefixKV:
             if kv.keep[i]:
                 cached_k[start : start + hi - lo] = k[lo:hi]
                 cached_v[start : start + hi - lo] = v[lo:hi]
-            first, at = self.prefix_tokens[i], self.key_starts[i]
-            if start > first:  # positions after the cached prefix, from earlier chunks
+            first = self.prefix_tokens[i]
+            at = key_starts[i] - past_prefix * first  # the key row of prompt position 0
+            if start > first and keys is not None and values is not None:
                 keys[at + first : at + start] = cached_k[first:start]
                 values[at + first : at + start] = cached_v[first:start]
-        return keys, values

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -10,7 +11,7 @@ import torch
 
 from vecpool.errors import EngineError
 from vecpool.models.attention import AttentionMetadata, ChunkedKV
-from vecpool.models.kv_blocks import BlockPool, PrefixKV
+from vecpool.models.kv_blocks import BlockPool, PrefixKV, SharedPrefixes
 from vecpool.pooling.methods import PoolingMetadata
 from vecpool.runner.kv_cache import KVCache
 from vecpool.runner.step import StepInput
@@ -105,7 +106,7 @@ def build_flat_batch(
     seq_ids_device = to_device(seq_ids)
     input_ids = to_device(np.concatenate(ids_parts))
     starts_device = to_device(starts)
-    kv = _chunked_kv(step, starts, lengths, cu, kv_cache, to_device, block_pool)
+    kv = _chunked_kv(step, starts, lengths, cu, kv_cache, to_device, block_pool, use_varlen)
     return FlatBatch(
         input_ids=input_ids,
         positions=to_device(positions),
@@ -144,6 +145,7 @@ def _chunked_kv(
     kv_cache: KVCache | None,
     to_device: Callable[[np.ndarray], torch.Tensor],
     block_pool: BlockPool | None = None,
+    share_prefixes: bool = False,  # the attention reads a group's prefix once (varlen kernel)
 ) -> ChunkedKV | None:
     """The cached keys and values the step's chunks read and write; None when every chunk is a
     whole prompt that shares no block. A chunk's keys are its prompt's positions up to its end:
@@ -178,6 +180,10 @@ def _chunked_kv(
     if shares:
         assert block_pool is not None
         prefix_kv = _prefix_kv(step, starts, lengths, cu, cu_k, prefix, block_pool, to_device)
+        if share_prefixes and prefix.any():
+            prefix_kv.shared = _shared_prefixes(
+                step, starts, lengths, cu, prefix, block_pool.block_size, to_device
+            )
     return ChunkedKV(
         buffers=[
             kv_cache.buffers(c.request_id, c.prompt.num_tokens) if is_chunked else None
@@ -246,3 +252,63 @@ def _prefix_kv(
         prefix_tokens=prefix.tolist(),
         key_starts=cu_k[:-1].tolist(),
     )
+
+
+def _shared_prefixes(
+    step: StepInput,
+    starts: np.ndarray,  # [num_seqs] int64
+    lengths: np.ndarray,  # [num_seqs] int64
+    cu: np.ndarray,  # [num_seqs + 1] int64: the chunks' rows in the batch
+    prefix: np.ndarray,  # [num_seqs] int64: positions read from the pool
+    block_size: int,
+    to_device: Callable[[np.ndarray], torch.Tensor],
+) -> SharedPrefixes:
+    """Group the sequences that read a cached prefix (consecutive ones reading the same blocks
+    form one group), and lay out each sequence's keys after its prefix."""
+    groups: list[list[int]] = []  # each group's sequences
+    group_slots: list[tuple[int, ...]] = []  # the blocks it reads
+    for i, c in enumerate(step.chunks):
+        read = c.blocks.prefix_slots if c.blocks is not None else ()
+        if not read:
+            continue
+        if groups and groups[-1][-1] == i - 1 and group_slots[-1] == read:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+            group_slots.append(read)
+    members = np.fromiter(itertools.chain.from_iterable(groups), np.int64)
+    member_lengths = lengths[members]
+    member_cu = _cumsum0(member_lengths)
+    q_rows = np.repeat(cu[:-1][members] - member_cu[:-1], member_lengths) + np.arange(
+        int(member_cu[-1])
+    )
+    group_q = np.fromiter((lengths[g].sum() for g in groups), np.int64, len(groups))
+    group_k = block_size * np.fromiter(map(len, group_slots), np.int64, len(groups))
+    slots = np.fromiter(itertools.chain.from_iterable(group_slots), np.int64)
+    own_lengths = starts + lengths - prefix
+    own_cu = _cumsum0(own_lengths)
+    own_key_rows = None
+    if (starts > prefix).any():  # positions of earlier chunks come before a chunk's rows
+        seq_of_row = np.repeat(np.arange(len(lengths)), lengths)
+        own_key_rows = to_device(
+            (own_cu[:-1] + starts - prefix - cu[:-1])[seq_of_row] + np.arange(int(cu[-1]))
+        )
+    return SharedPrefixes(
+        q_rows=to_device(q_rows),
+        cu_q=to_device(_cumsum0(group_q)).to(torch.int32),
+        max_q=int(group_q.max()),
+        pool_rows=to_device((slots[:, None] * block_size + np.arange(block_size)).reshape(-1)),
+        cu_k=to_device(_cumsum0(group_k)).to(torch.int32),
+        max_k=int(group_k.max()),
+        own_cu_k=to_device(own_cu).to(torch.int32),
+        own_max_k=int(own_lengths.max()),
+        own_num_keys=int(own_cu[-1]),
+        own_key_rows=own_key_rows,
+        own_key_starts=own_cu[:-1].tolist(),
+    )
+
+
+def _cumsum0(counts: np.ndarray) -> np.ndarray:  # [n] -> [n + 1] int64, from 0
+    out = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum(counts, out=out[1:])
+    return out
