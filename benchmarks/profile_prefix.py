@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import pstats
 import statistics
 import tempfile
@@ -64,6 +65,8 @@ def main() -> None:
 
         for _ in range(3):
             engine.score(*call())
+        gc.collect()
+        gc.freeze()  # as bench_prefix.py and `vecpool serve` do
         walls, tokenize, steps = [], [], []
         for _ in range(5):
             query, docs = call()

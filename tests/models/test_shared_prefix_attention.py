@@ -21,7 +21,7 @@ import vecpool
 from tests.engine.test_prefix_cache import QWEN3, _shared
 from tests.helpers import REORDERED_RTOL, assert_rel_close, save_hf_model
 from vecpool.engine.prefix_cache import BLOCK_SIZE as B
-from vecpool.models import attention
+from vecpool.models import attention, split_attention
 
 
 def reference_varlen(
@@ -67,13 +67,13 @@ def varlen_on_cpu(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     monkeypatch.setattr(attention, "_varlen_kernel", lambda: (reference_varlen, True))
     monkeypatch.setattr("vecpool.runner.model_runner.varlen_available", lambda d, t: True)
     calls = [0]
-    split = attention._shared_prefix_attention
+    split = split_attention.shared_prefix_attention
 
     def counting(*args: Any, **kwargs: Any) -> torch.Tensor:
         calls[0] += 1
         return split(*args, **kwargs)
 
-    monkeypatch.setattr(attention, "_shared_prefix_attention", counting)
+    monkeypatch.setattr(split_attention, "shared_prefix_attention", counting)
     return calls
 
 
@@ -85,17 +85,17 @@ def test_merging_two_halves_gives_attention_over_all_keys() -> None:
     whole = reference_varlen(q, k, v, cu_q, cu_all, 7, 30, scale=0.3, window_size=(-1, -1))
     # Keys 0..11 in one half, 12..29 in the other (the second causal: the queries are its end).
     halves = [
-        attention._attention_with_lse(
+        split_attention.attention_with_lse(
             q, k[a:b], v[a:b], cu_q, torch.tensor([0, b - a]), 7, b - a, scale=0.3, causal=False
         )
         for a, b in ((0, 12), (12, 30))
     ]
-    merged = attention.merge_attention(*halves[0], *halves[1])
+    merged = split_attention.merge_attention(*halves[0], *halves[1])
     torch.testing.assert_close(merged, whole, rtol=0, atol=1e-6)
-    causal = attention._attention_with_lse(
+    causal = split_attention.attention_with_lse(
         q, k[12:], v[12:], cu_q, torch.tensor([0, 18]), 7, 18, scale=0.3, causal=True
     )
-    merged = attention.merge_attention(*halves[0], *causal)
+    merged = split_attention.merge_attention(*halves[0], *causal)
     expected = reference_varlen(q, k, v, cu_q, cu_all, 7, 30, scale=0.3, window_size=(-1, 0))
     torch.testing.assert_close(merged, expected, rtol=0, atol=1e-6)
 

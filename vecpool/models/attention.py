@@ -21,8 +21,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from vecpool.models import invariant
-from vecpool.models.kv_blocks import PrefixKV, SharedPrefixes
+from vecpool.models import invariant, split_attention
+from vecpool.models.kv_blocks import PrefixKV
 
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -304,7 +304,15 @@ def _cached_attention(
     assert kv is not None
     shared = kv.prefix.shared if kv.prefix is not None else None
     if shared is not None and meta.use_varlen and softcap is None and window is None:
-        return _shared_prefix_attention(q, k, v, meta, kv, shared, causal=causal, scale=scale)
+        own_k, own_v, prefix_k, prefix_v = kv.extend_shared(k, v)
+        return split_attention.shared_prefix_attention(
+            q,
+            (own_k, own_v, meta.cu_seqlens, meta.max_seqlen),
+            (prefix_k, prefix_v),
+            shared,
+            causal=causal,
+            scale=scale,
+        )
     k, v = kv.extend(k, v)
     if meta.use_varlen and softcap is None:
         return _flash_attention(
@@ -331,117 +339,6 @@ def _cached_attention(
         window=window,
         softcap=softcap,
     )
-
-
-def _shared_prefix_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    meta: AttentionMetadata,
-    kv: ChunkedKV,
-    shared: SharedPrefixes,
-    *,
-    causal: bool,
-    scale: float,
-) -> torch.Tensor:
-    """Attention of a step whose sequences read cached prefixes, without copying a prefix for
-    each of its readers: every sequence attends to its keys after the prefix (causally), each
-    group's rows attend to their one prefix (every prefix position comes before them), and the
-    two results merge by their log-sum-exps."""
-    own_k, own_v, prefix_k, prefix_v = kv.extend_shared(k, v)
-    out, lse = _attention_with_lse(
-        q,
-        own_k,
-        own_v,
-        meta.cu_seqlens,
-        shared.own_cu_k,
-        meta.max_seqlen,
-        shared.own_max_k,
-        scale=scale,
-        causal=causal,
-    )
-    group_out, group_lse = _attention_with_lse(
-        q.index_select(0, shared.q_rows),
-        prefix_k,
-        prefix_v,
-        shared.cu_q,
-        shared.cu_k,
-        shared.max_q,
-        shared.max_k,
-        scale=scale,
-        causal=False,
-    )
-    merged = merge_attention(
-        out.index_select(0, shared.q_rows),
-        lse.index_select(1, shared.q_rows),
-        group_out,
-        group_lse,
-    )
-    return out.index_copy_(0, shared.q_rows, merged)
-
-
-def merge_attention(
-    out_a: torch.Tensor,  # [n, num_heads, head_dim]: attention over one set of keys
-    lse_a: torch.Tensor,  # [num_heads, n] float32: its log-sum-exps of the scaled logits
-    out_b: torch.Tensor,  # [n, num_heads, head_dim]: over another, disjoint set
-    lse_b: torch.Tensor,  # [num_heads, n] float32
-) -> torch.Tensor:  # [n, num_heads, head_dim]: attention over both sets of keys
-    """Each half weighted by its share of the whole softmax normalizer, in float32."""
-    a = lse_a.t().unsqueeze(-1)  # [n, num_heads, 1]
-    b = lse_b.t().unsqueeze(-1)
-    top = torch.maximum(a, b)
-    weight_a, weight_b = torch.exp(a - top), torch.exp(b - top)
-    merged = (out_a.float() * weight_a + out_b.float() * weight_b) / (weight_a + weight_b)
-    return merged.to(out_a.dtype)
-
-
-def _attention_with_lse(
-    q: torch.Tensor,  # [num_q, num_heads, head_dim]
-    k: torch.Tensor,  # [num_keys, num_kv_heads, head_dim]
-    v: torch.Tensor,
-    cu_q: torch.Tensor,  # [num_seqs + 1] int32
-    cu_k: torch.Tensor,  # [num_seqs + 1] int32
-    max_q: int,
-    max_k: int,
-    *,
-    scale: float,
-    causal: bool,  # aligned to the end of the keys
-) -> tuple[torch.Tensor, torch.Tensor]:  # [num_q, num_heads, head_dim], [num_heads, num_q] f32
-    """Variable-length attention and each query's log-sum-exp of its scaled logits: the
-    FlashAttention kernel on CUDA (grouped-query heads read in place), a per-sequence reference
-    elsewhere (the CPU runs the padded fallback; this serves its tests)."""
-    if q.is_cuda:
-        out, lse = torch.ops.aten._flash_attention_forward(
-            q,
-            k,
-            v,
-            cu_q,
-            cu_k,
-            max_q,
-            max_k,
-            0.0,  # dropout
-            causal,
-            False,  # return_debug_mask
-            scale=scale,
-            window_size_left=-1,
-            window_size_right=0 if causal else -1,
-        )[:2]
-        return out, lse
-    outs, lses = [], []
-    bounds_q, bounds_k = cu_q.tolist(), cu_k.tolist()
-    group = q.shape[1] // k.shape[1]
-    for i in range(len(bounds_q) - 1):
-        qs = q[bounds_q[i] : bounds_q[i + 1]].float()
-        ks = k[bounds_k[i] : bounds_k[i + 1]].float().repeat_interleave(group, dim=1)
-        vs = v[bounds_k[i] : bounds_k[i + 1]].float().repeat_interleave(group, dim=1)
-        logits = torch.einsum("qhd,khd->hqk", qs, ks) * scale
-        if causal:
-            n_q, n_k = qs.shape[0], ks.shape[0]
-            later = torch.ones(n_q, n_k, dtype=torch.bool).triu(n_k - n_q + 1)
-            logits = logits.masked_fill(later, float("-inf"))
-        lses.append(torch.logsumexp(logits, dim=-1))
-        outs.append(torch.einsum("hqk,khd->qhd", torch.softmax(logits, dim=-1), vs))
-    return torch.cat(outs).to(q.dtype), torch.cat(lses, dim=1)
 
 
 def _flash_attention(
