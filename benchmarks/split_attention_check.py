@@ -40,15 +40,26 @@ def main(argv: list[str]) -> dict[str, Any]:
     k = torch.randn(sum(k_lens), kv_heads, dim, device=dev, dtype=dt)
     v = torch.randn_like(k)
     for causal in (True, False):
-        args_ = (cu(q_lens).to(dev), cu(k_lens).to(dev), max(q_lens), max(k_lens))
+        cu_q, cu_k = cu(q_lens), cu(k_lens)
         out, lse = split_attention.attention_with_lse(
-            q, k, v, *args_, scale=dim**-0.5, causal=causal
+            q,
+            k,
+            v,
+            cu_q.to(dev),
+            cu_k.to(dev),
+            max(q_lens),
+            max(k_lens),
+            scale=dim**-0.5,
+            causal=causal,
         )
         ref_out, ref_lse = split_attention.attention_with_lse(
             q.cpu().float(),
             k.cpu().float(),
             v.cpu().float(),
-            *(a.cpu() if isinstance(a, torch.Tensor) else a for a in args_),
+            cu_q,
+            cu_k,
+            max(q_lens),
+            max(k_lens),
             scale=dim**-0.5,
             causal=causal,
         )
