@@ -18,6 +18,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -67,6 +68,7 @@ def main() -> None:
             engine.score(*call())
         gc.collect()
         gc.freeze()  # as bench_prefix.py and `vecpool serve` do
+        phases = _time_phases(engine)
         walls, tokenize, steps = [], [], []
         for _ in range(5):
             query, docs = call()
@@ -86,6 +88,11 @@ def main() -> None:
             f"tokenize s {[round(t, 4) for t in tokenize]} median {statistics.median(tokenize):.4f}"
         )
         print(f"steps per call {steps}")
+        print("host seconds per call, by phase (median of the 5 calls; pool waits for the device):")
+        for name, values in phases.items():
+            print(
+                f"  {name}: {statistics.median(values[-5:]):.4f}  {[round(v, 4) for v in values[-5:]]}"
+            )
         query, docs = call()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             engine.score(query, docs)
@@ -100,6 +107,44 @@ def main() -> None:
         profiler.runcall(engine.score, query, docs)
         pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
         pstats.Stats(profiler).sort_stats("cumulative").print_stats(30)
+
+
+def _time_phases(engine: vecpool.Engine) -> dict[str, list[float]]:
+    """Wrap the engine's phases to record each call's host seconds in each (a phase that runs
+    several times in a call adds up)."""
+    phases: dict[str, list[float]] = {}
+    targets = {
+        "prepare_score (tokenize, validate)": (engine, "prepare_score"),
+        "schedule": (engine.core.scheduler, "schedule"),
+        "build batch": (engine.model_runner, "prepare"),
+        "forward (launch)": (engine.model_runner, "forward"),
+        "pool (waits for the device)": (engine.core.pooling_runner, "pool"),
+    }
+    calls = [0]
+
+    def wrap(name: str, fn: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                values = phases.setdefault(name, [])
+                while len(values) <= calls[0]:
+                    values.append(0.0)
+                values[calls[0]] += time.perf_counter() - started
+
+        return timed
+
+    for name, (owner, attr) in targets.items():
+        setattr(owner, attr, wrap(name, getattr(owner, attr)))
+    score = engine.score
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return score(*args, **kwargs)
+
+    engine.score = counted  # type: ignore[method-assign]
+    return phases
 
 
 if __name__ == "__main__":
