@@ -22,7 +22,7 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.bench_online import ServerProcess
+from benchmarks.serving import ServerProcess
 
 PAUSES = (4.95, 4.98, 4.99, 5.0, 4.995, 4.97, 4.985)
 
