@@ -19,11 +19,13 @@ its own keep-alive connection (`--client httpx`, what real clients use, or `raw`
 HTTP/1.1 client that leaves more of a small machine to the server). The server runs as its own
 process tree (`--server-args` adds `vecpool serve` options, e.g. `--api-server-count 2
 --batch-wait-ms 2`); the offline engine and the clients run in this process, never at once.
-For each client count, after a warm-up round, `--repeats` rounds each sit between two offline
-runs of the same work, and a round's ratio is to the mean of those two (on a shared machine the
-load moves both alike); a row keeps the median round (and every round's numbers): requests/s,
-tokens/s, latency p50 / p90 / p99 / max, each connection error type and non-200 status counted,
-the ratio to offline tokens/s, and the largest difference of sampled answers from offline.
+For each client count, after a warm-up round, `--repeats` rounds (at least 3) each sit between
+two offline runs of the same work, and a round's ratio is to the mean of those two (on a shared
+machine the load moves both alike); a row is the median round by that ratio (one real round, its
+numbers consistent with each other), with each figure's median over the rounds (`median`) and
+every round (`rounds`): requests/s, tokens/s, latency p50 / p90 / p99 / max, each connection
+error type and non-200 status counted, the ratio to offline tokens/s, and the largest
+difference of sampled answers from offline. The report's header is `record.py`'s.
 
 CPU cost: each round also reads the CPU seconds (user and system) of the server's whole
 process tree (supervisor, API processes, engine) from /proc, and the offline runs around it

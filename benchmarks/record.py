@@ -155,13 +155,12 @@ def median_of_rounds(per_round: Sequence[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, first in per_round[0].items():
         values = [r.get(key) for r in per_round]
-        if all(isinstance(v, bool) for v in values):
-            if len(set(values)) == 1:
-                out[key] = first
-        elif all(isinstance(v, int | float) for v in values):
-            out[key] = float(statistics.median(values))  # type: ignore[type-var]
-        elif all(isinstance(v, dict) for v in values):
-            out[key] = median_of_rounds(values)  # type: ignore[arg-type]
+        numbers = [v for v in values if isinstance(v, int | float) and not isinstance(v, bool)]
+        dicts = [v for v in values if isinstance(v, dict)]
+        if len(numbers) == len(values):
+            out[key] = float(statistics.median(numbers))
+        elif len(dicts) == len(values):
+            out[key] = median_of_rounds(dicts)
         elif all(v == first for v in values):
             out[key] = first
     return out
