@@ -17,6 +17,11 @@
 # 2. online_qwen3-0.6b_h200.json: the online table of README.md and docs/SERVING.md on today's
 #    tree and defaults: one query per request from 64 and 256 raw clients, and 32 clients of
 #    32 passages, 3 rounds each between offline runs, ~4 min.
+# Left out: bench_gpu.py's table and the FP8, GQA, prefix and batch-invariance figures (their
+# files record their command and commit; bench_gpu alone takes far longer than 8 minutes);
+# bench_embed.py's table (three models, ~4 minutes more, and bench_gpu's `st-128` column makes
+# the same comparison); the online rows of earlier layouts (history: they describe trees that
+# are gone); the one-process baseline (the issue's, of a tree that is gone).
 set -uo pipefail
 
 OUT=${OUT:-benchmarks/results}
@@ -51,9 +56,9 @@ if [ "${SMOKE:-0}" = 1 ]; then
     exit $status
 fi
 
-step cuda_graphs_small_calls_h200 210 "$PY" benchmarks/cuda_graphs_check.py "${tok[@]}" \
+step cuda_graphs_small_calls_h200 180 "$PY" benchmarks/cuda_graphs_check.py "${tok[@]}" \
     --commit "$COMMIT" --output "$OUT/cuda_graphs_small_calls_h200.json"
-step online_qwen3-0.6b_h200 300 "$PY" benchmarks/bench_online.py --synthetic qwen3-0.6b \
+step online_qwen3-0.6b_h200 330 "$PY" benchmarks/bench_online.py --synthetic qwen3-0.6b \
     --device cuda --client raw --scenarios embed batched --clients 64 256 --repeats 3 \
     "${tok[@]}" --commit "$COMMIT" --output "$OUT/online_qwen3-0.6b_h200.json"
 exit $status
