@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -36,13 +35,9 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.bench_gpu import (
-    git_commit,
-    make_inputs,
-    st_runner,
-    vecpool_runner,
-    workload_lengths,
-)
+from benchmarks import record
+from benchmarks.bench_gpu import st_runner, vecpool_runner
+from benchmarks.workloads import make_inputs, workload_lengths
 
 SYSTEMS = ("vecpool", "vecpool-bf16", "st-32", "st-128")
 OURS = ("vecpool", "vecpool-bf16")
@@ -58,6 +53,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-num-batched-tokens", type=int, help="vecpool's step budget")
     parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--output", type=Path, help="write the report here as JSON")
+    record.add_args(parser)
     return parser.parse_args(argv)
 
 
@@ -96,25 +92,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             )
         else:
             runs[s], _ = st_runner(folder, "cpu", torch.float32, int(s.removeprefix("st-")))
-    import sentence_transformers
-    import transformers
-
     report: dict[str, Any] = {
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "python": platform.python_version(),
-        "transformers": transformers.__version__,
-        "sentence_transformers": sentence_transformers.__version__,
+        **record.header(
+            "bench_cpu.py", sys.argv[1:] if argv is None else argv, device="cpu", commit=args.commit
+        ),
         "cpu_flags": cpu_flags(),
-        "machine": f"{os.cpu_count()}-core CPU ({platform.processor() or platform.machine()})",
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "commit": git_commit(),
-        "command": "python benchmarks/bench_cpu.py " + " ".join(argv or []),
         "model": str(folder.name if args.model_dir else "all-MiniLM-L6-v2 (packaged)"),
         "max_seq_length": limit,
         # glibc's allocator settings, when given (they change how often big tensors fault).
         "malloc_environment": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")},
-        "load_average_at_start": os.getloadavg(),
         "workloads": {
             w: {"num_inputs": len(v[0]), "num_tokens": int(v[2].sum())} for w, v in inputs.items()
         },
@@ -137,9 +123,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report["summary"] = summarize(report, outputs)
     for line in report["summary"]["lines"]:
         print(line)
-    if args.output:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps(report, indent=1) + "\n")
+    record.write(args.output, report)
     return report
 
 

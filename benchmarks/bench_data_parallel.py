@@ -20,10 +20,7 @@ of whole-word vocabulary entries, fixed seed), `--passages` of them:
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
-import os
-import platform
 import sys
 import tempfile
 import time
@@ -34,14 +31,10 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.bench_gpu import SHAPES, make_inputs, workload_lengths, write_folder
-from benchmarks.bench_online import (
-    BATCH_INPUTS,
-    ServerProcess,
-    Workload,
-    add_server_and_client_args,
-    load,
-)
+from benchmarks import record
+from benchmarks.bench_online import BATCH_INPUTS
+from benchmarks.serving import ServerProcess, Workload, add_server_and_client_args, load
+from benchmarks.workloads import SHAPES, make_inputs, workload_lengths, write_folder
 
 MODES = ("serve", "embed")
 
@@ -103,12 +96,13 @@ def run_serve(model: Path, texts: list[str], size: int, args: argparse.Namespace
         if pool is not None:
             pool.shutdown()
         server.stop()
-    rounds.sort(key=lambda x: x["tokens_per_s"])
-    row = dict(rounds[len(rounds) // 2])
+    # The median round by tokens/s (of an even count the lower middle one), and every round.
+    row = dict(record.median_round(rounds, "tokens_per_s"))
     row["rounds_tokens_per_s"] = [x["tokens_per_s"] for x in rounds]
+    row["rounds"] = rounds
     row["connection_error_count"] = sum(x["connection_error_count"] for x in rounds)
     row["answered_tokens_by_engine"] = {k: v - before.get(k, 0.0) for k, v in after.items()}
-    row["server_command"] = server.command
+    row["server_command"] = [record.portable_arg(c) for c in server.command]
     return row
 
 
@@ -149,8 +143,7 @@ def run_embed(model: Path, texts: list[str], size: int, args: argparse.Namespace
                 )
     finally:
         embedder.close()
-    passes.sort(key=lambda x: x["tokens_per_s"])
-    row = dict(passes[len(passes) // 2])
+    row = dict(record.median_round(passes, "tokens_per_s"))
     row["rounds_tokens_per_s"] = [x["tokens_per_s"] for x in passes]
     row["load_seconds"] = load_seconds
     return row
@@ -166,10 +159,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--passages", type=int, default=16384)
     parser.add_argument("--clients", type=int, default=64, help="serve: concurrent clients")
     parser.add_argument("--chunk-size", type=int, default=1024, help="embed: passages per chunk")
-    parser.add_argument("--repeats", type=int, default=3, help="timed rounds per size and mode")
+    parser.add_argument(
+        "--repeats", type=int, default=record.MIN_ROUNDS, help="timed rounds per size and mode"
+    )
     parser.add_argument("--max-seconds", type=float, default=300.0, help="serve: per round")
     add_server_and_client_args(parser, client_default="raw")
     parser.add_argument("--output", type=Path, help="write the report here as JSON")
+    record.add_args(parser)
     return parser.parse_args(argv)
 
 
@@ -180,14 +176,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
         args.tokenizer = vecpool.api.default_model_path()
     report: dict[str, Any] = {
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "machine": {
-            "platform": platform.platform(),
-            "cpus": os.cpu_count(),
-            "torch": torch.__version__,
-            "devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-            if args.device.startswith("cuda")
-            else ["cpu"],
+        **record.header(
+            "bench_data_parallel.py",
+            sys.argv[1:] if argv is None else argv,
+            device=args.device,
+            commit=args.commit,
+        ),
+        "args": {
+            k: record.portable_arg(str(v)) if isinstance(v, Path) else v
+            for k, v in vars(args).items()
         },
     }
     texts = passages(args)
@@ -217,8 +214,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 }
                 print(f"{mode:5s} ratio to size {args.sizes[0]}: {report['ratio'][mode]}")
         finally:
-            if args.output:
-                args.output.write_text(json.dumps(report, indent=2))
+            record.write(args.output, report)
     return report
 
 

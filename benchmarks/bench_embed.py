@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -24,7 +24,9 @@ from typing import Any
 import numpy as np
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import vecpool
+from benchmarks import record
 from vecpool.api import default_model_path
 from vecpool.cli.bench import make_texts
 
@@ -90,7 +92,7 @@ def timed(fn: Any, repeats: int, sync: bool) -> tuple[list[float], Any]:
     return times, out
 
 
-def main() -> None:
+def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", type=Path, default=None)
     parser.add_argument(
@@ -99,11 +101,12 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None, help="default: float16 on CUDA, float32 on CPU")
     parser.add_argument("--n", type=int, default=2000)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=record.MIN_ROUNDS, help="timed rounds")
     parser.add_argument("--st-batch-size", type=int, default=128)
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
     parser.add_argument("--output", type=Path, default=None, help="write the raw report as JSON")
-    args = parser.parse_args()
+    record.add_args(parser)
+    args = parser.parse_args(argv)
 
     from sentence_transformers import SentenceTransformer
 
@@ -146,11 +149,10 @@ def main() -> None:
     ours_med, ref_med = statistics.median(ours_t), statistics.median(ref_t)
     cos = np.sum(ours * ref, axis=1) / (np.linalg.norm(ours, axis=1) * np.linalg.norm(ref, axis=1))
     report = {
+        **record.header("bench_embed.py", argv, device=args.device, commit=args.commit),
         "model": f"{args.synthetic} (random weights)"
         if args.synthetic
         else engine.folder.hf_config.get("_name_or_path", str(model_dir)),
-        "device": torch.cuda.get_device_name() if sync else platform.processor() or "cpu",
-        "torch": torch.__version__,
         "dtype": dtype,
         "num_inputs": len(texts),
         "approx_tokens": num_tokens,
@@ -163,12 +165,10 @@ def main() -> None:
         "min_cosine": float(cos.min()),
     }
     print(json.dumps(report, indent=2))
-    if args.output:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps(report, indent=2) + "\n")
+    record.write(args.output, report)
     if tmp:
         shutil.rmtree(tmp)
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

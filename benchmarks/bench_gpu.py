@@ -42,10 +42,8 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import platform
-import re
 import statistics
-import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -56,7 +54,17 @@ from typing import Any
 import numpy as np
 import torch
 
-WORKLOADS = ("queries", "passages")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks import record
+from benchmarks.workloads import (
+    DECODER_TYPES,
+    SHAPES,
+    WORKLOADS,
+    make_inputs,
+    workload_lengths,
+    write_folder,
+)
+
 SYSTEMS = (
     "vecpool-text",
     "vecpool-ids",
@@ -66,251 +74,6 @@ SYSTEMS = (
     "st-128",
     "hf-padded",
 )
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "vocab.txt",
-    "special_tokens_map.json",
-)
-
-
-@dataclass(frozen=True)
-class Shape:
-    """A model shape: a transformers config class and its arguments."""
-
-    config_class: str  # e.g. "Qwen3Config"
-    model_class: str  # e.g. "Qwen3Model"
-    config: dict[str, Any]
-    causal: bool
-
-    @property
-    def pooling(self) -> str:
-        return "pooling_mode_lasttoken" if self.causal else "pooling_mode_mean_tokens"
-
-
-_DECODER = dict(max_position_embeddings=32768, rms_norm_eps=1e-6)
-# Configs' model_type of the decoder families (causal unless the config says otherwise).
-_DECODER_TYPES = frozenset(
-    {"qwen2", "qwen3", "llama", "mistral", "gemma", "gemma2", "gemma3_text", "gemma3"}
-)
-SHAPES: dict[str, Shape] = {
-    "qwen3-0.6b": Shape(
-        "Qwen3Config",
-        "Qwen3Model",
-        dict(
-            vocab_size=151669,
-            hidden_size=1024,
-            num_hidden_layers=28,
-            num_attention_heads=16,
-            num_key_value_heads=8,
-            head_dim=128,
-            intermediate_size=3072,
-            tie_word_embeddings=True,
-            **_DECODER,
-        ),
-        causal=True,
-    ),
-    "mistral-7b": Shape(
-        "MistralConfig",
-        "MistralModel",
-        dict(
-            vocab_size=32000,
-            hidden_size=4096,
-            num_hidden_layers=32,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            head_dim=128,
-            intermediate_size=14336,
-            sliding_window=None,
-            tie_word_embeddings=False,
-            **_DECODER,
-        ),
-        causal=True,
-    ),
-    "bert-base": Shape(
-        "BertConfig",
-        "BertModel",
-        dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072),
-        causal=False,
-    ),
-    "minilm": Shape(
-        "BertConfig",
-        "BertModel",
-        dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=12, intermediate_size=1536),
-        causal=False,
-    ),
-    "mpnet-base": Shape(  # all-mpnet-base-v2
-        "MPNetConfig",
-        "MPNetModel",
-        dict(
-            vocab_size=30527,
-            hidden_size=768,
-            num_hidden_layers=12,
-            num_attention_heads=12,
-            intermediate_size=3072,
-            max_position_embeddings=514,
-        ),
-        causal=False,
-    ),
-    "modernbert-base": Shape(  # gte-modernbert-base, modernbert-embed-base
-        "ModernBertConfig",
-        "ModernBertModel",
-        dict(
-            vocab_size=50368,
-            hidden_size=768,
-            num_hidden_layers=22,
-            num_attention_heads=12,
-            intermediate_size=1152,
-            max_position_embeddings=8192,
-            global_attn_every_n_layers=3,
-            local_attention=128,
-        ),
-        causal=False,
-    ),
-    "qwen2-1.5b": Shape(  # gte-Qwen2-1.5B-instruct, stella_en_1.5B_v5
-        "Qwen2Config",
-        "Qwen2Model",
-        dict(
-            vocab_size=151936,
-            hidden_size=1536,
-            num_hidden_layers=28,
-            num_attention_heads=12,
-            num_key_value_heads=2,
-            intermediate_size=8960,
-            tie_word_embeddings=False,
-            **_DECODER,
-        ),
-        causal=True,
-    ),
-    "embeddinggemma-300m": Shape(  # bidirectional Gemma3, mean pooling
-        "Gemma3TextConfig",
-        "Gemma3TextModel",
-        dict(
-            vocab_size=262144,
-            hidden_size=768,
-            num_hidden_layers=24,
-            num_attention_heads=3,
-            num_key_value_heads=1,
-            head_dim=256,
-            intermediate_size=1152,
-            max_position_embeddings=2048,
-            sliding_window=512,
-            use_bidirectional_attention=True,
-            query_pre_attn_scalar=256,
-        ),
-        causal=False,
-    ),
-    # Tiny shapes: the benchmark's own test, in seconds on a CPU.
-    "tiny-qwen3": Shape(
-        "Qwen3Config",
-        "Qwen3Model",
-        dict(
-            vocab_size=30522,
-            hidden_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            intermediate_size=128,
-            tie_word_embeddings=True,
-            **_DECODER,
-        ),
-        causal=True,
-    ),
-    "tiny-bert": Shape(
-        "BertConfig",
-        "BertModel",
-        dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128),
-        causal=False,
-    ),
-}
-
-
-# ---- inputs ---------------------------------------------------------------------------------
-
-
-def workload_lengths(name: str, n: int, seed: int = 0) -> np.ndarray:
-    """`[n]` token counts (special tokens included) of a workload, fixed by `seed`."""
-    gen = np.random.default_rng(seed)
-    if name == "queries":
-        return gen.integers(8, 64, size=n, endpoint=True)
-    if name == "passages":
-        lengths = np.rint(gen.lognormal(np.log(180.0), 0.6, size=n))
-        return np.clip(lengths, 32, 512).astype(np.int64)
-    raise ValueError(f"unknown workload {name!r}; known: {WORKLOADS}")
-
-
-def single_token_words(tokenizer: Any, limit: int = 4000) -> list[str]:
-    """Whole lowercase words of the vocabulary that tokenize to exactly one token each."""
-    vocab = sorted(
-        (i, w) for w, i in tokenizer.get_vocab().items() if re.fullmatch(r"[a-z]{3,12}", w)
-    )
-    words = [w for _, w in vocab[:limit]]
-    encoded = tokenizer.encode_batch(words, add_special_tokens=False)
-    return [w for w, e in zip(words, encoded, strict=True) if len(e.ids) == 1]
-
-
-def make_inputs(
-    tokenizer: Any, lengths: np.ndarray, seed: int = 0
-) -> tuple[list[str], list[list[int]]]:
-    """Texts of `lengths` tokens each (with [CLS] and [SEP]) and their token ids. The
-    tokenizer's own padding and truncation (a folder's tokenizer.json may carry them) are
-    turned off: the lengths are planned exactly."""
-    tokenizer.no_padding()
-    tokenizer.no_truncation()
-    words = np.array(single_token_words(tokenizer))
-    gen = np.random.default_rng(seed + 1)
-    texts = [" ".join(gen.choice(words, size=int(n) - 2)) for n in lengths]
-    ids = [e.ids for e in tokenizer.encode_batch(texts)]
-    got = np.array([len(i) for i in ids])
-    if not np.array_equal(got, lengths):
-        raise RuntimeError("texts did not tokenize to the planned lengths")
-    return texts, ids
-
-
-# ---- model folders and FLOPs ----------------------------------------------------------------
-
-
-def write_folder(shape: Shape, dest: Path, tokenizer_dir: Path, device: str) -> Path:
-    """A sentence-transformers folder with random weights of `shape` and the tokenizer files
-    of `tokenizer_dir` (weights are drawn on `device`, which is fast for large models)."""
-    import transformers
-
-    torch.manual_seed(0)
-    cfg = getattr(transformers, shape.config_class)(**shape.config)
-    dtype = torch.bfloat16 if shape.causal else torch.float32
-    with torch.device(device):
-        model = getattr(transformers, shape.model_class)(cfg).to(dtype)
-    model.save_pretrained(str(dest), safe_serialization=True)
-    del model
-    for name in TOKENIZER_FILES:
-        (dest / name).write_bytes((tokenizer_dir / name).read_bytes())
-    max_len = 512
-    modules = [
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {
-            "idx": 1,
-            "name": "1",
-            "path": "1_Pooling",
-            "type": "sentence_transformers.models.Pooling",
-        },
-        {
-            "idx": 2,
-            "name": "2",
-            "path": "2_Normalize",
-            "type": "sentence_transformers.models.Normalize",
-        },
-    ]
-    (dest / "modules.json").write_text(json.dumps(modules))
-    (dest / "sentence_bert_config.json").write_text(
-        json.dumps({"max_seq_length": max_len, "do_lower_case": False})
-    )
-    (dest / "1_Pooling").mkdir()
-    (dest / "1_Pooling" / "config.json").write_text(
-        json.dumps({"word_embedding_dimension": cfg.hidden_size, shape.pooling: True})
-    )
-    (dest / "2_Normalize").mkdir()
-    return dest
 
 
 @dataclass(frozen=True)
@@ -346,7 +109,7 @@ def flop_model(folder: Path) -> FlopModel:
     bidirectional = getattr(cfg, "is_causal", None) is False or bool(
         getattr(cfg, "use_bidirectional_attention", False)
     )
-    causal = cfg.model_type in _DECODER_TYPES and not bidirectional
+    causal = cfg.model_type in DECODER_TYPES and not bidirectional
     return FlopModel(params, cfg.num_attention_heads * head_dim, cfg.num_hidden_layers, causal)
 
 
@@ -537,7 +300,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
     parser.add_argument("--budgets", type=int, nargs="*", default=[], metavar="N")
     parser.add_argument("--n", type=int, default=4096, help="inputs per workload")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=record.MIN_ROUNDS, help="timed rounds")
     parser.add_argument("--baseline-repeats", type=int, help="for st-* and hf-padded")
     parser.add_argument("--warmup", type=int, default=512, help="inputs of the warm-up call")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -559,16 +322,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     http.add_argument("--http-client", choices=("httpx", "raw"), default="httpx")
     http.add_argument("--http-client-processes", type=int, help="default: bench_online's")
     http.add_argument("--server-args", default="", help="more `vecpool serve` options")
+    record.add_args(parser)
     return parser.parse_args(argv)
-
-
-def git_commit() -> str | None:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -791,14 +546,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
         tokenizer_dir = default_model_path()
     report: dict[str, Any] = {
-        "date": time.strftime("%Y-%m-%d"),
-        "device": torch.cuda.get_device_name(device)
-        if device.type == "cuda"
-        else platform.processor() or "cpu",
-        "cpu_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "commit": git_commit(),
-        "command": "python benchmarks/bench_gpu.py " + " ".join(argv or []),
+        **record.header(
+            "bench_gpu.py",
+            sys.argv[1:] if argv is None else argv,
+            device=args.device,
+            commit=args.commit,
+        ),
         "ceiling_flops": matmul_ceiling(device),
         "fidelity": {},
         "rows": [],
@@ -809,9 +562,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"matmul ceiling: {report['ceiling_flops'] / 1e12:.0f} TFLOP/s", flush=True)
 
     def save() -> None:
-        if args.output:
-            args.output.parent.mkdir(parents=True, exist_ok=True)
-            args.output.write_text(json.dumps(report, indent=1) + "\n")
+        record.write(args.output, report)
 
     if args.model_dir is not None:
         bench_model(args.model_dir.name, args.model_dir, args, report, save)
@@ -826,6 +577,4 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    import sys
-
     main(sys.argv[1:])

@@ -19,11 +19,9 @@ Writes the report as JSON (`--output`) and exits non-zero when an invariant engi
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,8 +31,9 @@ from typing import Any
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gpu import SHAPES, WORKLOADS, make_inputs, workload_lengths, write_folder
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks import record
+from benchmarks.workloads import SHAPES, WORKLOADS, make_inputs, workload_lengths, write_folder
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -45,9 +44,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, else float32")
     parser.add_argument("--workload", default="passages", choices=WORKLOADS)
     parser.add_argument("--n", type=int, default=1024, help="inputs per timed call")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=record.MIN_ROUNDS, help="timed rounds")
     parser.add_argument("--check", type=int, default=200, help="inputs of the exactness check")
     parser.add_argument("--output", type=Path, help="default: benchmarks/results/...json")
+    record.add_args(parser)
     return parser.parse_args(argv)
 
 
@@ -101,15 +101,12 @@ def main(argv: list[str] | None = None) -> int:
         for n in np.concatenate([np.arange(1, 9), gen.integers(9, 300, size=args.check - 8)])
     ]
     report: dict[str, Any] = {
-        "command": "python benchmarks/bench_invariant.py " + " ".join(argv or sys.argv[1:]),
-        "commit": subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True
-        ).stdout.strip(),
-        "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "python": sys.version.split()[0],
-        "torch": torch.__version__,
-        "transformers": __import__("transformers").__version__,
-        "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
+        **record.header(
+            "bench_invariant.py",
+            sys.argv[1:] if argv is None else argv,
+            device=device,
+            commit=args.commit,
+        ),
         "model_shape": args.model,
         "dtype": dtype,
         "workload": args.workload,
@@ -148,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     output = args.output or Path(__file__).parent / "results" / (
         "batch_invariant_h200.json" if device.startswith("cuda") else "batch_invariant_cpu.json"
     )
-    output.write_text(json.dumps(report, indent=1) + "\n")
+    record.write(output, report)
     failed = [n for n in ("invariant", "invariant-eager") if report[n]["differ_from_alone"]]
     if failed:
         print(f"FAILED: {failed} differ from the inputs alone", file=sys.stderr)

@@ -23,13 +23,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import platform
 import subprocess
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -37,20 +34,18 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.bench_gpu import SHAPES, git_commit, make_inputs, workload_lengths, write_folder
-from benchmarks.bench_online import (
-    BATCH_INPUTS,
-    RERANK_DOCS,
+from benchmarks import record
+from benchmarks.bench_online import BATCH_INPUTS, RERANK_DOCS, write_cross_encoder
+from benchmarks.serving import (
     Round,
     ServerProcess,
     Workload,
     _free_port,
     add_server_and_client_args,
     decode_base64,
-    doc_lengths,
     run_round,
-    write_cross_encoder,
 )
+from benchmarks.workloads import SHAPES, doc_lengths, make_inputs, workload_lengths, write_folder
 
 MODELS = ("emb", "ce")
 
@@ -151,8 +146,9 @@ def run_rounds(url: str, works: dict[str, Workload], args: argparse.Namespace) -
             else:
                 out[name]["rounds"].append(r.summary())
     for row in out.values():
-        rates = sorted(x["tokens_per_s"] for x in row["rounds"])
-        row["tokens_per_s_median"] = rates[len(rates) // 2]
+        row["tokens_per_s_median"] = record.rounds([x["tokens_per_s"] for x in row["rounds"]])[
+            "median"
+        ]
         row["rounds_tokens_per_s"] = [x["tokens_per_s"] for x in row["rounds"]]
     return out
 
@@ -179,7 +175,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--passages", type=int, default=8192)
     parser.add_argument("--rerank-calls", type=int, default=2048)
     parser.add_argument("--clients", type=int, default=32, help="per workload")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=record.MIN_ROUNDS, help="timed rounds")
     parser.add_argument("--sample", type=int, default=16, help="answers compared per workload")
     parser.add_argument("--max-seconds", type=float, default=300.0, help="per round")
     parser.add_argument(
@@ -188,12 +184,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )  # fmt: skip
     add_server_and_client_args(parser, client_default="raw")
     parser.add_argument("--output", type=Path, help="write the report here as JSON")
+    record.add_args(parser)
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    import transformers
-
     args = parse_args(argv)
     if args.tokenizer is None:
         from vecpool.api import default_model_path
@@ -201,21 +196,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.tokenizer = default_model_path()
     device = torch.device(args.device)
     report: dict[str, Any] = {
-        "command": "python benchmarks/bench_multi_model.py "
-        + " ".join(sys.argv[1:] if argv is None else argv),
-        "commit": git_commit(),
-        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "device": torch.cuda.get_device_name(device)
-        if device.type == "cuda"
-        else platform.processor() or "cpu",
+        **record.header(
+            "bench_multi_model.py",
+            sys.argv[1:] if argv is None else argv,
+            device=args.device,
+            commit=args.commit,
+        ),
         "models": {
             "emb": f"{args.synthetic} (random weights)",
             "ce": "bert-base cross-encoder (random weights)",
         },
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "args": {
+            k: record.portable_arg(str(v)) if isinstance(v, Path) else v
+            for k, v in vars(args).items()
+        },
     }
     works = workloads(args)
     with tempfile.TemporaryDirectory(prefix="vecpool-mm-") as tmp_name:
@@ -232,7 +226,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 alone[name] = run_rounds(server.url, {name: works[name]}, args)[name]
             finally:
                 server.stop()
-            alone[name]["server_command"] = server.command
+            alone[name]["server_command"] = [record.portable_arg(c) for c in server.command]
             print(
                 f"alone    {name}: {alone[name]['tokens_per_s_median']:12.0f} tokens/s", flush=True
             )
@@ -245,7 +239,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             together = run_rounds(server.url, works, args)
         finally:
             server.stop()
-        together["server_command"] = server.command
+        together["server_command"] = [record.portable_arg(c) for c in server.command]
     for name in MODELS:
         ratio = together[name]["tokens_per_s_median"] / alone[name]["tokens_per_s_median"]
         together[name]["ratio_to_alone"] = ratio
@@ -259,9 +253,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             flush=True,
         )
     report["alone"], report["together"] = alone, together
-    if args.output:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps(report, indent=1) + "\n")
+    record.write(args.output, report)
     return report
 
 

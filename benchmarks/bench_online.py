@@ -19,11 +19,13 @@ its own keep-alive connection (`--client httpx`, what real clients use, or `raw`
 HTTP/1.1 client that leaves more of a small machine to the server). The server runs as its own
 process tree (`--server-args` adds `vecpool serve` options, e.g. `--api-server-count 2
 --batch-wait-ms 2`); the offline engine and the clients run in this process, never at once.
-For each client count, after a warm-up round, `--repeats` rounds each sit between two offline
-runs of the same work, and a round's ratio is to the mean of those two (on a shared machine the
-load moves both alike); a row keeps the median round (and every round's numbers): requests/s,
-tokens/s, latency p50 / p90 / p99 / max, each connection error type and non-200 status counted,
-the ratio to offline tokens/s, and the largest difference of sampled answers from offline.
+For each client count, after a warm-up round, `--repeats` rounds (at least 3) each sit between
+two offline runs of the same work, and a round's ratio is to the mean of those two (on a shared
+machine the load moves both alike); a row is the median round by that ratio (one real round, its
+numbers consistent with each other), with each figure's median over the rounds (`median`) and
+every round (`rounds`): requests/s, tokens/s, latency p50 / p90 / p99 / max, each connection
+error type and non-200 status counted, the ratio to offline tokens/s, and the largest
+difference of sampled answers from offline. The report's header is `record.py`'s.
 
 CPU cost: each round also reads the CPU seconds (user and system) of the server's whole
 process tree (supervisor, API processes, engine) from /proc, and the offline runs around it
@@ -39,21 +41,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
-import json
 import multiprocessing as mp
 import os
-import platform
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
-import time
-from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -61,10 +55,23 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.bench_gpu import (
+from benchmarks import record
+from benchmarks.serving import (
+    ServerProcess,
+    Workload,
+    add_server_and_client_args,
+    decode_base64,
+    engine_metrics,
+    load,
+    run_round,
+    timed,
+    timed_cpu,
+    tree_cpu_seconds,
+)
+from benchmarks.workloads import (
     SHAPES,
     TOKENIZER_FILES,
-    git_commit,
+    doc_lengths,
     make_inputs,
     workload_lengths,
     write_folder,
@@ -73,364 +80,6 @@ from benchmarks.bench_gpu import (
 SCENARIOS = ("embed", "rerank", "batched")
 RERANK_DOCS = 20
 BATCH_INPUTS = 32
-STARTUP_SECONDS = 600
-
-
-# ---- inputs ---------------------------------------------------------------------------------
-
-
-def doc_lengths(n: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(16, 48, size=n, endpoint=True)
-
-
-@dataclass
-class Workload:
-    """The bodies of one scenario's requests, and what offline runs on."""
-
-    path: str
-    bodies: list[dict[str, Any]]
-    tokens: int  # prompt tokens of all bodies (as the server counts them)
-
-
-# ---- the server -----------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class ServerProcess:
-    """`python -m vecpool serve` in its own process group, until `stop()`."""
-
-    def __init__(self, model: Path, args: argparse.Namespace, log: Path):
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "vecpool", "serve", str(model), "--port", str(self.port)]
-        cmd += ["--device", args.device, "--log-level", "warning", "--max-queued", "65536"]
-        if args.dtype:
-            cmd += ["--dtype", args.dtype]
-        cmd += args.server_args.split()
-        self.log = log
-        with log.open("wb") as out:
-            self.process = subprocess.Popen(
-                cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        self.command = cmd
-
-    def wait_ready(self) -> None:
-        import httpx
-
-        deadline = time.monotonic() + STARTUP_SECONDS
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"the server exited:\n{self.log.read_text()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"the server did not start:\n{self.log.read_text()}")
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
-
-
-# ---- clients --------------------------------------------------------------------------------
-
-
-@dataclass
-class Round:
-    """What one round of requests measured."""
-
-    clients: int
-    seconds: float = 0.0
-    latencies: list[float] = field(default_factory=list)  # seconds, answered requests
-    tokens: int = 0
-    connection_errors: Counter[str] = field(default_factory=Counter)
-    statuses: Counter[int] = field(default_factory=Counter)
-    answers: dict[int, dict[str, Any]] = field(default_factory=dict)  # a sample, by body index
-
-    def summary(self) -> dict[str, Any]:
-        lat = np.array(self.latencies) * 1000 if self.latencies else np.zeros(1)
-        return {
-            "clients": self.clients,
-            "requests": len(self.latencies),
-            "seconds": self.seconds,
-            "requests_per_s": len(self.latencies) / self.seconds,
-            "tokens_per_s": self.tokens / self.seconds,
-            "latency_ms": {
-                "p50": float(np.percentile(lat, 50)),
-                "p90": float(np.percentile(lat, 90)),
-                "p99": float(np.percentile(lat, 99)),
-                "max": float(lat.max()),
-            },
-            "connection_errors": dict(self.connection_errors),
-            "connection_error_count": sum(self.connection_errors.values()),
-            "statuses": {str(k): v for k, v in sorted(self.statuses.items())},
-        }
-
-
-async def run_round(
-    url: str,
-    workload: Workload,
-    clients: int,
-    *,
-    limit: int,
-    max_seconds: float,
-    sample: int = 0,
-    raw: bool = False,
-) -> Round:
-    """`clients` closed-loop clients sending `workload`'s bodies in turn (at most `limit`
-    requests, `max_seconds`), each on its own keep-alive connection (httpx, or `raw`: a
-    minimal HTTP/1.1 client); keeps the first `sample` answers."""
-    import httpx
-
-    result = Round(clients)
-    total = min(limit, len(workload.bodies))
-    next_index = 0
-    deadline = 0.0
-    payloads = [json.dumps(b).encode() for b in workload.bodies]
-    headers = {"content-type": "application/json"}
-
-    async def client(http: httpx.AsyncClient) -> None:
-        nonlocal next_index
-        while next_index < total and time.perf_counter() < deadline:
-            i = next_index
-            next_index += 1
-            start = time.perf_counter()
-            try:
-                response = await http.post(workload.path, content=payloads[i], headers=headers)
-            except httpx.TransportError as exc:  # a connection reset, refused, timed out...
-                result.connection_errors[type(exc).__name__] += 1
-                continue
-            result.statuses[response.status_code] += 1
-            if response.status_code != 200:
-                continue
-            result.latencies.append(time.perf_counter() - start)
-            body = response.json()
-            result.tokens += int(body["usage"].get("prompt_tokens", body["usage"]["total_tokens"]))
-            if i < sample:
-                result.answers[i] = body
-
-    async def raw_client() -> None:
-        nonlocal next_index
-        conn: RawConnection | None = None
-        while next_index < total and time.perf_counter() < deadline:
-            i = next_index
-            next_index += 1
-            start = time.perf_counter()
-            try:
-                if conn is None:
-                    conn = await RawConnection.open(url)
-                status, body = await conn.post(workload.path, payloads[i])
-            except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
-                result.connection_errors[type(exc).__name__] += 1
-                if conn is not None:
-                    conn.close()
-                conn = None
-                continue
-            result.statuses[status] += 1
-            if status != 200:
-                continue
-            result.latencies.append(time.perf_counter() - start)
-            parsed = json.loads(body)
-            result.tokens += int(
-                parsed["usage"].get("prompt_tokens", parsed["usage"]["total_tokens"])
-            )
-            if i < sample:
-                result.answers[i] = parsed
-        if conn is not None:
-            conn.close()
-
-    if raw:
-        start = time.perf_counter()
-        deadline = start + max_seconds
-        await asyncio.gather(*(raw_client() for _ in range(clients)))
-        result.seconds = time.perf_counter() - start
-        return result
-    # One client, one connection: the clients of a server are separate programs (and a pool
-    # of many connections in one httpx client costs its process far more per request). Built
-    # before the clock starts: making one costs milliseconds of CPU (its SSL context).
-    https = [httpx.AsyncClient(base_url=url, timeout=300.0) for _ in range(clients)]
-    try:
-        start = time.perf_counter()
-        deadline = start + max_seconds
-        await asyncio.gather(*(client(http) for http in https))
-        result.seconds = time.perf_counter() - start
-    finally:
-        await asyncio.gather(*(http.aclose() for http in https))
-    return result
-
-
-class RawConnection:
-    """A minimal HTTP/1.1 keep-alive client connection (asyncio streams): a fraction of a
-    full client's CPU per request, so that on a small machine the load generator takes less
-    from the server it measures. Any broken exchange raises (OSError, IncompleteReadError)."""
-
-    def __init__(self, host: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
-        self.host = host
-        self.reader = reader
-        self.writer = writer
-
-    @classmethod
-    async def open(cls, url: str) -> RawConnection:
-        hostport = url.removeprefix("http://")
-        host, _, port = hostport.partition(":")
-        reader, writer = await asyncio.open_connection(host, int(port))
-        sock = writer.get_extra_info("socket")
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return cls(hostport, reader, writer)
-
-    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
-        head = (
-            f"POST {path} HTTP/1.1\r\nhost: {self.host}\r\ncontent-type: application/json\r\n"
-            f"content-length: {len(body)}\r\n\r\n"
-        )
-        self.writer.write(head.encode() + body)
-        status_line = await self.reader.readuntil(b"\r\n")
-        if not status_line.startswith(b"HTTP/1.1 "):
-            raise ValueError(f"not an HTTP/1.1 response: {status_line[:40]!r}")
-        status = int(status_line.split(b" ", 2)[1])
-        headers = await self.reader.readuntil(b"\r\n\r\n")
-        length = None
-        for line in headers.split(b"\r\n"):
-            name, _, value = line.partition(b":")
-            if name.strip().lower() == b"content-length":
-                length = int(value)
-        if length is None:
-            raise ValueError("a response without content-length")
-        return status, await self.reader.readexactly(length)
-
-    def close(self) -> None:
-        self.writer.close()
-
-
-def _round_in_process(
-    url: str, workload: Workload, clients: int, limit: int, max_seconds: float, raw: bool
-) -> Round:
-    return asyncio.run(
-        run_round(url, workload, clients, limit=limit, max_seconds=max_seconds, raw=raw)
-    )
-
-
-def load(
-    url: str,
-    workload: Workload,
-    clients: int,
-    *,
-    limit: int,
-    args: argparse.Namespace,
-    pool: ProcessPoolExecutor | None,
-) -> Round:
-    """One round of `clients` clients, spread over the processes of `pool` (a client process
-    of Python saturates its core long before a GPU server does) or run here."""
-    raw = args.client == "raw"
-    if pool is None:
-        return asyncio.run(
-            run_round(url, workload, clients, limit=limit, max_seconds=args.max_seconds, raw=raw)
-        )
-    n = args.client_processes
-    futures = [
-        pool.submit(
-            _round_in_process,
-            url,
-            Workload(workload.path, workload.bodies[w::n], 0),
-            clients // n + (w < clients % n),
-            limit // n + (w < limit % n),
-            args.max_seconds,
-            raw,
-        )
-        for w in range(n)
-    ]
-    rounds = [f.result() for f in futures]
-    total = Round(clients, seconds=max(r.seconds for r in rounds))
-    for r in rounds:
-        total.latencies += r.latencies
-        total.tokens += r.tokens
-        total.connection_errors.update(r.connection_errors)
-        total.statuses.update(r.statuses)
-    return total
-
-
-def decode_base64(data: str) -> np.ndarray:
-    return np.frombuffer(base64.b64decode(data), dtype="<f4")
-
-
-# ---- offline, and the rounds next to it -----------------------------------------------------
-
-
-def engine_metrics(url: str) -> dict[str, float]:
-    """The engine's counters from the server's /metrics: steps, inputs and tokens they ran,
-    seconds spent in them."""
-    import httpx
-    from prometheus_client.parser import text_string_to_metric_families
-
-    wanted = {
-        "vecpool_engine_steps_total": "steps",
-        "vecpool_batch_tokens_sum": "tokens",
-        "vecpool_engine_step_seconds_sum": "step_seconds",
-    }
-    out = dict.fromkeys([*wanted.values(), "inputs"], 0.0)
-    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
-        for sample in family.samples:
-            if sample.name in wanted:
-                out[wanted[sample.name]] += sample.value
-            elif sample.name == "vecpool_engine_requests_total" and sample.labels.get(
-                "outcome"
-            ) in ("finished", "failed"):
-                out["inputs"] += sample.value
-    return out
-
-
-def tree_cpu_seconds(pid: int) -> float:
-    """CPU seconds (user and system) that process `pid` and its descendants have used so far,
-    read from /proc (0 where there is none)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    parents: dict[int, int] = {}
-    times: dict[int, float] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue  # gone meanwhile
-        child = int(stat.parent.name)
-        parents[child] = int(fields[1])
-        times[child] = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
-    tree, grew = {pid}, True
-    while grew:
-        grew = False
-        for child, parent in parents.items():
-            if parent in tree and child not in tree:
-                tree.add(child)
-                grew = True
-    return sum(times.get(child, 0.0) for child in tree)
-
-
-def timed(fn: Callable[[], Any], device: str) -> tuple[float, Any]:
-    """Seconds of one call of `fn`, and its result."""
-    seconds, _, out = timed_cpu(fn, device)
-    return seconds, out
-
-
-def timed_cpu(fn: Callable[[], Any], device: str) -> tuple[float, float, Any]:
-    """Seconds of one call of `fn`, the CPU seconds this process (every thread) spent in it,
-    and its result."""
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-    start, cpu = time.perf_counter(), time.process_time()
-    out = fn()
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-    return time.perf_counter() - start, time.process_time() - cpu, out
 
 
 @dataclass
@@ -451,7 +100,8 @@ def run_scenario(
 ) -> None:
     """For each client count, `--repeats` times: offline, a round of clients, offline again;
     each round's ratio is to the mean of the offline runs around it (a shared machine's load
-    moves both alike), and the row keeps the median round's numbers."""
+    moves both alike); the row keeps the median round's numbers, each figure's median over
+    the rounds, and every round."""
     url = server.url
     _, expected = timed(scenario.offline, args.device)  # warm-up, and the reference outputs
     w = scenario.workload
@@ -524,24 +174,13 @@ def _run_counts(
                 "busy": (m1["step_seconds"] - m0["step_seconds"]) / r.seconds,
             }
             rounds.append(row)
-        rounds.sort(key=lambda x: x["ratio_to_offline"])
-        row = dict(rounds[len(rounds) // 2])
-        row["rounds"] = [
-            {k: x[k] for k in ("tokens_per_s", "offline_tokens_per_s", "ratio_to_offline")}
-            | {"p99_ms": x["latency_ms"]["p99"], "errors": x["connection_error_count"]}
-            | {"inputs_per_step": x["engine"]["inputs_per_step"]}
-            | {
-                k: x[k]
-                for k in (
-                    "requests_per_s",
-                    "server_cpu_s_per_request",
-                    "server_cpu_s_per_item",
-                    "offline_cpu_s_per_item",
-                    "p99_over_drain",
-                )
-            }
-            for x in rounds
-        ]
+        # The row is the median round by its ratio to offline (one real round, so that its
+        # numbers agree with each other; of an even count the lower middle one), next to
+        # each figure's median over the rounds and every round's numbers, in the order run.
+        row = dict(record.median_round(rounds, "ratio_to_offline"))
+        row["median_round_by"] = "ratio_to_offline"
+        row["median"] = record.median_of_rounds(rounds)
+        row["rounds"] = rounds
         row["connection_error_count"] = sum(x["connection_error_count"] for x in rounds)
         report["rows"].append(row)
         _print(row)
@@ -724,26 +363,6 @@ def _print(row: dict[str, Any]) -> None:
 # ---- main -----------------------------------------------------------------------------------
 
 
-def add_server_and_client_args(parser: argparse.ArgumentParser, *, client_default: str) -> None:
-    """The options of a benchmark that starts `vecpool serve` and drives it with clients."""
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", default=None, help="default: the engine's for the device")
-    parser.add_argument("--server-args", default="", help="more `vecpool serve` options")
-    parser.add_argument(
-        "--client",
-        choices=("httpx", "raw"),
-        default=client_default,
-        help="httpx (what real clients use) or a minimal HTTP/1.1 client (less CPU)",
-    )
-    parser.add_argument(
-        "--client-processes",
-        type=int,
-        default=max(1, min(8, (os.cpu_count() or 1) // 4)),
-        help="processes the clients are spread over (default: one per 4 CPU cores, 1 to 8)",
-    )
-    parser.add_argument("--tokenizer", type=Path, help="default: the packaged MiniLM's folder")
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     which = parser.add_mutually_exclusive_group()
@@ -760,10 +379,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--n", type=int, default=4096, help="queries, and requests per round")
     parser.add_argument("--rerank-calls", type=int, default=1024, help="distinct rerank calls")
     parser.add_argument("--max-seconds", type=float, default=120.0, help="per round")
-    parser.add_argument("--repeats", type=int, default=3, help="rounds per client count")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=record.MIN_ROUNDS,
+        help=f"rounds per client count (at least {record.MIN_ROUNDS})",
+    )
     add_server_and_client_args(parser, client_default="httpx")
     parser.add_argument("--output", type=Path, help="write the report here as JSON")
-    return parser.parse_args(argv)
+    record.add_args(parser)
+    args = parser.parse_args(argv)
+    if args.repeats < record.MIN_ROUNDS:
+        parser.error(f"--repeats: at least {record.MIN_ROUNDS} rounds, to report their median")
+    return args
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -777,28 +405,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     tokenizer = tokenizers.Tokenizer.from_file(str(args.tokenizer / "tokenizer.json"))
     tokenizer.no_truncation()
     tokenizer.no_padding()
-    import transformers
-
     report: dict[str, Any] = {
-        "command": "python benchmarks/bench_online.py "
-        + " ".join(sys.argv[1:] if argv is None else argv),
-        "commit": git_commit(),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "python": platform.python_version(),
-        "transformers": transformers.__version__,
+        **record.header(
+            "bench_online.py",
+            sys.argv[1:] if argv is None else argv,
+            device=args.device,
+            commit=args.commit,
+        ),
         # Folders by name only: the machine's paths say nothing to another reader.
         "args": {
             k: (str(v) if not v.is_absolute() else v.name) if isinstance(v, Path) else v
             for k, v in vars(args).items()
-        },
-        "machine": {
-            "platform": platform.platform(),
-            "cpus": os.cpu_count(),
-            "load_average_at_start": os.getloadavg(),
-            "torch": torch.__version__,
-            "device_name": torch.cuda.get_device_name()
-            if args.device.startswith("cuda")
-            else "cpu",
         },
         "rows": [],
     }
@@ -833,9 +450,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 )
         finally:
             del report["_passages"], report["_passage_lengths"]
-            report["machine"]["load_average_at_end"] = os.getloadavg()
-            if args.output:
-                args.output.write_text(json.dumps(report, indent=2))
+            report["load_average_at_end"] = list(os.getloadavg())
+            record.write(args.output, report)
     return report
 
 

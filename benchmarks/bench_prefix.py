@@ -27,9 +27,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,7 +38,9 @@ import numpy as np
 import torch
 import transformers
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import vecpool
+from benchmarks import record
 from vecpool.api import default_model_path
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt")
@@ -79,14 +79,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-minilm")
     parser.add_argument("--documents", type=int, default=32)
     parser.add_argument("--query-tokens", type=int, default=400)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds (at least 3)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--compile", action="store_true", help="compile both engines")
     parser.add_argument("--cuda-graphs", action="store_true", help="CUDA graphs on both")
     parser.add_argument("--output", type=Path)
     parser.add_argument("--tokenizer", type=Path, help="default: the packaged model's folder")
+    record.add_args(parser)
     args = parser.parse_args(argv)
-    if args.rounds < 3:
+    if args.rounds < record.MIN_ROUNDS:
         parser.error("--rounds must be at least 3 (the median of 3 or more)")
     return args
 
@@ -117,24 +118,6 @@ def text(gen: np.random.Generator, words: int) -> str:
     return " ".join(gen.choice(WORDS, size=words).tolist())
 
 
-def versions() -> dict[str, str]:
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "vecpool": getattr(vecpool, "__version__", "unknown"),
-    }
-
-
-def git_commit() -> str | None:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
 def main(argv: list[str]) -> dict[str, Any]:
     args = parse_args(argv)
     device = torch.device(args.device)
@@ -144,14 +127,8 @@ def main(argv: list[str]) -> dict[str, Any]:
     gen = np.random.default_rng(args.seed)
     config = vecpool.LLMRerankerConfig.qwen3(instruction="Given a query, find passages about it")
     report: dict[str, Any] = {
-        "command": "python benchmarks/bench_prefix.py " + " ".join(argv),
-        "commit": git_commit(),
-        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        **versions(),
-        "device": torch.cuda.get_device_name(device)
-        if device.type == "cuda"
-        else platform.processor() or "cpu",
-        "cpu_threads": torch.get_num_threads(),
+        **record.header("bench_prefix.py", argv, device=args.device, commit=args.commit),
+        "vecpool": getattr(vecpool, "__version__", "unknown"),
         "shape": args.shape,
         "dtype": str(dtype).removeprefix("torch."),
         "documents": args.documents,
@@ -236,9 +213,7 @@ def main(argv: list[str]) -> dict[str, Any]:
     )
     shown = ("median_seconds", "speedup", "max_score_diff", "max_logodds_error_to_float32")
     print(json.dumps({k: report[k] for k in shown}))
-    if args.output is not None:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps(report, indent=1) + "\n")
+    record.write(args.output, report)
     failures = []
     if hit <= 0:
         failures.append("the prefix cache served no token")

@@ -30,8 +30,7 @@ each long prompt's chunked embedding against its whole one.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
+import sys
 import tempfile
 import threading
 import time
@@ -41,7 +40,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.bench_gpu import SHAPES, git_commit, write_folder
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks import record
+from benchmarks.workloads import SHAPES, write_folder
 
 # ---- attention --------------------------------------------------------------------------------
 
@@ -377,6 +378,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--skip-attention", action="store_true")
     parser.add_argument("--skip-stream", action="store_true")
     parser.add_argument("--output", type=Path, help="write the report here as JSON")
+    record.add_args(parser)
     args = parser.parse_args(argv)
     tiny = args.tiny
     defaults = {
@@ -399,21 +401,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     device = torch.device(args.device)
     started = time.perf_counter()
     report: dict[str, Any] = {
-        "date": time.strftime("%Y-%m-%d"),
-        "device": torch.cuda.get_device_name(device)
-        if device.type == "cuda"
-        else platform.processor() or "cpu",
-        "torch": torch.__version__,
-        "commit": git_commit(),
-        "command": "python benchmarks/chunked_prefill.py " + " ".join(argv or []),
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        **record.header(
+            "chunked_prefill.py",
+            sys.argv[1:] if argv is None else argv,
+            device=args.device,
+            commit=args.commit,
+        ),
+        "args": {
+            k: record.portable_arg(str(v)) if isinstance(v, Path) else v
+            for k, v in vars(args).items()
+        },
     }
 
     def save() -> None:
         report["seconds"] = time.perf_counter() - started
-        if args.output:
-            args.output.parent.mkdir(parents=True, exist_ok=True)
-            args.output.write_text(json.dumps(report, indent=1) + "\n")
+        record.write(args.output, report)
 
     if not args.skip_attention:
         try:
@@ -434,6 +436,4 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    import sys
-
     main(sys.argv[1:])

@@ -10,8 +10,8 @@ queries workload (U[8, 64] tokens) and passages workload, text from `--tokenizer
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -21,8 +21,10 @@ import numpy as np
 import tokenizers
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import vecpool
-from benchmarks.bench_gpu import SHAPES, make_inputs, workload_lengths, write_folder
+from benchmarks import record
+from benchmarks.workloads import SHAPES, make_inputs, workload_lengths, write_folder
 from vecpool.api.engine import default_model_path
 
 CALL_SIZES = (1, 8, 32, 64, 256)
@@ -69,18 +71,23 @@ def check_shape(shape: str, tokenizer_dir: Path, repeats: int) -> dict[str, Any]
     return report
 
 
-def main() -> None:
+def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", nargs="+", default=["qwen3-0.6b", "minilm"])
     parser.add_argument("--tokenizer", type=Path, help="default: the packaged MiniLM's folder")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--output", type=Path)
-    args = parser.parse_args()
+    record.add_args(parser)
+    args = parser.parse_args(argv)
     tokenizer_dir = args.tokenizer or default_model_path()
-    report = {s: check_shape(s, tokenizer_dir, args.repeats) for s in args.shapes}
-    if args.output:
-        args.output.write_text(json.dumps(report, indent=1))
+    report: dict[str, Any] = {
+        **record.header("cuda_graphs_check.py", argv, device="cuda", commit=args.commit),
+        "shapes": {},
+    }
+    for s in args.shapes:
+        report["shapes"][s] = check_shape(s, tokenizer_dir, args.repeats)
+        record.write(args.output, report)
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

@@ -26,10 +26,7 @@ if any check failed or anything raised.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,7 +38,10 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from bench_gpu import SHAPES, make_inputs, workload_lengths, write_folder
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks import record
+from benchmarks.workloads import SHAPES, make_inputs, workload_lengths, write_folder
 
 # Projection shapes (hidden, intermediate, heads, kv heads, head_dim) of the two models.
 MODELS = {"qwen3-0.6b": (1024, 3072, 16, 8, 128), "mistral-7b": (4096, 14336, 32, 8, 128)}
@@ -53,18 +53,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--tokenizer", type=Path, help="default: the packaged MiniLM's folder")
     parser.add_argument("--output", type=Path, default=Path("benchmarks/results/fp8_h200.json"))
     parser.add_argument("--quick", action="store_true", help="a one-minute smoke run")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=record.MIN_ROUNDS, help="at least 3")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    record.add_args(parser)
     return parser.parse_args(argv)
-
-
-def git(*args: str) -> str | None:
-    try:
-        return subprocess.run(
-            ["git", *args], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 def cuda_ms(fn: Callable[[], object], iters: int) -> float:
@@ -345,18 +337,11 @@ def main(argv: list[str]) -> int:
         from vecpool.api import default_model_path
 
         tokenizer_dir = default_model_path()
-    import transformers
     import triton
 
     report: dict[str, Any] = {
-        "command": "python benchmarks/fp8_check.py " + " ".join(argv),
-        "commit": git("rev-parse", "HEAD"),
-        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
+        **record.header("fp8_check.py", argv, device="cuda", commit=args.commit),
         "triton": triton.__version__,
-        "device": torch.cuda.get_device_name(),
         "compute_capability": list(capability),
         "quick": args.quick,
         "kernels": {},
@@ -369,8 +354,7 @@ def main(argv: list[str]) -> int:
     }
 
     def save() -> None:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps(report, indent=1) + "\n")
+        record.write(args.output, report)
 
     started = time.perf_counter()
     steps: list[tuple[str, Callable[[], None]]] = [

@@ -15,18 +15,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import tokenizers
-import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-import bench_gpu
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks import record
+from benchmarks.workloads import make_inputs, workload_lengths
 
 
 def _cosines(a: np.ndarray, b: np.ndarray) -> dict[str, float]:
@@ -34,21 +32,19 @@ def _cosines(a: np.ndarray, b: np.ndarray) -> dict[str, float]:
     return {"min": float(cos.min()), "median": float(np.median(cos))}
 
 
-def main() -> None:
+def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model-dir", type=Path, required=True)
     parser.add_argument("--n", type=int, default=4096)
     parser.add_argument("--output", type=Path)
-    args = parser.parse_args()
+    record.add_args(parser)
+    args = parser.parse_args(argv)
     import vecpool
 
     tokenizer = tokenizers.Tokenizer.from_file(str(args.model_dir / "tokenizer.json"))
     report: dict[str, Any] = {
-        "command": "python benchmarks/fp8_real.py " + " ".join(sys.argv[1:]),
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "device": torch.cuda.get_device_name(),
+        **record.header("fp8_real.py", argv, device="cuda", commit=args.commit),
+        "model": args.model_dir.name,
     }
     engines = {
         "float32": vecpool.Engine(args.model_dir, device="cuda", dtype="float32"),
@@ -56,7 +52,7 @@ def main() -> None:
         "fp8": vecpool.Engine(args.model_dir, device="cuda", dtype="bfloat16", quantization="fp8"),
     }
     for workload in ("queries", "passages"):
-        _, ids = bench_gpu.make_inputs(tokenizer, bench_gpu.workload_lengths(workload, args.n))
+        _, ids = make_inputs(tokenizer, workload_lengths(workload, args.n))
         out = {
             name: e.embed(ids, truncate_prompt_tokens=-1, show_progress=False)
             for name, e in engines.items()
@@ -68,11 +64,9 @@ def main() -> None:
             "fp8_vs_bf16": _cosines(out["fp8"], out["bfloat16"]),
         }
         print(workload, report[workload], flush=True)
-    text = json.dumps(report, indent=1) + "\n"
-    if args.output:
-        args.output.write_text(text)
-    print(text)
+    record.write(args.output, report)
+    print(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

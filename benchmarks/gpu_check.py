@@ -26,6 +26,7 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import vecpool
+from benchmarks import record
 from tests.helpers import engine_hidden, random_prompts, save_hf_model
 
 LENGTHS = [1, 3, 9, 17, 30, 100, 257, 64]
@@ -194,7 +195,7 @@ def default_model_check(model_dir: Path | None, device: str = "cuda") -> dict[st
     return row
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--output", type=Path)
     parser.add_argument("--default-model", type=Path, default=None)
@@ -202,11 +203,11 @@ def main() -> int:
     parser.add_argument("--archs", nargs="*", help="only these architectures (default: all)")
     parser.add_argument("--compile", action="store_true", help="compile the graphed engine")
     parser.add_argument("--no-default-model", action="store_true", help="skip the MiniLM check")
-    args = parser.parse_args()
+    record.add_args(parser)
+    args = parser.parse_args(argv)
     device = args.device
     report: dict[str, Any] = {
-        "torch": torch.__version__,
-        "device": torch.cuda.get_device_name() if device == "cuda" else device,
+        **record.header("gpu_check.py", argv, device=device, commit=args.commit),
         "rows": [],
     }
     with tempfile.TemporaryDirectory() as tmp:
@@ -228,10 +229,9 @@ def main() -> int:
             row = {"model": "default", "ok": False, "error": f"{type(exc).__name__}: {exc}"}
         print(json.dumps(row), flush=True)
         report["rows"].append(row)
-    if args.output:
-        args.output.write_text(json.dumps(report, indent=2) + "\n")
+    record.write(args.output, report)
     return 0 if all(r["ok"] for r in report["rows"]) else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

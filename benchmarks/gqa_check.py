@@ -11,7 +11,7 @@ repeating each key/value head for its query heads. This checks, on one CUDA devi
    16 query / 8 key-value heads and Mistral-7B's 32 / 8, head_dim 128): the largest difference
    (0.0 expected: the same kernel reads the same numbers) and the time of each, including the
    expansion, as medians of `--repeats` rounds;
-2. the engine: the Qwen3-0.6B shape (random weights, bench_gpu.py's folder and workloads) from
+2. the engine: the Qwen3-0.6B shape (random weights, workloads.py's folder and workloads) from
    token ids with `_flash_gqa` against the same engine with the expansion put back, rounds
    interleaved in one process, tokens/s medians and every round, and the outputs' difference.
    The swap is a module attribute, which compiled code and recorded CUDA graphs would keep, so
@@ -23,21 +23,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import tempfile
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-import bench_gpu
-
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks import record, workloads
+from benchmarks.bench_gpu import flop_model
 from vecpool.models import attention
 
 HEADS = {"qwen3-0.6b": (16, 8), "mistral-7b": (32, 8)}
@@ -66,7 +64,7 @@ def _timed(fn, repeats: int, iters: int) -> list[float]:  # type: ignore[no-unty
 
 def kernel_check(repeats: int) -> dict[str, Any]:
     device = torch.device("cuda")
-    lengths = bench_gpu.workload_lengths("passages", 96)
+    lengths = workloads.workload_lengths("passages", 96)
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     cu[1:] = torch.from_numpy(np.cumsum(lengths))
     cu = cu.to(device)
@@ -100,21 +98,21 @@ def kernel_check(repeats: int) -> dict[str, Any]:
 def engine_check(tokenizer: Path, repeats: int, n: int) -> dict[str, Any]:
     import vecpool
 
-    shape = bench_gpu.SHAPES["qwen3-0.6b"]
+    shape = workloads.SHAPES["qwen3-0.6b"]
     tok = __import__("tokenizers").Tokenizer.from_file(str(tokenizer / "tokenizer.json"))
     tok.no_truncation()
     tok.no_padding()
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        folder = bench_gpu.write_folder(shape, Path(tmp), tokenizer, "cuda")
-        flops = bench_gpu.flop_model(folder)
+        folder = workloads.write_folder(shape, Path(tmp), tokenizer, "cuda")
+        flops = flop_model(folder)
         engine = vecpool.Engine(
             folder, device="cuda", dtype="bfloat16", compile=False, cuda_graphs=False
         )
         gqa = attention._flash_gqa
         for workload in ("queries", "passages"):
-            lengths = bench_gpu.workload_lengths(workload, n)
-            _, ids = bench_gpu.make_inputs(tok, lengths)
+            lengths = workloads.workload_lengths(workload, n)
+            _, ids = workloads.make_inputs(tok, lengths)
             tokens = int(lengths.sum())
             rounds: dict[str, list[float]] = {"gqa": [], "expanded": []}
             outputs: dict[str, np.ndarray] = {}
@@ -143,8 +141,8 @@ def engine_check(tokenizer: Path, repeats: int, n: int) -> dict[str, Any]:
         del engine
         engine = vecpool.Engine(folder, device="cuda", dtype="bfloat16")
         for workload in ("queries", "passages"):
-            lengths = bench_gpu.workload_lengths(workload, n)
-            _, ids = bench_gpu.make_inputs(tok, lengths)
+            lengths = workloads.workload_lengths(workload, n)
+            _, ids = workloads.make_inputs(tok, lengths)
             engine.embed(ids[:512], show_progress=False)
             default_rounds = []
             for _ in range(repeats):
@@ -159,31 +157,25 @@ def engine_check(tokenizer: Path, repeats: int, n: int) -> dict[str, Any]:
     return out
 
 
-def main() -> None:
+def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokenizer", type=Path, required=True)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--n", type=int, default=4096)
     parser.add_argument("--output", type=Path)
-    args = parser.parse_args()
+    record.add_args(parser)
+    args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("gqa_check needs a CUDA device")
     report: dict[str, Any] = {
-        "command": "python benchmarks/gqa_check.py " + " ".join(sys.argv[1:]),
-        "commit": bench_gpu.git_commit(),
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "device": torch.cuda.get_device_name(),
+        **record.header("gqa_check.py", argv, device="cuda", commit=args.commit),
         "varlen_attn_has_enable_gqa": attention._varlen_kernel()[1],  # type: ignore[index]
     }
     report["kernel"] = kernel_check(args.repeats)
     report["engine_qwen3-0.6b"] = engine_check(args.tokenizer, args.repeats, args.n)
-    text = json.dumps(report, indent=1) + "\n"
-    if args.output:
-        args.output.write_text(text)
-    print(text)
+    record.write(args.output, report)
+    print(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

@@ -17,11 +17,8 @@ in interleaved rounds.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -33,7 +30,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.bench_gpu import make_inputs, workload_lengths
+from benchmarks import record
+from benchmarks.workloads import make_inputs, workload_lengths
 
 SHAPES = {"qkv": (384, 1152), "o": (384, 384), "up": (384, 1536), "down": (1536, 384)}
 
@@ -145,30 +143,17 @@ def main(argv: list[str]) -> None:
     )
     parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--output", type=Path)
+    record.add_args(parser)
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    import transformers
-
     report: dict[str, Any] = {
-        "command": "python benchmarks/int8_cpu.py " + " ".join(argv),
-        "commit": subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False
-        ).stdout.strip(),
-        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "device": platform.processor() or platform.machine(),
-        "cpu_threads": torch.get_num_threads(),
-        "load_average_before": os.getloadavg(),
+        **record.header("int8_cpu.py", argv, device="cpu", commit=args.commit),
     }
     report["matmul"] = bench_matmuls(args.rounds, args.m)
     report["engine"] = bench_engine(args)
-    report["load_average_after"] = os.getloadavg()
-    if args.output:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps(report, indent=1) + "\n")
+    report["load_average_at_end"] = list(os.getloadavg())
+    record.write(args.output, report)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from benchmarks import record
 from vecpool.models import split_attention
 from vecpool.models.kv_blocks import SharedPrefixes
 
@@ -29,10 +30,13 @@ def cu(lengths: list[int]) -> torch.Tensor:
 def main(argv: list[str]) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--output", type=Path)
+    record.add_args(parser)
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     dev, dt, heads, kv_heads, dim = "cuda", torch.bfloat16, 16, 8, 128
-    report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    report: dict[str, Any] = record.header(
+        "split_attention_check.py", argv, device="cuda", commit=args.commit
+    )
     failures = []
     # 1. attention with log-sum-exps, causal (queries at the end of longer keys) and not.
     q_lens, k_lens = [40, 7, 300], [40, 90, 500]
@@ -155,8 +159,7 @@ def main(argv: list[str]) -> dict[str, Any]:
         failures.append("the split's error is over 3x one pass's")
     report["failures"] = failures
     print(json.dumps(report, indent=1))
-    if args.output is not None:
-        args.output.write_text(json.dumps(report, indent=1) + "\n")
+    record.write(args.output, report)
     if failures:
         raise SystemExit("FAILED: " + "; ".join(failures))
     return report

@@ -1,0 +1,129 @@
+"""The benchmarks' recorder writes how a run was taken and every round next to their median,
+and every results file of the repository says when, at which commit and how it was taken."""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from benchmarks import record
+
+RESULTS = Path(record.__file__).parent / "results"
+
+
+def test_header_says_how_the_run_was_taken(tmp_path: Path) -> None:
+    output = record.REPO / "benchmarks" / "results" / "x.json"
+    argv = ["--n", "3", "--output", str(output), f"--tokenizer={tmp_path / 'tok'}", "/abs/dir"]
+    head = record.header("bench_x.py", argv, device="cpu", commit="abc123")
+    assert head["commit"] == "abc123" and head["commit_from"] == "--commit"
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", head["date_utc"])
+    # No machine path: inside the repository relative to it, elsewhere the last part only.
+    assert head["command"] == (
+        "python benchmarks/bench_x.py --n 3 --output benchmarks/results/x.json --tokenizer=tok dir"
+    )
+    versions = head["versions"]
+    assert set(versions) >= {"python", "torch", "transformers", "sentence-transformers"}
+    import torch
+    import transformers
+
+    assert versions["torch"] == torch.__version__
+    assert versions["transformers"] == transformers.__version__
+    device = head["device"]
+    assert device["cpu_cores"] >= 1 and device["name"] == device["cpu_model"] != ""
+    assert "driver" not in device  # a CPU run has no GPU driver to name
+    assert len(head["load_average_at_start"]) == 3
+
+
+def test_header_reads_the_commit_from_git_without_an_override() -> None:
+    head = record.header("bench_x.py", [], device=None)
+    expected = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=record.REPO, capture_output=True, text=True
+    ).stdout.strip()
+    assert head["commit"] == (expected or None)
+    assert head["commit_from"] == "git rev-parse HEAD"
+
+
+def test_rounds_keep_every_value_and_their_median() -> None:
+    assert record.rounds([3.0, 1.0, 2.0]) == {"rounds": [3.0, 1.0, 2.0], "median": 2.0}
+    assert record.rounds([4, 1, 3, 2])["median"] == 2.5
+    with pytest.raises(ValueError):
+        record.rounds([])
+
+
+def test_median_round_and_median_of_rounds() -> None:
+    rounds = [
+        {"ratio": 0.9, "rate": 10.0, "lat": {"p99": 5.0}, "name": "a", "ok": True},
+        {"ratio": 0.5, "rate": 30.0, "lat": {"p99": 1.0}, "name": "a", "ok": True},
+        {"ratio": 0.7, "rate": 20.0, "lat": {"p99": 9.0}, "name": "a", "ok": False},
+    ]
+    assert record.median_round(rounds, "ratio") is rounds[2]
+    # Of two rounds the lower one: never the better of two.
+    assert record.median_round(rounds[:2], "ratio") is rounds[1]
+    medians = record.median_of_rounds(rounds)
+    assert medians == {"ratio": 0.7, "rate": 20.0, "lat": {"p99": 5.0}, "name": "a"}
+
+
+def test_write_makes_the_folder_and_round_trips(tmp_path: Path) -> None:
+    report = {"command": "python benchmarks/x.py", "seconds": record.rounds([1.0, 2.0, 3.0])}
+    path = tmp_path / "a" / "b.json"
+    record.write(path, report)
+    assert json.loads(path.read_text()) == report
+    record.write(None, report)  # no output asked: nothing written, no error
+
+
+@pytest.mark.parametrize("path", sorted(RESULTS.glob("*.json")), ids=lambda p: p.name)
+def test_every_results_file_says_when_and_how_it_was_taken(path: Path) -> None:
+    report = json.loads(path.read_text())
+    assert report.get("commit"), f"{path.name}: no commit"
+    assert report.get("date_utc") or report.get("date"), f"{path.name}: no date"
+    if report.get("recorded_from_git"):
+        # Filled in afterwards from the commit that added the numbers: a full hash and its date.
+        assert re.fullmatch(r"[0-9a-f]{40}", report["commit"]), path.name
+        assert report["recorded_from_git_note"], path.name
+    else:
+        command = str(report.get("command", ""))
+        assert re.search(r"(^|\s)python3? benchmarks/\w+\.py", command), path.name
+    text = path.read_text()
+    assert "/root/" not in text and "/home/" not in text and "/work/" not in text, path.name
+
+
+def test_medians_of_the_recorded_rounds_are_their_medians() -> None:
+    """Where a results file keeps a figure's rounds and its median, the median is theirs."""
+    checked = 0
+    for path in sorted(RESULTS.glob("*.json")):
+        for row in json.loads(path.read_text()).get("rows", []):
+            if isinstance(row, dict) and "seconds" in row and "median_seconds" in row:
+                assert row["median_seconds"] == pytest.approx(statistics.median(row["seconds"]))
+                checked += 1
+    assert checked > 0
+
+
+def test_reliability_figures_reads_what_the_tests_print() -> None:
+    from benchmarks.reliability_figures import parse
+
+    printed = (
+        "429 latency p50 0.58 ms, p99 8.48 ms\n"
+        ".admitted 32, refused 88, longest wait 0.4375 s\n"
+        "/health during the flood: 2 probes, longest 0.7 ms\n"
+        ".rss per round (MB): [498.6, 498.9, 499.0, 499.0, 499.0, 499.0, 499.0, 499.2]\n"
+        "traced per round (MB): [0.2, 0.2, 0.2, 0.2, 0.2, 0.3, 0.3, 0.3]\n"
+        "rss per round (MB): [499.2, 506.1, 515.5, 524.9, 534.3, 543.7, 553.0, 562.4]\n"
+        "traced per round (MB): [9.6, 19.0, 28.4, 37.8, 47.2, 56.5, 65.9, 75.3]\n"
+        "1000 slow clients opened in 0.40 s, closed at 2.01-2.38 s; a request meanwhile took 312 ms\n"
+    )
+    figures = parse(printed)
+    assert figures["refusal_ms"] == {"p50": 0.58, "p99": 8.48}
+    assert (figures["admitted"], figures["refused"], figures["longest_wait_s"]) == (32, 88, 0.4375)
+    assert figures["health_longest_ms"] == 0.7
+    assert figures["memory"]["rss_growth_from_round_3_mb"] == 0.2
+    assert figures["memory"]["traced_growth_from_round_3_mb"] == 0.1
+    assert figures["memory_leaking"]["traced_growth_from_round_3_mb"] == 46.9
+    assert figures["slow_clients_closed_s"] == [2.01, 2.38]
+    assert figures["request_meanwhile_ms"] == 312.0
+    with pytest.raises(RuntimeError, match="429 latency"):
+        parse(printed.replace("429 latency", "refusal"))
