@@ -36,12 +36,14 @@ def _cosines(a: np.ndarray, b: np.ndarray) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model-dir", type=Path, required=True)
+    parser.add_argument("--model-dir", type=Path, help="default: the packaged MiniLM's folder")
     parser.add_argument("--n", type=int, default=4096)
     parser.add_argument("--output", type=Path)
     args = parser.parse_args()
     import vecpool
+    from vecpool.api import default_model_path
 
+    args.model_dir = args.model_dir or default_model_path()
     tokenizer = tokenizers.Tokenizer.from_file(str(args.model_dir / "tokenizer.json"))
     report: dict[str, Any] = {
         "command": "python benchmarks/fp8_real.py " + " ".join(sys.argv[1:]),
