@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -63,6 +65,24 @@ def cosines(a: np.ndarray, b: np.ndarray) -> dict[str, float]:
     }
 
 
+def narrowed_shape(name: str, divisor: int) -> bench_gpu.Shape:
+    """bench_gpu.py's decoder shape `name` with its widths divided by `divisor` and the
+    weights' standard deviation (transformers' `initializer_range`, 0.02) multiplied by
+    sqrt(divisor), so each projection scales its input as the full shape's does."""
+    shape = bench_gpu.SHAPES[name]
+    config = dict(shape.config)
+    for key in (
+        "hidden_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+    ):
+        config[key] = max(1, config[key] // divisor)
+    config["initializer_range"] = 0.02 * divisor**0.5
+    config["vocab_size"] = 30522  # the packaged MiniLM's tokenizer
+    return dataclasses.replace(shape, config=config)
+
+
 def embed(engine: Any, ids: list[list[int]]) -> np.ndarray:
     out = engine.embed(ids, truncate_prompt_tokens=-1, show_progress=False)
     return np.asarray(out, dtype=np.float32)
@@ -73,12 +93,35 @@ def main() -> None:
     parser.add_argument("--model-dir", type=Path)
     parser.add_argument("--n", type=int, default=1024)
     parser.add_argument("--workloads", nargs="+", default=["queries", "passages"])
+    parser.add_argument(
+        "--random-shape",
+        choices=[k for k, v in bench_gpu.SHAPES.items() if v.causal],
+        help="instead of a folder: bench_gpu.py's random-weight decoder of this shape, narrowed",
+    )
+    parser.add_argument(
+        "--width-divisor",
+        type=int,
+        default=8,
+        help="with --random-shape: hidden, intermediate and head counts divided by this, the "
+        "weights' standard deviation multiplied by its square root (each projection's gain, "
+        "std * sqrt(fan-in), stays the full shape's); depth and head size as they are",
+    )
     parser.add_argument("--output", type=Path)
     args = parser.parse_args()
     import vecpool
     from vecpool.api import default_model_path
 
-    model_dir = args.model_dir or default_model_path()
+    tokenizer_dir = default_model_path() if args.model_dir is None else args.model_dir
+    tmp = tempfile.TemporaryDirectory()
+    if args.random_shape:
+        model_dir = bench_gpu.write_folder(
+            narrowed_shape(args.random_shape, args.width_divisor),
+            Path(tmp.name),
+            tokenizer_dir,
+            "cpu",
+        )
+    else:
+        model_dir = tokenizer_dir
     tokenizer = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     report: dict[str, Any] = {
         "command": "python benchmarks/fp8_emulate.py " + " ".join(sys.argv[1:]),
@@ -89,7 +132,11 @@ def main() -> None:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "device": "cpu (FP8 emulated)",
-        "model": model_dir.name,
+        "model": (
+            f"{args.random_shape} / {args.width_divisor} (random weights)"
+            if args.random_shape
+            else model_dir.name
+        ),
     }
     inputs = {
         w: bench_gpu.make_inputs(tokenizer, bench_gpu.workload_lengths(w, args.n))[1]
