@@ -15,7 +15,9 @@ and prompt embeds == ids under FP8.
 (c) **engine**: bench_gpu.py's random-weight folders and workloads (queries, passages), an
     engine in bf16 and one with `quantization="fp8"`, both with the engine's defaults (compiled,
     CUDA graphs); tokens/s each round and the median; the minimum cosine of the FP8 embeddings
-    to the bf16 ones over every input.
+    to the bf16 ones over every input, and, on the first `--fp32-inputs` inputs, of bf16 and
+    FP8 to a float32 engine (eager): a random-weight network far from float32 in bf16 already
+    amplifies rounding, whatever rounds.
 (d) **exactness**: under FP8, prompt embeds (the model's own embedding of the ids) give the
     same bits as the ids, alone and mixed with ids in one call.
 
@@ -56,6 +58,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=record.MIN_ROUNDS, help="at least 3")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     record.add_args(parser)
+    parser.add_argument(
+        "--fp32-inputs",
+        type=int,
+        default=256,
+        help="the first N inputs of each workload also run in float32 (eager): the cosines of "
+        "bf16 and FP8 to float32 say how much of FP8's distance to bf16 is bf16's own; 0: none",
+    )
     return parser.parse_args(argv)
 
 
@@ -273,6 +282,8 @@ def bench_engines(
                 del engine
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
+            if args.fp32_inputs:
+                outputs["fp32"] = float32_outputs(folder, workloads, args.fp32_inputs)
             for name in workloads:
                 a, b = outputs["bf16"][name], outputs["fp8"][name]
                 cos = np.sum(a * b, axis=1) / (
@@ -294,6 +305,12 @@ def bench_engines(
                     "median_cosine": float(np.median(cos)),
                     "inputs": len(cos),
                 }
+                if "fp32" in outputs:
+                    k = len(outputs["fp32"][name])
+                    ref = outputs["fp32"][name]
+                    summary["vs_fp32_inputs"] = k
+                    summary["bf16_vs_fp32"] = min_median_cosine(a[:k], ref)
+                    summary["fp8_vs_fp32"] = min_median_cosine(b[:k], ref)
                 report["summary"].append(summary)
                 print(f"summary {summary}", flush=True)
                 if summary["min_cosine"] < MIN_COSINE:
@@ -301,6 +318,34 @@ def bench_engines(
                         f"{model} {name}: min cosine {summary['min_cosine']:.5f} < {MIN_COSINE}"
                     )
                 save()
+
+
+def float32_outputs(
+    folder: Path, workloads: dict[str, list[list[int]]], n: int
+) -> dict[str, np.ndarray]:
+    """The first `n` inputs of each workload embedded by a float32 engine, eager."""
+    import vecpool
+
+    started = time.perf_counter()
+    engine = vecpool.Engine(
+        folder, device="cuda", dtype="float32", compile=False, cuda_graphs=False
+    )
+    out = {
+        name: np.asarray(
+            engine.embed(ids[:n], truncate_prompt_tokens=-1, show_progress=False),
+            dtype=np.float32,
+        )
+        for name, ids in workloads.items()
+    }
+    print(f"float32 reference: {time.perf_counter() - started:.0f} s", flush=True)
+    del engine
+    torch.cuda.empty_cache()
+    return out
+
+
+def min_median_cosine(a: np.ndarray, b: np.ndarray) -> dict[str, float]:
+    cos = np.sum(a * b, axis=1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+    return {"min": float(cos.min()), "median": float(np.median(cos))}
 
 
 def exactness(engine: Any, ids: list[list[int]]) -> dict[str, Any]:

@@ -34,13 +34,15 @@ def _cosines(a: np.ndarray, b: np.ndarray) -> dict[str, float]:
 
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model-dir", type=Path, required=True)
+    parser.add_argument("--model-dir", type=Path, help="default: the packaged MiniLM's folder")
     parser.add_argument("--n", type=int, default=4096)
     parser.add_argument("--output", type=Path)
     record.add_args(parser)
     args = parser.parse_args(argv)
     import vecpool
+    from vecpool.api import default_model_path
 
+    args.model_dir = args.model_dir or default_model_path()
     tokenizer = tokenizers.Tokenizer.from_file(str(args.model_dir / "tokenizer.json"))
     report: dict[str, Any] = {
         **record.header("fp8_real.py", argv, device="cuda", commit=args.commit),
