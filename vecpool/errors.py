@@ -47,3 +47,12 @@ class RequestFailedError(InputError):
 
 class EngineError(VecpoolError, RuntimeError):
     """The engine itself failed (not the fault of one input)."""
+
+
+class QueueFullError(VecpoolError):
+    """The engine's queue cannot take the call (`max_queued` inputs, or `max_wait` seconds of
+    work ahead of it); try again later."""
+
+
+class EngineDeadError(EngineError):
+    """The engine stopped (its process exited): nothing more will run."""

@@ -14,19 +14,26 @@ limit, and, for queries, the expansion up to a fixed length (`SideFormat`).
 from __future__ import annotations
 
 import sys
-import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
-import torch
-from tokenizers import Encoding, Tokenizer
 
+from vecpool.arrays import (
+    OVERFLOW,
+    TruncationSide,
+    as_id_array,
+    float_array,
+    is_float,
+    is_tensor,
+    peak,
+    truncate,
+)
 from vecpool.errors import InputError, InputTooLongError
+from vecpool.tokenizer import TextTokenizer
 
-TruncationSide = Literal["left", "right"]
+__all__ = ["TextTokenizer", "TruncationSide", "is_tensor"]  # re-exported: their old home
 
 
 @dataclass(frozen=True)
@@ -34,7 +41,11 @@ class Prompt:
     """One validated input: token ids, or prompt embeds that replace the embedding lookup."""
 
     token_ids: np.ndarray | None  # [num_tokens] int64; None for prompt embeds
-    prompt_embeds: torch.Tensor | None  # [num_tokens, hidden] in the model dtype, on the CPU
+    # [num_tokens, hidden]: a float numpy array as the input stage checked it (a bfloat16
+    # tensor widened to float32, exactly); a CPU torch tensor in the model dtype once an engine
+    # takes it (`Engine.submit`), which is all the runner sees. None for token ids. (Typed Any:
+    # this module names no torch type, so that it never loads torch.)
+    prompt_embeds: Any
     token_type_ids: np.ndarray | None = None  # [num_tokens] int64, segment ids of a text pair
     # Only the first `num_attended` tokens are attended to (ColBERT's query expansion that the
     # model does not attend to); None: every token is.
@@ -55,7 +66,7 @@ class InputLimits:
     vocab_size: int
     hidden_size: int
     max_model_len: int
-    dtype: torch.dtype
+    dtype: str  # the model's dtype name: "float32", "float16", "bfloat16"
     enable_prompt_embeds: bool
     # Longer texts are refused before they are tokenized (tokenizing costs time and memory in
     # proportion to the text, truncated or not); None: no limit.
@@ -118,91 +129,6 @@ def too_long(n: int, limit: int, index: int | None, side: str | None = None) -> 
         "Please reduce the length of the input.",
         index=index,
     )
-
-
-class TextTokenizer:
-    """A `tokenizers` tokenizer, with its file's padding and truncation switched off.
-
-    Truncation runs inside the tokenizer (in parallel, keeping the special tokens): one
-    configured copy per (length, side), since a tokenizer's truncation setting is shared state.
-    """
-
-    def __init__(self, path: Path):
-        self._json = path.read_text(encoding="utf-8")
-        self._tok = Tokenizer.from_str(self._json)
-        self._tok.no_padding()
-        self._tok.no_truncation()
-        processor = self._tok.post_processor
-        self.num_special_tokens = processor.num_special_tokens_to_add(False) if processor else 0
-        self.num_pair_special_tokens = processor.num_special_tokens_to_add(True) if processor else 0
-        self._truncating: dict[tuple[int, str], Tokenizer] = {}
-        self._lock = threading.Lock()
-        # How many of a single text's special tokens come before its own tokens, and after.
-        mask = self._tok.encode("a", add_special_tokens=True).special_tokens_mask
-        self.num_leading_special_tokens = next(
-            (i for i, special in enumerate(mask) if not special), len(mask)
-        )
-        self.num_trailing_special_tokens = len(mask) - 1 - self.num_leading_special_tokens
-
-    def encode_batch(
-        self,
-        texts: Sequence[str | tuple[str, str]],
-        max_tokens: int | None = None,
-        side: TruncationSide = "right",
-        add_special_tokens: bool = True,
-    ) -> list[Encoding]:
-        """Encode with special tokens (unless `add_special_tokens` is false); with
-        `max_tokens`, cut only the texts' own tokens (of a (text, text_pair) pair, the longer
-        text first)."""
-        tok = self._for_length(max_tokens, side)
-        try:
-            return list(tok.encode_batch(list(texts), add_special_tokens=add_special_tokens))
-        except TypeError:  # a text that is not valid Unicode (the tokenizer takes UTF-8)
-            for i, text in enumerate(texts):
-                _check_unicode(text, i)
-            raise
-
-    def encode_plain(self, text: str) -> Encoding:
-        """`text`'s own tokens, without special tokens (with character offsets)."""
-        try:
-            return self._tok.encode(text, add_special_tokens=False)
-        except TypeError:
-            _check_unicode(text, None)
-            raise
-
-    def _for_length(self, max_tokens: int | None, side: TruncationSide) -> Tokenizer:
-        if max_tokens is None:
-            return self._tok
-        if max_tokens - self.num_special_tokens < 1:
-            raise InputError(
-                f"truncation to {max_tokens} tokens leaves no room besides "
-                f"{self.num_special_tokens} special tokens"
-            )
-        key = (max_tokens, side)
-        with self._lock:
-            tok = self._truncating.get(key)
-            if tok is None:
-                if len(self._truncating) >= 16:  # a few lengths are in use at any time
-                    self._truncating.clear()
-                tok = Tokenizer.from_str(self._json)
-                tok.no_padding()
-                tok.enable_truncation(max_tokens, direction=side)
-                self._truncating[key] = tok
-        return tok
-
-    def token_to_id(self, token: str) -> int | None:
-        return self._tok.token_to_id(token)
-
-    def id_to_token(self, token_id: int) -> str | None:
-        return self._tok.id_to_token(token_id)
-
-    def special_token_ids(self) -> list[int]:
-        """Ids of the tokenizer's special tokens ([CLS], [SEP], [PAD], ...)."""
-        added = self._tok.get_added_tokens_decoder()
-        return sorted(int(i) for i, token in added.items() if token.special)
-
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
 
 class InputProcessor:
@@ -441,7 +367,7 @@ class InputProcessor:
         return prompts
 
     def _token_ids(self, value: Any, index: int, limit: int | None, side: TruncationSide) -> Prompt:
-        ids = _truncate(_as_id_array(value, index), limit, side)
+        ids = truncate(as_id_array(value, index), limit, side)
         self._check_length(int(ids.shape[0]), index)
         self._check_vocabulary(ids, index, "prompt_token_ids")
         return Prompt(token_ids=ids, prompt_embeds=None)
@@ -449,7 +375,7 @@ class InputProcessor:
     def vocabulary_ids(self, value: Any, field: str = "prompt_token_ids") -> np.ndarray:
         """`value` as a `[n]` int64 array of ids of the model's vocabulary (any length), or an
         `InputError` naming `field` and the first bad position."""
-        ids = _as_id_array(value, None, field)
+        ids = as_id_array(value, None, field)
         self._check_vocabulary(ids, None, field)
         return ids
 
@@ -476,25 +402,8 @@ class InputProcessor:
                 index=index,
                 field=field,
             )
-        if isinstance(value, np.ndarray):
-            if not np.issubdtype(value.dtype, np.floating):
-                raise InputError(
-                    f"expected a floating-point array, got dtype {value.dtype}",
-                    index=index,
-                    field=field,
-                )
-            value = torch.from_numpy(np.ascontiguousarray(value))
-        if not isinstance(value, torch.Tensor):
-            raise InputError(
-                f"expected a torch.Tensor or numpy array, got {type(value).__name__}",
-                index=index,
-                field=field,
-            )
-        if not value.is_floating_point():
-            raise InputError(
-                f"expected a floating-point tensor, got {value.dtype}", index=index, field=field
-            )
-        if value.dim() != 2:
+        value = float_array(value, index, field)
+        if value.ndim != 2:
             raise InputError(
                 f"expected a 2-D tensor [num_tokens, {limits.hidden_size}], got shape "
                 f"{list(value.shape)}",
@@ -507,19 +416,15 @@ class InputProcessor:
                 index=index,
                 field=field,
             )
-        value = _truncate(value, limit, side)
+        value = truncate(value, limit, side)
         self._check_length(int(value.shape[0]), index)
-        try:
-            embeds = value.detach().to(device="cpu", dtype=limits.dtype).contiguous()
-        except (RuntimeError, NotImplementedError) as exc:  # e.g. a tensor with no data
+        if not np.isfinite(value).all():
+            raise InputError("the tensor contains NaN or inf", index=index, field=field)
+        if value.size and peak(value, limits.dtype) >= OVERFLOW[limits.dtype]:
             raise InputError(
-                f"the tensor cannot be read: {exc}", index=index, field=field
-            ) from None
-        if not bool(torch.isfinite(embeds).all()):
-            source_finite = bool(torch.isfinite(value).all())
-            why = "is not finite in the model dtype" if source_finite else "contains NaN or inf"
-            raise InputError(f"the tensor {why}", index=index, field=field)
-        return Prompt(token_ids=None, prompt_embeds=embeds)
+                "the tensor is not finite in the model dtype", index=index, field=field
+            )
+        return Prompt(token_ids=None, prompt_embeds=np.ascontiguousarray(value))
 
 
 def split_windows(
@@ -542,10 +447,7 @@ def split_windows(
         starts.append(starts[-1] + stride)
 
     def cut(x: Any, start: int, end: int) -> Any:  # the head, x[start:end] of the body, the tail
-        parts = [x[:head], x[head + start : head + end], x[n - tail :]]
-        if isinstance(x, torch.Tensor):
-            return torch.cat(parts)
-        return np.concatenate(parts)
+        return np.concatenate([x[:head], x[head + start : head + end], x[n - tail :]])
 
     windows = []
     for start in starts:
@@ -592,8 +494,8 @@ def _classify(item: Any, index: int) -> tuple[str, Any]:
                 )
             return "text", value
         return ("token_ids" if key == "prompt_token_ids" else "prompt_embeds"), value
-    if isinstance(item, torch.Tensor | np.ndarray):
-        if item.ndim == 1 and not _is_float(item):
+    if isinstance(item, np.ndarray) or is_tensor(item):
+        if item.ndim == 1 and not is_float(item):
             return "token_ids", item
         raise InputError(
             "a bare tensor is ambiguous; wrap prompt embeds as {'prompt_embeds': tensor}",
@@ -608,19 +510,6 @@ def _classify(item: Any, index: int) -> tuple[str, Any]:
     )
 
 
-def _check_unicode(text: str | tuple[str, str], index: int | None) -> None:
-    """`InputError` for a text that cannot be written as UTF-8 (a lone surrogate)."""
-    for part in text if isinstance(text, tuple) else (text,):
-        try:
-            part.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise InputError(
-                f"the text is not valid Unicode: {exc.reason} at character {exc.start} "
-                f"({part[exc.start]!r})",
-                index=index,
-            ) from None
-
-
 def _text_pair(item: Mapping[str, Any], index: int) -> tuple[str, str]:
     pair = (item["text"], item["text_pair"])
     for name, value in zip(("text", "text_pair"), pair, strict=True):
@@ -631,56 +520,3 @@ def _text_pair(item: Mapping[str, Any], index: int) -> tuple[str, str]:
         if not value:
             raise InputError(f"'{name}' is an empty string", index=index, field=name)
     return pair
-
-
-def _is_float(x: torch.Tensor | np.ndarray) -> bool:
-    if isinstance(x, torch.Tensor):
-        return x.is_floating_point()
-    return bool(np.issubdtype(x.dtype, np.floating))
-
-
-def _as_id_array(value: Any, index: int | None, field: str = "prompt_token_ids") -> np.ndarray:
-    if type(value) is list and value:
-        try:
-            arr = np.asarray(value)
-        except (ValueError, OverflowError, TypeError):
-            arr = None  # ragged or odd: the checks below say what is wrong
-        if arr is not None and arr.ndim == 1 and arr.dtype.kind in "iu":  # flat ints: all good
-            return arr.astype(np.int64, copy=False)
-    if isinstance(value, torch.Tensor):
-        value = value.detach().cpu().numpy()
-    if isinstance(value, np.ndarray):
-        if value.ndim != 1 or not np.issubdtype(value.dtype, np.integer):
-            raise InputError(
-                f"token ids must be a 1-D integer array, got shape {list(value.shape)} dtype {value.dtype}",
-                index=index,
-                field=field,
-            )
-        return value.astype(np.int64)
-    if isinstance(value, str | bytes) or not isinstance(value, Sequence):
-        raise InputError(
-            f"token ids must be a list of ints, got {type(value).__name__}",
-            index=index,
-            field=field,
-        )
-    if len(value) == 0:
-        return np.zeros(0, dtype=np.int64)
-    try:
-        arr = np.asarray(value)
-    except (ValueError, OverflowError, TypeError) as exc:
-        raise InputError(
-            f"token ids must be a flat list of ints ({exc})", index=index, field=field
-        ) from None
-    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
-        raise InputError(
-            f"token ids must be a flat list of ints, got elements of type {arr.dtype}",
-            index=index,
-            field=field,
-        )
-    return arr.astype(np.int64)
-
-
-def _truncate(x: Any, limit: int | None, side: TruncationSide) -> Any:
-    if limit is None or x.shape[0] <= limit:
-        return x
-    return x[-limit:] if side == "left" else x[:limit]

@@ -10,7 +10,7 @@ import pytest
 import vecpool
 from tests.helpers import random_prompts
 from vecpool.api.async_engine import AsyncEngine, QueueFullError
-from vecpool.api.outputs import RunTimes
+from vecpool.calls.outputs import RunTimes
 from vecpool.tasks import PoolingParams
 
 

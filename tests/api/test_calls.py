@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import vecpool
-from vecpool.api import CallContext, calls
+from vecpool import calls
+from vecpool.calls import CallContext
 
 
 @pytest.fixture(scope="module")

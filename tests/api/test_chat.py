@@ -1,4 +1,4 @@
-"""`vecpool.api.chat` renders a conversation as `transformers`' `apply_chat_template` does, from
+"""`vecpool.calls.chat` renders a conversation as `transformers`' `apply_chat_template` does, from
 the template the folder holds (a `chat_template.jinja` file, or `tokenizer_config.json`'s entry,
 a string or named templates)."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import transformers
 
-from vecpool.api import chat
+from vecpool.calls import chat
 from vecpool.errors import InputError
 
 # Loop controls, a filter, the special tokens, raise_exception: what real templates use.

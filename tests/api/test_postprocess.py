@@ -1,4 +1,4 @@
-"""The pure post-processing functions of `vecpool.api.postprocess`."""
+"""The pure post-processing functions of `vecpool.calls.postprocess`."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import pytest
 
 import vecpool
 import vecpool.scoring
-from vecpool.api import calls, postprocess
+from vecpool import calls
+from vecpool.calls import postprocess
 
 
 def test_postprocess_functions() -> None:

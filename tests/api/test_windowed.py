@@ -1,6 +1,6 @@
 """Windowed embedding: an input longer than the model's limit becomes the token-weighted mean of
 the embeddings of overlapping windows, computed here directly from the documented definition
-(`vecpool.api.windowed`) and compared.
+(`vecpool.calls.windowed`) and compared.
 
 Tolerance: 1e-6 absolute on unit vectors (the windows run in one batch with the call's other
 inputs there and in another batch here: float32 rounding of the padded fallback).
@@ -16,7 +16,7 @@ import torch
 
 import vecpool
 from tests.conftest import make_st_folder
-from vecpool.api.windowed import combine_windows
+from vecpool.calls.windowed import combine_windows
 
 LIMIT = 64  # the folder's max_seq_length
 

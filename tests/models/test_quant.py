@@ -171,7 +171,7 @@ def test_quantized_engine_close_to_float32_and_embeds_exact(
     qwen3: tuple[Path, Any], method: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     if method == "fp8":  # the CPU has no FP8 matmul: run the emulated path the CPU tests check
-        monkeypatch.setattr(vecpool.api.engine, "check_quantization", lambda m, d: None)
+        monkeypatch.setattr(vecpool.api.build, "check_quantization", lambda m, d: None)
     prompts = random_prompts(VOCAB, LENGTHS)
     reference = engine_hidden(vecpool.Engine(qwen3[0], device="cpu"), prompts)
     engine = vecpool.Engine(qwen3[0], device="cpu", quantization=method)
@@ -293,7 +293,7 @@ def test_fp8_ops_path_equals_the_reference_and_compiles_whole(
     traces as one graph with a dynamic token count."""
     import vecpool.models.fp8_ops  # the ops, with their CPU kernels (the reference math)
 
-    monkeypatch.setattr(vecpool.api.engine, "check_quantization", lambda m, d: None)
+    monkeypatch.setattr(vecpool.api.build, "check_quantization", lambda m, d: None)
     prompts = random_prompts(VOCAB, LENGTHS)
     plain = vecpool.Engine(qwen3[0], device="cpu", quantization="fp8")
     monkeypatch.setattr(quant, "fused_fp8_ops", lambda device: True)

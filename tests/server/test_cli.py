@@ -87,11 +87,18 @@ def test_decode_npy_any_byte_order_and_torch_dtypes() -> None:
     decoded = decode_prompt_embeds(b64(buf.getvalue()), 0)
     assert isinstance(decoded, np.ndarray) and decoded.dtype.isnative
     assert np.array_equal(decoded, values)
-    for dtype in (torch.bfloat16, torch.float16, torch.float64):
-        buf = io.BytesIO()
-        torch.save(torch.from_numpy(values).to(dtype), buf)
-        tensor = decode_prompt_embeds(b64(buf.getvalue()), 0)
-        assert isinstance(tensor, torch.Tensor) and tensor.dtype == dtype
+    # torch.save data is read without torch: the values of each dtype exactly (bfloat16
+    # widened to float32), a view's own elements only.
+    for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+        tensor = torch.from_numpy(values).to(dtype)
+        for saved in (tensor, tensor[1:, 1:3], tensor.t()):
+            buf = io.BytesIO()
+            torch.save(saved, buf)
+            decoded = decode_prompt_embeds(b64(buf.getvalue()), 0)
+            assert isinstance(decoded, np.ndarray) and list(decoded.shape) == list(saved.shape)
+            assert np.array_equal(
+                decoded, saved.float().numpy() if dtype == torch.bfloat16 else saved.numpy()
+            )
     buf = io.BytesIO()
     torch.save({"embeds": torch.zeros(2, 4)}, buf)
     with pytest.raises(InputError, match="holds a dict, not a tensor") as err:

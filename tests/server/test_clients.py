@@ -16,7 +16,7 @@ from langchain_openai import OpenAIEmbeddings
 
 import vecpool
 from tests.server.conftest import MODEL_NAME, Server
-from vecpool.api import postprocess
+from vecpool.calls import postprocess
 
 TEXTS = ["A man is playing a guitar.", "The cat sleeps on the windowsill.", "Paris in spring"]
 QUERY = "what do cats eat"

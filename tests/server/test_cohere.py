@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from tests.server.conftest import Server, start_server
-from vecpool.api import postprocess
+from vecpool.calls import postprocess
 
 TEXTS = ["A man is playing a guitar.", "The cat sleeps on the windowsill.", "Paris in spring"]
 LONG = "word " * 300 + "end"  # over MiniLM's 256 tokens

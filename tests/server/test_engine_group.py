@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import vecpool
-from vecpool.api import EngineArgs, PoolingOutput, PromptRequest
-from vecpool.api.async_engine import EngineDeadError
-from vecpool.errors import ConfigError
+from vecpool.api import EngineArgs
+from vecpool.calls import PoolingOutput, PromptRequest
+from vecpool.errors import ConfigError, EngineDeadError
 from vecpool.inputs import Prompt
 from vecpool.server.engine_client import EngineProcessClient
 from vecpool.server.engine_group import EngineGroupClient

@@ -33,8 +33,8 @@ from tests.server.conftest import STARTUP_SECONDS, Server, assert_error, start_s
 from tests.server.test_engine_process import RunningLoop
 from tests.server.test_processes import _alive, _pids
 from tests.tasks.conftest import tiny_bert_head, with_minilm_tokenizer
-from vecpool.api import calls
-from vecpool.api.async_engine import EngineDeadError
+from vecpool import calls
+from vecpool.errors import EngineDeadError
 from vecpool.server import supervisor
 from vecpool.server.engine_client import EngineProcessClient
 from vecpool.server.supervisor import RestartPolicy

@@ -23,7 +23,7 @@ import vecpool
 from tests.helpers import random_prompts
 from tests.server import thread_probe
 from tests.server.test_engine_process import RunningLoop
-from vecpool.api import calls
+from vecpool import calls
 from vecpool.server import wire
 from vecpool.server.threads import child_threads, thread_budget, thread_environment
 from vecpool.tasks import PoolingParams

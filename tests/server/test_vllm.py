@@ -14,7 +14,7 @@ import torch
 
 import vecpool
 from tests.server.conftest import Server, assert_error
-from vecpool.api import postprocess
+from vecpool.calls import postprocess
 
 QUERY = "what do cats eat"
 DOCS = ["the stock market fell sharply", "cats eat fish and mice", "pizza"]

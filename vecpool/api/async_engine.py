@@ -17,25 +17,18 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from vecpool.api.admission import Admission
-from vecpool.api.calls import CallContext, make_requests
 from vecpool.api.engine import Engine
-from vecpool.api.info import EngineInfo
 from vecpool.api.outputs import PoolingOutput, PromptRequest, RunTimes, outcome
+from vecpool.calls import CallContext, make_requests
+from vecpool.calls.info import EngineInfo
 from vecpool.engine.request import Request, RequestStatus
-from vecpool.errors import EngineError, VecpoolError
+from vecpool.errors import EngineDeadError, QueueFullError
+
+__all__ = ["AsyncEngine", "EngineDeadError", "QueueFullError"]  # the errors live in vecpool.errors
 from vecpool.inputs import TextOptions
 from vecpool.tasks import PoolingParams
 
 logger = logging.getLogger(__name__)
-
-
-class QueueFullError(VecpoolError):
-    """The engine's queue cannot take the call (`max_queued` inputs, or `max_wait` seconds of
-    work ahead of it); try again later."""
-
-
-class EngineDeadError(EngineError):
-    """The engine stopped (its process exited): nothing more will run."""
 
 
 class AsyncEngine:

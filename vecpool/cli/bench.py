@@ -10,13 +10,15 @@ import argparse
 import json
 import statistics
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
-from vecpool.api import Engine, EngineArgs
-from vecpool.api.args import DEFAULT_MODEL_NAME
+from vecpool.api.args import DEFAULT_MODEL_NAME, EngineArgs
 from vecpool.errors import ConfigError
+
+if TYPE_CHECKING:  # the command line loads torch only to run a model
+    from vecpool.api import Engine
 
 WORDS = (
     "the a of to and in is that for on with as by at from this it be are was an or which "
@@ -47,9 +49,13 @@ def run_bench(args: argparse.Namespace, engine: Engine | None = None) -> int:
     if args.num_inputs < 1 or args.repeats < 1 or args.max_words < 4:
         raise ConfigError("--num-inputs and --repeats must be positive, --max-words at least 4")
     if engine is None:
+        from vecpool.api import Engine
+
         engine = Engine.from_args(EngineArgs.from_cli_args(args))
     texts = make_texts(args.num_inputs, max_words=args.max_words)
     num_tokens = sum(min(len(engine.tokenize(t, prompt="")), engine.max_model_len) for t in texts)
+    import torch
+
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
     engine.embed(texts[:256], truncate_prompt_tokens=-1, show_progress=False)  # warm-up
     seconds = []

@@ -15,13 +15,12 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from tqdm import tqdm
 
-from vecpool.api import Engine, EngineArgs
-from vecpool.api.args import DEFAULT_MODEL_NAME
+from vecpool.api.args import DEFAULT_MODEL_NAME, EngineArgs
 from vecpool.cli.common import CommandError
 from vecpool.cli.corpus import (
     INPUT_FORMATS,
@@ -36,6 +35,9 @@ from vecpool.cli.corpus import (
 from vecpool.cli.output import WorkFolder, check_output
 from vecpool.cli.parallel import EmbedOptions, LocalEmbedder, ProcessEmbedder
 from vecpool.errors import InputError
+
+if TYPE_CHECKING:  # torch loads where a model runs
+    from vecpool.api import Engine
 
 DEFAULT_CHUNK_SIZE = 4096
 # Shown by `vecpool embed` with no --input: paraphrases should score above unrelated pairs.
@@ -122,6 +124,8 @@ def run_embed(args: argparse.Namespace, engine: Engine | None) -> int:
     if output is None:
         start = time.perf_counter()
         if engine is None:
+            from vecpool.api import Engine
+
             engine = Engine.from_args(EngineArgs.from_cli_args(args))
         return _show_examples(engine, args, load_seconds=time.perf_counter() - start)
     return _embed_corpus(args, engine, output)
@@ -215,6 +219,8 @@ def _embed_corpus(args: argparse.Namespace, engine: Engine | None, output: Path)
         if args.data_parallel_size > 1:
             embedder = ProcessEmbedder(engine_args, options, args.data_parallel_size, unit)
         else:
+            from vecpool.api import Engine
+
             embedder = LocalEmbedder(engine or Engine.from_args(engine_args), options, unit)
         if parquet is not None:
             total: int | None = parquet.num_rows

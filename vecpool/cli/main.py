@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 import vecpool
-from vecpool.api import Engine
 from vecpool.cli.bench import __doc__ as BENCH_DESCRIPTION
 from vecpool.cli.bench import add_bench_arguments, run_bench
 from vecpool.cli.common import CommandError
 from vecpool.cli.embed import EMBED_EXAMPLES, EMBED_HELP, add_embed_arguments, run_embed
 from vecpool.cli.serve import SERVE_DESCRIPTION, add_serve_arguments, serve
 from vecpool.errors import EngineError, VecpoolError
+
+if TYPE_CHECKING:  # `vecpool serve` runs no model in this process: torch loads where used
+    from vecpool.api import Engine
 
 
 def build_parser() -> argparse.ArgumentParser:

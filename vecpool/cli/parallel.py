@@ -15,12 +15,15 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
-from vecpool.api import Engine, EngineArgs, PreparedCall, Replica
+from vecpool.api.args import EngineArgs, Replica
+from vecpool.calls import PreparedCall
+
+if TYPE_CHECKING:  # torch loads where a model runs
+    from vecpool.api import Engine
 from vecpool.cli.common import CommandError
 from vecpool.cli.corpus import Chunk
 from vecpool.errors import ConfigError, EngineError, InputError, ModelLoadError, VecpoolError
@@ -56,7 +59,7 @@ class EmbedOptions:
         self, engine: Engine, call: PreparedCall[list[np.ndarray]] | None
     ) -> tuple[np.ndarray, int]:
         """(vectors `[n, dim]` float32, prompt tokens) of a prepared call (None: no inputs)."""
-        dim = self.dimensions or engine.output_dim
+        dim = engine.info().embed_dim(self.dimensions)
         if call is None or not call.requests:
             return np.zeros((0, dim), np.float32), 0
         tokens = sum(request.prompt.num_tokens for request in call.requests)
@@ -80,7 +83,7 @@ class LocalEmbedder:
         self.engine = engine
         self.options = options
         self.unit = unit
-        self.output_dim = options.dimensions or engine.output_dim
+        self.output_dim = engine.info().embed_dim(options.dimensions)
 
     def run(self, chunks: Iterator[Chunk]) -> Iterator[Result]:
         def prepare() -> tuple[Chunk, PreparedCall[list[np.ndarray]] | None] | None:
@@ -206,13 +209,17 @@ def _worker_main(
     """An engine process: load the engine, then embed the chunks it is sent until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides what an interrupt means
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
+    import torch
+
+    from vecpool.api import Engine
+
     torch.set_num_threads(replica.threads)
     try:
         engine = Engine.from_args(replica.args)
     except VecpoolError as exc:
         results.put(("failed", type(exc).__name__, str(exc)))
         return
-    results.put(("ready", str(replica.args.device), options.dimensions or engine.output_dim))
+    results.put(("ready", str(replica.args.device), engine.info().embed_dim(options.dimensions)))
     while (task := tasks.get()) is not None:
         seq, inputs = task
         try:

@@ -11,7 +11,7 @@ import argparse
 import dataclasses
 import sys
 
-from vecpool.api import EngineArgs
+from vecpool.api.args import EngineArgs
 from vecpool.errors import ConfigError, VecpoolError
 from vecpool.server import launcher
 

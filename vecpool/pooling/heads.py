@@ -290,7 +290,7 @@ class ListwiseHead:
     """A listwise reranker (jina-reranker-v3): the rows at its marker tokens (each document's,
     then the query's, in prompt order) through its projector, one `[num_markers, dim]` float32
     block per prompt. The scores (cosines, several prompts of one query combined) are the api
-    layer's (`vecpool.api.listwise`). Markers are found by token id, so requests need them."""
+    layer's (`vecpool.calls.listwise`). Markers are found by token id, so requests need them."""
 
     per_token = True  # each chunk's marker rows; the pooling runner joins a prompt's chunks
     needs_token_ids = True

@@ -22,8 +22,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 import vecpool
-from vecpool.api import CallContext, Engine, EngineInfo
-from vecpool.api.async_engine import AsyncEngine
+from vecpool.calls import CallContext, EngineInfo
 from vecpool.errors import InputError
 from vecpool.server.config import ServerConfig
 from vecpool.server.errors import (
@@ -39,6 +38,7 @@ from vecpool.server.routes import ROUTERS
 from vecpool.server.state import ServerState
 
 if TYPE_CHECKING:  # the process layout's modules (ZeroMQ, msgspec) load only where used
+    from vecpool.api import Engine
     from vecpool.server.served import ServedModelsClient
 
 Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
@@ -47,6 +47,10 @@ Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
 def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     """An app serving `engine` in this process (its loop in a thread: `AsyncEngine`); run it
     with uvicorn."""
+    # This process runs the engine: the one place the app imports it (the API processes of
+    # `vecpool serve` never do).
+    from vecpool.api.async_engine import AsyncEngine
+
     metrics = ServerMetrics(lambda: _queued(state))
     state = ServerState(engine.info(), engine.context, config, metrics)
     assert metrics.engine is not None

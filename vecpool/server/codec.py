@@ -1,7 +1,8 @@
 """Wire formats: request inputs in (strings, token arrays, base64 prompt embeds), vectors out.
 
 Prompt embeds arrive as base64 of a `.npy` file (read with `allow_pickle=False`) or of a
-`torch.save` tensor (read with `weights_only=True`, the vLLM client convention). Vectors leave
+`torch.save` tensor (the vLLM client convention; read without torch by `torch_save`, which
+knows only what a plain tensor holds). Vectors leave
 as float lists, or as bytes (base64, or the raw body of vLLM's `bytes` format) of float32 /
 float16 / bfloat16 / fp8 values in the byte order asked for, or of quantized int8 / uint8.
 """
@@ -16,13 +17,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
 from vecpool.errors import InputError
+from vecpool.server.floats import FORMATS, format_bytes, round_to_format
 from vecpool.server.protocol import INPUT_DOC, EmbedDtype, EncodingFormat, Endianness
+from vecpool.server.torch_save import FLOAT_DTYPES, SavedTensor, TorchSaveError, read_torch_save
 
 _NPY_MAGIC = b"\x93NUMPY"
-_EMBEDS_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 @dataclass(frozen=True)
@@ -114,8 +115,9 @@ def decode_inputs(items: list[Item]) -> list[Any]:
     ]
 
 
-def decode_prompt_embeds(data: str, index: int) -> np.ndarray | torch.Tensor:
-    """A `[num_tokens, hidden]` float array from base64 `.npy` or `torch.save` bytes.
+def decode_prompt_embeds(data: str, index: int) -> np.ndarray:
+    """A `[num_tokens, hidden]` float array from base64 `.npy` or `torch.save` bytes (a
+    bfloat16 tensor widened to float32: exact; the engine rounds every input to its dtype).
 
     Decoding errors are ours; shape against the model, NaN and length are the engine's checks.
     """
@@ -140,20 +142,18 @@ def decode_prompt_embeds(data: str, index: int) -> np.ndarray | torch.Tensor:
             raise fail(f"expected a 2-D array [num_tokens, hidden], got shape {list(array.shape)}")
         return array.astype(array.dtype.newbyteorder("="), copy=False)
     try:
-        tensor = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
-    except Exception as exc:  # torch raises many types for foreign or corrupt data
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise fail(f"neither .npy nor torch.save data ({reason})") from None
-    if not isinstance(tensor, torch.Tensor):
+        tensor = read_torch_save(raw)
+    except TorchSaveError as exc:
+        raise fail(f"neither .npy nor torch.save data ({exc})") from None
+    if not isinstance(tensor, SavedTensor):
         raise fail(f"the torch.save data holds a {type(tensor).__name__}, not a tensor")
-    if tensor.layout != torch.strided or tensor.dtype not in _EMBEDS_DTYPES:
-        raise fail(f"expected a dense float tensor, got {tensor.dtype} ({tensor.layout})")
-    if tensor.dim() != 2:
-        raise fail(f"expected a 2-D tensor [num_tokens, hidden], got shape {list(tensor.shape)}")
-    return tensor
-
-
-_FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+    if tensor.dtype not in FLOAT_DTYPES:
+        raise fail(f"expected a dense float tensor, got torch.{tensor.dtype}")
+    if tensor.array.ndim != 2:
+        raise fail(
+            f"expected a 2-D tensor [num_tokens, hidden], got shape {list(tensor.array.shape)}"
+        )
+    return tensor.array
 
 
 def encode_array(
@@ -178,22 +178,16 @@ def to_bytes(array: np.ndarray, dtype: EmbedDtype, endianness: Endianness = "nat
     if array.dtype.kind in "iu":
         return np.ascontiguousarray(array).tobytes()
     order = "<" if (sys.byteorder if endianness == "native" else endianness) == "little" else ">"
-    if dtype in _FP8:
-        values = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32)).to(_FP8[dtype])
-        return values.view(torch.uint8).numpy().tobytes()
-    if dtype == "bfloat16":
-        halves = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32)).bfloat16()
-        return halves.view(torch.int16).numpy().astype(f"{order}i2").tobytes()
+    if dtype in FORMATS:  # bfloat16, fp8: formats numpy lacks
+        return format_bytes(np.ascontiguousarray(array, dtype=np.float32), FORMATS[dtype], order)
     float_type = f"{order}f2" if dtype == "float16" else f"{order}f4"
     return np.ascontiguousarray(array, dtype=float_type).tobytes()
 
 
 def round_to(array: np.ndarray, dtype: EmbedDtype) -> np.ndarray:
     """`array` rounded to `dtype` and back to float32."""
-    if dtype in _FP8 or dtype == "bfloat16":
-        target = _FP8.get(dtype, torch.bfloat16)
-        values = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
-        return values.to(target).float().numpy()
+    if dtype in FORMATS:
+        return round_to_format(np.asarray(array, dtype=np.float32), FORMATS[dtype])
     if dtype == "float16":
         return array.astype(np.float16).astype(np.float32)
     return array

@@ -69,3 +69,15 @@ class ServerConfig:
     def served_model_names(self) -> tuple[tuple[str, ...], ...]:
         """Every served model's names, the default (first) model's first."""
         return (self.model_names, *self.other_model_names)
+
+
+@dataclass(frozen=True)
+class EngineProcessConfig:
+    """How the engine process listens and batches."""
+
+    address: str  # the ZeroMQ address it binds, e.g. "ipc:///tmp/.../engine"
+    max_queued: int  # requests queued or running before a call is refused
+    batch_wait: float  # seconds an idle engine waits for more requests before it steps
+    max_wait: float | None = None  # seconds of work ahead of a call before it is refused
+    metrics: bool = True  # record the engine's metrics (into the multiprocess directory)
+    model: str | None = None  # its metrics' `model` label, where several models are served

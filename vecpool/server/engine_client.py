@@ -22,8 +22,8 @@ from multiprocessing.connection import Connection
 import zmq
 import zmq.asyncio
 
-from vecpool.api.async_engine import EngineDeadError, QueueFullError
-from vecpool.api.outputs import PoolingOutput, PromptRequest, RunTimes
+from vecpool.calls.outputs import PoolingOutput, PromptRequest, RunTimes
+from vecpool.errors import EngineDeadError, QueueFullError
 from vecpool.server import wire
 
 logger = logging.getLogger(__name__)

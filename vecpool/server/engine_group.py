@@ -19,8 +19,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from vecpool.api.async_engine import EngineDeadError
-from vecpool.api.outputs import PoolingOutput, PromptRequest, RunTimes
+from vecpool.calls.outputs import PoolingOutput, PromptRequest, RunTimes
+from vecpool.errors import EngineDeadError
 from vecpool.server.engine_client import EngineProcessClient
 from vecpool.server.metrics import EngineGroupMetrics
 

@@ -10,6 +10,7 @@ request, while the others of a burst are a millisecond behind.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import logging
@@ -29,25 +30,13 @@ from vecpool.api.outputs import outcome
 from vecpool.engine.request import Request, RequestStatus
 from vecpool.errors import VecpoolError
 from vecpool.server import wire
+from vecpool.server.config import EngineProcessConfig
 from vecpool.server.metrics import EngineMetrics
-from vecpool.server.threads import apply_threads
 
 logger = logging.getLogger(__name__)
 # While an idle engine gathers a step, a pause this long in arrivals ends the wait: one client
 # alone waits this much, many clients keep adding to the step up to `batch_wait`.
 GATHER_GAP = 0.001
-
-
-@dataclass(frozen=True)
-class EngineProcessConfig:
-    """How the engine process listens and batches."""
-
-    address: str  # the ZeroMQ address it binds, e.g. "ipc:///tmp/.../engine"
-    max_queued: int  # requests queued or running before a call is refused
-    batch_wait: float  # seconds an idle engine waits for more requests before it steps
-    max_wait: float | None = None  # seconds of work ahead of a call before it is refused
-    metrics: bool = True  # record the engine's metrics (into the multiprocess directory)
-    model: str | None = None  # its metrics' `model` label, where several models are served
 
 
 @dataclass(eq=False)
@@ -277,3 +266,15 @@ def run_engine_process(
         engine_alive.close()
     if not served:  # a non-zero status: the supervisor restarts an engine at fault
         sys.exit(1)
+
+
+def apply_threads(threads: int | None) -> None:
+    """Hold this process's torch to `threads` compute threads and one inter-op thread (None:
+    leave torch as it is). Call before any work."""
+    if threads is None:
+        return
+    import torch
+
+    torch.set_num_threads(threads)
+    with contextlib.suppress(RuntimeError):  # only settable before the first inter-op work
+        torch.set_num_interop_threads(1)

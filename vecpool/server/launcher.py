@@ -38,13 +38,13 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import torch
-
-from vecpool.api import EngineArgs, EngineInfo
+from vecpool.api.args import EngineArgs
+from vecpool.calls import EngineInfo
+from vecpool.devices import cpu_threads, device_type
 from vecpool.errors import ConfigError
-from vecpool.server.config import ServerConfig
+from vecpool.server.config import EngineProcessConfig, ServerConfig
 from vecpool.server.supervisor import (
     STOP_SECONDS,
     EngineProcess,
@@ -55,10 +55,7 @@ from vecpool.server.supervisor import (
     stop,
     wait_ready,
 )
-from vecpool.server.threads import API_PROCESS_THREADS, apply_threads, child_threads, thread_budget
-
-if TYPE_CHECKING:  # the engine process's module (ZeroMQ) loads only where it runs
-    from vecpool.server.engine_process import EngineProcessConfig
+from vecpool.server.threads import API_PROCESS_THREADS, child_threads, thread_budget
 
 logger = logging.getLogger("vecpool.server")
 
@@ -115,13 +112,11 @@ class ServeOptions:
             )
 
 
-def default_api_server_count(device: str | torch.device | None) -> int:
+def default_api_server_count(device: Any) -> int:
     """API-server processes for this machine: one where the model runs on the CPU (it needs
     the cores); on a GPU host, one per two CPU cores, from one to eight (on a 16-core H200
     host, 8 served 4,090 single-query requests/s to 64 clients where 4 served 3,671)."""
-    from vecpool.config import resolve_device
-
-    if resolve_device(device).type == "cpu":
+    if device_type(device) == "cpu":
         return 1
     return min(8, max(1, (os.cpu_count() or 1) // 2))
 
@@ -328,14 +323,12 @@ def _start_engines(
     parent_alive: Connection,
 ) -> list[EngineProcess]:
     """Start an engine process on each device of each model's group (they load at once)."""
-    from vecpool.server.engine_process import EngineProcessConfig
-
     labels = _model_labels(config)
     groups = [engine_args.replicas() for engine_args in models]
     # On the CPU the engines share the cores the API processes leave.
     budget = thread_budget(
-        cpu=torch.device(groups[0][0].args.device or "cpu").type == "cpu",
-        cores=torch.get_num_threads(),
+        cpu=device_type(groups[0][0].args.device or "cpu") == "cpu",
+        cores=cpu_threads(),
         api_processes=options.api_server_count,
         engines=sum(len(replicas) for replicas in groups),
     )
@@ -384,13 +377,12 @@ def _spawner(
     options: ServeOptions,
 ) -> Spawn:
     """What starts one engine process (again, after a loss: on the same device and address)."""
-    from vecpool.server.engine_process import run_engine_process
 
     def spawn() -> tuple[BaseProcess, Connection, Connection]:
         alive, alive_w = ctx.Pipe(duplex=False)
         ready, ready_w = ctx.Pipe(duplex=False)
         process = ctx.Process(
-            target=run_engine_process,
+            target=_engine_main,
             args=(args, engine_config, ready_w, parent_alive, alive_w),
             kwargs={"log_level": options.log_level, "threads": threads, "tag": tag},
             name=f"vecpool-{tag.replace(' ', '-')}",
@@ -402,6 +394,14 @@ def _spawner(
         return process, alive, ready
 
     return spawn
+
+
+def _engine_main(*args: Any, **kwargs: Any) -> None:
+    """An engine process's entry point: the engine (and torch) load here, in that process,
+    never in this one (the supervisor) or in the API processes."""
+    from vecpool.server.engine_process import run_engine_process
+
+    run_engine_process(*args, **kwargs)
 
 
 def run_api_process(
@@ -428,8 +428,8 @@ def run_api_process(
     from vecpool.server.metrics import EngineGroupMetrics
     from vecpool.server.served import ServedModelsClient
 
-    apply_threads(API_PROCESS_THREADS)
-
+    # No torch here: its compute threads were set through the environment it started with
+    # (`child_threads`), which numpy and the tokenizer read.
     by_model: list[list[EngineProcessClient]] = [[] for _ in infos]
     for (model, address, name), alive in zip(engines, engine_alive, strict=True):
         client = EngineProcessClient(address, alive, max_queued=config.max_queued, name=name)

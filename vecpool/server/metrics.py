@@ -19,12 +19,13 @@ process, sums them all.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from vecpool.engine.request import Request, RequestStatus
+if TYPE_CHECKING:  # a type only: the API processes load nothing of the engine
+    from vecpool.engine.request import Request
 
 _SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _TOKENS = tuple(float(2**i) for i in range(4, 18))
@@ -187,7 +188,7 @@ class EngineMetrics:
     def on_request_done(self, request: Request) -> None:
         """A request's done callback: runs in the loop thread, or where it was cancelled."""
         self.engine_requests.labels(request.status.value, *self._model).inc()
-        if request.status in (RequestStatus.FINISHED, RequestStatus.FAILED):
+        if request.status.value in ("finished", "failed"):
             self._step_tokens += request.num_prompt_tokens
             self._sync_prefix_cache()  # the loop thread: before the answer goes out
 

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle
 
-from vecpool.api.outputs import PoolingOutput, PromptRequest, RunTimes
+from vecpool.calls.outputs import PoolingOutput, PromptRequest, RunTimes
 from vecpool.server.engine_group import RESTART_RETRY_AFTER, EngineGroupClient
 
 

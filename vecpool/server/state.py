@@ -1,7 +1,7 @@
 """What every endpoint shares: the engine it talks to, the settings, the metrics.
 
 The server never reads an engine's internals: it knows the engine through its `EngineInfo`,
-prepares calls with a `CallContext` (the functions of `vecpool.api.calls`), and runs their
+prepares calls with a `CallContext` (the functions of `vecpool.calls`), and runs their
 requests on an `EngineClient` — the in-process `AsyncEngine`, or a client of an engine core in
 another process.
 """
@@ -17,8 +17,8 @@ from typing import Protocol
 
 from starlette.requests import Request as HttpRequest
 
-from vecpool.api import CallContext, EngineInfo, PoolingOutput, PromptRequest
-from vecpool.api.outputs import RunTimes
+from vecpool.calls import CallContext, EngineInfo, PoolingOutput, PromptRequest
+from vecpool.calls.outputs import RunTimes
 from vecpool.server.config import ServerConfig
 from vecpool.server.errors import ApiError
 from vecpool.server.metrics import ServerMetrics
@@ -143,11 +143,13 @@ class ServerState:
                 code="too_many_inputs",
             )
 
-    def truncate(self, body: TextParams) -> int | None:
-        """The call's truncate_prompt_tokens: -1 (the model's limit) under --auto-truncate."""
-        if body.truncate_prompt_tokens is None and self.config.auto_truncate:
+    def truncate(self, body: TextParams | None = None) -> int | None:
+        """The call's truncate_prompt_tokens: as `body` asks, else (none asked, or no body)
+        -1, the model's limit, under --auto-truncate, else None: the one place that reads it."""
+        asked = None if body is None else body.truncate_prompt_tokens
+        if asked is None and self.config.auto_truncate:
             return -1
-        return body.truncate_prompt_tokens
+        return asked
 
 
 def get_state(request: HttpRequest) -> ServerState:

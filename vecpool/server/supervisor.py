@@ -31,7 +31,7 @@ from multiprocessing.reduction import send_handle
 from types import FrameType
 from typing import Any
 
-from vecpool.api import EngineInfo
+from vecpool.calls import EngineInfo
 
 logger = logging.getLogger("vecpool.server")
 

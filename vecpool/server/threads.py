@@ -10,7 +10,8 @@ threads that wait sleep instead of spinning (`OMP_WAIT_POLICY=PASSIVE`).
 OpenMP, MKL and the tokenizers' thread pool read their sizes from the environment when they
 start, which in a child happens while it imports its modules, before any of our code runs: so
 the supervisor sets the variables in its own environment around each child's start
-(`child_threads`), and the child applies the same count to torch once more (`apply_threads`).
+(`child_threads`), and an engine process applies the same count to torch once more
+(`engine_process.apply_threads`; the API processes load no torch).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-# Compute threads of one API process: it runs no model, and torch's pool would only spin.
+# Compute threads of one API process: it runs no model; more threads would only spin.
 API_PROCESS_THREADS = 1
 
 
@@ -73,15 +74,3 @@ def child_threads(threads: int | None) -> Iterator[None]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-
-
-def apply_threads(threads: int | None) -> None:
-    """Hold this process's torch to `threads` compute threads and one inter-op thread (None:
-    leave torch as it is). Call before any work."""
-    if threads is None:
-        return
-    import torch
-
-    torch.set_num_threads(threads)
-    with contextlib.suppress(RuntimeError):  # only settable before the first inter-op work
-        torch.set_num_interop_threads(1)

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import msgspec
 import numpy as np
-import torch
 
-from vecpool.api.outputs import PoolingOutput, PromptRequest
+from vecpool.calls.outputs import PoolingOutput, PromptRequest
 from vecpool.errors import EngineError, InputError, RequestFailedError, VecpoolError
 from vecpool.inputs import Prompt
 from vecpool.tasks import PoolingParams
@@ -32,7 +31,7 @@ class WireRequest(msgspec.Struct, array_like=True):
     params: int
     token_ids: bytes | None  # int64
     token_type_ids: bytes | None  # int64
-    embeds: bytes | None  # [num_tokens, hidden] in `embeds_dtype`
+    embeds: bytes | None  # [num_tokens, hidden] in `embeds_dtype`, little-endian
     embeds_dtype: str | None
     embeds_shape: tuple[int, int] | None
     num_attended: int | None
@@ -108,15 +107,15 @@ def submit(call_id: int, requests: list[PromptRequest]) -> Submit:
         if not params or params[-1] != r.params:
             params.append(r.params)
         p = r.prompt
-        embeds = p.prompt_embeds
+        embeds = None if p.prompt_embeds is None else np.asarray(p.prompt_embeds)
         wire.append(
             WireRequest(
                 index=r.index,
                 params=len(params) - 1,
                 token_ids=_array_bytes(p.token_ids),
                 token_type_ids=_array_bytes(p.token_type_ids),
-                embeds=None if embeds is None else _tensor_bytes(embeds),
-                embeds_dtype=None if embeds is None else str(embeds.dtype).removeprefix("torch."),
+                embeds=None if embeds is None else _float_bytes(embeds),
+                embeds_dtype=None if embeds is None else embeds.dtype.name,
                 embeds_shape=None if embeds is None else (embeds.shape[0], embeds.shape[1]),
                 num_attended=p.num_attended,
             )
@@ -131,9 +130,8 @@ def prompt_requests(message: Submit) -> list[PromptRequest]:
         embeds = None
         if w.embeds is not None:
             assert w.embeds_dtype is not None and w.embeds_shape is not None
-            dtype = getattr(torch, w.embeds_dtype)
-            raw = torch.frombuffer(bytearray(w.embeds), dtype=torch.uint8)
-            embeds = raw.view(dtype).reshape(w.embeds_shape)
+            dtype = np.dtype(w.embeds_dtype).newbyteorder("<")
+            embeds = np.frombuffer(bytearray(w.embeds), dtype=dtype).reshape(w.embeds_shape)
         prompt = Prompt(
             token_ids=_array(w.token_ids),
             prompt_embeds=embeds,
@@ -144,8 +142,8 @@ def prompt_requests(message: Submit) -> list[PromptRequest]:
     return out
 
 
-def _tensor_bytes(tensor: torch.Tensor) -> bytes:
-    return bytes(tensor.detach().contiguous().view(torch.uint8).numpy().tobytes())
+def _float_bytes(array: np.ndarray) -> bytes:
+    return np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
 
 
 def wire_output(out: PoolingOutput) -> WireOutput:

@@ -17,7 +17,8 @@ from fastapi import APIRouter
 from starlette.requests import Request
 from starlette.responses import Response
 
-from vecpool.api import PreparedCall, calls, postprocess
+from vecpool import calls
+from vecpool.calls import PreparedCall, postprocess
 from vecpool.errors import InputError
 from vecpool.server.codec import to_bytes
 from vecpool.server.errors import ApiError, answered_as, cohere_error, input_error

@@ -23,10 +23,9 @@ from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HttpRequest
 from starlette.responses import Response
 
-from vecpool.api import PreparedCall
-from vecpool.api.async_engine import EngineDeadError, QueueFullError
-from vecpool.api.outputs import RunTimes
-from vecpool.errors import InputError, VecpoolError
+from vecpool.calls import PreparedCall
+from vecpool.calls.outputs import RunTimes
+from vecpool.errors import EngineDeadError, InputError, QueueFullError, VecpoolError
 from vecpool.server.codec import encode_array, to_bytes
 from vecpool.server.errors import ApiError, ClientDisconnectedError, input_error, validation_param
 from vecpool.server.protocol import OutputParams

@@ -9,7 +9,8 @@ from fastapi import APIRouter
 from starlette.requests import Request
 from starlette.responses import Response
 
-from vecpool.api import PreparedCall, calls, chat, postprocess, windowed
+from vecpool import calls
+from vecpool.calls import EmbedOptions, PreparedCall, chat, postprocess, windowed
 from vecpool.errors import InputError
 from vecpool.server.codec import Item, decode_inputs, parse_inputs
 from vecpool.server.errors import ApiError, answered_as, infinity_error, input_error
@@ -123,37 +124,24 @@ async def embeddings(request: Request, data: dict[str, Any]) -> Response:
             )
         normalize = body.use_activation
 
+    options = EmbedOptions(
+        dimensions=body.dimensions,
+        normalize=normalize,
+        truncate_prompt_tokens=state.truncate(body),
+        truncation_side=body.truncation_side,
+        prompt_name=body.prompt_name,
+        add_special_tokens=inputs.add_special_tokens,
+        matryoshka_only=matryoshka_only,
+    )
+
     def prepare() -> PreparedCall[list[np.ndarray]]:
-        return calls.prepare_encode(
-            state.context,
-            inputs.decode(),
-            task="embed",
-            dimensions=body.dimensions,
-            normalize=normalize,
-            truncate_prompt_tokens=state.truncate(body),
-            truncation_side=body.truncation_side,
-            prompt_name=body.prompt_name,
-            add_special_tokens=inputs.add_special_tokens,
-            matryoshka_only=matryoshka_only,
-        )
+        return calls.prepare_encode(state.context, inputs.decode(), options.encode())
 
     info = state.info
     if body.windowed if body.windowed is not None else info.windowed_embed:
 
         def prepare_windowed() -> PreparedCall[np.ndarray]:
-            return windowed.prepare_embed_windowed(
-                state.context,
-                inputs.decode(),
-                overlap=info.embed_window_overlap,
-                default_normalize=info.embed_normalize,
-                dimensions=body.dimensions,
-                normalize=normalize,
-                truncate_prompt_tokens=state.truncate(body),
-                truncation_side=body.truncation_side,
-                prompt_name=body.prompt_name,
-                add_special_tokens=inputs.add_special_tokens,
-                matryoshka_only=matryoshka_only,
-            )
+            return windowed.prepare_embed_windowed(state.context, inputs.decode(), options)
 
         array, timings = await run_call(
             state, request, request.url.path, prepare_windowed, len(inputs)
@@ -190,7 +178,7 @@ def quantization(state: ServerState, body: EmbeddingParams) -> np.ndarray | None
             f"precision={body.precision}",
             param="embed_dtype",
         )
-    dim = body.dimensions or state.info.output_dim
+    dim = state.info.embed_dim(body.dimensions)
     try:
         ranges = calls.check_quantization(body.precision, body.ranges, dim)
     except InputError as exc:

@@ -10,7 +10,8 @@ from fastapi import APIRouter
 from starlette.requests import Request
 from starlette.responses import Response
 
-from vecpool.api import PreparedCall, calls
+from vecpool import calls
+from vecpool.calls import PreparedCall
 from vecpool.server.protocol import PoolingChatRequest, PoolingRequest, openapi_body
 from vecpool.server.routes.common import read_json, render, render_vectors, run_call, validate
 from vecpool.server.routes.embeddings import TextInputs

@@ -19,7 +19,8 @@ from fastapi import APIRouter
 from starlette.requests import Request
 from starlette.responses import Response
 
-from vecpool.api import PreparedCall, calls
+from vecpool import calls
+from vecpool.calls import PreparedCall
 from vecpool.server.errors import ApiError, answered_as, infinity_error, side_errors
 from vecpool.server.protocol import (
     SCORE_SHAPES,
@@ -30,7 +31,6 @@ from vecpool.server.protocol import (
     RerankRequest,
     ScoreParams,
     TeiRerankRequest,
-    TextParams,
     openapi_body,
 )
 from vecpool.server.routes import tei as tei_routes
@@ -48,8 +48,6 @@ from vecpool.server.state import get_state
 router = APIRouter()
 
 
-# Infinity's bodies have no truncation field: the server's --auto-truncate decides.
-INFINITY_TEXT = TextParams.model_validate({})
 RERANK_ERRORS = side_errors({"query": "query", "documents": "documents"}, {"query": False})
 
 
@@ -91,7 +89,7 @@ async def infinity_rerank(request: Request, data: dict[str, Any]) -> Response:
             body.documents,
             body.top_n,
             use_activation=not body.raw_scores,
-            truncate_prompt_tokens=state.truncate(INFINITY_TEXT),
+            truncate_prompt_tokens=state.truncate(),  # Infinity's bodies: --auto-truncate decides,
         )
 
     ranked, timings = await run_call(
@@ -330,7 +328,7 @@ async def infinity_classify(request: Request, data: dict[str, Any]) -> Response:
             state.context,
             texts,
             use_activation=not body.raw_scores,
-            truncate_prompt_tokens=state.truncate(INFINITY_TEXT),
+            truncate_prompt_tokens=state.truncate(),  # Infinity's bodies: --auto-truncate decides,
         )
 
     scores, timings = await run_call(state, request, request.url.path, prepare, len(texts))

@@ -9,7 +9,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import Response
 
-from vecpool.api import EngineInfo
+from vecpool.calls import EngineInfo
 from vecpool.server.routes.common import dumps, json_response
 from vecpool.server.state import ServerState, get_state
 

@@ -18,7 +18,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 import vecpool
-from vecpool.api import EngineInfo, PreparedCall, calls
+from vecpool import calls
+from vecpool.calls import EngineInfo, PreparedCall
 from vecpool.errors import InputError
 from vecpool.server.codec import json_type, parse_inputs
 from vecpool.server.errors import ApiError, answered_as, input_error, side_errors, tei_error
@@ -88,7 +89,7 @@ def text_inputs(state: ServerState, value: Any) -> list[str | list[int]]:
 def truncation(state: ServerState, body: TeiTextParams) -> int | None:
     """truncate true: the model's limit; null: as the server's --auto-truncate says."""
     if body.truncate is None:
-        return -1 if state.config.auto_truncate else None
+        return state.truncate()
     return -1 if body.truncate else None
 
 

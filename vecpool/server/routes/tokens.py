@@ -7,7 +7,7 @@ from fastapi import APIRouter
 from starlette.requests import Request
 from starlette.responses import Response
 
-from vecpool.api import calls
+from vecpool import calls
 from vecpool.server.protocol import (
     DetokenizeRequest,
     TeiTokenizeRequest,

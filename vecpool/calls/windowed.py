@@ -19,10 +19,10 @@ from typing import Any
 
 import numpy as np
 
-from vecpool.api import calls
-from vecpool.api.calls import CallContext
-from vecpool.api.outputs import PoolingOutput, PreparedCall, PromptRequest, output_data
-from vecpool.inputs import TextOptions, TruncationSide
+from vecpool.calls.context import CallContext, as_input_list, instruction, make_requests
+from vecpool.calls.options import EmbedOptions
+from vecpool.calls.outputs import PoolingOutput, PreparedCall, PromptRequest, output_data
+from vecpool.inputs import TextOptions
 from vecpool.tasks import PoolingParams
 
 
@@ -42,44 +42,35 @@ def combine_windows(
 
 
 def prepare_embed_windowed(
-    ctx: CallContext,
-    inputs: Any,
-    *,
-    overlap: int,
-    default_normalize: bool,
-    dimensions: int | None = None,
-    normalize: bool | None = None,
-    truncate_prompt_tokens: int | None = None,
-    truncation_side: TruncationSide = "right",
-    prompt_name: str | None = None,
-    prompt: str | None = None,
-    add_special_tokens: bool = True,
-    matryoshka_only: bool = False,
+    ctx: CallContext, inputs: Any, options: EmbedOptions | None = None, **keywords: Any
 ) -> PreparedCall[np.ndarray]:
     """The requests of `Engine.embed(..., windowed=True)` and its result, `[n, dim]` float32:
-    inputs within the model's limit as `embed` gives them, longer ones windowed.
-    `default_normalize` is the model's normalization when the call does not say."""
+    inputs within the model's limit as `embed` gives them, longer ones windowed (windows of
+    the model's length sharing `info.embed_window_overlap` tokens; normalized as the call
+    says, else as the model does)."""
+    o = EmbedOptions.build(options, keywords)
+    dimensions, normalize = o.dimensions, o.normalize
     params = PoolingParams(task="embed", dimensions=dimensions, normalize=normalize)
-    options = TextOptions(
-        truncate_prompt_tokens,
-        truncation_side,
-        calls.instruction(ctx, prompt_name, prompt),
-        add_special_tokens,
+    text = TextOptions(
+        o.truncate_prompt_tokens,
+        o.truncation_side,
+        instruction(ctx, o.prompt_name, o.prompt),
+        o.add_special_tokens,
     )
     # The call's parameters, as any embed call's.
-    calls.make_requests(ctx, [], params, options, matryoshka_only)
+    make_requests(ctx, [], params, text, o.matryoshka_only)
     raw = PoolingParams(task="embed", normalize=False)  # a window's embedding, to be combined
     requests: list[PromptRequest] = []
     weights: list[np.ndarray | None] = []  # per input: its windows' weights; None: not windowed
-    items = calls.as_input_list(inputs)
-    for index, windows in enumerate(ctx.inputs.windows(items, options, overlap)):
+    items = as_input_list(inputs)
+    for index, windows in enumerate(ctx.inputs.windows(items, text, ctx.info.embed_window_overlap)):
         if len(windows) == 1:
             requests.append(PromptRequest(index, windows[0][0], params))
             weights.append(None)
         else:
             requests.extend(PromptRequest(index, window, raw) for window, _ in windows)
             weights.append(np.array([n for _, n in windows]))
-    normalize_windowed = default_normalize if normalize is None else normalize
+    normalize_windowed = ctx.info.embed_normalize if normalize is None else normalize
 
     def finish(outputs: list[PoolingOutput]) -> np.ndarray:
         data = output_data(outputs)
@@ -93,7 +84,7 @@ def prepare_embed_windowed(
                 vectors.append(combine_windows(parts, w, dimensions, normalize_windowed))
                 at += len(w)
         if not vectors:
-            return np.zeros((0, dimensions or ctx.info.output_dim), dtype=np.float32)
+            return np.zeros((0, ctx.info.embed_dim(dimensions)), dtype=np.float32)
         return np.stack(vectors)
 
     return PreparedCall(requests, finish)

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from vecpool.config import ListwiseRerankerConfig, LLMRerankerConfig
 from vecpool.inputs import InputLimits, SideFormat
 
@@ -60,19 +58,18 @@ class EngineInfo:
     is_matryoshka: bool = False
 
     @property
-    def torch_dtype(self) -> torch.dtype:
-        dtype = getattr(torch, self.dtype)
-        assert isinstance(dtype, torch.dtype)
-        return dtype
-
-    @property
     def input_limits(self) -> InputLimits:
         """What the input stage checks every input against."""
         return InputLimits(
             vocab_size=self.vocab_size,
             hidden_size=self.hidden_size,
             max_model_len=self.max_model_len,
-            dtype=self.torch_dtype,
+            dtype=self.dtype,
             enable_prompt_embeds=self.enable_prompt_embeds,
             max_input_chars=self.max_input_chars,
         )
+
+    def embed_dim(self, dimensions: int | None) -> int:
+        """The width of an `embed` vector: `dimensions` (a matryoshka truncation) when a call
+        asks for it, else the model's output size."""
+        return dimensions or self.output_dim

@@ -18,13 +18,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from vecpool.api import postprocess
-from vecpool.api.outputs import PoolingOutput, PreparedCall, output_data
+from vecpool.calls import postprocess
+from vecpool.calls.context import make_requests
+from vecpool.calls.outputs import PoolingOutput, PreparedCall, output_data
 from vecpool.errors import EngineError, InputError
 from vecpool.tasks import PoolingParams
 
 if TYPE_CHECKING:
-    from vecpool.api.calls import CallContext
+    from vecpool.calls.context import CallContext
     from vecpool.config import ListwiseRerankerConfig
     from vecpool.inputs import TextTokenizer
 
@@ -73,8 +74,6 @@ def prepare_listwise_score(
             lengths.append(n)
         blocks.extend(_Block(g, b) for b in _pack(config, members, lengths, query_len, room))
     fitted = _fit(config, tokenizer, blocks, cut_queries, cut_docs, room)
-    from vecpool.api.calls import make_requests  # calls imports this module
-
     requests = make_requests(
         ctx, [{"prompt_token_ids": ids} for _, ids in fitted], PoolingParams(task="score")
     )

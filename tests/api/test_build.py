@@ -1,0 +1,56 @@
+"""`Engine(...)`'s keywords are `EngineArgs`' fields, and each task method's keywords its options'
+fields: one list of options, one default each."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any
+
+import pytest
+
+from vecpool.api import Engine, EngineArgs
+from vecpool.calls import (
+    ClassifyOptions,
+    EmbedOptions,
+    EncodeOptions,
+    RerankOptions,
+    ScoreOptions,
+    SparseOptions,
+)
+
+
+def test_engine_keywords_are_engine_args_fields() -> None:
+    params = list(inspect.signature(Engine.__init__).parameters.values())[1:]  # past self
+    fields = dataclasses.fields(EngineArgs)
+    assert [p.name for p in params] == [f.name for f in fields]
+    assert [p.default for p in params] == [f.default for f in fields]
+
+
+@pytest.mark.parametrize(
+    ("method", "options"),
+    [
+        (Engine.embed, EmbedOptions),
+        (Engine.encode, EncodeOptions),
+        (Engine.prepare_encode, EncodeOptions),
+        (Engine.classify, ClassifyOptions),
+        (Engine.prepare_classify, ClassifyOptions),
+        (Engine.score, ScoreOptions),
+        (Engine.prepare_score, ScoreOptions),
+        (Engine.rerank, RerankOptions),
+        (Engine.prepare_rerank, RerankOptions),
+        (Engine.embed_sparse, SparseOptions),
+        (Engine.prepare_embed_sparse, SparseOptions),
+    ],
+)
+def test_task_keywords_are_their_options(method: Any, options: type) -> None:
+    """Each task method's keywords are fields of its options, with the same defaults: the
+    method builds its options from them (`Options.of(locals())`), so a keyword that is no
+    field would be dropped silently, and a second default could drift."""
+    defaults = {f.name: f.default for f in dataclasses.fields(options)}
+    inputs = {"inputs", "a", "b", "query", "documents", "self", "show_progress"}
+    for p in inspect.signature(method).parameters.values():
+        if p.name in inputs:
+            continue
+        assert p.name in defaults, f"{method.__name__}: {p.name} is not a {options.__name__} field"
+        assert p.default == defaults[p.name], f"{method.__name__}: {p.name}'s default"

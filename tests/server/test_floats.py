@@ -1,0 +1,106 @@
+"""The torch-free wire formats of the API processes, against torch itself: bfloat16 / FP8
+rounding and bytes (`server/floats.py`), and reading `torch.save` data (`server/torch_save.py`).
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import zipfile
+
+import numpy as np
+import pytest
+import torch
+
+from vecpool.config import MODEL_IMPLS, QUANTIZATIONS, SEQUENCE_METHODS
+from vecpool.errors import InputError
+from vecpool.inputs import InputLimits, InputProcessor, TextOptions
+from vecpool.server.floats import FORMATS, format_bytes, round_to_format
+from vecpool.server.torch_save import SavedTensor, TorchSaveError, read_torch_save
+
+TORCH_TYPES = {
+    "bfloat16": torch.bfloat16,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+
+
+def _values() -> np.ndarray:
+    """Every binade the formats have, their edges, ties, overflow and non-finite values."""
+    rng = np.random.default_rng(0)
+    scales = [1e-9, 1e-5, 1e-3, 1.0, 30.0, 400.0, 5e4, 1e6, 1e38]
+    spread = [rng.standard_normal(20_000) * s for s in scales]
+    edges = [0.0, -0.0, 448, 464, 465, 480, 57344, 61439, 61440, 2.0**-10, 1.5 * 2.0**-9]
+    edges += [3.3e38, float.fromhex("0x1.fep127"), float.fromhex("0x1.ff8p127")]
+    edges += [float("inf"), -float("inf"), float("nan")]
+    with np.errstate(over="ignore"):  # the largest scale overflows float32: inf, on purpose
+        return np.concatenate([*spread, np.array(edges)]).astype(np.float32)
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_rounding_and_bytes_match_torch(name: str) -> None:
+    values = _values()
+    expected = torch.from_numpy(values).to(TORCH_TYPES[name])
+    np.testing.assert_array_equal(round_to_format(values, FORMATS[name]), expected.float().numpy())
+    raw = expected.view(torch.uint8 if name != "bfloat16" else torch.int16).numpy()
+    finite = np.isfinite(values)  # NaN's bit pattern is the format's choice
+    width = 2 if name == "bfloat16" else 1
+    got = np.frombuffer(format_bytes(values[finite], FORMATS[name]), dtype=f"<u{width}")
+    np.testing.assert_array_equal(got, raw[finite].view(f"<u{width}"))
+
+
+def _saved(obj: object) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def test_torch_save_reads_tensors_and_refuses_the_rest() -> None:
+    tensor = torch.arange(24, dtype=torch.float32).reshape(4, 6) / 7
+    for dtype in (torch.float16, torch.bfloat16, torch.float64, torch.int64):
+        for saved in (tensor.to(dtype), tensor.to(dtype)[1:3, ::2], tensor.to(dtype).t()):
+            got = read_torch_save(_saved(saved))
+            assert isinstance(got, SavedTensor)
+            assert got.dtype == str(dtype).removeprefix("torch.")
+            widened = saved.float() if dtype == torch.bfloat16 else saved
+            np.testing.assert_array_equal(got.array, widened.numpy())
+    assert read_torch_save(_saved({"a": 1})) == {"a": 1}
+    with pytest.raises(TorchSaveError, match="not a zip"):
+        read_torch_save(b"hello")
+    # A pickle naming anything but a plain tensor's parts is refused, never called.
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as archive:
+        archive.writestr("archive/data.pkl", pickle.dumps(print))
+    with pytest.raises(TorchSaveError, match=r"unsupported global builtins\.print"):
+        read_torch_save(buf.getvalue())
+    raw = _saved(tensor)
+    with pytest.raises(TorchSaveError):
+        read_torch_save(raw[: len(raw) // 2])
+
+
+def test_choices_named_once_match_the_layers_that_implement_them() -> None:
+    from vecpool.models.quant import QUANTIZATIONS as quantizations
+    from vecpool.models.registry import MODEL_IMPLS as model_impls
+    from vecpool.pooling.methods import SEQUENCE_METHODS as methods
+
+    assert (quantizations, model_impls, methods) == (QUANTIZATIONS, MODEL_IMPLS, SEQUENCE_METHODS)
+
+
+@pytest.mark.parametrize("model_dtype", ["float16", "bfloat16", "float32"])
+def test_prompt_embeds_refused_exactly_where_the_model_dtype_overflows(model_dtype: str) -> None:
+    """The input stage (no torch) refuses embeds that the engine's rounding to the model dtype
+    would turn to inf, and only those: checked against torch's rounding at the boundary."""
+    target = getattr(torch, model_dtype)
+    limit = {"float16": 65520.0, "bfloat16": float.fromhex("0x1.ffp127")}.get(
+        model_dtype, float.fromhex("0x1.ffffffp127")
+    )
+    candidates = [np.nextafter(limit, 0.0), limit, np.nextafter(limit, np.inf)]
+    processor = InputProcessor(InputLimits(10, 2, 8, model_dtype, True), None)
+    for value in candidates:
+        embeds = np.array([[0.5, value]], dtype=np.float64)
+        finite = bool(torch.isfinite(torch.from_numpy(embeds).to(target)).all())
+        if finite:
+            processor.process([{"prompt_embeds": embeds}], TextOptions())
+        else:
+            with pytest.raises(InputError, match="not finite in the model dtype"):
+                processor.process([{"prompt_embeds": embeds}], TextOptions())

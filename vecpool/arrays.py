@@ -1,0 +1,121 @@
+"""Arrays of inputs, told and checked without torch: token ids as int64 arrays, prompt embeds
+as float arrays (a torch tensor is recognised by its type and read through its own methods, so
+this module never imports torch), truncation, and the magnitudes the model dtype cannot hold."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import numpy as np
+
+from vecpool.errors import InputError
+
+TruncationSide = Literal["left", "right"]
+
+# Rounded to the model dtype (by the engine, to nearest, ties to even), magnitudes from these
+# up become inf: the largest finite value plus half a step of its binade.
+OVERFLOW = {
+    "float16": 65520.0,
+    "bfloat16": float.fromhex("0x1.ffp127"),
+    "float32": float.fromhex("0x1.ffffffp127"),
+}
+
+
+def peak(value: np.ndarray, dtype: str) -> float:
+    """The largest magnitude of `value` as the engine's rounding to `dtype` first sees it:
+    torch rounds float64 to a half type through float32 (rounding is monotonic, so rounding
+    the largest value is enough)."""
+    peak = np.abs(value).max()
+    if dtype != "float32" and value.dtype == np.float64:
+        with np.errstate(over="ignore"):  # past float32's range: inf, refused as it should be
+            peak = np.float32(peak)
+    return float(peak)
+
+
+def is_tensor(value: Any) -> bool:
+    """Whether `value` is a torch tensor (told without importing torch)."""
+    return any(c.__name__ == "Tensor" and c.__module__ == "torch" for c in type(value).__mro__)
+
+
+def float_array(value: Any, index: int, field: str) -> np.ndarray:
+    """Prompt embeds given as a numpy array or a torch tensor, as a float numpy array (a
+    bfloat16 tensor widened to float32: exact, and numpy has no bfloat16)."""
+    if is_tensor(value):
+        if not value.is_floating_point():
+            raise InputError(
+                f"expected a floating-point tensor, got {value.dtype}", index=index, field=field
+            )
+        try:
+            value = value.detach().cpu()
+            if str(value.dtype) == "torch.bfloat16":
+                value = value.float()
+            return np.asarray(value.numpy())
+        except (RuntimeError, NotImplementedError, TypeError) as exc:  # e.g. no data
+            raise InputError(
+                f"the tensor cannot be read: {exc}", index=index, field=field
+            ) from None
+    if not isinstance(value, np.ndarray):
+        raise InputError(
+            f"expected a torch.Tensor or numpy array, got {type(value).__name__}",
+            index=index,
+            field=field,
+        )
+    if not np.issubdtype(value.dtype, np.floating):
+        raise InputError(
+            f"expected a floating-point array, got dtype {value.dtype}", index=index, field=field
+        )
+    return value
+
+
+def is_float(x: Any) -> bool:
+    if is_tensor(x):
+        return bool(x.is_floating_point())
+    return bool(np.issubdtype(x.dtype, np.floating))
+
+
+def as_id_array(value: Any, index: int | None, field: str = "prompt_token_ids") -> np.ndarray:
+    if type(value) is list and value:
+        try:
+            arr = np.asarray(value)
+        except (ValueError, OverflowError, TypeError):
+            arr = None  # ragged or odd: the checks below say what is wrong
+        if arr is not None and arr.ndim == 1 and arr.dtype.kind in "iu":  # flat ints: all good
+            return arr.astype(np.int64, copy=False)
+    if is_tensor(value):
+        value = value.detach().cpu().numpy()
+    if isinstance(value, np.ndarray):
+        if value.ndim != 1 or not np.issubdtype(value.dtype, np.integer):
+            raise InputError(
+                f"token ids must be a 1-D integer array, got shape {list(value.shape)} dtype {value.dtype}",
+                index=index,
+                field=field,
+            )
+        return value.astype(np.int64)
+    if isinstance(value, str | bytes) or not isinstance(value, Sequence):
+        raise InputError(
+            f"token ids must be a list of ints, got {type(value).__name__}",
+            index=index,
+            field=field,
+        )
+    if len(value) == 0:
+        return np.zeros(0, dtype=np.int64)
+    try:
+        arr = np.asarray(value)
+    except (ValueError, OverflowError, TypeError) as exc:
+        raise InputError(
+            f"token ids must be a flat list of ints ({exc})", index=index, field=field
+        ) from None
+    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+        raise InputError(
+            f"token ids must be a flat list of ints, got elements of type {arr.dtype}",
+            index=index,
+            field=field,
+        )
+    return arr.astype(np.int64)
+
+
+def truncate(x: Any, limit: int | None, side: TruncationSide) -> Any:
+    if limit is None or x.shape[0] <= limit:
+        return x
+    return x[-limit:] if side == "left" else x[:limit]
