@@ -50,7 +50,7 @@ def emulated_fp8() -> Iterator[None]:
         if method != "fp8":
             quant.check_quantization(method, device)
 
-    with mock.patch("vecpool.api.engine.check_quantization", check):
+    with mock.patch("vecpool.api.build.check_quantization", check):
         yield
 
 
