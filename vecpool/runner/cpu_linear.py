@@ -24,6 +24,17 @@ from vecpool.runner.compiled import repeated_blocks
 # Dtypes oneDNN's CPU linear serves (bfloat16 needs avx512_bf16 or AMX to be fast).
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
+# Activations oneDNN applies to a linear's output inside the kernel, by `activation_name`:
+# (post-op, algorithm). Exact gelu (erf) and relu give the same bits as torch's own
+# functions; the tanh approximation differs from `F.gelu(approximate="tanh")` by an ulp or so.
+FUSED_ACTIVATIONS = {
+    "gelu": ("gelu", "none"),
+    "gelu_new": ("gelu", "tanh"),
+    "gelu_pytorch_tanh": ("gelu", "tanh"),
+    "gelu_fast": ("gelu", "tanh"),
+    "relu": ("relu", ""),
+}
+
 
 class PackedLinear(nn.Module):
     """`x @ weight.T + bias` through oneDNN with the weight prepacked once; with `sizes`, the
@@ -40,14 +51,37 @@ class PackedLinear(nn.Module):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        rows = x.reshape(-1, x.shape[-1])
-        if not rows.is_contiguous():
-            rows = rows.contiguous()
-        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
-        out = out.view(*x.shape[:-1], out.shape[-1])
+        out = self._pointwise(x, "none", "")
         if self.sizes is not None:
             return out.split(self.sizes, dim=-1)
         return out
+
+    def fused_activation(self, x: torch.Tensor, act: str) -> torch.Tensor | None:
+        """`act(x @ weight.T + bias)` in one kernel; None if oneDNN has no such post-op."""
+        post = FUSED_ACTIVATIONS.get(act)
+        if post is None or self.sizes is not None:
+            return None
+        return self._pointwise(x, *post)
+
+    def fused_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """`x @ weight.T + bias + residual` in one kernel (the same bits as adding after)."""
+        assert self.sizes is None, "a fused projection returns parts, not one sum"
+        rows = _rows(x)
+        other = _rows(residual)
+        out = torch.ops.mkldnn._linear_pointwise.binary(rows, other, self.packed, self.bias, "add")
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    def _pointwise(self, x: torch.Tensor, post: str, algorithm: str) -> torch.Tensor:
+        out = torch.ops.mkldnn._linear_pointwise(
+            _rows(x), self.packed, self.bias, post, [], algorithm
+        )
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """`x` as a contiguous `[rows, features]` matrix (a view when it already is one)."""
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.is_contiguous() else rows.contiguous()
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
