@@ -34,6 +34,19 @@ def build(folder: Path, variant: str) -> Callable[[list[str], list[list[int]]], 
     apply = VARIANTS.get(name)
     if apply is not None:
         apply(engine, value)
+    if name == "three_copies":
+        import vecpool.models.attention as attention
+
+        joint = attention._joint_rows
+
+        def apart(texts: list[str], ids: list[list[int]]) -> np.ndarray:
+            attention._joint_rows = lambda q, k, v: None
+            try:
+                return run(texts, ids)
+            finally:
+                attention._joint_rows = joint
+
+        return apart
     return run
 
 
@@ -51,7 +64,15 @@ def _unfused(engine: Any, value: str) -> None:
             m.fused_add = None  # type: ignore[assignment,method-assign]
 
 
-VARIANTS: dict[str, Callable[[Any, str], None]] = {"unfused": _unfused}
+def _three_copies(engine: Any, value: str) -> None:
+    """The padded attention copying q, k and v apart (no single copy of the fused rows):
+    `_joint_rows` is switched off around this variant's runs only (see `build`)."""
+
+
+VARIANTS: dict[str, Callable[[Any, str], None]] = {
+    "unfused": _unfused,
+    "three_copies": _three_copies,
+}
 
 
 def main(argv: list[str] | None = None) -> None:
