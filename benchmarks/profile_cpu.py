@@ -29,7 +29,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num", type=int, help="inputs (default: 1024 queries, 256 passages)")
     parser.add_argument("--rows", type=int, default=25)
     parser.add_argument("--systems", nargs="+", default=["vecpool", "st-32"])
+    parser.add_argument("--threads", type=int, help="torch.set_num_threads")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     from vecpool.api import default_model_path
 
     folder = default_model_path()
