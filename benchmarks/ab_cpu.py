@@ -12,7 +12,9 @@ CPU seconds of one thread (`--threads 1`) are the steadier measure of a kernel c
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import platform
 import statistics
 import sys
 import time
@@ -24,7 +26,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.bench_gpu import make_inputs, vecpool_runner, workload_lengths
+from benchmarks.bench_gpu import git_commit, make_inputs, vecpool_runner, workload_lengths
 
 
 def build(folder: Path, variant: str) -> Callable[[list[str], list[list[int]]], np.ndarray]:
@@ -84,6 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--passages", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, help="torch.set_num_threads")
+    parser.add_argument("--output", type=Path, help="write every round's timings here as JSON")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -122,6 +125,35 @@ def main(argv: list[str] | None = None) -> None:
                 f"  wall rounds {' '.join(f'{s:.2f}' for s in seconds[w][v])}"
             )
     print(f"load average at the end: {os.getloadavg()}")
+    if args.output:
+        report = {
+            "command": "python benchmarks/ab_cpu.py " + " ".join(argv or []),
+            "commit": git_commit(),
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "device": f"{os.cpu_count()}-core CPU ({platform.machine()})",
+            "torch_threads": torch.get_num_threads(),
+            "load_average_at_end": os.getloadavg(),
+            "workloads": {w: len(v[0]) for w, v in inputs.items()},
+            "wall_seconds": seconds,
+            "cpu_seconds": cpu,
+            "median_cpu_speedup_over_first": {
+                w: {
+                    v: statistics.median(
+                        b / s for b, s in zip(cpu[w][base], cpu[w][v], strict=True)
+                    )
+                    for v in order
+                }
+                for w in inputs
+            },
+            "max_abs_diff_to_first": {
+                w: {v: float(np.abs(outs[w][v] - outs[w][base]).max()) for v in order}
+                for w in inputs
+            },
+        }
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps(report, indent=1) + "\n")
 
 
 if __name__ == "__main__":
