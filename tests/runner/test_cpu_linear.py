@@ -6,18 +6,28 @@ stay bit-exact with ids."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 
 import vecpool
 import vecpool.runner.model_runner as model_runner
-from tests.helpers import REORDERED_RTOL, assert_rel_close, engine_hidden, random_prompts
+from tests.conftest import tiny_bert_config
+from tests.helpers import (
+    REORDERED_RTOL,
+    assert_rel_close,
+    engine_hidden,
+    hf_last_hidden,
+    random_prompts,
+    save_hf_model,
+)
 from tests.runner.conftest import VOCAB
-from vecpool.models.layers import FusedProjections
-from vecpool.runner.cpu_linear import PackedLinear, can_pack
+from vecpool.models.layers import FusedProjections, activation, linear_residual
+from vecpool.runner.cpu_linear import FUSED_ACTIVATIONS, PackedLinear, can_pack
 
 
 @pytest.mark.parametrize("rows", [1, 7, 300])
@@ -62,4 +72,60 @@ def test_packed_engines_compute_what_plain_ones_do_and_keep_embeds_exact(
     as_embeds = engine_hidden(packed, [{"prompt_embeds": packed.embed_tokens(p)} for p in prompts])
     for e, a, b in zip(expected, as_ids, as_embeds, strict=True):
         assert_rel_close(a, e, REORDERED_RTOL)  # the same sums in another order
+        assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("act", sorted(FUSED_ACTIVATIONS))
+def test_a_fused_activation_computes_the_activation_of_the_product(act: str) -> None:
+    gen = torch.Generator().manual_seed(1)
+    weight, bias = torch.randn(96, 40, generator=gen), torch.randn(96, generator=gen)
+    x = torch.randn(2, 150, 40, generator=gen)  # any leading shape
+    linear = PackedLinear(weight, bias)
+    fused = linear.fused_activation(x, act)
+    assert fused is not None and fused.shape == (2, 150, 96)
+    after = activation(act)(linear(x))
+    if FUSED_ACTIVATIONS[act][1] == "tanh":  # oneDNN's tanh approximation: an ulp or so apart
+        assert_rel_close(fused.numpy(), after.numpy(), 1e-6)
+    else:  # erf gelu and relu: the same bits as applying torch's function afterwards
+        assert torch.equal(fused, after)
+    assert linear.fused_activation(x, "silu") is None  # no such post-op: the caller applies it
+    assert PackedLinear(weight, bias, [32, 64]).fused_activation(x, act) is None
+
+
+def test_a_fused_add_is_the_product_plus_the_residual_bit_for_bit() -> None:
+    gen = torch.Generator().manual_seed(2)
+    weight, bias = torch.randn(40, 96, generator=gen), torch.randn(40, generator=gen)
+    x, residual = torch.randn(300, 96, generator=gen), torch.randn(300, 40, generator=gen)
+    linear = PackedLinear(weight, bias)
+    assert torch.equal(linear.fused_add(x, residual), linear(x) + residual)
+    # The layers' helpers take the fused kernels where the linear has them, and say the same.
+    assert torch.equal(linear_residual(linear, x, residual), linear(x) + residual)
+    plain = torch.nn.Linear(96, 40)
+    assert torch.equal(linear_residual(plain, x, residual), plain(x) + residual)
+
+
+@pytest.mark.parametrize("hidden_act", ["gelu", "gelu_new", "relu"])
+def test_bert_with_fused_epilogues_matches_transformers_and_keeps_embeds_exact(
+    hidden_act: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    torch.manual_seed(0)
+    hf = transformers.BertModel(tiny_bert_config(hidden_act=hidden_act)).eval()
+    engine = vecpool.Engine(save_hf_model(hf, tmp_path), device="cpu")
+    calls = {"fused_activation": 0, "fused_add": 0}
+    for name in calls:
+        original = getattr(PackedLinear, name)
+
+        def counted(self: PackedLinear, *args: Any, _name: str = name, _f: Any = original) -> Any:
+            calls[_name] += 1
+            return _f(self, *args)
+
+        monkeypatch.setattr(PackedLinear, name, counted)
+    prompts = random_prompts(99, [5, 17, 3, 30], seed=3)
+    as_ids = engine_hidden(engine, prompts)
+    as_embeds = engine_hidden(engine, [{"prompt_embeds": engine.embed_tokens(p)} for p in prompts])
+    layers = hf.config.num_hidden_layers
+    # Per layer and forward: one activation, two residual adds; two forwards.
+    assert calls == {"fused_activation": 2 * layers, "fused_add": 4 * layers}
+    for ids, a, b in zip(prompts, as_ids, as_embeds, strict=True):
+        assert_rel_close(a, hf_last_hidden(hf, ids), REORDERED_RTOL)
         assert np.array_equal(a, b)

@@ -17,7 +17,14 @@ from torch import nn
 from vecpool.errors import ConfigError
 from vecpool.models.attention import AttentionMetadata, flat_attention
 from vecpool.models.base import Capability, PoolingModel, hf_num_labels
-from vecpool.models.layers import FusedProjections, activation, fuse
+from vecpool.models.layers import (
+    FusedProjections,
+    activation,
+    activation_name,
+    fuse,
+    linear_activation,
+    linear_residual,
+)
 
 
 @dataclass(frozen=True)
@@ -108,7 +115,7 @@ class BertDenseNorm(nn.Module):
         self.LayerNorm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.LayerNorm(self.dense(x) + residual)
+        return self.LayerNorm(linear_residual(self.dense, x, residual))
 
 
 class BertAttention(nn.Module):
@@ -125,10 +132,10 @@ class BertIntermediate(nn.Module):
     def __init__(self, c: BertConfig):
         super().__init__()
         self.dense = nn.Linear(c.hidden_size, c.intermediate_size)
-        self.act = activation(c.hidden_act)
+        self.act = activation_name(c.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.act(self.dense(x))
+        return linear_activation(self.dense, x, self.act)
 
 
 class BertLayer(nn.Module):

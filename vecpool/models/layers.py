@@ -180,3 +180,18 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def linear_activation(linear: nn.Module, x: torch.Tensor, act: str) -> torch.Tensor:
+    """`activation(act)(linear(x))`, as one kernel where the linear can apply the activation
+    itself (the CPU's prepacked linears offer `fused_activation`, None when they cannot)."""
+    fused = getattr(linear, "fused_activation", None)
+    out = fused(x, act) if fused is not None else None
+    return out if out is not None else activation(act)(linear(x))
+
+
+def linear_residual(linear: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """`linear(x) + residual`, as one kernel where the linear can add it itself (the CPU's
+    prepacked linears offer `fused_add`)."""
+    fused = getattr(linear, "fused_add", None)
+    return fused(x, residual) if fused is not None else linear(x) + residual

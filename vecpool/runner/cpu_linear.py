@@ -8,7 +8,9 @@ rows), which is most of a CPU step's time.
 
 Every linear of the model's repeated blocks is replaced by a `PackedLinear` holding the same
 weight and bias (still readable, as parameters) and its packed copy; a fused projection keeps
-returning its parts. Both an input given as ids and as embeds run the same packed kernels, so
+returning its parts. A model whose layers call `layers.linear_activation` / `linear_residual`
+gets the activation (gelu, relu) or the residual add applied inside the kernel, as oneDNN
+post-ops, while the output is still in cache: one pass over memory less each. Both an input given as ids and as embeds run the same packed kernels, so
 they stay bit-exact; against the plain GEMM the sums run in another order (float32: relative
 differences around 1e-6).
 """
@@ -23,6 +25,17 @@ from vecpool.runner.compiled import repeated_blocks
 
 # Dtypes oneDNN's CPU linear serves (bfloat16 needs avx512_bf16 or AMX to be fast).
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
+
+# Activations oneDNN applies to a linear's output inside the kernel, by `activation_name`:
+# (post-op, algorithm). Exact gelu (erf) and relu give the same bits as torch's own
+# functions; the tanh approximation differs from `F.gelu(approximate="tanh")` by an ulp or so.
+FUSED_ACTIVATIONS = {
+    "gelu": ("gelu", "none"),
+    "gelu_new": ("gelu", "tanh"),
+    "gelu_pytorch_tanh": ("gelu", "tanh"),
+    "gelu_fast": ("gelu", "tanh"),
+    "relu": ("relu", ""),
+}
 
 
 class PackedLinear(nn.Module):
@@ -40,14 +53,37 @@ class PackedLinear(nn.Module):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        rows = x.reshape(-1, x.shape[-1])
-        if not rows.is_contiguous():
-            rows = rows.contiguous()
-        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
-        out = out.view(*x.shape[:-1], out.shape[-1])
+        out = self._pointwise(x, "none", "")
         if self.sizes is not None:
             return out.split(self.sizes, dim=-1)
         return out
+
+    def fused_activation(self, x: torch.Tensor, act: str) -> torch.Tensor | None:
+        """`act(x @ weight.T + bias)` in one kernel; None if oneDNN has no such post-op."""
+        post = FUSED_ACTIVATIONS.get(act)
+        if post is None or self.sizes is not None:
+            return None
+        return self._pointwise(x, *post)
+
+    def fused_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """`x @ weight.T + bias + residual` in one kernel (the same bits as adding after)."""
+        assert self.sizes is None, "a fused projection returns parts, not one sum"
+        rows = _rows(x)
+        other = _rows(residual)
+        out = torch.ops.mkldnn._linear_pointwise.binary(rows, other, self.packed, self.bias, "add")
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    def _pointwise(self, x: torch.Tensor, post: str, algorithm: str) -> torch.Tensor:
+        out = torch.ops.mkldnn._linear_pointwise(
+            _rows(x), self.packed, self.bias, post, [], algorithm
+        )
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """`x` as a contiguous `[rows, features]` matrix (a view when it already is one)."""
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.is_contiguous() else rows.contiguous()
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
