@@ -63,7 +63,7 @@ def cli_command(corpus: Path, out: Path, *extra: str) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "vecpool.cli",
+        "vecpool",
         "embed",
         "-i",
         str(corpus),
@@ -82,9 +82,9 @@ def cli_command(corpus: Path, out: Path, *extra: str) -> list[str]:
 
 
 def held_at(command: list[str], part: int) -> tuple[list[str], dict[str, str]]:
-    """`command` (a `python -m vecpool.cli` one) and its environment, as a run that stops still
+    """`command` (a `python -m vecpool` one) and its environment, as a run that stops still
     once `part` is committed, until a signal ends it (`tests/cli/hold.py`)."""
-    assert command[1:3] == ["-m", "vecpool.cli"]
+    assert command[1:3] == ["-m", "vecpool"]
     path = os.pathsep.join(
         filter(None, [str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH")])
     )

@@ -219,7 +219,7 @@ def test_examples_show_paraphrases_above_unrelated(
 
 def test_console_entry_runs_the_examples() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "vecpool.cli", "embed"],
+        [sys.executable, "-m", "vecpool", "embed"],
         capture_output=True,
         text=True,
         timeout=300,

@@ -99,7 +99,7 @@ class ModelFolder:
     tokenizer_file: Path | None
     tokenizer_config: dict[str, Any] = field(default_factory=dict)
     is_sentence_transformers: bool = False  # modules.json present
-    pooling: str | None = None  # one of methods.SEQUENCE_METHODS, from 1_Pooling, if any
+    pooling: str | None = None  # one of config.SEQUENCE_METHODS, from 1_Pooling, if any
     dense: tuple[DenseSpec, ...] = ()
     normalize: bool = False  # a Normalize module follows pooling
     prompts: dict[str, str] = field(default_factory=dict)

@@ -22,11 +22,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vecpool.config import QUANTIZATIONS
 from vecpool.errors import ConfigError
 from vecpool.models.decoder import DecoderLayer
 from vecpool.models.layers import FusedProjections, GatedMLP, RMSNorm
 
-QUANTIZATIONS = ("fp8", "int8")
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(float8_e4m3fn).max
 INT8_MAX = 127.0

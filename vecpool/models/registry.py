@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 
+from vecpool.config import MODEL_IMPLS
 from vecpool.errors import ConfigError
 from vecpool.models.base import PoolingModel
 
@@ -97,7 +98,6 @@ _REGISTRY: dict[str, tuple[str, str]] = {
 
 # How an architecture is run: "auto" (its native class, else the transformers fallback),
 # "vecpool" (native only) or "transformers" (the fallback, even where a native class exists).
-MODEL_IMPLS = ("auto", "vecpool", "transformers")
 
 
 def supported_architectures() -> list[str]:

@@ -34,7 +34,7 @@ from vecpool.tasks import INPUT_TYPES, Head
 class PoolingDefaults:
     """What a request gets when its parameters say nothing."""
 
-    pooler: str  # sequence method of the embed task: one of `methods.SEQUENCE_METHODS`
+    pooler: str  # sequence method of the embed task: one of `vecpool.config.SEQUENCE_METHODS`
     normalize: bool
     output_dim: int  # of embed, after the Dense projections
     token_output_dim: int  # of token_embed, after a ColBERT projection if any

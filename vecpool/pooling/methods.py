@@ -19,8 +19,6 @@ import torch
 
 from vecpool.errors import ConfigError
 
-SEQUENCE_METHODS = ("CLS", "MEAN", "LAST", "MAX", "MEAN_SQRT_LEN", "WEIGHTED_MEAN")
-
 
 @dataclass
 class PoolingMetadata:
@@ -101,6 +99,7 @@ def _per_weight(merged: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     return merged / (n * (n + 1) / 2)[:, None]
 
 
+# The names are `vecpool.config.SEQUENCE_METHODS` (what options accept), in the same order.
 METHODS: dict[str, SequenceMethod] = {
     "CLS": SequenceMethod(_cls, "first"),
     "MEAN": SequenceMethod(_sum, "sum", _per_token),
