@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,18 +111,11 @@ class ChunkedKV:
         self._layer += 1
         if self.prefix is not None:
             return self.prefix.extend(layer, k, v, self)
-        cu = self.cu_seqlens_q
         k_parts: list[torch.Tensor] = []
         v_parts: list[torch.Tensor] = []
         copied = 0  # rows of `k` / `v` already in the parts
-        for i, buffers in enumerate(self.buffers):
-            if buffers is None:
-                continue
-            start, lo, hi = self.starts[i], cu[i], cu[i + 1]
-            cached_k, cached_v = buffers.layer(layer, k)
-            if self.keep[i]:
-                cached_k[start : start + hi - lo] = k[lo:hi]
-                cached_v[start : start + hi - lo] = v[lo:hi]
+        for i, cached_k, cached_v in self.buffered(layer, k, v):
+            start, lo = self.starts[i], self.cu_seqlens_q[i]
             if start:
                 k_parts += [k[copied:lo], cached_k[:start]]
                 v_parts += [v[copied:lo], cached_v[:start]]
@@ -131,6 +125,22 @@ class ChunkedKV:
         k_parts.append(k[copied:])
         v_parts.append(v[copied:])
         return torch.cat(k_parts), torch.cat(v_parts)
+
+    def buffered(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        """Each chunk with buffers: its index and its layer's key and value buffers, after the
+        chunk's own rows are kept there for a later chunk (when it continues)."""
+        cu = self.cu_seqlens_q
+        for i, buffers in enumerate(self.buffers):
+            if buffers is None:
+                continue
+            start, lo, hi = self.starts[i], cu[i], cu[i + 1]
+            cached_k, cached_v = buffers.layer(layer, k)
+            if self.keep[i]:
+                cached_k[start : start + hi - lo] = k[lo:hi]
+                cached_v[start : start + hi - lo] = v[lo:hi]
+            yield i, cached_k, cached_v
 
     def extend_shared(
         self, k: torch.Tensor, v: torch.Tensor

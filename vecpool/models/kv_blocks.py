@@ -171,16 +171,8 @@ class PrefixKV:
     ) -> None:
         """Keep the rows of chunks that continue in their prompts' buffers, and copy the
         positions earlier chunks left there (after the cached prefix) among the keys."""
-        cu = kv.cu_seqlens_q
-        for i, buffers in enumerate(kv.buffers):
-            if buffers is None:
-                continue
-            start, lo, hi = kv.starts[i], cu[i], cu[i + 1]
-            cached_k, cached_v = buffers.layer(layer, k)
-            if kv.keep[i]:
-                cached_k[start : start + hi - lo] = k[lo:hi]
-                cached_v[start : start + hi - lo] = v[lo:hi]
-            first = self.prefix_tokens[i]
+        for i, cached_k, cached_v in kv.buffered(layer, k, v):
+            start, first = kv.starts[i], self.prefix_tokens[i]
             at = key_starts[i] - past_prefix * first  # the key row of prompt position 0
             if start > first and keys is not None and values is not None:
                 keys[at + first : at + start] = cached_k[first:start]
