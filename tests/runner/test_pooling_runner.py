@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from vecpool.config import SEQUENCE_METHODS
 from vecpool.inputs import Prompt
 from vecpool.models.st import DenseStack
 from vecpool.pooling.heads import (
@@ -26,7 +27,6 @@ from vecpool.pooling.heads import (
     TokenClassifierHead,
     TokenEmbedHead,
 )
-from vecpool.pooling.methods import SEQUENCE_METHODS
 from vecpool.runner.batch import build_flat_batch
 from vecpool.runner.kv_cache import KVCache
 from vecpool.runner.pooling_runner import PoolingRunner
