@@ -42,6 +42,17 @@ class Options:
         base = options if options is not None else cls()
         return replace(base, **keywords) if keywords else base
 
+    def keywords(self) -> dict[str, Any]:
+        """The options set away from their defaults, by name: the keywords of the task's
+        `Engine` method that give this call (fields the method lacks are left at defaults)."""
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is f.default or (f.default is not None and value == f.default):
+                continue
+            out[f.name] = value
+        return out
+
 
 @dataclass(frozen=True)
 class EncodeOptions(Options):
@@ -105,6 +116,10 @@ class RerankOptions(Options):
 
     def __post_init__(self) -> None:
         check_top_n(self.top_n)
+
+    def score(self) -> ScoreOptions:
+        """The options of scoring the query against each document."""
+        return ScoreOptions.of(vars(self))
 
 
 @dataclass(frozen=True)
