@@ -32,18 +32,15 @@ async def pooling(request: Request, data: dict[str, Any]) -> Response:
     body = validate(PoolingChatRequest if "messages" in data else PoolingRequest, data)
     state = state.for_model(body.model)
     inputs = TextInputs(state, body)
-    options = EncodeOptions(
-        task=body.task,
-        dimensions=body.dimensions,
-        normalize=body.normalize,
-        step_tag_id=body.step_tag_id,
-        use_activation=body.use_activation,
-        exclude_special_tokens=body.exclude_special_tokens,
-        truncate_prompt_tokens=state.truncate(body),
-        truncation_side=body.truncation_side,
-        prompt_name=body.prompt_name,
-        add_special_tokens=inputs.add_special_tokens,
-        matryoshka_only=True,  # vLLM's rule for `dimensions`
+    # The body's fields are vLLM's names for the options (task, dimensions, normalize,
+    # step_tag_id, use_activation, exclude_special_tokens, the truncation, prompt_name,
+    # add_special_tokens): each is read by its name.
+    options = EncodeOptions.of(
+        {
+            **dict(body),
+            "truncate_prompt_tokens": state.truncate(body),
+            "matryoshka_only": True,  # vLLM's rule for `dimensions`
+        }
     )
 
     def prepare() -> PreparedCall[list[np.ndarray]]:
