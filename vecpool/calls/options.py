@@ -4,7 +4,9 @@ functions, the HTTP routes, Ray and the command line.
 
 `Engine`'s methods keep their keyword signatures (the public API) and build their task's
 options from them in one place (`Options.of(locals())`); a test holds each method's keywords
-and defaults equal to its options' fields.
+and defaults equal to its options' fields. An entry point builds its task's options once, from
+its request or its arguments, and hands them to a `prepare_*` function, or to the Engine's
+method as `options.keywords()`.
 """
 
 from __future__ import annotations
