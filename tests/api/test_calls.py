@@ -87,6 +87,49 @@ def test_top_n_none_and_zero_rank_every_document(minilm: vecpool.Engine) -> None
         minilm.prepare_rerank("cats", docs, top_n=-1)
 
 
+def test_an_options_object_and_its_keywords_give_one_call(
+    minilm: vecpool.Engine, remote: CallContext
+) -> None:
+    """What the HTTP routes, Ray and the CLI do: build a task's options once, then hand them
+    to `prepare_*` or, as keywords, to the Engine's method; both give the engine's vectors."""
+    texts = ["A man is eating food.", "ok " * 300]
+    options = calls.EmbedOptions(dimensions=128, truncate_prompt_tokens=-1, prompt_name=None)
+    assert options.keywords() == {"dimensions": 128, "truncate_prompt_tokens": -1}
+    assert calls.EmbedOptions().keywords() == {}
+    ranges = np.ones((2, 4), np.float32)
+    assert calls.EmbedOptions(precision="int8", ranges=ranges).keywords() == {
+        "precision": "int8",
+        "ranges": ranges,
+    }
+    by_keywords = minilm.embed(texts, **options.keywords())
+    assert by_keywords.shape == (2, 128)
+    prepared = calls.prepare_encode(remote, texts, options.encode())
+    assert np.array_equal(np.stack(minilm.run(prepared)), by_keywords)
+    # The same options as keywords of prepare_encode, and an object with keywords over it.
+    keyed = calls.prepare_encode(remote, texts, task="embed", **options.keywords())
+    base = calls.EncodeOptions(task="embed", truncate_prompt_tokens=-1)
+    over = calls.prepare_encode(remote, texts, base, dimensions=128)
+    assert [r.params for r in keyed.requests] == [r.params for r in prepared.requests]
+    assert [r.params for r in over.requests] == [r.params for r in prepared.requests]
+
+
+def test_rerank_scores_with_its_own_options(minilm: vecpool.Engine) -> None:
+    options = calls.RerankOptions(
+        top_n=2,
+        use_activation=None,
+        max_tokens_per_doc=3,
+        truncate_prompt_tokens=5,
+        truncation_side="left",
+    )
+    assert options.score() == calls.ScoreOptions(truncate_prompt_tokens=5, truncation_side="left")
+    docs = ["a dog", "a cat", "a car"]
+    ranked = minilm.run(calls.prepare_rerank(minilm.context, "cats", docs, options=options))
+    assert ranked == minilm.rerank(
+        "cats", docs, 2, max_tokens_per_doc=3, truncate_prompt_tokens=5, truncation_side="left"
+    )
+    assert len(ranked) == 2
+
+
 def test_pairing_rules(remote: CallContext) -> None:
     with pytest.raises(vecpool.InputError, match="first side has 3 inputs and the second 2"):
         calls.prepare_score(remote, ["a", "b", "c"], ["d", "e"])

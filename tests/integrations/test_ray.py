@@ -18,6 +18,8 @@ from ray import serve
 
 import vecpool.ray
 from vecpool import Engine, EngineArgs
+from vecpool.calls import EmbedOptions
+from vecpool.integrations.ray_data import EngineActor
 from vecpool.integrations.ray_serve import build_app, deployment_options
 
 # The first batch is slow (long texts) and the rest fast: one actor is still on it while the
@@ -128,3 +130,15 @@ def test_deployment_options_from_serve_run_arguments() -> None:
         deployment_options({"num_replicas": "2", "max_replicas": 4})
     with pytest.raises(ValueError, match="unknown argument"):
         build_app({"replicas": "2"})
+
+
+def test_actor_hands_its_options_to_the_engine(engine: Engine) -> None:
+    """One actor, called in this process: the task's options object reaches `Engine.embed`."""
+    options = EmbedOptions(dimensions=64, truncate_prompt_tokens=8)
+    actor = EngineActor(EngineArgs(device="cpu"), "embed", ("text",), "vec", options)
+    batch = {"text": np.array(TEXTS[:3], dtype=object), "id": np.arange(3)}
+    out = actor(batch)
+    assert out["vec"].shape == (3, 64)
+    expected = engine.embed(TEXTS[:3], dimensions=64, truncate_prompt_tokens=8)
+    assert np.abs(out["vec"] - expected).max() < TOLERANCE
+    assert np.array_equal(out["id"], batch["id"])

@@ -115,3 +115,14 @@ def test_task_the_model_lacks(server: Server) -> None:
 )
 def test_bad_scoring_requests(cross_server: Server, path: str, body: dict, param: str) -> None:
     assert_error(cross_server.post(path, body), 400, param)
+
+
+def test_use_activation_of_cosine_scores_is_refused_naming_the_field(server: Server) -> None:
+    """An embedding model's scores are cosines: `use_activation` has no activation to switch,
+    and the 400 names the request's field as sent."""
+    for path, body in (
+        ("/score", {"text_1": QUERY, "text_2": DOCS, "use_activation": True}),
+        ("/rerank", {"query": QUERY, "documents": DOCS, "use_activation": True}),
+    ):
+        message = assert_error(server.post(path, body), 400, "use_activation")
+        assert "use_activation applies to cross-encoder and LLM scores" in message

@@ -4,7 +4,9 @@ functions, the HTTP routes, Ray and the command line.
 
 `Engine`'s methods keep their keyword signatures (the public API) and build their task's
 options from them in one place (`Options.of(locals())`); a test holds each method's keywords
-and defaults equal to its options' fields.
+and defaults equal to its options' fields. An entry point builds its task's options once, from
+its request or its arguments, and hands them to a `prepare_*` function, or to the Engine's
+method as `options.keywords()`.
 """
 
 from __future__ import annotations
@@ -41,6 +43,17 @@ class Options:
         takes, an options object, keywords, or both."""
         base = options if options is not None else cls()
         return replace(base, **keywords) if keywords else base
+
+    def keywords(self) -> dict[str, Any]:
+        """The options set away from their defaults, by name: the keywords of the task's
+        `Engine` method that give this call (fields the method lacks are left at defaults)."""
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is f.default or (f.default is not None and value == f.default):
+                continue
+            out[f.name] = value
+        return out
 
 
 @dataclass(frozen=True)
@@ -105,6 +118,10 @@ class RerankOptions(Options):
 
     def __post_init__(self) -> None:
         check_top_n(self.top_n)
+
+    def score(self) -> ScoreOptions:
+        """The options of scoring the query against each document."""
+        return ScoreOptions.of(vars(self))
 
 
 @dataclass(frozen=True)

@@ -209,9 +209,9 @@ def prepare_score(
         return PreparedCall(requests, _pair_scores)
     if o.use_activation is not None:
         raise InputError(
-            f"o.use_activation applies to cross-encoder and LLM scores, not to "
+            f"use_activation applies to cross-encoder and LLM scores, not to "
             f"{info.score_mode} scoring",
-            field="o.use_activation",
+            field="use_activation",
         )
     if info.score_mode == "listwise":  # the query and its documents in shared prompts
         pairs = text_pairs(lefts, rights)
@@ -363,14 +363,7 @@ def prepare_rerank(
     if o.max_tokens_per_doc is not None:
         docs = cut_documents(ctx, docs, o.max_tokens_per_doc)
     try:
-        scores = prepare_score(
-            ctx,
-            query,
-            docs,
-            use_activation=o.use_activation,
-            truncate_prompt_tokens=o.truncate_prompt_tokens,
-            truncation_side=o.truncation_side,
-        )
+        scores = prepare_score(ctx, query, docs, o.score())
     except InputError as exc:
         raise _rerank_error(exc) from None
 
@@ -436,14 +429,14 @@ def prepare_embed_sparse(
 ) -> PreparedCall[SparseResult]:
     """The requests of `Engine.embed_sparse`, and its result: `{token: weight}` per input."""
     o = SparseOptions.build(options, keywords)
-    # Only a o.prompt the call names: sparse calls never took the folder's default o.prompt.
+    # Only a prompt the call names: sparse calls never took the folder's default prompt.
     named = o.prompt_name is not None or o.prompt is not None
     named_prompt = instruction(ctx, o.prompt_name, o.prompt) if named else None
     tokenizer = ctx.tokenizer
     if o.return_tokens and tokenizer is None:
         raise InputError(
-            "o.return_tokens needs the model's tokenizer, and the folder has none",
-            field="o.return_tokens",
+            "return_tokens needs the model's tokenizer, and the folder has none",
+            field="return_tokens",
         )
     requests = make_requests(
         ctx,

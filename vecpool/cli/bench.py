@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from vecpool.api.args import DEFAULT_MODEL_NAME, EngineArgs
+from vecpool.calls import EmbedOptions
 from vecpool.errors import ConfigError
 
 if TYPE_CHECKING:  # the command line loads torch only to run a model
@@ -57,12 +58,13 @@ def run_bench(args: argparse.Namespace, engine: Engine | None = None) -> int:
     import torch
 
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
-    engine.embed(texts[:256], truncate_prompt_tokens=-1, show_progress=False)  # warm-up
+    options = EmbedOptions(truncate_prompt_tokens=-1).keywords()  # inputs cut to the limit
+    engine.embed(texts[:256], **options, show_progress=False)  # warm-up
     seconds = []
     for _ in range(args.repeats):
         sync()
         start = time.perf_counter()
-        engine.embed(texts, truncate_prompt_tokens=-1, show_progress=False)
+        engine.embed(texts, **options, show_progress=False)
         sync()
         seconds.append(time.perf_counter() - start)
     median = statistics.median(seconds)

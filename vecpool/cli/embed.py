@@ -21,6 +21,7 @@ import numpy as np
 from tqdm import tqdm
 
 from vecpool.api.args import DEFAULT_MODEL_NAME, EngineArgs
+from vecpool.calls import EmbedOptions
 from vecpool.cli.common import CommandError
 from vecpool.cli.corpus import (
     INPUT_FORMATS,
@@ -33,7 +34,7 @@ from vecpool.cli.corpus import (
     read_line_chunks,
 )
 from vecpool.cli.output import WorkFolder, check_output
-from vecpool.cli.parallel import EmbedOptions, LocalEmbedder, ProcessEmbedder
+from vecpool.cli.parallel import LocalEmbedder, ProcessEmbedder
 from vecpool.errors import InputError
 
 if TYPE_CHECKING:  # torch loads where a model runs
@@ -215,7 +216,7 @@ def _embed_corpus(args: argparse.Namespace, engine: Engine | None, output: Path)
     embedder: LocalEmbedder | ProcessEmbedder | None = None
     previous_sigterm = _interrupt_on_sigterm()
     try:
-        options = EmbedOptions(args.dimensions, args.normalize, args.truncate, args.prompt_name)
+        options = embed_options(args)
         if args.data_parallel_size > 1:
             embedder = ProcessEmbedder(engine_args, options, args.data_parallel_size, unit)
         else:
@@ -316,14 +317,14 @@ def _interrupt_on_sigterm() -> Any:
     return signal.signal(signal.SIGTERM, interrupt)
 
 
-def _embed(engine: Engine, inputs: list[Any], args: argparse.Namespace) -> np.ndarray:
-    return engine.embed(
-        inputs,
+def embed_options(args: argparse.Namespace) -> EmbedOptions:
+    """The per-call options of `vecpool embed`: --dimensions, --normalize, --truncate (the
+    model's limit, else an input over it fails), --prompt-name."""
+    return EmbedOptions(
         dimensions=args.dimensions,
         normalize=args.normalize,
         truncate_prompt_tokens=-1 if args.truncate else None,
         prompt_name=args.prompt_name,
-        show_progress=False,
     )
 
 
@@ -331,7 +332,7 @@ def _show_examples(engine: Engine, args: argparse.Namespace, load_seconds: float
     """Embed the example sentences; print how paraphrases compare with unrelated pairs."""
     sentences = list(dict.fromkeys(s for pair in PARAPHRASES + UNRELATED for s in pair))
     start = time.perf_counter()
-    vectors = _embed(engine, sentences, args)
+    vectors = engine.embed(sentences, **embed_options(args).keywords(), show_progress=False)
     seconds = time.perf_counter() - start
     unit = dict(
         zip(sentences, vectors / np.linalg.norm(vectors, axis=1, keepdims=True), strict=True)

@@ -14,13 +14,13 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from vecpool.api.args import EngineArgs, Replica
-from vecpool.calls import PreparedCall
+from vecpool.calls import EmbedOptions, PreparedCall
 
 if TYPE_CHECKING:  # torch loads where a model runs
     from vecpool.api import Engine
@@ -36,35 +36,23 @@ LIVENESS_INTERVAL = 0.5
 Result = tuple[Chunk, np.ndarray, int]  # a chunk, its vectors [rows, dim] float32, its tokens
 
 
-@dataclass(frozen=True)
-class EmbedOptions:
-    """The per-call options of `Engine.embed` that `vecpool embed` passes."""
+def prepare_chunk(
+    engine: Engine, options: EmbedOptions, inputs: list[Any]
+) -> PreparedCall[list[np.ndarray]] | None:
+    """The embed call of one chunk's inputs (None: no inputs)."""
+    return engine.prepare_encode(inputs, **options.encode().keywords()) if inputs else None
 
-    dimensions: int | None = None
-    normalize: bool | None = None
-    truncate: bool = True  # cut inputs over the model's limit (else they fail)
-    prompt_name: str | None = None
 
-    def prepare(self, engine: Engine, inputs: list[Any]) -> PreparedCall[list[np.ndarray]]:
-        return engine.prepare_encode(
-            inputs,
-            task="embed",
-            dimensions=self.dimensions,
-            normalize=self.normalize,
-            truncate_prompt_tokens=-1 if self.truncate else None,
-            prompt_name=self.prompt_name,
-        )
-
-    def run(
-        self, engine: Engine, call: PreparedCall[list[np.ndarray]] | None
-    ) -> tuple[np.ndarray, int]:
-        """(vectors `[n, dim]` float32, prompt tokens) of a prepared call (None: no inputs)."""
-        dim = engine.info().embed_dim(self.dimensions)
-        if call is None or not call.requests:
-            return np.zeros((0, dim), np.float32), 0
-        tokens = sum(request.prompt.num_tokens for request in call.requests)
-        vectors: list[np.ndarray] = engine.run(call, show_progress=False)
-        return np.stack(vectors), tokens
+def run_chunk(
+    engine: Engine, options: EmbedOptions, call: PreparedCall[list[np.ndarray]] | None
+) -> tuple[np.ndarray, int]:
+    """(vectors `[n, dim]` float32, prompt tokens) of a prepared call (None: no inputs)."""
+    dim = engine.info().embed_dim(options.dimensions)
+    if call is None or not call.requests:
+        return np.zeros((0, dim), np.float32), 0
+    tokens = sum(request.prompt.num_tokens for request in call.requests)
+    vectors: list[np.ndarray] = engine.run(call, show_progress=False)
+    return np.stack(vectors), tokens
 
 
 def located(exc: InputError, chunk: Chunk, unit: str) -> CommandError:
@@ -91,7 +79,7 @@ class LocalEmbedder:
             if chunk is None:
                 return None
             try:
-                call = self.options.prepare(self.engine, chunk.inputs) if chunk.inputs else None
+                call = prepare_chunk(self.engine, self.options, chunk.inputs)
             except InputError as exc:
                 raise located(exc, chunk, self.unit) from None
             return chunk, call
@@ -102,7 +90,7 @@ class LocalEmbedder:
                 chunk, call = item
                 upcoming = reader.submit(prepare)
                 try:
-                    vectors, tokens = self.options.run(self.engine, call)
+                    vectors, tokens = run_chunk(self.engine, self.options, call)
                 except InputError as exc:
                     raise located(exc, chunk, self.unit) from None
                 yield chunk, vectors, tokens
@@ -223,8 +211,7 @@ def _worker_main(
     while (task := tasks.get()) is not None:
         seq, inputs = task
         try:
-            call = options.prepare(engine, inputs) if inputs else None
-            vectors, tokens = options.run(engine, call)
+            vectors, tokens = run_chunk(engine, options, prepare_chunk(engine, options, inputs))
         except InputError as exc:
             results.put(("input_error", seq, exc.index, exc.field, exc.reason))
             continue

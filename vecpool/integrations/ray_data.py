@@ -23,6 +23,7 @@ import numpy as np
 import ray.data
 
 from vecpool.api import Engine, EngineArgs
+from vecpool.calls import ClassifyOptions, EmbedOptions, Options, ScoreOptions
 from vecpool.errors import InputError
 
 DEFAULT_BATCH_SIZE = 256
@@ -31,7 +32,8 @@ _TASKS = ("embed", "classify", "score")
 
 class EngineActor:
     """What each Ray actor runs: one engine, applied to one batch (a dict of numpy columns) at a
-    time; the batch comes back with `output_column` added."""
+    time; the batch comes back with `output_column` added. `options`: the task's options, given
+    to its `Engine` method."""
 
     def __init__(
         self,
@@ -39,7 +41,7 @@ class EngineActor:
         task: str,
         columns: tuple[str, ...],
         output_column: str,
-        options: dict[str, Any],
+        options: Options,
     ):
         if task not in _TASKS:
             raise ValueError(f"task {task!r} is not one of {_TASKS}")
@@ -54,7 +56,7 @@ class EngineActor:
             [_as_input(v, column, i) for i, v in enumerate(batch[column])]
             for column in self.columns
         ]
-        opts = {**self.options, "show_progress": False}
+        opts = {**self.options.keywords(), "show_progress": False}
         if self.task == "embed":
             result = self.engine.embed(sides[0], **opts)
         elif self.task == "classify":
@@ -82,12 +84,12 @@ def embed(
     1), `num_gpus` / `num_cpus` per actor, `batch_size` (rows per call; default 256),
     `preserve_order` (default True: Ray Data keeps the rows' order) and any other
     `map_batches` argument (e.g. `compute`, `memory`, `runtime_env`)."""
-    options = {
-        "dimensions": dimensions,
-        "normalize": normalize,
-        "truncate_prompt_tokens": truncate_prompt_tokens,
-        "prompt_name": prompt_name,
-    }
+    options = EmbedOptions(
+        dimensions=dimensions,
+        normalize=normalize,
+        truncate_prompt_tokens=truncate_prompt_tokens,
+        prompt_name=prompt_name,
+    )
     return _map(ds, "embed", (column,), output_column, engine_args, options, pool)
 
 
@@ -103,7 +105,9 @@ def classify(
 ) -> ray.data.Dataset:
     """`ds` with `output_column`: each row's class scores `[num_labels]` (probabilities by
     the model's activation; logits with `use_activation=False`). `pool`: as for `embed`."""
-    options = {"use_activation": use_activation, "truncate_prompt_tokens": truncate_prompt_tokens}
+    options = ClassifyOptions(
+        use_activation=use_activation, truncate_prompt_tokens=truncate_prompt_tokens
+    )
     return _map(ds, "classify", (column,), output_column, engine_args, options, pool)
 
 
@@ -121,7 +125,9 @@ def score(
     """`ds` with `output_column`: the relevance of each row's document to its query, as
     `Engine.score` gives it (a cross-encoder, an LLM reranker, MaxSim or cosine, by the
     model). `pool`: as for `embed`."""
-    options = {"use_activation": use_activation, "truncate_prompt_tokens": truncate_prompt_tokens}
+    options = ScoreOptions(
+        use_activation=use_activation, truncate_prompt_tokens=truncate_prompt_tokens
+    )
     columns = (query_column, document_column)
     return _map(ds, "score", columns, output_column, engine_args, options, pool)
 
@@ -132,7 +138,7 @@ def _map(
     columns: tuple[str, ...],
     output_column: str,
     engine_args: EngineArgs | None,
-    options: dict[str, Any],
+    options: Options,
     pool: dict[str, Any],
 ) -> ray.data.Dataset:
     names = ds.schema().names if ds.schema() is not None else None

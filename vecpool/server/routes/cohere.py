@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from vecpool import calls
-from vecpool.calls import PreparedCall, postprocess
+from vecpool.calls import EmbedOptions, PreparedCall, postprocess
 from vecpool.errors import InputError
 from vecpool.server.codec import to_bytes
 from vecpool.server.errors import ApiError, answered_as, cohere_error, input_error
@@ -84,19 +84,15 @@ async def embed(request: Request, data: dict[str, Any], *, version: int) -> Resp
         raise ApiError(
             400, "max_tokens cuts texts: it needs truncate START or END", param="max_tokens"
         )
-    truncate = None if body.truncate == "NONE" else (body.max_tokens or -1)
-    prompt_name = calls.role_prompt_name(state.info, ROLES.get(body.input_type or ""))
+    options = EmbedOptions(
+        dimensions=body.output_dimension,
+        truncate_prompt_tokens=None if body.truncate == "NONE" else (body.max_tokens or -1),
+        truncation_side="left" if body.truncate == "START" else "right",
+        prompt_name=calls.role_prompt_name(state.info, ROLES.get(body.input_type or "")),
+    )
 
     def prepare() -> PreparedCall[list[np.ndarray]]:
-        return calls.prepare_encode(
-            state.context,
-            texts,
-            task="embed",
-            dimensions=body.output_dimension,
-            truncate_prompt_tokens=truncate,
-            truncation_side="left" if body.truncate == "START" else "right",
-            prompt_name=prompt_name,
-        )
+        return calls.prepare_encode(state.context, texts, options.encode())
 
     vectors, timings = await run_call(
         state, request, request.url.path, prepare, len(texts), texts_error

@@ -130,6 +130,9 @@ async def embeddings(request: Request, data: dict[str, Any]) -> Response:
         truncate_prompt_tokens=state.truncate(body),
         truncation_side=body.truncation_side,
         prompt_name=body.prompt_name,
+        precision=body.precision,
+        ranges=ranges,
+        windowed=body.windowed,
         add_special_tokens=inputs.add_special_tokens,
         matryoshka_only=matryoshka_only,
     )
@@ -138,7 +141,7 @@ async def embeddings(request: Request, data: dict[str, Any]) -> Response:
         return calls.prepare_encode(state.context, inputs.decode(), options.encode())
 
     info = state.info
-    if body.windowed if body.windowed is not None else info.windowed_embed:
+    if options.windowed if options.windowed is not None else info.windowed_embed:
 
         def prepare_windowed() -> PreparedCall[np.ndarray]:
             return windowed.prepare_embed_windowed(state.context, inputs.decode(), options)
@@ -150,8 +153,8 @@ async def embeddings(request: Request, data: dict[str, Any]) -> Response:
     else:
         vectors, timings = await run_call(state, request, request.url.path, prepare, len(inputs))
 
-    if body.precision != "float32":
-        stacked = postprocess.quantize(np.stack(vectors), body.precision, ranges)
+    if options.precision != "float32":
+        stacked = postprocess.quantize(np.stack(vectors), options.precision, options.ranges)
         vectors = list(stacked)
     return await render(
         vectors,

@@ -11,7 +11,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from vecpool import calls
-from vecpool.calls import PreparedCall
+from vecpool.calls import EncodeOptions, PreparedCall
 from vecpool.server.protocol import PoolingChatRequest, PoolingRequest, openapi_body
 from vecpool.server.routes.common import read_json, render, render_vectors, run_call, validate
 from vecpool.server.routes.embeddings import TextInputs
@@ -32,23 +32,19 @@ async def pooling(request: Request, data: dict[str, Any]) -> Response:
     body = validate(PoolingChatRequest if "messages" in data else PoolingRequest, data)
     state = state.for_model(body.model)
     inputs = TextInputs(state, body)
+    # The body's fields are vLLM's names for the options (task, dimensions, normalize,
+    # step_tag_id, use_activation, exclude_special_tokens, the truncation, prompt_name,
+    # add_special_tokens): each is read by its name.
+    options = EncodeOptions.of(
+        {
+            **dict(body),
+            "truncate_prompt_tokens": state.truncate(body),
+            "matryoshka_only": True,  # vLLM's rule for `dimensions`
+        }
+    )
 
     def prepare() -> PreparedCall[list[np.ndarray]]:
-        return calls.prepare_encode(
-            state.context,
-            inputs.decode(),
-            task=body.task,
-            dimensions=body.dimensions,
-            normalize=body.normalize,
-            step_tag_id=body.step_tag_id,
-            use_activation=body.use_activation,
-            exclude_special_tokens=body.exclude_special_tokens,
-            truncate_prompt_tokens=state.truncate(body),
-            truncation_side=body.truncation_side,
-            prompt_name=body.prompt_name,
-            add_special_tokens=inputs.add_special_tokens,
-            matryoshka_only=True,  # vLLM's rule for `dimensions`
-        )
+        return calls.prepare_encode(state.context, inputs.decode(), options)
 
     vectors, timings = await run_call(state, request, "/pooling", prepare, len(inputs))
     return await render(

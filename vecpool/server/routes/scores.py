@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from vecpool import calls
-from vecpool.calls import PreparedCall
+from vecpool.calls import ClassifyOptions, PreparedCall, RerankOptions, ScoreOptions
 from vecpool.server.errors import ApiError, answered_as, infinity_error, side_errors
 from vecpool.server.protocol import (
     SCORE_SHAPES,
@@ -83,14 +83,12 @@ async def infinity_rerank(request: Request, data: dict[str, Any]) -> Response:
     state.check_count(len(body.documents), "documents")
 
     def prepare() -> PreparedCall[list[tuple[int, float]]]:
-        return calls.prepare_rerank(
-            state.context,
-            body.query,
-            body.documents,
-            body.top_n,
+        options = RerankOptions(  # built here: its checks answer as the call's errors
+            top_n=body.top_n,
             use_activation=not body.raw_scores,
-            truncate_prompt_tokens=state.truncate(),  # Infinity's bodies: --auto-truncate decides,
+            truncate_prompt_tokens=state.truncate(),  # Infinity's bodies: --auto-truncate decides
         )
+        return calls.prepare_rerank(state.context, body.query, body.documents, options=options)
 
     ranked, timings = await run_call(
         state, request, request.url.path, prepare, len(body.documents) + 1, RERANK_ERRORS
@@ -136,16 +134,14 @@ async def rerank(request: Request, data: dict[str, Any]) -> Response:
     texts = [d if isinstance(d, str) else d.text for d in body.documents]
 
     def prepare() -> PreparedCall[list[tuple[int, float]]]:
-        return calls.prepare_rerank(
-            state.context,
-            body.query,
-            texts,
-            body.top_n,
+        options = RerankOptions(  # built here: its checks answer as the call's errors
+            top_n=body.top_n,
             use_activation=use_activation,
             max_tokens_per_doc=body.max_tokens_per_doc,
             truncate_prompt_tokens=state.truncate(body),
             truncation_side=body.truncation_side,
         )
+        return calls.prepare_rerank(state.context, body.query, texts, options=options)
 
     ranked, timings = await run_call(
         state, request, request.url.path, prepare, len(texts) + 1, RERANK_ERRORS
@@ -217,17 +213,15 @@ async def score(request: Request, data: dict[str, Any]) -> Response:
     seconds = [second] if isinstance(second, str) else second
     state.check_count(len(firsts), first_name)
     state.check_count(len(seconds), second_name)
+    options = ScoreOptions(
+        use_activation=body.use_activation,
+        truncate_prompt_tokens=state.truncate(body),
+        truncation_side=body.truncation_side,
+        one_score=True,
+    )
 
     def prepare() -> PreparedCall[np.ndarray]:
-        return calls.prepare_score(
-            state.context,
-            firsts,
-            seconds,
-            use_activation=body.use_activation,
-            truncate_prompt_tokens=state.truncate(body),
-            truncation_side=body.truncation_side,
-            one_score=True,
-        )
+        return calls.prepare_score(state.context, firsts, seconds, options)
 
     to_api_error = side_errors(
         {"text_1": first_name, "text_2": second_name},
@@ -265,16 +259,15 @@ async def classify(request: Request, data: dict[str, Any]) -> Response:
     body = validate(ClassifyChatRequest if "messages" in data else ClassifyRequest, data)
     state = state.for_model(body.model)
     inputs = TextInputs(state, body)
+    options = ClassifyOptions(
+        use_activation=body.use_activation,
+        truncate_prompt_tokens=state.truncate(body),
+        truncation_side=body.truncation_side,
+        add_special_tokens=inputs.add_special_tokens,
+    )
 
     def prepare() -> PreparedCall[np.ndarray]:
-        return calls.prepare_classify(
-            state.context,
-            inputs.decode(),
-            use_activation=body.use_activation,
-            truncate_prompt_tokens=state.truncate(body),
-            truncation_side=body.truncation_side,
-            add_special_tokens=inputs.add_special_tokens,
-        )
+        return calls.prepare_classify(state.context, inputs.decode(), options)
 
     probs, timings = await run_call(state, request, request.url.path, prepare, len(inputs))
     rendered = await asyncio.to_thread(_classes, probs, state.info.id2label)
@@ -323,13 +316,13 @@ async def infinity_classify(request: Request, data: dict[str, Any]) -> Response:
             code="unsupported_by_model",
         )
 
+    options = ClassifyOptions(
+        use_activation=not body.raw_scores,
+        truncate_prompt_tokens=state.truncate(),  # Infinity's bodies: --auto-truncate decides
+    )
+
     def prepare() -> PreparedCall[np.ndarray]:
-        return calls.prepare_classify(
-            state.context,
-            texts,
-            use_activation=not body.raw_scores,
-            truncate_prompt_tokens=state.truncate(),  # Infinity's bodies: --auto-truncate decides,
-        )
+        return calls.prepare_classify(state.context, texts, options)
 
     scores, timings = await run_call(state, request, request.url.path, prepare, len(texts))
     labels = [info.id2label.get(i, f"LABEL_{i}") for i in range(scores.shape[1])]

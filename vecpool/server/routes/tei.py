@@ -19,7 +19,15 @@ from starlette.responses import Response
 
 import vecpool
 from vecpool import calls
-from vecpool.calls import EngineInfo, PreparedCall
+from vecpool.calls import (
+    ClassifyOptions,
+    EmbedOptions,
+    EncodeOptions,
+    EngineInfo,
+    PreparedCall,
+    RerankOptions,
+    SparseOptions,
+)
 from vecpool.errors import InputError
 from vecpool.server.codec import json_type, parse_inputs
 from vecpool.server.errors import ApiError, answered_as, input_error, side_errors, tei_error
@@ -108,16 +116,14 @@ async def embed(request: Request, data: dict[str, Any]) -> Response:
     state = get_state(request)
     body = validate(TeiEmbedRequest, data)
     items = text_inputs(state, body.inputs)
-
-    return await _encode(
-        request,
-        state,
-        body,
-        items,
-        task="embed",
+    options = EmbedOptions(
         dimensions=body.dimensions,
         normalize=body.normalize,
+        truncate_prompt_tokens=truncation(state, body),
+        truncation_side=side(body),
+        prompt_name=body.prompt_name,
     )
+    return await _encode(request, state, items, options.encode())
 
 
 @router.post("/embed_all", openapi_extra=openapi_body(TeiTokensRequest))
@@ -131,29 +137,24 @@ async def embed_all(request: Request, data: dict[str, Any]) -> Response:
     state = get_state(request)
     body = validate(TeiTokensRequest, data)
     items = text_inputs(state, body.inputs)
-
-    return await _encode(request, state, body, items, task="token_embed", normalize=False)
+    options = EncodeOptions(
+        task="token_embed",
+        normalize=False,
+        truncate_prompt_tokens=truncation(state, body),
+        truncation_side=side(body),
+        prompt_name=body.prompt_name,
+    )
+    return await _encode(request, state, items, options)
 
 
 async def _encode(
-    request: Request,
-    state: ServerState,
-    body: TeiEmbedRequest | TeiTokensRequest,
-    items: list[str | list[int]],
-    **params: Any,
+    request: Request, state: ServerState, items: list[str | list[int]], options: EncodeOptions
 ) -> Response:
-    """`calls.prepare_encode` of `items` with `params` and the body's truncation and prompt,
-    answered as TEI does: an array (of arrays) per input."""
+    """`calls.prepare_encode` of `items` with `options`, answered as TEI does: an array (of
+    arrays) per input."""
 
     def prepare() -> PreparedCall[list[np.ndarray]]:
-        return calls.prepare_encode(
-            state.context,
-            items,
-            truncate_prompt_tokens=truncation(state, body),
-            truncation_side=side(body),
-            prompt_name=body.prompt_name,
-            **params,
-        )
+        return calls.prepare_encode(state.context, items, options)
 
     arrays, timings = await run_call(
         state, request, request.url.path, prepare, len(items), inputs_error
@@ -173,15 +174,14 @@ async def embed_sparse(request: Request, data: dict[str, Any]) -> Response:
     state = get_state(request)
     body = validate(TeiTokensRequest, data)
     items = text_inputs(state, body.inputs)
+    options = SparseOptions(
+        truncate_prompt_tokens=truncation(state, body),
+        truncation_side=side(body),
+        prompt_name=body.prompt_name,
+    )
 
     def prepare() -> PreparedCall[calls.SparseResult]:
-        return calls.prepare_embed_sparse(
-            state.context,
-            items,
-            truncate_prompt_tokens=truncation(state, body),
-            truncation_side=side(body),
-            prompt_name=body.prompt_name,
-        )
+        return calls.prepare_embed_sparse(state.context, items, options)
 
     vectors, timings = await run_call(
         state, request, request.url.path, prepare, len(items), inputs_error
@@ -203,15 +203,14 @@ async def predict(request: Request, data: dict[str, Any]) -> Response:
     body = validate(TeiPredictRequest, data)
     items, single = predict_inputs(body.inputs)
     state.check_count(len(items), "inputs")
+    options = ClassifyOptions(
+        use_activation=False if body.raw_scores else None,
+        truncate_prompt_tokens=truncation(state, body),
+        truncation_side=side(body),
+    )
 
     def prepare() -> PreparedCall[np.ndarray]:
-        return calls.prepare_classify(
-            state.context,
-            items,
-            use_activation=False if body.raw_scores else None,
-            truncate_prompt_tokens=truncation(state, body),
-            truncation_side=side(body),
-        )
+        return calls.prepare_classify(state.context, items, options)
 
     scores, timings = await run_call(
         state, request, request.url.path, prepare, len(items), inputs_error
@@ -266,16 +265,14 @@ async def rerank(request: Request, data: dict[str, Any]) -> Response:
     if not body.texts:
         raise ApiError(400, "`texts` cannot be empty", param="texts", code="empty_input")
     state.check_count(len(body.texts), "texts")
+    options = RerankOptions(
+        use_activation=False if body.raw_scores else None,
+        truncate_prompt_tokens=truncation(state, body),
+        truncation_side=side(body),
+    )
 
     def prepare() -> PreparedCall[list[tuple[int, float]]]:
-        return calls.prepare_rerank(
-            state.context,
-            body.query,
-            body.texts,
-            use_activation=False if body.raw_scores else None,
-            truncate_prompt_tokens=truncation(state, body),
-            truncation_side=side(body),
-        )
+        return calls.prepare_rerank(state.context, body.query, body.texts, options=options)
 
     ranked, timings = await run_call(
         state, request, request.url.path, prepare, len(body.texts) + 1, RERANK_ERRORS
