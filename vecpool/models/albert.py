@@ -20,6 +20,7 @@ from vecpool.models.attention import AttentionMetadata
 from vecpool.models.base import Capability, PoolingModel
 from vecpool.models.bert import BertConfig, BertEmbeddings, BertSelfAttention, vocab_logits
 from vecpool.models.electra import embedding_width, pad_to_hidden
+from vecpool.models.encoder_heads import MaskedLM, TokenClassifier
 from vecpool.models.hf import hf_get
 from vecpool.models.layers import activation
 
@@ -150,18 +151,8 @@ class AlbertForSequenceClassification(AlbertModel):
         return self.classifier(torch.tanh(self.pooler(pooled)))
 
 
-class AlbertForTokenClassification(AlbertModel):
+class AlbertForTokenClassification(TokenClassifier, AlbertModel):
     """`classifier` on every token row."""
-
-    capabilities = frozenset({Capability.TOKEN_CLASSIFIER})
-
-    def __init__(self, c: BertConfig, embedding_size: int, groups: int, inner_group_num: int):
-        super().__init__(c, embedding_size, groups, inner_group_num)
-        self.num_labels = c.num_labels
-        self.classifier = nn.Linear(c.hidden_size, c.num_labels)
-
-    def classify_tokens(self, rows: torch.Tensor) -> torch.Tensor:
-        return self.classifier(rows)
 
 
 class AlbertMLMHead(nn.Module):
@@ -178,7 +169,7 @@ class AlbertMLMHead(nn.Module):
         return self.LayerNorm(self.act(self.dense(x)))
 
 
-class AlbertForMaskedLM(AlbertModel):
+class AlbertForMaskedLM(MaskedLM, AlbertModel):
     """ALBERT with its masked-LM head `predictions` (to the embedding width, then the tied
     decoder)."""
 
@@ -186,23 +177,10 @@ class AlbertForMaskedLM(AlbertModel):
         "predictions.decoder.weight": "embeddings.word_embeddings.weight",
         "predictions.decoder.bias": "predictions.bias",
     }
-    capabilities = frozenset({Capability.MASKED_LM})
 
-    def __init__(
-        self,
-        c: BertConfig,
-        embedding_size: int,
-        groups: int,
-        inner_group_num: int,
-        tied: bool = True,
-    ):
+    def __init__(self, c: BertConfig, embedding_size: int, groups: int, inner_group_num: int):
         super().__init__(c, embedding_size, groups, inner_group_num)
-        self.tie_word_embeddings = tied
         self.predictions = AlbertMLMHead(c, embedding_size)
-
-    @classmethod
-    def from_hf_config(cls, hf: dict[str, Any]) -> PoolingModel:
-        return cls(*cls.albert_config(hf), tied=bool(hf.get("tie_word_embeddings", True)))
 
     def compute_logits(
         self, rows: torch.Tensor, vocab_ids: torch.Tensor | None = None

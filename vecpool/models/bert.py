@@ -17,6 +17,12 @@ from torch import nn
 from vecpool.errors import ConfigError
 from vecpool.models.attention import AttentionMetadata, flat_attention
 from vecpool.models.base import Capability, PoolingModel, hf_num_labels
+from vecpool.models.encoder_heads import (
+    HeadSequenceClassifier,
+    MaskedLM,
+    PooledSequenceClassifier,
+    TokenClassifier,
+)
 from vecpool.models.layers import (
     FusedProjections,
     activation,
@@ -217,67 +223,17 @@ class RobertaModel(BertModel):
         return BertConfig.from_hf(hf, position_offset=int(hf.get("pad_token_id", 1)) + 1)
 
 
-class BertPooler(nn.Module):
-    def __init__(self, c: BertConfig):
-        super().__init__()
-        self.dense = nn.Linear(c.hidden_size, c.hidden_size)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.dense(x))
-
-
-class BertForSequenceClassification(BertModel):
+class BertForSequenceClassification(PooledSequenceClassifier, BertModel):
     """The CLS row through BERT's pooler (dense, tanh), then `classifier`."""
 
-    capabilities = frozenset({Capability.SEQUENCE_CLASSIFIER})
 
-    def __init__(self, c: BertConfig):
-        super().__init__(c)
-        self.num_labels = c.num_labels
-        self.pooler = BertPooler(c)
-        self.classifier = nn.Linear(c.hidden_size, c.num_labels)
-
-    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
-        return self.classifier(self.pooler(pooled))
-
-
-class RobertaClassificationHead(nn.Module):
-    def __init__(self, c: BertConfig):
-        super().__init__()
-        self.dense = nn.Linear(c.hidden_size, c.hidden_size)
-        self.out_proj = nn.Linear(c.hidden_size, c.num_labels)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out_proj(torch.tanh(self.dense(x)))
-
-
-class RobertaForSequenceClassification(RobertaModel):
+class RobertaForSequenceClassification(HeadSequenceClassifier, RobertaModel):
     """The CLS (`<s>`) row through `classifier.dense`, tanh, `classifier.out_proj`
     (cross-encoders such as bge-reranker)."""
 
-    capabilities = frozenset({Capability.SEQUENCE_CLASSIFIER})
 
-    def __init__(self, c: BertConfig):
-        super().__init__(c)
-        self.num_labels = c.num_labels
-        self.classifier = RobertaClassificationHead(c)
-
-    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
-        return self.classifier(pooled)
-
-
-class BertForTokenClassification(BertModel):
+class BertForTokenClassification(TokenClassifier, BertModel):
     """`classifier` on every token row (NER style)."""
-
-    capabilities = frozenset({Capability.TOKEN_CLASSIFIER})
-
-    def __init__(self, c: BertConfig):
-        super().__init__(c)
-        self.num_labels = c.num_labels
-        self.classifier = nn.Linear(c.hidden_size, c.num_labels)
-
-    def classify_tokens(self, rows: torch.Tensor) -> torch.Tensor:
-        return self.classifier(rows)
 
 
 class RobertaForTokenClassification(BertForTokenClassification, RobertaModel):
@@ -310,23 +266,17 @@ class BertOnlyMLMHead(nn.Module):
         self.predictions = BertLMPredictionHead(c)
 
 
-class BertForMaskedLM(BertModel):
+class BertForMaskedLM(MaskedLM, BertModel):
     """BERT with its masked-LM head: vocabulary logits per token row (SPLADE)."""
 
     tied_weights: ClassVar[dict[str, str]] = {
         "cls.predictions.decoder.weight": "embeddings.word_embeddings.weight",
         "cls.predictions.decoder.bias": "cls.predictions.bias",
     }
-    capabilities = frozenset({Capability.MASKED_LM})
 
-    def __init__(self, c: BertConfig, tied: bool = True):
+    def __init__(self, c: BertConfig):
         super().__init__(c)
-        self.tie_word_embeddings = tied
         self.cls = BertOnlyMLMHead(c)
-
-    @classmethod
-    def from_hf_config(cls, hf: dict[str, Any]) -> PoolingModel:
-        return cls(cls.config_from_hf(hf), tied=bool(hf.get("tie_word_embeddings", True)))
 
     def compute_logits(
         self, rows: torch.Tensor, vocab_ids: torch.Tensor | None = None
@@ -350,23 +300,17 @@ class RobertaLMHead(nn.Module):
         return self.layer_norm(F.gelu(self.dense(x)))
 
 
-class RobertaForMaskedLM(RobertaModel):
+class RobertaForMaskedLM(MaskedLM, RobertaModel):
     """RoBERTa / XLM-RoBERTa with the masked-LM head `lm_head` (SPLADE)."""
 
     tied_weights: ClassVar[dict[str, str]] = {
         "lm_head.decoder.weight": "embeddings.word_embeddings.weight",
         "lm_head.decoder.bias": "lm_head.bias",
     }
-    capabilities = frozenset({Capability.MASKED_LM})
 
-    def __init__(self, c: BertConfig, tied: bool = True):
+    def __init__(self, c: BertConfig):
         super().__init__(c)
-        self.tie_word_embeddings = tied
         self.lm_head = RobertaLMHead(c)
-
-    @classmethod
-    def from_hf_config(cls, hf: dict[str, Any]) -> PoolingModel:
-        return cls(cls.config_from_hf(hf), tied=bool(hf.get("tie_word_embeddings", True)))
 
     def compute_logits(
         self, rows: torch.Tensor, vocab_ids: torch.Tensor | None = None

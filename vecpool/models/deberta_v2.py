@@ -22,6 +22,7 @@ from torch import nn
 from vecpool.errors import ConfigError
 from vecpool.models.attention import AttentionMetadata, GraphUnsupported, flat_attention
 from vecpool.models.base import Capability, PoolingModel, hf_num_labels
+from vecpool.models.encoder_heads import TokenClassifier
 from vecpool.models.invariant import tiled_matmul
 from vecpool.models.layers import FusedProjections, activation, activation_name, fuse
 
@@ -389,18 +390,8 @@ class DebertaV2ForSequenceClassification(DebertaV2Model):
         return self.classifier(self.pooler(pooled))
 
 
-class DebertaV2ForTokenClassification(DebertaV2Model):
+class DebertaV2ForTokenClassification(TokenClassifier, DebertaV2Model):
     """`classifier` on every token row."""
-
-    capabilities = frozenset({Capability.TOKEN_CLASSIFIER})
-
-    def __init__(self, c: DebertaV2Config):
-        super().__init__(c)
-        self.num_labels = c.num_labels
-        self.classifier = nn.Linear(c.hidden_size, c.num_labels)
-
-    def classify_tokens(self, rows: torch.Tensor) -> torch.Tensor:
-        return self.classifier(rows)
 
 
 class DebertaV2PredictionHeadTransform(nn.Module):

@@ -16,6 +16,7 @@ from torch import nn
 from vecpool.models.attention import AttentionMetadata, flat_attention
 from vecpool.models.base import Capability, PoolingModel, hf_num_labels
 from vecpool.models.bert import BertConfig, vocab_logits
+from vecpool.models.encoder_heads import MaskedLM, TokenClassifier
 from vecpool.models.hf import hf_get
 from vecpool.models.layers import FusedProjections, activation, fuse
 
@@ -156,40 +157,24 @@ class DistilBertForSequenceClassification(DistilBertModel):
         return self.classifier(F.relu(self.pre_classifier(pooled)))
 
 
-class DistilBertForTokenClassification(DistilBertModel):
+class DistilBertForTokenClassification(TokenClassifier, DistilBertModel):
     """`classifier` on every token row."""
 
-    capabilities = frozenset({Capability.TOKEN_CLASSIFIER})
 
-    def __init__(self, c: BertConfig):
-        super().__init__(c)
-        self.num_labels = c.num_labels
-        self.classifier = nn.Linear(c.hidden_size, c.num_labels)
-
-    def classify_tokens(self, rows: torch.Tensor) -> torch.Tensor:
-        return self.classifier(rows)
-
-
-class DistilBertForMaskedLM(DistilBertModel):
+class DistilBertForMaskedLM(MaskedLM, DistilBertModel):
     """DistilBERT with its masked-LM head: `vocab_transform`, the config's activation,
     `vocab_layer_norm`, `vocab_projector` (tied: the word embeddings, with its own bias)."""
 
     tied_weights: ClassVar[dict[str, str]] = {
         "vocab_projector.weight": "embeddings.word_embeddings.weight"
     }
-    capabilities = frozenset({Capability.MASKED_LM})
 
-    def __init__(self, c: BertConfig, tied: bool = True):
+    def __init__(self, c: BertConfig):
         super().__init__(c)
-        self.tie_word_embeddings = tied
         self.vocab_transform = nn.Linear(c.hidden_size, c.hidden_size)
         self.act = activation(c.hidden_act)
         self.vocab_layer_norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
         self.vocab_projector = nn.Linear(c.hidden_size, c.vocab_size)
-
-    @classmethod
-    def from_hf_config(cls, hf: dict[str, Any]) -> PoolingModel:
-        return cls(distilbert_config(hf), tied=bool(hf.get("tie_word_embeddings", True)))
 
     def compute_logits(
         self, rows: torch.Tensor, vocab_ids: torch.Tensor | None = None

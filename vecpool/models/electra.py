@@ -19,8 +19,9 @@ from torch import nn
 
 from vecpool.errors import ConfigError
 from vecpool.models.attention import AttentionMetadata
-from vecpool.models.base import Capability, PoolingModel
+from vecpool.models.base import PoolingModel
 from vecpool.models.bert import BertConfig, BertEmbeddings, BertEncoder, vocab_logits
+from vecpool.models.encoder_heads import HeadSequenceClassifier, MaskedLM, TokenClassifier
 from vecpool.models.hf import hf_get
 
 
@@ -92,44 +93,15 @@ class ElectraModel(PoolingModel):
         return x
 
 
-class ElectraClassificationHead(nn.Module):
-    """dense, gelu (ELECTRA's choice, where BERT has tanh), `out_proj`."""
+class ElectraForSequenceClassification(HeadSequenceClassifier, ElectraModel):
+    """The first row through `classifier`: dense, gelu (ELECTRA's choice, where RoBERTa has
+    tanh), `out_proj` (ms-marco-electra cross-encoders)."""
 
-    def __init__(self, c: BertConfig):
-        super().__init__()
-        self.dense = nn.Linear(c.hidden_size, c.hidden_size)
-        self.out_proj = nn.Linear(c.hidden_size, c.num_labels)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out_proj(F.gelu(self.dense(x)))
+    classifier_act = "gelu"
 
 
-class ElectraForSequenceClassification(ElectraModel):
-    """The first row through `classifier` (ms-marco-electra cross-encoders)."""
-
-    capabilities = frozenset({Capability.SEQUENCE_CLASSIFIER})
-
-    def __init__(self, c: BertConfig, embedding_size: int):
-        super().__init__(c, embedding_size)
-        self.num_labels = c.num_labels
-        self.classifier = ElectraClassificationHead(c)
-
-    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
-        return self.classifier(pooled)
-
-
-class ElectraForTokenClassification(ElectraModel):
+class ElectraForTokenClassification(TokenClassifier, ElectraModel):
     """`classifier` on every token row."""
-
-    capabilities = frozenset({Capability.TOKEN_CLASSIFIER})
-
-    def __init__(self, c: BertConfig, embedding_size: int):
-        super().__init__(c, embedding_size)
-        self.num_labels = c.num_labels
-        self.classifier = nn.Linear(c.hidden_size, c.num_labels)
-
-    def classify_tokens(self, rows: torch.Tensor) -> torch.Tensor:
-        return self.classifier(rows)
 
 
 class ElectraGeneratorPredictions(nn.Module):
@@ -142,26 +114,18 @@ class ElectraGeneratorPredictions(nn.Module):
         return self.LayerNorm(F.gelu(self.dense(x)))  # exact gelu whatever hidden_act says
 
 
-class ElectraForMaskedLM(ElectraModel):
+class ElectraForMaskedLM(MaskedLM, ElectraModel):
     """The generator's masked-LM head: `generator_predictions` (dense to the embedding width,
     gelu, LayerNorm), then `generator_lm_head` (tied: the word embeddings, own bias)."""
 
     tied_weights: ClassVar[dict[str, str]] = {
         "generator_lm_head.weight": "embeddings.word_embeddings.weight"
     }
-    capabilities = frozenset({Capability.MASKED_LM})
 
-    def __init__(self, c: BertConfig, embedding_size: int, tied: bool = True):
+    def __init__(self, c: BertConfig, embedding_size: int):
         super().__init__(c, embedding_size)
-        self.tie_word_embeddings = tied
         self.generator_predictions = ElectraGeneratorPredictions(c, embedding_size)
         self.generator_lm_head = nn.Linear(embedding_size, c.vocab_size)
-
-    @classmethod
-    def from_hf_config(cls, hf: dict[str, Any]) -> PoolingModel:
-        c = BertConfig.from_hf(hf)
-        width = embedding_width(hf, c.hidden_size, "ELECTRA")
-        return cls(c, width, tied=bool(hf.get("tie_word_embeddings", True)))
 
     def compute_logits(
         self, rows: torch.Tensor, vocab_ids: torch.Tensor | None = None

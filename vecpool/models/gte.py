@@ -19,7 +19,8 @@ from torch import nn
 
 from vecpool.errors import ConfigError
 from vecpool.models.attention import AttentionMetadata, flat_attention
-from vecpool.models.base import Capability, PoolingModel, hf_num_labels
+from vecpool.models.base import PoolingModel, hf_num_labels
+from vecpool.models.encoder_heads import PooledSequenceClassifier
 from vecpool.models.layers import Rotary, activation, apply_rotary
 
 
@@ -221,26 +222,7 @@ class NewModel(PoolingModel):
         return x
 
 
-class NewPooler(nn.Module):
-    def __init__(self, c: GteConfig):
-        super().__init__()
-        self.dense = nn.Linear(c.hidden_size, c.hidden_size)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.dense(x))
-
-
-class NewForSequenceClassification(NewModel):
+class NewForSequenceClassification(PooledSequenceClassifier, NewModel):
     """The CLS row through `pooler` (dense, tanh), then `classifier` (gte-multilingual-reranker)."""
 
     unused_checkpoint_keys: ClassVar[tuple[str, ...]] = ("embeddings.position_ids",)
-    capabilities = frozenset({Capability.SEQUENCE_CLASSIFIER})
-
-    def __init__(self, c: GteConfig):
-        super().__init__(c)
-        self.num_labels = c.num_labels
-        self.pooler = NewPooler(c)
-        self.classifier = nn.Linear(c.hidden_size, c.num_labels)
-
-    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
-        return self.classifier(self.pooler(pooled))

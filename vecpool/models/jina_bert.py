@@ -26,7 +26,8 @@ from torch import nn
 
 from vecpool.errors import ConfigError
 from vecpool.models.attention import AttentionMetadata, flat_attention
-from vecpool.models.base import Capability, PoolingModel, hf_num_labels
+from vecpool.models.base import PoolingModel, hf_num_labels
+from vecpool.models.encoder_heads import PooledSequenceClassifier
 from vecpool.models.layers import FusedProjections, fuse
 
 _QK_NORM_KEY = "encoder.layer.0.attention.self.layer_norm_q.weight"
@@ -288,35 +289,16 @@ class JinaBertModel(PoolingModel):
         return x
 
 
-class JinaBertPooler(nn.Module):
-    def __init__(self, c: JinaBertConfig):
-        super().__init__()
-        self.dense = nn.Linear(c.hidden_size, c.hidden_size)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.dense(x))
-
-
-class JinaBertForSequenceClassification(JinaBertModel):
+class JinaBertForSequenceClassification(PooledSequenceClassifier, JinaBertModel):
     """The first row through BERT's pooler (dense, tanh), then `classifier` (jina-reranker-v1
     cross-encoders). CLS pooling, as BERT's classifier reads."""
 
-    capabilities = frozenset({Capability.SEQUENCE_CLASSIFIER})
     unused_checkpoint_keys: ClassVar[tuple[str, ...]] = (
         "cls.*",
         "embeddings.position_ids",
         "embeddings.token_type_ids",
     )
 
-    def __init__(self, c: JinaBertConfig):
-        super().__init__(c)
-        self.num_labels = c.num_labels
-        self.pooler = JinaBertPooler(c)
-        self.classifier = nn.Linear(c.hidden_size, c.num_labels)
-
     @property
     def default_pooler(self) -> str:
         return "CLS"
-
-    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
-        return self.classifier(self.pooler(pooled))

@@ -22,10 +22,10 @@ from vecpool.models.bert import (
     BertConfig,
     BertDenseNorm,
     BertIntermediate,
-    RobertaClassificationHead,
     RobertaLMHead,
     vocab_logits,
 )
+from vecpool.models.encoder_heads import HeadSequenceClassifier, MaskedLM, TokenClassifier
 from vecpool.models.hf import hf_get
 from vecpool.models.layers import FusedProjections, fuse
 
@@ -196,7 +196,7 @@ class MPNetModel(PoolingModel):
         return x
 
 
-class MPNetForMaskedLM(MPNetModel):
+class MPNetForMaskedLM(MaskedLM, MPNetModel):
     """MPNet with its masked-LM head `lm_head` (dense, gelu, layer_norm, tied decoder).
 
     all-mpnet-base-v2 names this architecture but ships only the base model's weights (no
@@ -217,18 +217,11 @@ class MPNetForMaskedLM(MPNetModel):
         "lm_head.decoder.bias",
         "lm_head.decoder.weight",
     )
-    capabilities = frozenset({Capability.MASKED_LM})
 
-    def __init__(self, c: BertConfig, num_buckets: int, tied: bool = True):
+    def __init__(self, c: BertConfig, num_buckets: int):
         super().__init__(c, num_buckets)
-        self.tie_word_embeddings = tied
         self.lm_head = RobertaLMHead(c)  # the same layout and gelu as RoBERTa's
         self._dropped: list[str] = []
-
-    @classmethod
-    def from_hf_config(cls, hf: dict[str, Any]) -> PoolingModel:
-        num_buckets = int(hf_get(hf, "relative_attention_num_buckets", default=_NUM_BUCKETS))
-        return cls(mpnet_config(hf), num_buckets, tied=bool(hf.get("tie_word_embeddings", True)))
 
     def drop_parameter(self, name: str) -> None:
         # The decoder weight, when tied, is already the word embeddings (no memory of its own)
@@ -264,29 +257,9 @@ class MPNetForMaskedLM(MPNetModel):
         return vocab_logits(self.lm_head.transform(rows), self.lm_head.decoder, vocab_ids)
 
 
-class MPNetForSequenceClassification(MPNetModel):
+class MPNetForSequenceClassification(HeadSequenceClassifier, MPNetModel):
     """The first (`<s>`) row through `classifier.dense`, tanh, `classifier.out_proj`."""
 
-    capabilities = frozenset({Capability.SEQUENCE_CLASSIFIER})
 
-    def __init__(self, c: BertConfig, num_buckets: int):
-        super().__init__(c, num_buckets)
-        self.num_labels = c.num_labels
-        self.classifier = RobertaClassificationHead(c)
-
-    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
-        return self.classifier(pooled)
-
-
-class MPNetForTokenClassification(MPNetModel):
+class MPNetForTokenClassification(TokenClassifier, MPNetModel):
     """`classifier` on every token row."""
-
-    capabilities = frozenset({Capability.TOKEN_CLASSIFIER})
-
-    def __init__(self, c: BertConfig, num_buckets: int):
-        super().__init__(c, num_buckets)
-        self.num_labels = c.num_labels
-        self.classifier = nn.Linear(c.hidden_size, c.num_labels)
-
-    def classify_tokens(self, rows: torch.Tensor) -> torch.Tensor:
-        return self.classifier(rows)
