@@ -19,7 +19,8 @@ from vecpool.errors import ConfigError
 from vecpool.models.attention import AttentionMetadata
 from vecpool.models.base import Capability, PoolingModel
 from vecpool.models.bert import BertConfig, BertEmbeddings, BertSelfAttention, vocab_logits
-from vecpool.models.electra import embedding_width, pad_to_hidden
+from vecpool.models.electra import embedding_width
+from vecpool.models.encoder_blocks import EncoderModel, pad_to_hidden
 from vecpool.models.encoder_heads import MaskedLM, TokenClassifier
 from vecpool.models.hf import hf_get
 from vecpool.models.layers import activation
@@ -34,8 +35,10 @@ class AlbertAttention(BertSelfAttention):
         self.dense = nn.Linear(c.hidden_size, c.hidden_size)
         self.LayerNorm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
 
-    def forward(self, x: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
-        return self.LayerNorm(x + self.dense(super().forward(x, attn)))
+    def forward(
+        self, x: torch.Tensor, attn: AttentionMetadata, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return self.LayerNorm(x + self.dense(super().forward(x, attn, bias)))
 
 
 class AlbertLayer(nn.Module):
@@ -76,7 +79,7 @@ class AlbertTransformer(nn.Module):
         self.schedule = [int(i / (c.num_layers / groups)) for i in range(c.num_layers)]
 
 
-class AlbertModel(PoolingModel):
+class AlbertModel(EncoderModel):
     """The bare ALBERT encoder."""
 
     checkpoint_prefixes = ("albert.",)
@@ -85,7 +88,6 @@ class AlbertModel(PoolingModel):
         "embeddings.position_ids",
         "embeddings.token_type_ids",
     )
-    is_causal = False
 
     def __init__(self, c: BertConfig, embedding_size: int, groups: int, inner_group_num: int):
         super().__init__()
@@ -118,15 +120,13 @@ class AlbertModel(PoolingModel):
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return pad_to_hidden(self.embeddings.word_embeddings(input_ids), self.hidden_size)
 
-    def forward(
+    def encode(
         self,
         inputs_embeds: torch.Tensor,
         positions: torch.Tensor,
         attn: AttentionMetadata,
-        token_type_ids: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor,
     ) -> torch.Tensor:
-        if token_type_ids is None:
-            token_type_ids = torch.zeros_like(positions)
         x = inputs_embeds[:, : self.embedding_size]  # [T, embedding_size]
         x = self.embeddings(x, positions, token_type_ids)
         x = self.encoder.embedding_hidden_mapping_in(x)  # [T, hidden]

@@ -15,8 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from vecpool.errors import ConfigError
-from vecpool.models.attention import AttentionMetadata, flat_attention
+from vecpool.models.attention import AttentionMetadata
 from vecpool.models.base import Capability, PoolingModel, hf_num_labels
+from vecpool.models.encoder_blocks import EncoderModel, FusedSelfAttention
 from vecpool.models.encoder_heads import (
     HeadSequenceClassifier,
     MaskedLM,
@@ -24,10 +25,8 @@ from vecpool.models.encoder_heads import (
     TokenClassifier,
 )
 from vecpool.models.layers import (
-    FusedProjections,
     activation,
     activation_name,
-    fuse,
     linear_activation,
     linear_residual,
 )
@@ -91,25 +90,8 @@ class BertEmbeddings(nn.Module):
         return self.LayerNorm(x)
 
 
-class BertSelfAttention(nn.Module):
-    def __init__(self, c: BertConfig):
-        super().__init__()
-        self.num_heads = c.num_heads
-        self.head_dim = c.hidden_size // c.num_heads
-        self.query = nn.Linear(c.hidden_size, c.hidden_size)
-        self.key = nn.Linear(c.hidden_size, c.hidden_size)
-        self.value = nn.Linear(c.hidden_size, c.hidden_size)
-        self.qkv: FusedProjections | None = None
-
-    def fuse_projections(self) -> None:
-        fuse(self, "qkv", ["query", "key", "value"])
-
-    def forward(self, x: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
-        shape = (x.shape[0], self.num_heads, self.head_dim)
-        assert self.qkv is not None, "projections are fused when the weights load"
-        q, k, v = (t.view(shape) for t in self.qkv(x))
-        out = flat_attention(q, k, v, attn, causal=False, scale=self.head_dim**-0.5)
-        return out.reshape(x.shape[0], -1)
+class BertSelfAttention(FusedSelfAttention):
+    """`query`, `key`, `value`; the output projection is `BertAttention.output`'s."""
 
 
 class BertDenseNorm(nn.Module):
@@ -162,7 +144,7 @@ class BertEncoder(nn.Module):
         self.layer = nn.ModuleList(BertLayer(c) for _ in range(c.num_layers))
 
 
-class BertModel(PoolingModel):
+class BertModel(EncoderModel):
     checkpoint_prefixes = ("bert.",)
     # Older checkpoints (TensorFlow-era) name LayerNorm parameters gamma and beta.
     checkpoint_renames: ClassVar[dict[str, str]] = {
@@ -174,7 +156,6 @@ class BertModel(PoolingModel):
         "embeddings.position_ids",
         "embeddings.token_type_ids",
     )
-    is_causal = False
 
     def __init__(self, c: BertConfig):
         super().__init__()
@@ -195,18 +176,13 @@ class BertModel(PoolingModel):
     def from_hf_config(cls, hf: dict[str, Any]) -> PoolingModel:
         return cls(cls.config_from_hf(hf))
 
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embeddings.word_embeddings(input_ids)
-
-    def forward(
+    def encode(
         self,
         inputs_embeds: torch.Tensor,
         positions: torch.Tensor,
         attn: AttentionMetadata,
-        token_type_ids: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor,
     ) -> torch.Tensor:
-        if token_type_ids is None:
-            token_type_ids = torch.zeros_like(positions)
         x = self.embeddings(inputs_embeds, positions, token_type_ids)
         for layer in self.encoder.layer:
             x = layer(x, attn)

@@ -22,6 +22,7 @@ from torch import nn
 from vecpool.errors import ConfigError
 from vecpool.models.attention import AttentionMetadata, GraphUnsupported, flat_attention
 from vecpool.models.base import Capability, PoolingModel, hf_num_labels
+from vecpool.models.encoder_blocks import EncoderModel, pad_to_hidden
 from vecpool.models.encoder_heads import TokenClassifier
 from vecpool.models.invariant import tiled_matmul
 from vecpool.models.layers import FusedProjections, activation, activation_name, fuse
@@ -304,7 +305,7 @@ class DebertaV2Encoder(nn.Module):
                 self.LayerNorm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
 
 
-class DebertaV2Model(PoolingModel):
+class DebertaV2Model(EncoderModel):
     """DeBERTa-v2 / v3 (`DebertaV2Model`): hidden states of every token; CLS pooling unless the
     folder says otherwise."""
 
@@ -314,7 +315,6 @@ class DebertaV2Model(PoolingModel):
         # Kept in some checkpoints whose config turns absolute positions off (as transformers).
         "embeddings.position_embeddings.weight",
     )
-    is_causal = False
 
     def __init__(self, c: DebertaV2Config):
         super().__init__()
@@ -331,22 +331,17 @@ class DebertaV2Model(PoolingModel):
         return cls(DebertaV2Config.from_hf(hf))
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        rows = self.embeddings.word_embeddings(input_ids)  # [n, embedding_size]
-        # Input rows are hidden-size wide: a narrower (factorized) lookup fills the first
-        # columns of a zero row, and prompt embeds take the same layout.
-        extra = self.hidden_size - rows.shape[-1]
-        return F.pad(rows, (0, extra)) if extra else rows
+        # A narrower (factorized) lookup fills the first columns of a hidden-size row.
+        return pad_to_hidden(self.embeddings.word_embeddings(input_ids), self.hidden_size)
 
-    def forward(
+    def encode(
         self,
         inputs_embeds: torch.Tensor,
         positions: torch.Tensor,
         attn: AttentionMetadata,
-        token_type_ids: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor,
     ) -> torch.Tensor:
         c = self.config
-        if token_type_ids is None:
-            token_type_ids = torch.zeros_like(positions)
         x = self.embeddings(inputs_embeds, positions, token_type_ids)
         rel_embeddings = rel_pos = None
         if c.relative_attention:

@@ -13,12 +13,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vecpool.models.attention import AttentionMetadata, flat_attention
+from vecpool.models.attention import AttentionMetadata
 from vecpool.models.base import Capability, PoolingModel, hf_num_labels
 from vecpool.models.bert import BertConfig, vocab_logits
+from vecpool.models.encoder_blocks import FusedSelfAttention
 from vecpool.models.encoder_heads import MaskedLM, TokenClassifier
 from vecpool.models.hf import hf_get
-from vecpool.models.layers import FusedProjections, activation, fuse
+from vecpool.models.layers import activation
 
 _LAYER_NORM_EPS = 1e-12  # fixed in transformers' DistilBERT, not read from the config
 
@@ -52,26 +53,19 @@ class DistilBertEmbeddings(nn.Module):
         return self.LayerNorm(inputs_embeds + self.position_embeddings(positions))
 
 
-class DistilBertSelfAttention(nn.Module):
+class DistilBertSelfAttention(FusedSelfAttention):
+    """`q_lin`, `k_lin`, `v_lin`, then `out_lin`."""
+
+    qkv_names = ("q_lin", "k_lin", "v_lin")
+
     def __init__(self, c: BertConfig):
-        super().__init__()
-        self.num_heads = c.num_heads
-        self.head_dim = c.hidden_size // c.num_heads
-        self.q_lin = nn.Linear(c.hidden_size, c.hidden_size)
-        self.k_lin = nn.Linear(c.hidden_size, c.hidden_size)
-        self.v_lin = nn.Linear(c.hidden_size, c.hidden_size)
+        super().__init__(c)
         self.out_lin = nn.Linear(c.hidden_size, c.hidden_size)
-        self.qkv: FusedProjections | None = None
 
-    def fuse_projections(self) -> None:
-        fuse(self, "qkv", ["q_lin", "k_lin", "v_lin"])
-
-    def forward(self, x: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
-        shape = (x.shape[0], self.num_heads, self.head_dim)
-        assert self.qkv is not None, "projections are fused when the weights load"
-        q, k, v = (t.view(shape) for t in self.qkv(x))
-        out = flat_attention(q, k, v, attn, causal=False, scale=self.head_dim**-0.5)
-        return self.out_lin(out.reshape(x.shape[0], -1))
+    def forward(
+        self, x: torch.Tensor, attn: AttentionMetadata, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return self.out_lin(super().forward(x, attn, bias))
 
 
 class DistilBertFFN(nn.Module):

@@ -21,6 +21,7 @@ from vecpool.errors import ConfigError
 from vecpool.models.attention import AttentionMetadata
 from vecpool.models.base import PoolingModel
 from vecpool.models.bert import BertConfig, BertEmbeddings, BertEncoder, vocab_logits
+from vecpool.models.encoder_blocks import EncoderModel, pad_to_hidden
 from vecpool.models.encoder_heads import HeadSequenceClassifier, MaskedLM, TokenClassifier
 from vecpool.models.hf import hf_get
 
@@ -36,14 +37,7 @@ def embedding_width(hf: dict[str, Any], hidden_size: int, family: str) -> int:
     return width
 
 
-def pad_to_hidden(rows: torch.Tensor, hidden_size: int) -> torch.Tensor:
-    """`[n, embedding_size]` -> `[n, hidden_size]`: zero columns after the lookup's own (the
-    engine's input rows are hidden-size wide)."""
-    extra = hidden_size - rows.shape[-1]
-    return F.pad(rows, (0, extra)) if extra else rows
-
-
-class ElectraModel(PoolingModel):
+class ElectraModel(EncoderModel):
     """The bare ELECTRA encoder (also the discriminator of `ElectraForPreTraining` folders)."""
 
     checkpoint_prefixes = ("electra.",)
@@ -51,7 +45,6 @@ class ElectraModel(PoolingModel):
         "embeddings.position_ids",
         "embeddings.token_type_ids",
     )
-    is_causal = False
 
     def __init__(self, c: BertConfig, embedding_size: int):
         super().__init__()
@@ -75,15 +68,13 @@ class ElectraModel(PoolingModel):
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return pad_to_hidden(self.embeddings.word_embeddings(input_ids), self.hidden_size)
 
-    def forward(
+    def encode(
         self,
         inputs_embeds: torch.Tensor,
         positions: torch.Tensor,
         attn: AttentionMetadata,
-        token_type_ids: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor,
     ) -> torch.Tensor:
-        if token_type_ids is None:
-            token_type_ids = torch.zeros_like(positions)
         x = inputs_embeds[:, : self.embedding_size]  # [T, embedding_size]
         x = self.embeddings(x, positions, token_type_ids)
         if self.embeddings_project is not None:

@@ -25,10 +25,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from vecpool.errors import ConfigError
-from vecpool.models.attention import AttentionMetadata, flat_attention
+from vecpool.models.attention import AttentionMetadata
 from vecpool.models.base import PoolingModel, hf_num_labels
+from vecpool.models.encoder_blocks import EncoderModel, FusedSelfAttention
 from vecpool.models.encoder_heads import PooledSequenceClassifier
-from vecpool.models.layers import FusedProjections, fuse
 
 _QK_NORM_KEY = "encoder.layer.0.attention.self.layer_norm_q.weight"
 _GLU_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -104,41 +104,24 @@ class JinaBertEmbeddings(nn.Module):
         return self.LayerNorm(inputs_embeds + self.token_type_embeddings(token_type_ids))
 
 
-class JinaBertSelfAttention(nn.Module):
+class JinaBertSelfAttention(FusedSelfAttention):
+    """BERT's `query`, `key`, `value`, ALiBi as the bias, and in the qk-post-norm layout
+    `layer_norm_q` / `layer_norm_k` over all heads at once, before the split into heads."""
+
     def __init__(self, c: JinaBertConfig):
-        super().__init__()
-        self.num_heads = c.num_heads
-        self.head_dim = c.hidden_size // c.num_heads
-        self.query = nn.Linear(c.hidden_size, c.hidden_size)
-        self.key = nn.Linear(c.hidden_size, c.hidden_size)
-        self.value = nn.Linear(c.hidden_size, c.hidden_size)
+        super().__init__(c)
         self.qk_post_norm = c.qk_post_norm
-        if c.qk_post_norm:  # over all heads at once, before the split into heads
+        if c.qk_post_norm:
             self.layer_norm_q = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
             self.layer_norm_k = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
-        self.qkv: FusedProjections | None = None
-
-    def fuse_projections(self) -> None:
-        fuse(self, "qkv", ["query", "key", "value"])
 
     def forward(
-        self, x: torch.Tensor, attn: AttentionMetadata, alibi: torch.Tensor
+        self, x: torch.Tensor, attn: AttentionMetadata, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        assert self.qkv is not None, "projections are fused when the weights load"
-        q, k, v = self.qkv(x)
+        q, k, v = self.project(x)
         if self.qk_post_norm:
             q, k = self.layer_norm_q(q), self.layer_norm_k(k)
-        shape = (x.shape[0], self.num_heads, self.head_dim)
-        out = flat_attention(
-            q.reshape(shape),
-            k.reshape(shape),
-            v.reshape(shape),
-            attn,
-            causal=False,
-            scale=self.head_dim**-0.5,
-            bias=alibi,
-        )
-        return out.reshape(x.shape[0], -1)
+        return self.attend(q, k, v, attn, bias)
 
 
 class JinaBertSelfOutput(nn.Module):
@@ -225,7 +208,7 @@ class JinaBertEncoder(nn.Module):
         self.layer = nn.ModuleList(JinaBertLayer(c) for _ in range(c.num_layers))
 
 
-class JinaBertModel(PoolingModel):
+class JinaBertModel(EncoderModel):
     """Jina BERT v2 (`JinaBertModel`, and `JinaBertForMaskedLM`, the name jina-embeddings-v2
     folders give their bare model; its masked-LM head and BERT pooler, when stored, are
     unused). Mean pooling when the folder does not say, as the models are trained."""
@@ -238,7 +221,6 @@ class JinaBertModel(PoolingModel):
         "embeddings.position_ids",
         "embeddings.token_type_ids",
     )
-    is_causal = False
 
     def __init__(self, c: JinaBertConfig):
         super().__init__()
@@ -261,9 +243,6 @@ class JinaBertModel(PoolingModel):
     def default_pooler(self) -> str:
         return "MEAN"
 
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embeddings.word_embeddings(input_ids)
-
     def alibi(self, length: int, like: torch.Tensor) -> torch.Tensor:  # [1, heads, L, L]
         """`-slope_h * |i - j|` for positions below `length`, in `like`'s dtype."""
         slopes = self._device_slopes
@@ -273,15 +252,13 @@ class JinaBertModel(PoolingModel):
         distance = (pos[None, :] - pos[:, None]).abs()  # [L, L]
         return (-slopes[:, None, None] * distance).unsqueeze(0).to(like.dtype)
 
-    def forward(
+    def encode(
         self,
         inputs_embeds: torch.Tensor,
         positions: torch.Tensor,
         attn: AttentionMetadata,
-        token_type_ids: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor,
     ) -> torch.Tensor:
-        if token_type_ids is None:
-            token_type_ids = torch.zeros_like(positions)
         x = self.embeddings(inputs_embeds, token_type_ids)
         alibi = self.alibi(attn.max_seqlen, x)
         for layer in self.encoder.layer:

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from vecpool.errors import ConfigError, ModelLoadError
-from vecpool.models.attention import AttentionMetadata, flat_attention
+from vecpool.models.attention import AttentionMetadata
 from vecpool.models.base import Capability, PoolingModel, hf_num_labels
 from vecpool.models.bert import (
     BertConfig,
@@ -25,9 +25,9 @@ from vecpool.models.bert import (
     RobertaLMHead,
     vocab_logits,
 )
+from vecpool.models.encoder_blocks import FusedSelfAttention
 from vecpool.models.encoder_heads import HeadSequenceClassifier, MaskedLM, TokenClassifier
 from vecpool.models.hf import hf_get
-from vecpool.models.layers import FusedProjections, fuse
 
 # transformers' MPNet fixes the padding index at 1 (whatever pad_token_id says) and always
 # buckets distances into 32 buckets up to 128 apart, whatever relative_attention_num_buckets
@@ -83,31 +83,22 @@ class MPNetEmbeddings(nn.Module):
         return self.LayerNorm(x)
 
 
-class MPNetSelfAttention(nn.Module):
-    def __init__(self, c: BertConfig):
-        super().__init__()
-        self.num_heads = c.num_heads
-        self.head_dim = c.hidden_size // c.num_heads
-        self.q = nn.Linear(c.hidden_size, c.hidden_size)
-        self.k = nn.Linear(c.hidden_size, c.hidden_size)
-        self.v = nn.Linear(c.hidden_size, c.hidden_size)
-        self.o = nn.Linear(c.hidden_size, c.hidden_size)
-        self.qkv: FusedProjections | None = None
+class MPNetSelfAttention(FusedSelfAttention):
+    """`q`, `k`, `v` with the step's relative position bias, then `o`."""
 
-    def fuse_projections(self) -> None:
-        fuse(self, "qkv", ["q", "k", "v"])
+    qkv_names = ("q", "k", "v")
+
+    def __init__(self, c: BertConfig):
+        super().__init__(c)
+        self.o = nn.Linear(c.hidden_size, c.hidden_size)
 
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
         attn: AttentionMetadata,
-        bias: torch.Tensor,  # [1, heads, max_seqlen, max_seqlen]
+        bias: torch.Tensor | None = None,  # [1, heads, max_seqlen, max_seqlen]
     ) -> torch.Tensor:
-        shape = (x.shape[0], self.num_heads, self.head_dim)
-        assert self.qkv is not None, "projections are fused when the weights load"
-        q, k, v = (t.view(shape) for t in self.qkv(x))
-        out = flat_attention(q, k, v, attn, causal=False, scale=self.head_dim**-0.5, bias=bias)
-        return self.o(out.reshape(x.shape[0], -1))
+        return self.o(super().forward(x, attn, bias))
 
 
 class MPNetAttention(nn.Module):

@@ -22,9 +22,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from vecpool.errors import ConfigError
-from vecpool.models.attention import AttentionMetadata, flat_attention
+from vecpool.models.attention import AttentionMetadata
 from vecpool.models.base import PoolingModel
-from vecpool.models.layers import FusedProjections, Rotary, apply_rotary, fuse
+from vecpool.models.encoder_blocks import packed_rotary_attention
+from vecpool.models.layers import FusedProjections, Rotary, fuse
 
 # The gated activations: the gate (fc12's output) goes through this, as in the reference.
 _GATES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -127,7 +128,7 @@ class NomicBertEmbeddings(nn.Module):
 class NomicBertAttention(nn.Module):
     def __init__(self, c: NomicBertConfig):
         super().__init__()
-        self.num_heads, self.head_dim = c.num_heads, c.head_dim
+        self.num_heads = c.num_heads
         self.Wqkv = nn.Linear(c.hidden_size, 3 * c.hidden_size, bias=c.qkv_bias)
         self.out_proj = nn.Linear(c.hidden_size, c.hidden_size, bias=c.qkv_bias)
 
@@ -138,11 +139,8 @@ class NomicBertAttention(nn.Module):
         sin: torch.Tensor,
         attn: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden]
-        n = x.shape[0]
-        q, k, v = self.Wqkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(dim=1)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = flat_attention(q, k, v, attn, causal=False, scale=self.head_dim**-0.5)
-        return self.out_proj(out.reshape(n, -1))
+        out = packed_rotary_attention(self.Wqkv(x), cos, sin, attn, self.num_heads)
+        return self.out_proj(out)
 
 
 class NomicBertGatedMLP(nn.Module):
