@@ -90,13 +90,9 @@ class AlbertModel(EncoderModel):
     )
 
     def __init__(self, c: BertConfig, embedding_size: int, groups: int, inner_group_num: int):
-        super().__init__()
+        super().__init__(c, c.max_position_embeddings, c.type_vocab_size)
         self.config = c
-        self.hidden_size = c.hidden_size
-        self.vocab_size = c.vocab_size
         self.embedding_size = embedding_size
-        self.max_positions = c.max_position_embeddings
-        self.uses_token_type_ids = c.type_vocab_size > 1
         self.embeddings = BertEmbeddings(replace(c, hidden_size=embedding_size))
         self.encoder = AlbertTransformer(c, embedding_size, groups, inner_group_num)
 

@@ -158,13 +158,8 @@ class BertModel(EncoderModel):
     )
 
     def __init__(self, c: BertConfig):
-        super().__init__()
+        super().__init__(c, c.max_position_embeddings - c.position_offset, c.type_vocab_size)
         self.config = c
-        self.hidden_size = c.hidden_size
-        self.vocab_size = c.vocab_size
-        self.max_positions = c.max_position_embeddings - c.position_offset
-        # With one token type (RoBERTa) every row takes type 0, whatever a tokenizer says.
-        self.uses_token_type_ids = c.type_vocab_size > 1
         self.embeddings = BertEmbeddings(c)
         self.encoder = BertEncoder(c)
 

@@ -317,12 +317,8 @@ class DebertaV2Model(EncoderModel):
     )
 
     def __init__(self, c: DebertaV2Config):
-        super().__init__()
+        super().__init__(c, c.max_position_embeddings, c.type_vocab_size)
         self.config = c
-        self.hidden_size = c.hidden_size
-        self.vocab_size = c.vocab_size
-        self.max_positions = c.max_position_embeddings
-        self.uses_token_type_ids = c.type_vocab_size > 1
         self.embeddings = DebertaV2Embeddings(c)
         self.encoder = DebertaV2Encoder(c)
 

@@ -16,7 +16,7 @@ from torch import nn
 from vecpool.models.attention import AttentionMetadata
 from vecpool.models.base import Capability, PoolingModel, hf_num_labels
 from vecpool.models.bert import BertConfig, vocab_logits
-from vecpool.models.encoder_blocks import FusedSelfAttention
+from vecpool.models.encoder_blocks import EncoderModel, FusedSelfAttention
 from vecpool.models.encoder_heads import MaskedLM, TokenClassifier
 from vecpool.models.hf import hf_get
 from vecpool.models.layers import activation
@@ -100,28 +100,21 @@ class DistilBertTransformer(nn.Module):
         self.layer = nn.ModuleList(DistilBertBlock(c) for _ in range(c.num_layers))
 
 
-class DistilBertModel(PoolingModel):
+class DistilBertModel(EncoderModel):
     """The bare DistilBERT encoder."""
 
     checkpoint_prefixes = ("distilbert.",)
     unused_checkpoint_keys: ClassVar[tuple[str, ...]] = ("embeddings.position_ids",)
-    is_causal = False
 
     def __init__(self, c: BertConfig):
-        super().__init__()
+        super().__init__(c, c.max_position_embeddings)
         self.config = c
-        self.hidden_size = c.hidden_size
-        self.vocab_size = c.vocab_size
-        self.max_positions = c.max_position_embeddings
         self.embeddings = DistilBertEmbeddings(c)
         self.transformer = DistilBertTransformer(c)
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any]) -> PoolingModel:
         return cls(distilbert_config(hf))
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embeddings.word_embeddings(input_ids)
 
     def forward(
         self,

@@ -29,11 +29,30 @@ class AttentionSizes(Protocol):
     def num_heads(self) -> int: ...
 
 
+class EncoderSizes(Protocol):
+    """What `EncoderModel` reads from a family's config."""
+
+    @property
+    def hidden_size(self) -> int: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+
 class EncoderModel(PoolingModel):
     """A bidirectional encoder whose input rows are the lookup `embeddings.word_embeddings`,
-    and whose token types are all 0 where the batch gives none. Families implement `encode`."""
+    and whose token types are all 0 where the batch gives none. Families implement `encode`,
+    or, reading no token types, `forward` itself."""
 
     is_causal = False
+
+    def __init__(self, c: EncoderSizes, max_positions: int, type_vocab_size: int = 0):
+        super().__init__()
+        self.hidden_size = c.hidden_size
+        self.vocab_size = c.vocab_size
+        self.max_positions = max_positions
+        # With one token type (RoBERTa) every row takes type 0, whatever a tokenizer says.
+        self.uses_token_type_ids = type_vocab_size > 1
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         # A family's own `embeddings` module, which mypy sees only as `nn.Module.__getattr__`.

@@ -185,13 +185,8 @@ class NewModel(EncoderModel):
     unused_checkpoint_keys: ClassVar[tuple[str, ...]] = ("pooler.*", "embeddings.position_ids")
 
     def __init__(self, c: GteConfig):
-        super().__init__()
+        super().__init__(c, c.max_position_embeddings, c.type_vocab_size)
         self.config = c
-        self.hidden_size = c.hidden_size
-        self.vocab_size = c.vocab_size
-        self.max_positions = c.max_position_embeddings
-        # With one token type every row takes type 0, whatever a tokenizer says.
-        self.uses_token_type_ids = c.type_vocab_size > 1
         self.rotary = gte_rotary(c)
         self.embeddings = NewEmbeddings(c)
         self.encoder = NewEncoder(c)

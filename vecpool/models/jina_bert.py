@@ -223,12 +223,8 @@ class JinaBertModel(EncoderModel):
     )
 
     def __init__(self, c: JinaBertConfig):
-        super().__init__()
+        super().__init__(c, c.max_position_embeddings, c.type_vocab_size)
         self.config = c
-        self.hidden_size = c.hidden_size
-        self.vocab_size = c.vocab_size
-        self.max_positions = c.max_position_embeddings
-        self.uses_token_type_ids = c.type_vocab_size > 1
         self.embeddings = JinaBertEmbeddings(c)
         self.encoder = JinaBertEncoder(c)
         # Real values, not parameters: on the CPU, as models are built on the meta device.

@@ -25,7 +25,7 @@ from vecpool.models.bert import (
     RobertaLMHead,
     vocab_logits,
 )
-from vecpool.models.encoder_blocks import FusedSelfAttention
+from vecpool.models.encoder_blocks import EncoderModel, FusedSelfAttention
 from vecpool.models.encoder_heads import HeadSequenceClassifier, MaskedLM, TokenClassifier
 from vecpool.models.hf import hf_get
 
@@ -130,25 +130,21 @@ class MPNetEncoder(nn.Module):
         self.relative_attention_bias = nn.Embedding(num_buckets, c.num_heads)
 
 
-class MPNetModel(PoolingModel):
+class MPNetModel(EncoderModel):
     """The bare MPNet encoder; also what an `MPNetForMaskedLM` folder holding only the base
     model's weights loads as (see `MPNetForMaskedLM`)."""
 
     checkpoint_prefixes = ("mpnet.",)
     unused_checkpoint_keys: ClassVar[tuple[str, ...]] = ("pooler.*", "embeddings.position_ids")
-    is_causal = False
 
     def __init__(self, c: BertConfig, num_buckets: int):
-        super().__init__()
+        super().__init__(c, c.max_position_embeddings - c.position_offset)
         if num_buckets < _NUM_BUCKETS:
             raise ConfigError(
                 f"relative_attention_num_buckets is {num_buckets}; MPNet buckets relative "
                 f"positions into {_NUM_BUCKETS}, so it needs at least that many"
             )
         self.config = c
-        self.hidden_size = c.hidden_size
-        self.vocab_size = c.vocab_size
-        self.max_positions = c.max_position_embeddings - c.position_offset
         self.embeddings = MPNetEmbeddings(c)
         self.encoder = MPNetEncoder(c, num_buckets)
         # Real values, not parameters: built on the CPU once, copied to the model's device on
@@ -160,9 +156,6 @@ class MPNetModel(PoolingModel):
     def from_hf_config(cls, hf: dict[str, Any]) -> PoolingModel:
         num_buckets = int(hf_get(hf, "relative_attention_num_buckets", default=_NUM_BUCKETS))
         return cls(mpnet_config(hf), num_buckets)
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embeddings.word_embeddings(input_ids)
 
     def position_bias(self, max_seqlen: int) -> torch.Tensor:
         """`[1, heads, max_seqlen, max_seqlen]`: the step's relative position bias (one lookup)."""

@@ -24,7 +24,7 @@ from torch import nn
 from vecpool.errors import ConfigError
 from vecpool.models.attention import AttentionMetadata
 from vecpool.models.base import PoolingModel
-from vecpool.models.encoder_blocks import packed_rotary_attention
+from vecpool.models.encoder_blocks import EncoderModel, packed_rotary_attention
 from vecpool.models.layers import FusedProjections, Rotary, fuse
 
 # The gated activations: the gate (fc12's output) goes through this, as in the reference.
@@ -186,21 +186,15 @@ class NomicBertEncoder(nn.Module):
         self.layers = nn.ModuleList(NomicBertBlock(c) for _ in range(c.num_layers))
 
 
-class NomicBertModel(PoolingModel):
+class NomicBertModel(EncoderModel):
     """`embeddings`, `emb_ln`, `encoder`: the checkpoint of nomic-embed-text."""
 
     checkpoint_prefixes = ("bert.",)
     unused_checkpoint_keys: ClassVar[tuple[str, ...]] = ("pooler.*",)
-    is_causal = False
 
     def __init__(self, c: NomicBertConfig):
-        super().__init__()
+        super().__init__(c, c.max_positions, c.type_vocab_size)
         self.config = c
-        self.hidden_size = c.hidden_size
-        self.vocab_size = c.vocab_size
-        self.max_positions = c.max_positions
-        # With one token type every row takes type 0, whatever a tokenizer says.
-        self.uses_token_type_ids = c.type_vocab_size > 1
         self.rotary = Rotary(c.head_dim, {"rope_theta": c.rotary_base})
         self.embeddings = NomicBertEmbeddings(c)
         self.emb_ln = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
@@ -215,20 +209,17 @@ class NomicBertModel(PoolingModel):
         """Mean, as nomic-embed-text pools, when the folder does not say."""
         return "MEAN"
 
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embeddings.word_embeddings(input_ids)
-
-    def forward(
+    def encode(
         self,
         inputs_embeds: torch.Tensor,
         positions: torch.Tensor,
         attn: AttentionMetadata,
-        token_type_ids: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor,
     ) -> torch.Tensor:
         x = inputs_embeds
         types = self.embeddings.token_type_embeddings
         if types is not None:
-            x = x + types(torch.zeros_like(positions) if token_type_ids is None else token_type_ids)
+            x = x + types(token_type_ids)
         x = self.emb_ln(x)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         for layer in self.encoder.layers:
