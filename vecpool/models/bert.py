@@ -17,7 +17,7 @@ from torch import nn
 from vecpool.errors import ConfigError
 from vecpool.models.attention import AttentionMetadata
 from vecpool.models.base import Capability, PoolingModel, hf_num_labels
-from vecpool.models.encoder_blocks import EncoderModel, FusedSelfAttention
+from vecpool.models.encoder_blocks import DenseNorm, EncoderModel, FusedSelfAttention
 from vecpool.models.encoder_heads import (
     HeadSequenceClassifier,
     MaskedLM,
@@ -28,7 +28,6 @@ from vecpool.models.layers import (
     activation,
     activation_name,
     linear_activation,
-    linear_residual,
 )
 
 
@@ -94,23 +93,11 @@ class BertSelfAttention(FusedSelfAttention):
     """`query`, `key`, `value`; the output projection is `BertAttention.output`'s."""
 
 
-class BertDenseNorm(nn.Module):
-    """`LayerNorm(dense(x) + residual)`: the post-norm output of attention and of the MLP."""
-
-    def __init__(self, in_features: int, c: BertConfig):
-        super().__init__()
-        self.dense = nn.Linear(in_features, c.hidden_size)
-        self.LayerNorm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.LayerNorm(linear_residual(self.dense, x, residual))
-
-
 class BertAttention(nn.Module):
     def __init__(self, c: BertConfig):
         super().__init__()
         self.self = BertSelfAttention(c)
-        self.output = BertDenseNorm(c.hidden_size, c)
+        self.output = DenseNorm(c.hidden_size, c)
 
     def forward(self, x: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
         return self.output(self.self(x, attn), x)
@@ -131,7 +118,7 @@ class BertLayer(nn.Module):
         super().__init__()
         self.attention = BertAttention(c)
         self.intermediate = BertIntermediate(c)
-        self.output = BertDenseNorm(c.intermediate_size, c)
+        self.output = DenseNorm(c.intermediate_size, c)
 
     def forward(self, x: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
         x = self.attention(x, attn)

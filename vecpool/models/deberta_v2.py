@@ -22,7 +22,7 @@ from torch import nn
 from vecpool.errors import ConfigError
 from vecpool.models.attention import AttentionMetadata, GraphUnsupported, flat_attention
 from vecpool.models.base import Capability, PoolingModel, hf_num_labels
-from vecpool.models.encoder_blocks import EncoderModel, pad_to_hidden
+from vecpool.models.encoder_blocks import DenseNorm, EncoderModel, pad_to_hidden
 from vecpool.models.encoder_heads import TokenClassifier
 from vecpool.models.invariant import tiled_matmul
 from vecpool.models.layers import FusedProjections, activation, activation_name, fuse
@@ -248,23 +248,11 @@ class DisentangledSelfAttention(nn.Module):
         return out.reshape(x.shape[0], -1)
 
 
-class DebertaV2DenseNorm(nn.Module):
-    """`LayerNorm(dense(x) + residual)`: the post-norm output of attention and of the MLP."""
-
-    def __init__(self, in_features: int, c: DebertaV2Config):
-        super().__init__()
-        self.dense = nn.Linear(in_features, c.hidden_size)
-        self.LayerNorm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.LayerNorm(self.dense(x) + residual)
-
-
 class DebertaV2Attention(nn.Module):
     def __init__(self, c: DebertaV2Config):
         super().__init__()
         self.self = DisentangledSelfAttention(c)
-        self.output = DebertaV2DenseNorm(c.num_heads * c.head_dim, c)
+        self.output = DenseNorm(c.num_heads * c.head_dim, c)
 
 
 class DebertaV2Intermediate(nn.Module):
@@ -282,7 +270,7 @@ class DebertaV2Layer(nn.Module):
         super().__init__()
         self.attention = DebertaV2Attention(c)
         self.intermediate = DebertaV2Intermediate(c)
-        self.output = DebertaV2DenseNorm(c.intermediate_size, c)
+        self.output = DenseNorm(c.intermediate_size, c)
 
     def forward(
         self,

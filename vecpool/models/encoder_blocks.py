@@ -16,7 +16,17 @@ from torch import nn
 
 from vecpool.models.attention import AttentionMetadata, flat_attention
 from vecpool.models.base import PoolingModel
-from vecpool.models.layers import FusedProjections, apply_rotary, fuse
+from vecpool.models.layers import FusedProjections, apply_rotary, fuse, linear_residual
+
+
+class NormSizes(Protocol):
+    """What `DenseNorm` reads from a family's config."""
+
+    @property
+    def hidden_size(self) -> int: ...
+
+    @property
+    def layer_norm_eps(self) -> float: ...
 
 
 class AttentionSizes(Protocol):
@@ -77,6 +87,19 @@ class EncoderModel(PoolingModel):
         token_type_ids: torch.Tensor,  # [num_tokens] int64
     ) -> torch.Tensor:  # [num_tokens, hidden] final hidden states
         raise NotImplementedError
+
+
+class DenseNorm(nn.Module):
+    """`LayerNorm(dense(x) + residual)`: BERT's post-norm output of attention and of the MLP
+    (BERT, MPNet, DeBERTa-v2, Jina BERT), the add done by the linear where it can."""
+
+    def __init__(self, in_features: int, c: NormSizes):
+        super().__init__()
+        self.dense = nn.Linear(in_features, c.hidden_size)
+        self.LayerNorm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.LayerNorm(linear_residual(self.dense, x, residual))
 
 
 def pad_to_hidden(rows: torch.Tensor, hidden_size: int) -> torch.Tensor:

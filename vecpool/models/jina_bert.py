@@ -27,7 +27,7 @@ from torch import nn
 from vecpool.errors import ConfigError
 from vecpool.models.attention import AttentionMetadata
 from vecpool.models.base import PoolingModel, hf_num_labels
-from vecpool.models.encoder_blocks import EncoderModel, FusedSelfAttention
+from vecpool.models.encoder_blocks import DenseNorm, EncoderModel, FusedSelfAttention
 from vecpool.models.encoder_heads import PooledSequenceClassifier
 
 _QK_NORM_KEY = "encoder.layer.0.attention.self.layer_norm_q.weight"
@@ -124,21 +124,11 @@ class JinaBertSelfAttention(FusedSelfAttention):
         return self.attend(q, k, v, attn, bias)
 
 
-class JinaBertSelfOutput(nn.Module):
-    def __init__(self, c: JinaBertConfig):
-        super().__init__()
-        self.dense = nn.Linear(c.hidden_size, c.hidden_size)
-        self.LayerNorm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.LayerNorm(self.dense(x) + residual)
-
-
 class JinaBertAttention(nn.Module):
     def __init__(self, c: JinaBertConfig):
         super().__init__()
         self.self = JinaBertSelfAttention(c)
-        self.output = JinaBertSelfOutput(c)
+        self.output = DenseNorm(c.hidden_size, c)
 
     def forward(
         self, x: torch.Tensor, attn: AttentionMetadata, alibi: torch.Tensor

@@ -20,12 +20,11 @@ from vecpool.models.attention import AttentionMetadata
 from vecpool.models.base import Capability, PoolingModel, hf_num_labels
 from vecpool.models.bert import (
     BertConfig,
-    BertDenseNorm,
     BertIntermediate,
     RobertaLMHead,
     vocab_logits,
 )
-from vecpool.models.encoder_blocks import EncoderModel, FusedSelfAttention
+from vecpool.models.encoder_blocks import DenseNorm, EncoderModel, FusedSelfAttention
 from vecpool.models.encoder_heads import HeadSequenceClassifier, MaskedLM, TokenClassifier
 from vecpool.models.hf import hf_get
 
@@ -116,7 +115,7 @@ class MPNetLayer(nn.Module):
         super().__init__()
         self.attention = MPNetAttention(c)
         self.intermediate = BertIntermediate(c)
-        self.output = BertDenseNorm(c.intermediate_size, c)
+        self.output = DenseNorm(c.intermediate_size, c)
 
     def forward(self, x: torch.Tensor, attn: AttentionMetadata, bias: torch.Tensor) -> torch.Tensor:
         x = self.attention(x, attn, bias)
