@@ -20,7 +20,7 @@ from vecpool.models.attention import AttentionMetadata
 from vecpool.models.base import Capability, PoolingModel
 from vecpool.models.bert import BertConfig, BertEmbeddings, BertSelfAttention, vocab_logits
 from vecpool.models.electra import embedding_width
-from vecpool.models.encoder_blocks import EncoderModel, pad_to_hidden
+from vecpool.models.encoder_blocks import EncoderModel
 from vecpool.models.encoder_heads import MaskedLM, TokenClassifier
 from vecpool.models.hf import hf_get
 from vecpool.models.layers import activation
@@ -112,9 +112,6 @@ class AlbertModel(EncoderModel):
                 f"({c.num_layers}) and inner_group_num {inner} at least 1"
             )
         return c, embedding_width(hf, c.hidden_size, "ALBERT"), groups, inner
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return pad_to_hidden(self.embeddings.word_embeddings(input_ids), self.hidden_size)
 
     def encode(
         self,

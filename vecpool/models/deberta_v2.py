@@ -22,7 +22,7 @@ from torch import nn
 from vecpool.errors import ConfigError
 from vecpool.models.attention import AttentionMetadata, GraphUnsupported, flat_attention
 from vecpool.models.base import Capability, PoolingModel, hf_num_labels
-from vecpool.models.encoder_blocks import DenseNorm, EncoderModel, pad_to_hidden
+from vecpool.models.encoder_blocks import DenseNorm, EncoderModel
 from vecpool.models.encoder_heads import TokenClassifier
 from vecpool.models.invariant import tiled_matmul
 from vecpool.models.layers import FusedProjections, activation, activation_name, fuse
@@ -313,10 +313,6 @@ class DebertaV2Model(EncoderModel):
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any]) -> PoolingModel:
         return cls(DebertaV2Config.from_hf(hf))
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        # A narrower (factorized) lookup fills the first columns of a hidden-size row.
-        return pad_to_hidden(self.embeddings.word_embeddings(input_ids), self.hidden_size)
 
     def encode(
         self,

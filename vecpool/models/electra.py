@@ -21,7 +21,7 @@ from vecpool.errors import ConfigError
 from vecpool.models.attention import AttentionMetadata
 from vecpool.models.base import PoolingModel
 from vecpool.models.bert import BertConfig, BertEmbeddings, BertEncoder, vocab_logits
-from vecpool.models.encoder_blocks import EncoderModel, pad_to_hidden
+from vecpool.models.encoder_blocks import EncoderModel
 from vecpool.models.encoder_heads import HeadSequenceClassifier, MaskedLM, TokenClassifier
 from vecpool.models.hf import hf_get
 
@@ -60,9 +60,6 @@ class ElectraModel(EncoderModel):
     def from_hf_config(cls, hf: dict[str, Any]) -> PoolingModel:
         c = BertConfig.from_hf(hf)
         return cls(c, embedding_width(hf, c.hidden_size, "ELECTRA"))
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return pad_to_hidden(self.embeddings.word_embeddings(input_ids), self.hidden_size)
 
     def encode(
         self,

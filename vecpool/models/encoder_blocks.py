@@ -1,4 +1,5 @@
-"""Blocks the bidirectional encoder families share: the base model's common interface and their
+"""Blocks the bidirectional encoder families share: the base model's common part (sizes, the
+word-embedding lookup, token type 0 by default), BERT's post-norm `DenseNorm`, and
 self-attention over separate or packed query/key/value projections.
 
 Submodules keep the checkpoint's names: a family names its projections (`qkv_names`), so that
@@ -50,9 +51,10 @@ class EncoderSizes(Protocol):
 
 
 class EncoderModel(PoolingModel):
-    """A bidirectional encoder whose input rows are the lookup `embeddings.word_embeddings`,
-    and whose token types are all 0 where the batch gives none. Families implement `encode`,
-    or, reading no token types, `forward` itself."""
+    """A bidirectional encoder whose input rows are the lookup `embeddings.word_embeddings`
+    (zero columns after it where the embeddings are narrower than the hidden size), and whose
+    token types are all 0 where the batch gives none. Families implement `encode`, or, reading
+    no token types, `forward` itself."""
 
     is_causal = False
 
@@ -66,7 +68,8 @@ class EncoderModel(PoolingModel):
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         # A family's own `embeddings` module, which mypy sees only as `nn.Module.__getattr__`.
-        return self.embeddings.word_embeddings(input_ids)  # type: ignore[union-attr,operator]
+        rows = self.embeddings.word_embeddings(input_ids)  # type: ignore[union-attr,operator]
+        return pad_to_hidden(rows, self.hidden_size)
 
     def forward(
         self,
