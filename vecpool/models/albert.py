@@ -19,7 +19,9 @@ from vecpool.errors import ConfigError
 from vecpool.models.attention import AttentionMetadata
 from vecpool.models.base import Capability, PoolingModel
 from vecpool.models.bert import BertConfig, BertEmbeddings, BertSelfAttention, vocab_logits
-from vecpool.models.electra import embedding_width, pad_to_hidden
+from vecpool.models.electra import embedding_width
+from vecpool.models.encoder_blocks import EncoderModel
+from vecpool.models.encoder_heads import MaskedLM, TokenClassifier
 from vecpool.models.hf import hf_get
 from vecpool.models.layers import activation
 
@@ -33,8 +35,10 @@ class AlbertAttention(BertSelfAttention):
         self.dense = nn.Linear(c.hidden_size, c.hidden_size)
         self.LayerNorm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
 
-    def forward(self, x: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
-        return self.LayerNorm(x + self.dense(super().forward(x, attn)))
+    def forward(
+        self, x: torch.Tensor, attn: AttentionMetadata, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return self.LayerNorm(x + self.dense(super().forward(x, attn, bias)))
 
 
 class AlbertLayer(nn.Module):
@@ -75,7 +79,7 @@ class AlbertTransformer(nn.Module):
         self.schedule = [int(i / (c.num_layers / groups)) for i in range(c.num_layers)]
 
 
-class AlbertModel(PoolingModel):
+class AlbertModel(EncoderModel):
     """The bare ALBERT encoder."""
 
     checkpoint_prefixes = ("albert.",)
@@ -84,16 +88,11 @@ class AlbertModel(PoolingModel):
         "embeddings.position_ids",
         "embeddings.token_type_ids",
     )
-    is_causal = False
 
     def __init__(self, c: BertConfig, embedding_size: int, groups: int, inner_group_num: int):
-        super().__init__()
+        super().__init__(c, c.max_position_embeddings, c.type_vocab_size)
         self.config = c
-        self.hidden_size = c.hidden_size
-        self.vocab_size = c.vocab_size
         self.embedding_size = embedding_size
-        self.max_positions = c.max_position_embeddings
-        self.uses_token_type_ids = c.type_vocab_size > 1
         self.embeddings = BertEmbeddings(replace(c, hidden_size=embedding_size))
         self.encoder = AlbertTransformer(c, embedding_size, groups, inner_group_num)
 
@@ -114,18 +113,13 @@ class AlbertModel(PoolingModel):
             )
         return c, embedding_width(hf, c.hidden_size, "ALBERT"), groups, inner
 
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return pad_to_hidden(self.embeddings.word_embeddings(input_ids), self.hidden_size)
-
-    def forward(
+    def encode(
         self,
         inputs_embeds: torch.Tensor,
         positions: torch.Tensor,
         attn: AttentionMetadata,
-        token_type_ids: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor,
     ) -> torch.Tensor:
-        if token_type_ids is None:
-            token_type_ids = torch.zeros_like(positions)
         x = inputs_embeds[:, : self.embedding_size]  # [T, embedding_size]
         x = self.embeddings(x, positions, token_type_ids)
         x = self.encoder.embedding_hidden_mapping_in(x)  # [T, hidden]
@@ -150,18 +144,8 @@ class AlbertForSequenceClassification(AlbertModel):
         return self.classifier(torch.tanh(self.pooler(pooled)))
 
 
-class AlbertForTokenClassification(AlbertModel):
+class AlbertForTokenClassification(TokenClassifier, AlbertModel):
     """`classifier` on every token row."""
-
-    capabilities = frozenset({Capability.TOKEN_CLASSIFIER})
-
-    def __init__(self, c: BertConfig, embedding_size: int, groups: int, inner_group_num: int):
-        super().__init__(c, embedding_size, groups, inner_group_num)
-        self.num_labels = c.num_labels
-        self.classifier = nn.Linear(c.hidden_size, c.num_labels)
-
-    def classify_tokens(self, rows: torch.Tensor) -> torch.Tensor:
-        return self.classifier(rows)
 
 
 class AlbertMLMHead(nn.Module):
@@ -178,7 +162,7 @@ class AlbertMLMHead(nn.Module):
         return self.LayerNorm(self.act(self.dense(x)))
 
 
-class AlbertForMaskedLM(AlbertModel):
+class AlbertForMaskedLM(MaskedLM, AlbertModel):
     """ALBERT with its masked-LM head `predictions` (to the embedding width, then the tied
     decoder)."""
 
@@ -186,23 +170,10 @@ class AlbertForMaskedLM(AlbertModel):
         "predictions.decoder.weight": "embeddings.word_embeddings.weight",
         "predictions.decoder.bias": "predictions.bias",
     }
-    capabilities = frozenset({Capability.MASKED_LM})
 
-    def __init__(
-        self,
-        c: BertConfig,
-        embedding_size: int,
-        groups: int,
-        inner_group_num: int,
-        tied: bool = True,
-    ):
+    def __init__(self, c: BertConfig, embedding_size: int, groups: int, inner_group_num: int):
         super().__init__(c, embedding_size, groups, inner_group_num)
-        self.tie_word_embeddings = tied
         self.predictions = AlbertMLMHead(c, embedding_size)
-
-    @classmethod
-    def from_hf_config(cls, hf: dict[str, Any]) -> PoolingModel:
-        return cls(*cls.albert_config(hf), tied=bool(hf.get("tie_word_embeddings", True)))
 
     def compute_logits(
         self, rows: torch.Tensor, vocab_ids: torch.Tensor | None = None

@@ -15,15 +15,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from vecpool.errors import ConfigError
-from vecpool.models.attention import AttentionMetadata, flat_attention
+from vecpool.models.attention import AttentionMetadata
 from vecpool.models.base import Capability, PoolingModel, hf_num_labels
+from vecpool.models.encoder_blocks import DenseNorm, EncoderModel, FusedSelfAttention
+from vecpool.models.encoder_heads import (
+    HeadSequenceClassifier,
+    MaskedLM,
+    PooledSequenceClassifier,
+    TokenClassifier,
+)
 from vecpool.models.layers import (
-    FusedProjections,
     activation,
     activation_name,
-    fuse,
     linear_activation,
-    linear_residual,
 )
 
 
@@ -85,44 +89,15 @@ class BertEmbeddings(nn.Module):
         return self.LayerNorm(x)
 
 
-class BertSelfAttention(nn.Module):
-    def __init__(self, c: BertConfig):
-        super().__init__()
-        self.num_heads = c.num_heads
-        self.head_dim = c.hidden_size // c.num_heads
-        self.query = nn.Linear(c.hidden_size, c.hidden_size)
-        self.key = nn.Linear(c.hidden_size, c.hidden_size)
-        self.value = nn.Linear(c.hidden_size, c.hidden_size)
-        self.qkv: FusedProjections | None = None
-
-    def fuse_projections(self) -> None:
-        fuse(self, "qkv", ["query", "key", "value"])
-
-    def forward(self, x: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
-        shape = (x.shape[0], self.num_heads, self.head_dim)
-        assert self.qkv is not None, "projections are fused when the weights load"
-        q, k, v = (t.view(shape) for t in self.qkv(x))
-        out = flat_attention(q, k, v, attn, causal=False, scale=self.head_dim**-0.5)
-        return out.reshape(x.shape[0], -1)
-
-
-class BertDenseNorm(nn.Module):
-    """`LayerNorm(dense(x) + residual)`: the post-norm output of attention and of the MLP."""
-
-    def __init__(self, in_features: int, c: BertConfig):
-        super().__init__()
-        self.dense = nn.Linear(in_features, c.hidden_size)
-        self.LayerNorm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.LayerNorm(linear_residual(self.dense, x, residual))
+class BertSelfAttention(FusedSelfAttention):
+    """`query`, `key`, `value`; the output projection is `BertAttention.output`'s."""
 
 
 class BertAttention(nn.Module):
     def __init__(self, c: BertConfig):
         super().__init__()
         self.self = BertSelfAttention(c)
-        self.output = BertDenseNorm(c.hidden_size, c)
+        self.output = DenseNorm(c.hidden_size, c)
 
     def forward(self, x: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
         return self.output(self.self(x, attn), x)
@@ -143,7 +118,7 @@ class BertLayer(nn.Module):
         super().__init__()
         self.attention = BertAttention(c)
         self.intermediate = BertIntermediate(c)
-        self.output = BertDenseNorm(c.intermediate_size, c)
+        self.output = DenseNorm(c.intermediate_size, c)
 
     def forward(self, x: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
         x = self.attention(x, attn)
@@ -156,7 +131,7 @@ class BertEncoder(nn.Module):
         self.layer = nn.ModuleList(BertLayer(c) for _ in range(c.num_layers))
 
 
-class BertModel(PoolingModel):
+class BertModel(EncoderModel):
     checkpoint_prefixes = ("bert.",)
     # Older checkpoints (TensorFlow-era) name LayerNorm parameters gamma and beta.
     checkpoint_renames: ClassVar[dict[str, str]] = {
@@ -168,16 +143,10 @@ class BertModel(PoolingModel):
         "embeddings.position_ids",
         "embeddings.token_type_ids",
     )
-    is_causal = False
 
     def __init__(self, c: BertConfig):
-        super().__init__()
+        super().__init__(c, c.max_position_embeddings - c.position_offset, c.type_vocab_size)
         self.config = c
-        self.hidden_size = c.hidden_size
-        self.vocab_size = c.vocab_size
-        self.max_positions = c.max_position_embeddings - c.position_offset
-        # With one token type (RoBERTa) every row takes type 0, whatever a tokenizer says.
-        self.uses_token_type_ids = c.type_vocab_size > 1
         self.embeddings = BertEmbeddings(c)
         self.encoder = BertEncoder(c)
 
@@ -189,18 +158,13 @@ class BertModel(PoolingModel):
     def from_hf_config(cls, hf: dict[str, Any]) -> PoolingModel:
         return cls(cls.config_from_hf(hf))
 
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embeddings.word_embeddings(input_ids)
-
-    def forward(
+    def encode(
         self,
         inputs_embeds: torch.Tensor,
         positions: torch.Tensor,
         attn: AttentionMetadata,
-        token_type_ids: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor,
     ) -> torch.Tensor:
-        if token_type_ids is None:
-            token_type_ids = torch.zeros_like(positions)
         x = self.embeddings(inputs_embeds, positions, token_type_ids)
         for layer in self.encoder.layer:
             x = layer(x, attn)
@@ -217,67 +181,17 @@ class RobertaModel(BertModel):
         return BertConfig.from_hf(hf, position_offset=int(hf.get("pad_token_id", 1)) + 1)
 
 
-class BertPooler(nn.Module):
-    def __init__(self, c: BertConfig):
-        super().__init__()
-        self.dense = nn.Linear(c.hidden_size, c.hidden_size)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.dense(x))
-
-
-class BertForSequenceClassification(BertModel):
+class BertForSequenceClassification(PooledSequenceClassifier, BertModel):
     """The CLS row through BERT's pooler (dense, tanh), then `classifier`."""
 
-    capabilities = frozenset({Capability.SEQUENCE_CLASSIFIER})
 
-    def __init__(self, c: BertConfig):
-        super().__init__(c)
-        self.num_labels = c.num_labels
-        self.pooler = BertPooler(c)
-        self.classifier = nn.Linear(c.hidden_size, c.num_labels)
-
-    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
-        return self.classifier(self.pooler(pooled))
-
-
-class RobertaClassificationHead(nn.Module):
-    def __init__(self, c: BertConfig):
-        super().__init__()
-        self.dense = nn.Linear(c.hidden_size, c.hidden_size)
-        self.out_proj = nn.Linear(c.hidden_size, c.num_labels)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out_proj(torch.tanh(self.dense(x)))
-
-
-class RobertaForSequenceClassification(RobertaModel):
+class RobertaForSequenceClassification(HeadSequenceClassifier, RobertaModel):
     """The CLS (`<s>`) row through `classifier.dense`, tanh, `classifier.out_proj`
     (cross-encoders such as bge-reranker)."""
 
-    capabilities = frozenset({Capability.SEQUENCE_CLASSIFIER})
 
-    def __init__(self, c: BertConfig):
-        super().__init__(c)
-        self.num_labels = c.num_labels
-        self.classifier = RobertaClassificationHead(c)
-
-    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
-        return self.classifier(pooled)
-
-
-class BertForTokenClassification(BertModel):
+class BertForTokenClassification(TokenClassifier, BertModel):
     """`classifier` on every token row (NER style)."""
-
-    capabilities = frozenset({Capability.TOKEN_CLASSIFIER})
-
-    def __init__(self, c: BertConfig):
-        super().__init__(c)
-        self.num_labels = c.num_labels
-        self.classifier = nn.Linear(c.hidden_size, c.num_labels)
-
-    def classify_tokens(self, rows: torch.Tensor) -> torch.Tensor:
-        return self.classifier(rows)
 
 
 class RobertaForTokenClassification(BertForTokenClassification, RobertaModel):
@@ -310,23 +224,17 @@ class BertOnlyMLMHead(nn.Module):
         self.predictions = BertLMPredictionHead(c)
 
 
-class BertForMaskedLM(BertModel):
+class BertForMaskedLM(MaskedLM, BertModel):
     """BERT with its masked-LM head: vocabulary logits per token row (SPLADE)."""
 
     tied_weights: ClassVar[dict[str, str]] = {
         "cls.predictions.decoder.weight": "embeddings.word_embeddings.weight",
         "cls.predictions.decoder.bias": "cls.predictions.bias",
     }
-    capabilities = frozenset({Capability.MASKED_LM})
 
-    def __init__(self, c: BertConfig, tied: bool = True):
+    def __init__(self, c: BertConfig):
         super().__init__(c)
-        self.tie_word_embeddings = tied
         self.cls = BertOnlyMLMHead(c)
-
-    @classmethod
-    def from_hf_config(cls, hf: dict[str, Any]) -> PoolingModel:
-        return cls(cls.config_from_hf(hf), tied=bool(hf.get("tie_word_embeddings", True)))
 
     def compute_logits(
         self, rows: torch.Tensor, vocab_ids: torch.Tensor | None = None
@@ -350,23 +258,17 @@ class RobertaLMHead(nn.Module):
         return self.layer_norm(F.gelu(self.dense(x)))
 
 
-class RobertaForMaskedLM(RobertaModel):
+class RobertaForMaskedLM(MaskedLM, RobertaModel):
     """RoBERTa / XLM-RoBERTa with the masked-LM head `lm_head` (SPLADE)."""
 
     tied_weights: ClassVar[dict[str, str]] = {
         "lm_head.decoder.weight": "embeddings.word_embeddings.weight",
         "lm_head.decoder.bias": "lm_head.bias",
     }
-    capabilities = frozenset({Capability.MASKED_LM})
 
-    def __init__(self, c: BertConfig, tied: bool = True):
+    def __init__(self, c: BertConfig):
         super().__init__(c)
-        self.tie_word_embeddings = tied
         self.lm_head = RobertaLMHead(c)
-
-    @classmethod
-    def from_hf_config(cls, hf: dict[str, Any]) -> PoolingModel:
-        return cls(cls.config_from_hf(hf), tied=bool(hf.get("tie_word_embeddings", True)))
 
     def compute_logits(
         self, rows: torch.Tensor, vocab_ids: torch.Tensor | None = None

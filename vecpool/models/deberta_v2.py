@@ -22,6 +22,8 @@ from torch import nn
 from vecpool.errors import ConfigError
 from vecpool.models.attention import AttentionMetadata, GraphUnsupported, flat_attention
 from vecpool.models.base import Capability, PoolingModel, hf_num_labels
+from vecpool.models.encoder_blocks import DenseNorm, EncoderModel
+from vecpool.models.encoder_heads import TokenClassifier
 from vecpool.models.invariant import tiled_matmul
 from vecpool.models.layers import FusedProjections, activation, activation_name, fuse
 
@@ -246,23 +248,11 @@ class DisentangledSelfAttention(nn.Module):
         return out.reshape(x.shape[0], -1)
 
 
-class DebertaV2DenseNorm(nn.Module):
-    """`LayerNorm(dense(x) + residual)`: the post-norm output of attention and of the MLP."""
-
-    def __init__(self, in_features: int, c: DebertaV2Config):
-        super().__init__()
-        self.dense = nn.Linear(in_features, c.hidden_size)
-        self.LayerNorm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.LayerNorm(self.dense(x) + residual)
-
-
 class DebertaV2Attention(nn.Module):
     def __init__(self, c: DebertaV2Config):
         super().__init__()
         self.self = DisentangledSelfAttention(c)
-        self.output = DebertaV2DenseNorm(c.num_heads * c.head_dim, c)
+        self.output = DenseNorm(c.num_heads * c.head_dim, c)
 
 
 class DebertaV2Intermediate(nn.Module):
@@ -280,7 +270,7 @@ class DebertaV2Layer(nn.Module):
         super().__init__()
         self.attention = DebertaV2Attention(c)
         self.intermediate = DebertaV2Intermediate(c)
-        self.output = DebertaV2DenseNorm(c.intermediate_size, c)
+        self.output = DenseNorm(c.intermediate_size, c)
 
     def forward(
         self,
@@ -303,7 +293,7 @@ class DebertaV2Encoder(nn.Module):
                 self.LayerNorm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
 
 
-class DebertaV2Model(PoolingModel):
+class DebertaV2Model(EncoderModel):
     """DeBERTa-v2 / v3 (`DebertaV2Model`): hidden states of every token; CLS pooling unless the
     folder says otherwise."""
 
@@ -313,15 +303,10 @@ class DebertaV2Model(PoolingModel):
         # Kept in some checkpoints whose config turns absolute positions off (as transformers).
         "embeddings.position_embeddings.weight",
     )
-    is_causal = False
 
     def __init__(self, c: DebertaV2Config):
-        super().__init__()
+        super().__init__(c, c.max_position_embeddings, c.type_vocab_size)
         self.config = c
-        self.hidden_size = c.hidden_size
-        self.vocab_size = c.vocab_size
-        self.max_positions = c.max_position_embeddings
-        self.uses_token_type_ids = c.type_vocab_size > 1
         self.embeddings = DebertaV2Embeddings(c)
         self.encoder = DebertaV2Encoder(c)
 
@@ -329,23 +314,14 @@ class DebertaV2Model(PoolingModel):
     def from_hf_config(cls, hf: dict[str, Any]) -> PoolingModel:
         return cls(DebertaV2Config.from_hf(hf))
 
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        rows = self.embeddings.word_embeddings(input_ids)  # [n, embedding_size]
-        # Input rows are hidden-size wide: a narrower (factorized) lookup fills the first
-        # columns of a zero row, and prompt embeds take the same layout.
-        extra = self.hidden_size - rows.shape[-1]
-        return F.pad(rows, (0, extra)) if extra else rows
-
-    def forward(
+    def encode(
         self,
         inputs_embeds: torch.Tensor,
         positions: torch.Tensor,
         attn: AttentionMetadata,
-        token_type_ids: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor,
     ) -> torch.Tensor:
         c = self.config
-        if token_type_ids is None:
-            token_type_ids = torch.zeros_like(positions)
         x = self.embeddings(inputs_embeds, positions, token_type_ids)
         rel_embeddings = rel_pos = None
         if c.relative_attention:
@@ -389,18 +365,8 @@ class DebertaV2ForSequenceClassification(DebertaV2Model):
         return self.classifier(self.pooler(pooled))
 
 
-class DebertaV2ForTokenClassification(DebertaV2Model):
+class DebertaV2ForTokenClassification(TokenClassifier, DebertaV2Model):
     """`classifier` on every token row."""
-
-    capabilities = frozenset({Capability.TOKEN_CLASSIFIER})
-
-    def __init__(self, c: DebertaV2Config):
-        super().__init__(c)
-        self.num_labels = c.num_labels
-        self.classifier = nn.Linear(c.hidden_size, c.num_labels)
-
-    def classify_tokens(self, rows: torch.Tensor) -> torch.Tensor:
-        return self.classifier(rows)
 
 
 class DebertaV2PredictionHeadTransform(nn.Module):

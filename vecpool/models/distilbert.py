@@ -13,11 +13,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vecpool.models.attention import AttentionMetadata, flat_attention
+from vecpool.models.attention import AttentionMetadata
 from vecpool.models.base import Capability, PoolingModel, hf_num_labels
 from vecpool.models.bert import BertConfig, vocab_logits
+from vecpool.models.encoder_blocks import EncoderModel, FusedSelfAttention
+from vecpool.models.encoder_heads import MaskedLM, TokenClassifier
 from vecpool.models.hf import hf_get
-from vecpool.models.layers import FusedProjections, activation, fuse
+from vecpool.models.layers import activation
 
 _LAYER_NORM_EPS = 1e-12  # fixed in transformers' DistilBERT, not read from the config
 
@@ -51,26 +53,19 @@ class DistilBertEmbeddings(nn.Module):
         return self.LayerNorm(inputs_embeds + self.position_embeddings(positions))
 
 
-class DistilBertSelfAttention(nn.Module):
+class DistilBertSelfAttention(FusedSelfAttention):
+    """`q_lin`, `k_lin`, `v_lin`, then `out_lin`."""
+
+    qkv_names = ("q_lin", "k_lin", "v_lin")
+
     def __init__(self, c: BertConfig):
-        super().__init__()
-        self.num_heads = c.num_heads
-        self.head_dim = c.hidden_size // c.num_heads
-        self.q_lin = nn.Linear(c.hidden_size, c.hidden_size)
-        self.k_lin = nn.Linear(c.hidden_size, c.hidden_size)
-        self.v_lin = nn.Linear(c.hidden_size, c.hidden_size)
+        super().__init__(c)
         self.out_lin = nn.Linear(c.hidden_size, c.hidden_size)
-        self.qkv: FusedProjections | None = None
 
-    def fuse_projections(self) -> None:
-        fuse(self, "qkv", ["q_lin", "k_lin", "v_lin"])
-
-    def forward(self, x: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
-        shape = (x.shape[0], self.num_heads, self.head_dim)
-        assert self.qkv is not None, "projections are fused when the weights load"
-        q, k, v = (t.view(shape) for t in self.qkv(x))
-        out = flat_attention(q, k, v, attn, causal=False, scale=self.head_dim**-0.5)
-        return self.out_lin(out.reshape(x.shape[0], -1))
+    def forward(
+        self, x: torch.Tensor, attn: AttentionMetadata, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return self.out_lin(super().forward(x, attn, bias))
 
 
 class DistilBertFFN(nn.Module):
@@ -105,28 +100,21 @@ class DistilBertTransformer(nn.Module):
         self.layer = nn.ModuleList(DistilBertBlock(c) for _ in range(c.num_layers))
 
 
-class DistilBertModel(PoolingModel):
+class DistilBertModel(EncoderModel):
     """The bare DistilBERT encoder."""
 
     checkpoint_prefixes = ("distilbert.",)
     unused_checkpoint_keys: ClassVar[tuple[str, ...]] = ("embeddings.position_ids",)
-    is_causal = False
 
     def __init__(self, c: BertConfig):
-        super().__init__()
+        super().__init__(c, c.max_position_embeddings)
         self.config = c
-        self.hidden_size = c.hidden_size
-        self.vocab_size = c.vocab_size
-        self.max_positions = c.max_position_embeddings
         self.embeddings = DistilBertEmbeddings(c)
         self.transformer = DistilBertTransformer(c)
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any]) -> PoolingModel:
         return cls(distilbert_config(hf))
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embeddings.word_embeddings(input_ids)
 
     def forward(
         self,
@@ -156,40 +144,24 @@ class DistilBertForSequenceClassification(DistilBertModel):
         return self.classifier(F.relu(self.pre_classifier(pooled)))
 
 
-class DistilBertForTokenClassification(DistilBertModel):
+class DistilBertForTokenClassification(TokenClassifier, DistilBertModel):
     """`classifier` on every token row."""
 
-    capabilities = frozenset({Capability.TOKEN_CLASSIFIER})
 
-    def __init__(self, c: BertConfig):
-        super().__init__(c)
-        self.num_labels = c.num_labels
-        self.classifier = nn.Linear(c.hidden_size, c.num_labels)
-
-    def classify_tokens(self, rows: torch.Tensor) -> torch.Tensor:
-        return self.classifier(rows)
-
-
-class DistilBertForMaskedLM(DistilBertModel):
+class DistilBertForMaskedLM(MaskedLM, DistilBertModel):
     """DistilBERT with its masked-LM head: `vocab_transform`, the config's activation,
     `vocab_layer_norm`, `vocab_projector` (tied: the word embeddings, with its own bias)."""
 
     tied_weights: ClassVar[dict[str, str]] = {
         "vocab_projector.weight": "embeddings.word_embeddings.weight"
     }
-    capabilities = frozenset({Capability.MASKED_LM})
 
-    def __init__(self, c: BertConfig, tied: bool = True):
+    def __init__(self, c: BertConfig):
         super().__init__(c)
-        self.tie_word_embeddings = tied
         self.vocab_transform = nn.Linear(c.hidden_size, c.hidden_size)
         self.act = activation(c.hidden_act)
         self.vocab_layer_norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
         self.vocab_projector = nn.Linear(c.hidden_size, c.vocab_size)
-
-    @classmethod
-    def from_hf_config(cls, hf: dict[str, Any]) -> PoolingModel:
-        return cls(distilbert_config(hf), tied=bool(hf.get("tie_word_embeddings", True)))
 
     def compute_logits(
         self, rows: torch.Tensor, vocab_ids: torch.Tensor | None = None

@@ -19,8 +19,10 @@ from torch import nn
 
 from vecpool.errors import ConfigError
 from vecpool.models.attention import AttentionMetadata
-from vecpool.models.base import Capability, PoolingModel
+from vecpool.models.base import PoolingModel
 from vecpool.models.bert import BertConfig, BertEmbeddings, BertEncoder, vocab_logits
+from vecpool.models.encoder_blocks import EncoderModel
+from vecpool.models.encoder_heads import HeadSequenceClassifier, MaskedLM, TokenClassifier
 from vecpool.models.hf import hf_get
 
 
@@ -35,14 +37,7 @@ def embedding_width(hf: dict[str, Any], hidden_size: int, family: str) -> int:
     return width
 
 
-def pad_to_hidden(rows: torch.Tensor, hidden_size: int) -> torch.Tensor:
-    """`[n, embedding_size]` -> `[n, hidden_size]`: zero columns after the lookup's own (the
-    engine's input rows are hidden-size wide)."""
-    extra = hidden_size - rows.shape[-1]
-    return F.pad(rows, (0, extra)) if extra else rows
-
-
-class ElectraModel(PoolingModel):
+class ElectraModel(EncoderModel):
     """The bare ELECTRA encoder (also the discriminator of `ElectraForPreTraining` folders)."""
 
     checkpoint_prefixes = ("electra.",)
@@ -50,16 +45,11 @@ class ElectraModel(PoolingModel):
         "embeddings.position_ids",
         "embeddings.token_type_ids",
     )
-    is_causal = False
 
     def __init__(self, c: BertConfig, embedding_size: int):
-        super().__init__()
+        super().__init__(c, c.max_position_embeddings, c.type_vocab_size)
         self.config = c
-        self.hidden_size = c.hidden_size
-        self.vocab_size = c.vocab_size
         self.embedding_size = embedding_size
-        self.max_positions = c.max_position_embeddings
-        self.uses_token_type_ids = c.type_vocab_size > 1
         self.embeddings = BertEmbeddings(replace(c, hidden_size=embedding_size))
         self.embeddings_project: nn.Linear | None = (
             nn.Linear(embedding_size, c.hidden_size) if embedding_size != c.hidden_size else None
@@ -71,18 +61,13 @@ class ElectraModel(PoolingModel):
         c = BertConfig.from_hf(hf)
         return cls(c, embedding_width(hf, c.hidden_size, "ELECTRA"))
 
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return pad_to_hidden(self.embeddings.word_embeddings(input_ids), self.hidden_size)
-
-    def forward(
+    def encode(
         self,
         inputs_embeds: torch.Tensor,
         positions: torch.Tensor,
         attn: AttentionMetadata,
-        token_type_ids: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor,
     ) -> torch.Tensor:
-        if token_type_ids is None:
-            token_type_ids = torch.zeros_like(positions)
         x = inputs_embeds[:, : self.embedding_size]  # [T, embedding_size]
         x = self.embeddings(x, positions, token_type_ids)
         if self.embeddings_project is not None:
@@ -92,44 +77,15 @@ class ElectraModel(PoolingModel):
         return x
 
 
-class ElectraClassificationHead(nn.Module):
-    """dense, gelu (ELECTRA's choice, where BERT has tanh), `out_proj`."""
+class ElectraForSequenceClassification(HeadSequenceClassifier, ElectraModel):
+    """The first row through `classifier`: dense, gelu (ELECTRA's choice, where RoBERTa has
+    tanh), `out_proj` (ms-marco-electra cross-encoders)."""
 
-    def __init__(self, c: BertConfig):
-        super().__init__()
-        self.dense = nn.Linear(c.hidden_size, c.hidden_size)
-        self.out_proj = nn.Linear(c.hidden_size, c.num_labels)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out_proj(F.gelu(self.dense(x)))
+    classifier_act = "gelu"
 
 
-class ElectraForSequenceClassification(ElectraModel):
-    """The first row through `classifier` (ms-marco-electra cross-encoders)."""
-
-    capabilities = frozenset({Capability.SEQUENCE_CLASSIFIER})
-
-    def __init__(self, c: BertConfig, embedding_size: int):
-        super().__init__(c, embedding_size)
-        self.num_labels = c.num_labels
-        self.classifier = ElectraClassificationHead(c)
-
-    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
-        return self.classifier(pooled)
-
-
-class ElectraForTokenClassification(ElectraModel):
+class ElectraForTokenClassification(TokenClassifier, ElectraModel):
     """`classifier` on every token row."""
-
-    capabilities = frozenset({Capability.TOKEN_CLASSIFIER})
-
-    def __init__(self, c: BertConfig, embedding_size: int):
-        super().__init__(c, embedding_size)
-        self.num_labels = c.num_labels
-        self.classifier = nn.Linear(c.hidden_size, c.num_labels)
-
-    def classify_tokens(self, rows: torch.Tensor) -> torch.Tensor:
-        return self.classifier(rows)
 
 
 class ElectraGeneratorPredictions(nn.Module):
@@ -142,26 +98,18 @@ class ElectraGeneratorPredictions(nn.Module):
         return self.LayerNorm(F.gelu(self.dense(x)))  # exact gelu whatever hidden_act says
 
 
-class ElectraForMaskedLM(ElectraModel):
+class ElectraForMaskedLM(MaskedLM, ElectraModel):
     """The generator's masked-LM head: `generator_predictions` (dense to the embedding width,
     gelu, LayerNorm), then `generator_lm_head` (tied: the word embeddings, own bias)."""
 
     tied_weights: ClassVar[dict[str, str]] = {
         "generator_lm_head.weight": "embeddings.word_embeddings.weight"
     }
-    capabilities = frozenset({Capability.MASKED_LM})
 
-    def __init__(self, c: BertConfig, embedding_size: int, tied: bool = True):
+    def __init__(self, c: BertConfig, embedding_size: int):
         super().__init__(c, embedding_size)
-        self.tie_word_embeddings = tied
         self.generator_predictions = ElectraGeneratorPredictions(c, embedding_size)
         self.generator_lm_head = nn.Linear(embedding_size, c.vocab_size)
-
-    @classmethod
-    def from_hf_config(cls, hf: dict[str, Any]) -> PoolingModel:
-        c = BertConfig.from_hf(hf)
-        width = embedding_width(hf, c.hidden_size, "ELECTRA")
-        return cls(c, width, tied=bool(hf.get("tie_word_embeddings", True)))
 
     def compute_logits(
         self, rows: torch.Tensor, vocab_ids: torch.Tensor | None = None

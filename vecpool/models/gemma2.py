@@ -62,19 +62,12 @@ class Gemma2Model(DecoderModel):
                 for i in range(int(hf.get("num_hidden_layers") or 0))
             ]
         window = hf.get("sliding_window", 4096)
-        hidden_size = int(hf.get("hidden_size") or 0)
         return read_config(
             hf,
             defaults=_DEFAULTS,
             layer_types=layer_types,
             sliding_window=None if window is None else int(window),
-            hidden_act=str(hf.get("hidden_activation") or "gelu_pytorch_tanh"),
-            attention_bias=bool(hf.get("attention_bias", False)),
-            attn_scale=float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
-            attn_softcap=_optional_float(hf.get("attn_logit_softcapping", 50.0)),
-            final_softcap=_optional_float(hf.get("final_logit_softcapping", 30.0)),
-            norm_unit_offset=True,
-            embed_scale=hidden_size**0.5,
+            **gemma2_options(hf, attn_softcap=50.0, final_softcap=30.0),
         )
 
 
@@ -90,5 +83,21 @@ class Gemma2ForTokenClassification(DecoderForTokenClassification, Gemma2Model):
     """Gemma2 with `score` on every token row."""
 
 
-def _optional_float(value: Any) -> float | None:
-    return None if value is None else float(value)
+def gemma2_options(
+    hf: dict[str, Any], attn_softcap: float | None, final_softcap: float | None
+) -> dict[str, Any]:
+    """`read_config`'s options that Gemma2 and Gemma3 read alike: the activation under
+    `hidden_activation`, the attention scale `query_pre_attn_scalar ** -0.5`, the soft caps
+    (`attn_softcap` / `final_softcap` where the config leaves them out; null turns one off),
+    (1 + weight) norms and the input lookup scaled by sqrt(hidden_size)."""
+    attn_cap = hf.get("attn_logit_softcapping", attn_softcap)
+    final_cap = hf.get("final_logit_softcapping", final_softcap)
+    return {
+        "hidden_act": str(hf.get("hidden_activation") or "gelu_pytorch_tanh"),
+        "attention_bias": bool(hf.get("attention_bias", False)),
+        "attn_scale": float(hf.get("query_pre_attn_scalar") or 256) ** -0.5,
+        "attn_softcap": None if attn_cap is None else float(attn_cap),
+        "final_softcap": None if final_cap is None else float(final_cap),
+        "norm_unit_offset": True,
+        "embed_scale": int(hf.get("hidden_size") or 0) ** 0.5,
+    }

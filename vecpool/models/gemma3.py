@@ -23,7 +23,7 @@ from vecpool.models.decoder import (
     DecoderModel,
     read_config,
 )
-from vecpool.models.gemma2 import Gemma2DecoderLayer
+from vecpool.models.gemma2 import Gemma2DecoderLayer, gemma2_options
 from vecpool.models.hf import hf_get
 from vecpool.models.layers import Rotary
 
@@ -61,20 +61,13 @@ class Gemma3TextModel(DecoderModel):
             options["layer_windows"] = tuple(
                 narrowed if t == SLIDING_ATTENTION else None for t in layer_types
             )
-        hidden_size = int(hf.get("hidden_size") or 0)
         return read_config(
             hf,
             defaults=_DEFAULTS,
             layer_types=layer_types,
             sliding_window=None if window is None else int(window),
-            hidden_act=str(hf.get("hidden_activation") or "gelu_pytorch_tanh"),
-            attention_bias=bool(hf.get("attention_bias", False)),
             qk_norm=True,
-            attn_scale=float(hf.get("query_pre_attn_scalar") or 256) ** -0.5,
-            attn_softcap=_optional_float(hf.get("attn_logit_softcapping")),
-            final_softcap=_optional_float(hf.get("final_logit_softcapping")),
-            norm_unit_offset=True,
-            embed_scale=hidden_size**0.5,
+            **gemma2_options(hf, attn_softcap=None, final_softcap=None),
             **options,
         )
 
@@ -116,7 +109,3 @@ def _rope(hf: dict[str, Any]) -> dict[str, dict[str, Any]]:
         FULL_ATTENTION: {**shared, "rope_parameters": full},
         SLIDING_ATTENTION: {**shared, "rope_parameters": sliding},
     }
-
-
-def _optional_float(value: Any) -> float | None:
-    return None if value is None else float(value)

@@ -18,9 +18,11 @@ import torch
 from torch import nn
 
 from vecpool.errors import ConfigError
-from vecpool.models.attention import AttentionMetadata, flat_attention
-from vecpool.models.base import Capability, PoolingModel, hf_num_labels
-from vecpool.models.layers import Rotary, activation, apply_rotary
+from vecpool.models.attention import AttentionMetadata
+from vecpool.models.base import PoolingModel, hf_num_labels
+from vecpool.models.encoder_blocks import EncoderModel, packed_rotary_attention
+from vecpool.models.encoder_heads import PooledSequenceClassifier
+from vecpool.models.layers import Rotary, activation
 
 
 @dataclass(frozen=True)
@@ -124,7 +126,7 @@ class NewEmbeddings(nn.Module):
 class NewAttention(nn.Module):
     def __init__(self, c: GteConfig):
         super().__init__()
-        self.num_heads, self.head_dim = c.num_heads, c.head_dim
+        self.num_heads = c.num_heads
         self.qkv_proj = nn.Linear(c.hidden_size, 3 * c.hidden_size)
         self.o_proj = nn.Linear(c.hidden_size, c.hidden_size)
 
@@ -135,11 +137,8 @@ class NewAttention(nn.Module):
         sin: torch.Tensor,
         attn: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden]
-        n = x.shape[0]
-        q, k, v = self.qkv_proj(x).view(n, 3, self.num_heads, self.head_dim).unbind(dim=1)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = flat_attention(q, k, v, attn, causal=False, scale=self.head_dim**-0.5)
-        return self.o_proj(out.reshape(n, -1))
+        out = packed_rotary_attention(self.qkv_proj(x), cos, sin, attn, self.num_heads)
+        return self.o_proj(out)
 
 
 class NewGatedMLP(nn.Module):
@@ -179,21 +178,15 @@ class NewEncoder(nn.Module):
         self.layer = nn.ModuleList(NewLayer(c) for _ in range(c.num_layers))
 
 
-class NewModel(PoolingModel):
+class NewModel(EncoderModel):
     """`embeddings`, `encoder`: the base model of a GTE "new" checkpoint."""
 
     checkpoint_prefixes = ("new.",)
     unused_checkpoint_keys: ClassVar[tuple[str, ...]] = ("pooler.*", "embeddings.position_ids")
-    is_causal = False
 
     def __init__(self, c: GteConfig):
-        super().__init__()
+        super().__init__(c, c.max_position_embeddings, c.type_vocab_size)
         self.config = c
-        self.hidden_size = c.hidden_size
-        self.vocab_size = c.vocab_size
-        self.max_positions = c.max_position_embeddings
-        # With one token type every row takes type 0, whatever a tokenizer says.
-        self.uses_token_type_ids = c.type_vocab_size > 1
         self.rotary = gte_rotary(c)
         self.embeddings = NewEmbeddings(c)
         self.encoder = NewEncoder(c)
@@ -202,18 +195,13 @@ class NewModel(PoolingModel):
     def from_hf_config(cls, hf: dict[str, Any]) -> PoolingModel:
         return cls(GteConfig.from_hf(hf))
 
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embeddings.word_embeddings(input_ids)
-
-    def forward(
+    def encode(
         self,
         inputs_embeds: torch.Tensor,
         positions: torch.Tensor,
         attn: AttentionMetadata,
-        token_type_ids: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor,
     ) -> torch.Tensor:
-        if token_type_ids is None:
-            token_type_ids = torch.zeros_like(positions)
         x = self.embeddings(inputs_embeds, token_type_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         for layer in self.encoder.layer:
@@ -221,26 +209,7 @@ class NewModel(PoolingModel):
         return x
 
 
-class NewPooler(nn.Module):
-    def __init__(self, c: GteConfig):
-        super().__init__()
-        self.dense = nn.Linear(c.hidden_size, c.hidden_size)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.dense(x))
-
-
-class NewForSequenceClassification(NewModel):
+class NewForSequenceClassification(PooledSequenceClassifier, NewModel):
     """The CLS row through `pooler` (dense, tanh), then `classifier` (gte-multilingual-reranker)."""
 
     unused_checkpoint_keys: ClassVar[tuple[str, ...]] = ("embeddings.position_ids",)
-    capabilities = frozenset({Capability.SEQUENCE_CLASSIFIER})
-
-    def __init__(self, c: GteConfig):
-        super().__init__(c)
-        self.num_labels = c.num_labels
-        self.pooler = NewPooler(c)
-        self.classifier = nn.Linear(c.hidden_size, c.num_labels)
-
-    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
-        return self.classifier(self.pooler(pooled))

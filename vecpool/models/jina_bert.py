@@ -25,9 +25,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from vecpool.errors import ConfigError
-from vecpool.models.attention import AttentionMetadata, flat_attention
-from vecpool.models.base import Capability, PoolingModel, hf_num_labels
-from vecpool.models.layers import FusedProjections, fuse
+from vecpool.models.attention import AttentionMetadata
+from vecpool.models.base import PoolingModel, hf_num_labels
+from vecpool.models.encoder_blocks import DenseNorm, EncoderModel, FusedSelfAttention
+from vecpool.models.encoder_heads import PooledSequenceClassifier
 
 _QK_NORM_KEY = "encoder.layer.0.attention.self.layer_norm_q.weight"
 _GLU_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -103,58 +104,31 @@ class JinaBertEmbeddings(nn.Module):
         return self.LayerNorm(inputs_embeds + self.token_type_embeddings(token_type_ids))
 
 
-class JinaBertSelfAttention(nn.Module):
+class JinaBertSelfAttention(FusedSelfAttention):
+    """BERT's `query`, `key`, `value`, ALiBi as the bias, and in the qk-post-norm layout
+    `layer_norm_q` / `layer_norm_k` over all heads at once, before the split into heads."""
+
     def __init__(self, c: JinaBertConfig):
-        super().__init__()
-        self.num_heads = c.num_heads
-        self.head_dim = c.hidden_size // c.num_heads
-        self.query = nn.Linear(c.hidden_size, c.hidden_size)
-        self.key = nn.Linear(c.hidden_size, c.hidden_size)
-        self.value = nn.Linear(c.hidden_size, c.hidden_size)
+        super().__init__(c)
         self.qk_post_norm = c.qk_post_norm
-        if c.qk_post_norm:  # over all heads at once, before the split into heads
+        if c.qk_post_norm:
             self.layer_norm_q = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
             self.layer_norm_k = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
-        self.qkv: FusedProjections | None = None
-
-    def fuse_projections(self) -> None:
-        fuse(self, "qkv", ["query", "key", "value"])
 
     def forward(
-        self, x: torch.Tensor, attn: AttentionMetadata, alibi: torch.Tensor
+        self, x: torch.Tensor, attn: AttentionMetadata, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        assert self.qkv is not None, "projections are fused when the weights load"
-        q, k, v = self.qkv(x)
+        q, k, v = self.project(x)
         if self.qk_post_norm:
             q, k = self.layer_norm_q(q), self.layer_norm_k(k)
-        shape = (x.shape[0], self.num_heads, self.head_dim)
-        out = flat_attention(
-            q.reshape(shape),
-            k.reshape(shape),
-            v.reshape(shape),
-            attn,
-            causal=False,
-            scale=self.head_dim**-0.5,
-            bias=alibi,
-        )
-        return out.reshape(x.shape[0], -1)
-
-
-class JinaBertSelfOutput(nn.Module):
-    def __init__(self, c: JinaBertConfig):
-        super().__init__()
-        self.dense = nn.Linear(c.hidden_size, c.hidden_size)
-        self.LayerNorm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.LayerNorm(self.dense(x) + residual)
+        return self.attend(q, k, v, attn, bias)
 
 
 class JinaBertAttention(nn.Module):
     def __init__(self, c: JinaBertConfig):
         super().__init__()
         self.self = JinaBertSelfAttention(c)
-        self.output = JinaBertSelfOutput(c)
+        self.output = DenseNorm(c.hidden_size, c)
 
     def forward(
         self, x: torch.Tensor, attn: AttentionMetadata, alibi: torch.Tensor
@@ -224,7 +198,7 @@ class JinaBertEncoder(nn.Module):
         self.layer = nn.ModuleList(JinaBertLayer(c) for _ in range(c.num_layers))
 
 
-class JinaBertModel(PoolingModel):
+class JinaBertModel(EncoderModel):
     """Jina BERT v2 (`JinaBertModel`, and `JinaBertForMaskedLM`, the name jina-embeddings-v2
     folders give their bare model; its masked-LM head and BERT pooler, when stored, are
     unused). Mean pooling when the folder does not say, as the models are trained."""
@@ -237,15 +211,10 @@ class JinaBertModel(PoolingModel):
         "embeddings.position_ids",
         "embeddings.token_type_ids",
     )
-    is_causal = False
 
     def __init__(self, c: JinaBertConfig):
-        super().__init__()
+        super().__init__(c, c.max_position_embeddings, c.type_vocab_size)
         self.config = c
-        self.hidden_size = c.hidden_size
-        self.vocab_size = c.vocab_size
-        self.max_positions = c.max_position_embeddings
-        self.uses_token_type_ids = c.type_vocab_size > 1
         self.embeddings = JinaBertEmbeddings(c)
         self.encoder = JinaBertEncoder(c)
         # Real values, not parameters: on the CPU, as models are built on the meta device.
@@ -260,9 +229,6 @@ class JinaBertModel(PoolingModel):
     def default_pooler(self) -> str:
         return "MEAN"
 
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embeddings.word_embeddings(input_ids)
-
     def alibi(self, length: int, like: torch.Tensor) -> torch.Tensor:  # [1, heads, L, L]
         """`-slope_h * |i - j|` for positions below `length`, in `like`'s dtype."""
         slopes = self._device_slopes
@@ -272,15 +238,13 @@ class JinaBertModel(PoolingModel):
         distance = (pos[None, :] - pos[:, None]).abs()  # [L, L]
         return (-slopes[:, None, None] * distance).unsqueeze(0).to(like.dtype)
 
-    def forward(
+    def encode(
         self,
         inputs_embeds: torch.Tensor,
         positions: torch.Tensor,
         attn: AttentionMetadata,
-        token_type_ids: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor,
     ) -> torch.Tensor:
-        if token_type_ids is None:
-            token_type_ids = torch.zeros_like(positions)
         x = self.embeddings(inputs_embeds, token_type_ids)
         alibi = self.alibi(attn.max_seqlen, x)
         for layer in self.encoder.layer:
@@ -288,35 +252,16 @@ class JinaBertModel(PoolingModel):
         return x
 
 
-class JinaBertPooler(nn.Module):
-    def __init__(self, c: JinaBertConfig):
-        super().__init__()
-        self.dense = nn.Linear(c.hidden_size, c.hidden_size)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.dense(x))
-
-
-class JinaBertForSequenceClassification(JinaBertModel):
+class JinaBertForSequenceClassification(PooledSequenceClassifier, JinaBertModel):
     """The first row through BERT's pooler (dense, tanh), then `classifier` (jina-reranker-v1
     cross-encoders). CLS pooling, as BERT's classifier reads."""
 
-    capabilities = frozenset({Capability.SEQUENCE_CLASSIFIER})
     unused_checkpoint_keys: ClassVar[tuple[str, ...]] = (
         "cls.*",
         "embeddings.position_ids",
         "embeddings.token_type_ids",
     )
 
-    def __init__(self, c: JinaBertConfig):
-        super().__init__(c)
-        self.num_labels = c.num_labels
-        self.pooler = JinaBertPooler(c)
-        self.classifier = nn.Linear(c.hidden_size, c.num_labels)
-
     @property
     def default_pooler(self) -> str:
         return "CLS"
-
-    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
-        return self.classifier(self.pooler(pooled))

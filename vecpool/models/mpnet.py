@@ -16,18 +16,17 @@ import torch
 from torch import nn
 
 from vecpool.errors import ConfigError, ModelLoadError
-from vecpool.models.attention import AttentionMetadata, flat_attention
+from vecpool.models.attention import AttentionMetadata
 from vecpool.models.base import Capability, PoolingModel, hf_num_labels
 from vecpool.models.bert import (
     BertConfig,
-    BertDenseNorm,
     BertIntermediate,
-    RobertaClassificationHead,
     RobertaLMHead,
     vocab_logits,
 )
+from vecpool.models.encoder_blocks import DenseNorm, EncoderModel, FusedSelfAttention
+from vecpool.models.encoder_heads import HeadSequenceClassifier, MaskedLM, TokenClassifier
 from vecpool.models.hf import hf_get
-from vecpool.models.layers import FusedProjections, fuse
 
 # transformers' MPNet fixes the padding index at 1 (whatever pad_token_id says) and always
 # buckets distances into 32 buckets up to 128 apart, whatever relative_attention_num_buckets
@@ -83,31 +82,22 @@ class MPNetEmbeddings(nn.Module):
         return self.LayerNorm(x)
 
 
-class MPNetSelfAttention(nn.Module):
-    def __init__(self, c: BertConfig):
-        super().__init__()
-        self.num_heads = c.num_heads
-        self.head_dim = c.hidden_size // c.num_heads
-        self.q = nn.Linear(c.hidden_size, c.hidden_size)
-        self.k = nn.Linear(c.hidden_size, c.hidden_size)
-        self.v = nn.Linear(c.hidden_size, c.hidden_size)
-        self.o = nn.Linear(c.hidden_size, c.hidden_size)
-        self.qkv: FusedProjections | None = None
+class MPNetSelfAttention(FusedSelfAttention):
+    """`q`, `k`, `v` with the step's relative position bias, then `o`."""
 
-    def fuse_projections(self) -> None:
-        fuse(self, "qkv", ["q", "k", "v"])
+    qkv_names = ("q", "k", "v")
+
+    def __init__(self, c: BertConfig):
+        super().__init__(c)
+        self.o = nn.Linear(c.hidden_size, c.hidden_size)
 
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
         attn: AttentionMetadata,
-        bias: torch.Tensor,  # [1, heads, max_seqlen, max_seqlen]
+        bias: torch.Tensor | None = None,  # [1, heads, max_seqlen, max_seqlen]
     ) -> torch.Tensor:
-        shape = (x.shape[0], self.num_heads, self.head_dim)
-        assert self.qkv is not None, "projections are fused when the weights load"
-        q, k, v = (t.view(shape) for t in self.qkv(x))
-        out = flat_attention(q, k, v, attn, causal=False, scale=self.head_dim**-0.5, bias=bias)
-        return self.o(out.reshape(x.shape[0], -1))
+        return self.o(super().forward(x, attn, bias))
 
 
 class MPNetAttention(nn.Module):
@@ -125,7 +115,7 @@ class MPNetLayer(nn.Module):
         super().__init__()
         self.attention = MPNetAttention(c)
         self.intermediate = BertIntermediate(c)
-        self.output = BertDenseNorm(c.intermediate_size, c)
+        self.output = DenseNorm(c.intermediate_size, c)
 
     def forward(self, x: torch.Tensor, attn: AttentionMetadata, bias: torch.Tensor) -> torch.Tensor:
         x = self.attention(x, attn, bias)
@@ -139,25 +129,21 @@ class MPNetEncoder(nn.Module):
         self.relative_attention_bias = nn.Embedding(num_buckets, c.num_heads)
 
 
-class MPNetModel(PoolingModel):
+class MPNetModel(EncoderModel):
     """The bare MPNet encoder; also what an `MPNetForMaskedLM` folder holding only the base
     model's weights loads as (see `MPNetForMaskedLM`)."""
 
     checkpoint_prefixes = ("mpnet.",)
     unused_checkpoint_keys: ClassVar[tuple[str, ...]] = ("pooler.*", "embeddings.position_ids")
-    is_causal = False
 
     def __init__(self, c: BertConfig, num_buckets: int):
-        super().__init__()
+        super().__init__(c, c.max_position_embeddings - c.position_offset)
         if num_buckets < _NUM_BUCKETS:
             raise ConfigError(
                 f"relative_attention_num_buckets is {num_buckets}; MPNet buckets relative "
                 f"positions into {_NUM_BUCKETS}, so it needs at least that many"
             )
         self.config = c
-        self.hidden_size = c.hidden_size
-        self.vocab_size = c.vocab_size
-        self.max_positions = c.max_position_embeddings - c.position_offset
         self.embeddings = MPNetEmbeddings(c)
         self.encoder = MPNetEncoder(c, num_buckets)
         # Real values, not parameters: built on the CPU once, copied to the model's device on
@@ -169,9 +155,6 @@ class MPNetModel(PoolingModel):
     def from_hf_config(cls, hf: dict[str, Any]) -> PoolingModel:
         num_buckets = int(hf_get(hf, "relative_attention_num_buckets", default=_NUM_BUCKETS))
         return cls(mpnet_config(hf), num_buckets)
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embeddings.word_embeddings(input_ids)
 
     def position_bias(self, max_seqlen: int) -> torch.Tensor:
         """`[1, heads, max_seqlen, max_seqlen]`: the step's relative position bias (one lookup)."""
@@ -196,7 +179,7 @@ class MPNetModel(PoolingModel):
         return x
 
 
-class MPNetForMaskedLM(MPNetModel):
+class MPNetForMaskedLM(MaskedLM, MPNetModel):
     """MPNet with its masked-LM head `lm_head` (dense, gelu, layer_norm, tied decoder).
 
     all-mpnet-base-v2 names this architecture but ships only the base model's weights (no
@@ -217,18 +200,11 @@ class MPNetForMaskedLM(MPNetModel):
         "lm_head.decoder.bias",
         "lm_head.decoder.weight",
     )
-    capabilities = frozenset({Capability.MASKED_LM})
 
-    def __init__(self, c: BertConfig, num_buckets: int, tied: bool = True):
+    def __init__(self, c: BertConfig, num_buckets: int):
         super().__init__(c, num_buckets)
-        self.tie_word_embeddings = tied
         self.lm_head = RobertaLMHead(c)  # the same layout and gelu as RoBERTa's
         self._dropped: list[str] = []
-
-    @classmethod
-    def from_hf_config(cls, hf: dict[str, Any]) -> PoolingModel:
-        num_buckets = int(hf_get(hf, "relative_attention_num_buckets", default=_NUM_BUCKETS))
-        return cls(mpnet_config(hf), num_buckets, tied=bool(hf.get("tie_word_embeddings", True)))
 
     def drop_parameter(self, name: str) -> None:
         # The decoder weight, when tied, is already the word embeddings (no memory of its own)
@@ -264,29 +240,9 @@ class MPNetForMaskedLM(MPNetModel):
         return vocab_logits(self.lm_head.transform(rows), self.lm_head.decoder, vocab_ids)
 
 
-class MPNetForSequenceClassification(MPNetModel):
+class MPNetForSequenceClassification(HeadSequenceClassifier, MPNetModel):
     """The first (`<s>`) row through `classifier.dense`, tanh, `classifier.out_proj`."""
 
-    capabilities = frozenset({Capability.SEQUENCE_CLASSIFIER})
 
-    def __init__(self, c: BertConfig, num_buckets: int):
-        super().__init__(c, num_buckets)
-        self.num_labels = c.num_labels
-        self.classifier = RobertaClassificationHead(c)
-
-    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
-        return self.classifier(pooled)
-
-
-class MPNetForTokenClassification(MPNetModel):
+class MPNetForTokenClassification(TokenClassifier, MPNetModel):
     """`classifier` on every token row."""
-
-    capabilities = frozenset({Capability.TOKEN_CLASSIFIER})
-
-    def __init__(self, c: BertConfig, num_buckets: int):
-        super().__init__(c, num_buckets)
-        self.num_labels = c.num_labels
-        self.classifier = nn.Linear(c.hidden_size, c.num_labels)
-
-    def classify_tokens(self, rows: torch.Tensor) -> torch.Tensor:
-        return self.classifier(rows)

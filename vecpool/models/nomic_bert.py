@@ -22,9 +22,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from vecpool.errors import ConfigError
-from vecpool.models.attention import AttentionMetadata, flat_attention
+from vecpool.models.attention import AttentionMetadata
 from vecpool.models.base import PoolingModel
-from vecpool.models.layers import FusedProjections, Rotary, apply_rotary, fuse
+from vecpool.models.encoder_blocks import EncoderModel, packed_rotary_attention
+from vecpool.models.layers import FusedProjections, Rotary, fuse
 
 # The gated activations: the gate (fc12's output) goes through this, as in the reference.
 _GATES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -127,7 +128,7 @@ class NomicBertEmbeddings(nn.Module):
 class NomicBertAttention(nn.Module):
     def __init__(self, c: NomicBertConfig):
         super().__init__()
-        self.num_heads, self.head_dim = c.num_heads, c.head_dim
+        self.num_heads = c.num_heads
         self.Wqkv = nn.Linear(c.hidden_size, 3 * c.hidden_size, bias=c.qkv_bias)
         self.out_proj = nn.Linear(c.hidden_size, c.hidden_size, bias=c.qkv_bias)
 
@@ -138,11 +139,8 @@ class NomicBertAttention(nn.Module):
         sin: torch.Tensor,
         attn: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden]
-        n = x.shape[0]
-        q, k, v = self.Wqkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(dim=1)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = flat_attention(q, k, v, attn, causal=False, scale=self.head_dim**-0.5)
-        return self.out_proj(out.reshape(n, -1))
+        out = packed_rotary_attention(self.Wqkv(x), cos, sin, attn, self.num_heads)
+        return self.out_proj(out)
 
 
 class NomicBertGatedMLP(nn.Module):
@@ -188,21 +186,15 @@ class NomicBertEncoder(nn.Module):
         self.layers = nn.ModuleList(NomicBertBlock(c) for _ in range(c.num_layers))
 
 
-class NomicBertModel(PoolingModel):
+class NomicBertModel(EncoderModel):
     """`embeddings`, `emb_ln`, `encoder`: the checkpoint of nomic-embed-text."""
 
     checkpoint_prefixes = ("bert.",)
     unused_checkpoint_keys: ClassVar[tuple[str, ...]] = ("pooler.*",)
-    is_causal = False
 
     def __init__(self, c: NomicBertConfig):
-        super().__init__()
+        super().__init__(c, c.max_positions, c.type_vocab_size)
         self.config = c
-        self.hidden_size = c.hidden_size
-        self.vocab_size = c.vocab_size
-        self.max_positions = c.max_positions
-        # With one token type every row takes type 0, whatever a tokenizer says.
-        self.uses_token_type_ids = c.type_vocab_size > 1
         self.rotary = Rotary(c.head_dim, {"rope_theta": c.rotary_base})
         self.embeddings = NomicBertEmbeddings(c)
         self.emb_ln = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
@@ -217,20 +209,17 @@ class NomicBertModel(PoolingModel):
         """Mean, as nomic-embed-text pools, when the folder does not say."""
         return "MEAN"
 
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embeddings.word_embeddings(input_ids)
-
-    def forward(
+    def encode(
         self,
         inputs_embeds: torch.Tensor,
         positions: torch.Tensor,
         attn: AttentionMetadata,
-        token_type_ids: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor,
     ) -> torch.Tensor:
         x = inputs_embeds
         types = self.embeddings.token_type_embeddings
         if types is not None:
-            x = x + types(torch.zeros_like(positions) if token_type_ids is None else token_type_ids)
+            x = x + types(token_type_ids)
         x = self.emb_ln(x)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         for layer in self.encoder.layers:
