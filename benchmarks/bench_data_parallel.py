@@ -109,11 +109,12 @@ def run_serve(model: Path, texts: list[str], size: int, args: argparse.Namespace
 def run_embed(model: Path, texts: list[str], size: int, args: argparse.Namespace) -> Any:
     """Tokens/s of the passages through `vecpool embed`'s engines, `size` of them."""
     from vecpool.api import Engine, EngineArgs
+    from vecpool.calls import EmbedOptions
     from vecpool.cli.corpus import Chunk
-    from vecpool.cli.parallel import EmbedOptions, LocalEmbedder, ProcessEmbedder
+    from vecpool.cli.parallel import LocalEmbedder, ProcessEmbedder
 
     engine_args = EngineArgs(model, device=args.device, dtype=args.dtype)
-    options = EmbedOptions(truncate=True)
+    options = EmbedOptions(truncate_prompt_tokens=-1)  # `vecpool embed --truncate`
     chunks = [
         Chunk(texts[i : i + args.chunk_size], list(range(i, i + args.chunk_size)))
         for i in range(0, len(texts), args.chunk_size)
