@@ -1,7 +1,8 @@
 """The server as processes: an engine process and API-server processes on one port.
 
 Many single-input clients at once get, each, what the engine gives their input alone, with no
-connection error, in shared engine steps; the engine process's death turns /health to 503 and
+connection error; single inputs queued together run in one engine step (held at a gate while
+they queue, so by construction, not by a race against the engine's speed); the engine process's death turns /health to 503 and
 fails the calls in flight at once (its restart: `test_restart.py`); the supervisor's death
 takes every process with it.
 """
@@ -63,9 +64,18 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.fixture(scope="module")
-def two_apis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def gate(tmp_path_factory: pytest.TempPathFactory) -> EngineGate:
+    return EngineGate(tmp_path_factory.mktemp("processes_gate"))
+
+
+@pytest.fixture(scope="module")
+def two_apis(tmp_path_factory: pytest.TempPathFactory, gate: EngineGate) -> Iterator[Server]:
     srv = start_server(
-        tmp_path_factory.mktemp("processes"), "--api-server-count", "2", log_level="info"
+        tmp_path_factory.mktemp("processes"),
+        "--api-server-count",
+        "2",
+        log_level="info",
+        gate=gate,
     )
     yield srv
     srv.stop()
@@ -105,11 +115,39 @@ def test_concurrent_single_input_clients(two_apis: Server, minilm: vecpool.Engin
     assert len(answers) >= CLIENTS
     worst = max(float(np.abs(vector - alone[text]).max()) for text, vector in answers)
     assert worst <= BATCHING_TOLERANCE
-    steps = two_apis.metric("vecpool_engine_steps_total") - before
-    assert 0 < steps < len(answers) / 2  # the engine ran them together, not one by one
+    assert two_apis.metric("vecpool_engine_steps_total") > before
     assert two_apis.metric(
         "vecpool_http_requests_total", endpoint="/v1/embeddings", status="200"
     ) >= len(answers)
+
+
+def test_single_inputs_queued_together_run_in_one_step(
+    two_apis: Server, gate: EngineGate, minilm: vecpool.Engine
+) -> None:
+    """24 clients of one input each, through both API processes, queued while the engine is
+    held: the engine runs them in one step, and each gets what its input gives alone."""
+    texts = _texts(24)
+    answers: dict[str, httpx.Response] = {}
+
+    def post(text: str) -> None:
+        answers[text] = httpx.post(
+            f"{two_apis.url}/v1/embeddings", json={"input": text}, timeout=60
+        )
+
+    clients = [threading.Thread(target=post, args=(text,)) for text in texts]
+    before = two_apis.metric("vecpool_engine_steps_total")
+    with gate.held():
+        for client in clients:
+            client.start()
+        gate.wait_entered()
+        two_apis.wait_for("vecpool_queue_size", lambda v: v == len(texts))
+    for client in clients:
+        client.join()
+    assert two_apis.metric("vecpool_engine_steps_total") - before == 1
+    for text in texts:
+        assert answers[text].status_code == 200
+        vector = np.asarray(answers[text].json()["data"][0]["embedding"], dtype=np.float32)
+        assert float(np.abs(vector - minilm.embed([text])[0]).max()) <= BATCHING_TOLERANCE
 
 
 def test_engine_death_fails_calls_at_once(tmp_path: Path) -> None:
