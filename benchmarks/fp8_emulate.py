@@ -23,8 +23,6 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,6 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import bench_gpu
+import record
 
 
 @contextlib.contextmanager
@@ -124,14 +123,8 @@ def main() -> None:
         model_dir = tokenizer_dir
     tokenizer = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     report: dict[str, Any] = {
-        "command": "python benchmarks/fp8_emulate.py " + " ".join(sys.argv[1:]),
-        "commit": subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True
-        ).stdout.strip(),
-        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "device": "cpu (FP8 emulated)",
+        **record.header("fp8_emulate.py", sys.argv[1:], device="cpu"),
+        "emulation": "FP8 emulated on the CPU",
         "model": (
             f"{args.random_shape} / {args.width_divisor} (random weights)"
             if args.random_shape

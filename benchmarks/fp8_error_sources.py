@@ -18,10 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,6 +30,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
 import bench_gpu
+import record
 from fp8_emulate import cosines, embed, emulated_fp8
 
 
@@ -140,14 +138,8 @@ def main() -> None:
     reference = embed(vecpool.Engine(model_dir, device="cpu", dtype="float32"), ids)
     engine, probes = probed_engine(model_dir)
     report: dict[str, Any] = {
-        "command": "python benchmarks/fp8_error_sources.py " + " ".join(sys.argv[1:]),
-        "commit": subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True
-        ).stdout.strip(),
-        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "device": "cpu (FP8 emulated)",
+        **record.header("fp8_error_sources.py", sys.argv[1:], device="cpu"),
+        "emulation": "FP8 emulated on the CPU",
         "model": model_dir.name,
         "workload": "passages",
         "inputs": len(ids),
