@@ -1,4 +1,5 @@
-"""The block pool of shared-prefix caching: keys and values of prompt blocks, by slot.
+"""Keys and values kept across steps: a chunked prompt's own buffers (`KVBuffers`, and
+`ChunkedKV`, how a step's chunks meet them) and the block pool of shared-prefix caching.
 
 Prompts that start with the same tokens share their leading blocks (which block is where is
 the engine's `vecpool.engine.prefix_cache`). The pool holds, per layer, the keys and values
@@ -17,13 +18,10 @@ FlashAttention splits it over key blocks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import torch
-
-if TYPE_CHECKING:
-    from vecpool.models.attention import ChunkedKV
 
 
 class BlockPool:
@@ -177,3 +175,109 @@ class PrefixKV:
             if start > first and keys is not None and values is not None:
                 keys[at + first : at + start] = cached_k[first:start]
                 values[at + first : at + start] = cached_v[first:start]
+
+
+class KVBuffers:
+    """The keys and values a prompt that runs in chunks keeps for its later chunks: per layer,
+    one `[capacity, num_kv_heads, head_dim]` buffer of each (rotary already applied), written
+    at the prompt's positions. A layer's buffers are allocated at its first write, in the
+    dtype and on the device of its keys; the model runner owns them and frees them when the
+    request is done."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity  # prompt positions the buffers hold
+        self.keys: list[torch.Tensor] = []  # per layer [capacity, num_kv_heads, head_dim]
+        self.values: list[torch.Tensor] = []  # per layer, as `keys`
+
+    def layer(self, index: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The key and value buffers of layer `index` (allocated shaped as `like`'s rows)."""
+        while len(self.keys) <= index:
+            shape = (self.capacity, *like.shape[1:])
+            self.keys.append(like.new_empty(shape))
+            self.values.append(like.new_empty(shape))
+        return self.keys[index], self.values[index]
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+    def free(self) -> None:
+        self.keys.clear()
+        self.values.clear()
+
+
+@dataclass
+class ChunkedKV:
+    """How one step's chunks meet the keys and values of their prompts' earlier chunks.
+
+    A chunk that starts at prompt position `s` attends to its own rows and to the `s` cached
+    positions before them; its queries are the last rows of a longer key sequence, so causal
+    masks and sliding windows align to the end (FlashAttention's convention when a sequence has
+    fewer queries than keys). Layers call `extend` in order; each call reads and writes the
+    next layer's buffers. Built by the model runner for a step with chunked prompts.
+    """
+
+    buffers: list[KVBuffers | None]  # [num_seqs]: the prompt's buffers when it runs in chunks
+    starts: list[int]  # [num_seqs]: prompt positions before the chunk, all cached
+    keep: list[bool]  # [num_seqs]: the chunk's keys and values are kept for a later chunk
+    cu_seqlens_q: list[int]  # [num_seqs + 1]: the chunks' boundaries in the flat batch (host)
+    cu_seqlens_k: torch.Tensor  # [num_seqs + 1] int32: boundaries of each sequence's keys
+    max_seqlen_k: int  # longest key sequence (cached positions and the chunk's own)
+    key_seq_ids: torch.Tensor  # [num_keys] int64: the sequence of each key row
+    key_pos: torch.Tensor  # [num_keys] int64: each key row's prompt position
+    # Shared-prefix caching: the block pool rows the chunks read and write; None: not in use.
+    prefix: PrefixKV | None = None
+    _layer: int = field(default=0, repr=False)  # the layer `extend` serves next
+
+    def rewind(self) -> None:
+        """Start again from the first layer (a forward pass over the step begins)."""
+        self._layer = 0
+
+    def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keep this layer's keys and values of chunks that continue, and return the keys and
+        values every chunk attends to: `[num_keys, num_kv_heads, head_dim]` each, a sequence's
+        cached positions before its own rows, in batch order."""
+        layer = self._layer
+        self._layer += 1
+        if self.prefix is not None:
+            return self.prefix.extend(layer, k, v, self)
+        k_parts: list[torch.Tensor] = []
+        v_parts: list[torch.Tensor] = []
+        copied = 0  # rows of `k` / `v` already in the parts
+        for i, cached_k, cached_v in self.buffered(layer, k, v):
+            start, lo = self.starts[i], self.cu_seqlens_q[i]
+            if start:
+                k_parts += [k[copied:lo], cached_k[:start]]
+                v_parts += [v[copied:lo], cached_v[:start]]
+                copied = lo
+        if not k_parts:  # no chunk has cached positions: the keys are the rows themselves
+            return k, v
+        k_parts.append(k[copied:])
+        v_parts.append(v[copied:])
+        return torch.cat(k_parts), torch.cat(v_parts)
+
+    def buffered(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        """Each chunk with buffers: its index and its layer's key and value buffers, after the
+        chunk's own rows are kept there for a later chunk (when it continues)."""
+        cu = self.cu_seqlens_q
+        for i, buffers in enumerate(self.buffers):
+            if buffers is None:
+                continue
+            start, lo, hi = self.starts[i], cu[i], cu[i + 1]
+            cached_k, cached_v = buffers.layer(layer, k)
+            if self.keep[i]:
+                cached_k[start : start + hi - lo] = k[lo:hi]
+                cached_v[start : start + hi - lo] = v[lo:hi]
+            yield i, cached_k, cached_v
+
+    def extend_shared(
+        self, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`extend` for attention split at the cached prefixes (`SharedPrefixes`): the keys and
+        values after each sequence's prefix, and those of each group's prefix."""
+        layer = self._layer
+        self._layer += 1
+        assert self.prefix is not None
+        return self.prefix.extend_shared(layer, k, v, self)
