@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -22,6 +23,7 @@ from tests.engine.test_prefix_cache import QWEN3, _shared
 from tests.helpers import REORDERED_RTOL, assert_rel_close, save_hf_model
 from vecpool.engine.prefix_cache import BLOCK_SIZE as B
 from vecpool.models import attention, split_attention
+from vecpool.runner.compiled import compile_blocks
 
 
 def reference_varlen(
@@ -136,3 +138,32 @@ def test_chunks_after_a_shared_prefix(varlen_on_cpu: list[int], tmp_path: Path) 
     # computed chunk. The first registers block 0; the second reads it and registers block 1
     # (positions 16-31, inside its chunk 16-39); the third reads both.
     assert engine.core.prefix_cache_stats[0] == B + 2 * B
+
+
+def test_compiled_layers_read_shared_prefixes_without_graph_breaks(
+    varlen_on_cpu: list[int], tmp_path: Path
+) -> None:
+    """Compiled blocks reach the split attention through the `vecpool::cached_attention` op:
+    each block stays one graph on steps that read the pool, no recompiles from call to call,
+    and the results are bit-exact with the uncompiled engine with the cache (same kernels,
+    called in the same order)."""
+    folder = save_hf_model(QWEN3.hf_model(), tmp_path)
+    options: dict[str, Any] = dict(
+        device="cpu", pooling="LAST", enable_prefix_caching=True, compile=False
+    )
+    eager = vecpool.Engine(folder, **options)
+    compiled = vecpool.Engine(folder, **options)
+    compile_blocks(compiled.model, backend="eager")
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    for seed, tail in enumerate([[9, 2, 20, 1], [4, 30], [7, 7, 7]]):
+        prompts = _shared(3 * B + 5 + seed, tail)
+        for _ in range(2):  # computes the prefix, then reads it from the pool
+            want = eager.embed(prompts, normalize=False)
+            got = compiled.embed(prompts, normalize=False)
+            for a, e in zip(got, want, strict=True):
+                assert np.array_equal(a, e)
+    assert varlen_on_cpu[0] >= 2 * 3 * 2  # split attention ran, in both engines
+    counters = torch._dynamo.utils.counters
+    assert not counters["graph_break"]
+    assert 1 <= counters["stats"]["unique_graphs"] <= 2

@@ -57,8 +57,10 @@ def test_compiled_blocks_match_eager_and_keep_embeds_bit_exact(qwen3_folder: Pat
 
 
 def test_compiled_blocks_run_chunked_prompts(qwen3_folder: Path) -> None:
-    """Chunks of prompts over the budget attend to cached keys outside the compiled graphs (a
-    graph break there, and only there); results stay bit-exact with the eager model's."""
+    """Chunks of prompts over the budget attend to cached keys through the opaque
+    `vecpool::cached_attention` op: no graph break, one graph per block for chunked steps
+    (and one for whole ones), no recompiles from step to step; results stay bit-exact with the
+    eager model's."""
     eager = vecpool.Engine(qwen3_folder, device="cpu", compile=False, max_num_batched_tokens=16)
     compiled = vecpool.Engine(qwen3_folder, device="cpu", compile=False, max_num_batched_tokens=16)
     compile_blocks(compiled.model, backend="eager")
@@ -69,5 +71,6 @@ def test_compiled_blocks_run_chunked_prompts(qwen3_folder: Path) -> None:
         expected = engine_hidden(eager, prompts)
         for e, a in zip(expected, engine_hidden(compiled, prompts), strict=True):
             assert np.array_equal(a, e)
-    breaks = torch._dynamo.utils.counters["graph_break"]
-    assert breaks and all("_cached_attention" in reason for reason in breaks)
+    counters = torch._dynamo.utils.counters
+    assert not counters["graph_break"]
+    assert 1 <= counters["stats"]["unique_graphs"] <= 2

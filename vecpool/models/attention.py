@@ -8,13 +8,19 @@ attention, and gathers the rows back.
 
 A causal prompt longer than a step's token budget runs in chunks over several steps: each chunk
 attends to its own rows and to the keys and values its earlier chunks left in `KVBuffers`
-(`ChunkedKV` says which), with the chunk's queries aligned to the end of its keys.
+(`ChunkedKV` says which), with the chunk's queries aligned to the end of its keys. That
+attention reads and writes the runner's buffers, which a compiled graph cannot trace: compiled
+layers reach it through one custom op, `vecpool::cached_attention`, opaque to the compiler, so
+such steps run each layer as one graph instead of breaking it around the attention.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
+from collections.abc import Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -159,6 +165,8 @@ def flat_attention(
     if bias is not None and (softcap is not None or meta.kv is not None):
         raise NotImplementedError("an attention bias with soft-capping or chunked prompts")
     if meta.kv is not None:
+        if torch.compiler.is_compiling():
+            return torch.ops.vecpool.cached_attention(q, k, v, causal, scale, window, softcap)
         return _cached_attention(
             q, k, v, meta, causal=causal, scale=scale, window=window, softcap=softcap
         )
@@ -242,6 +250,57 @@ def _cached_attention(
         window=window,
         softcap=softcap,
     )
+
+
+# The step whose cached attention `vecpool::cached_attention` serves: a compiled graph passes
+# tensors and numbers to an op, not the step's `ChunkedKV`, so the model runner binds the step
+# around its forward (`cached_step`) and the op reads it here.
+_CACHED_STEP: ContextVar[AttentionMetadata | None] = ContextVar("cached_step", default=None)
+
+
+@contextlib.contextmanager
+def cached_step(meta: AttentionMetadata) -> Iterator[None]:
+    """Bind `meta` as the step whose chunked / cached attention compiled layers call."""
+    token = _CACHED_STEP.set(meta)
+    try:
+        yield
+    finally:
+        _CACHED_STEP.reset(token)
+
+
+@torch.library.custom_op("vecpool::cached_attention", mutates_args=())
+def _cached_attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """`_cached_attention` of the bound step, for compiled layers. It writes the step's key and
+    value buffers (state the compiler does not see): each layer calls it once, in layer order,
+    which the data dependence between layers keeps."""
+    meta = _CACHED_STEP.get()
+    if meta is None or meta.kv is None:
+        raise RuntimeError("cached attention called outside a step bound with `cached_step`")
+    out = _cached_attention(
+        q, k, v, meta, causal=causal, scale=scale, window=window, softcap=softcap
+    )
+    return out.contiguous()
+
+
+@_cached_attention_op.register_fake
+def _(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    return q.new_empty((q.shape[0], q.shape[1], v.shape[2]))
 
 
 def _flash_attention(

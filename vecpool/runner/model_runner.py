@@ -9,7 +9,7 @@ import contextlib
 
 import torch
 
-from vecpool.models.attention import varlen_available
+from vecpool.models.attention import cached_step, varlen_available
 from vecpool.models.base import PoolingModel
 from vecpool.models.invariant import InvariantFunctions, make_batch_invariant
 from vecpool.models.kv_blocks import BlockPool
@@ -117,9 +117,12 @@ class ModelRunner:
                 return replayed
         # On the CPU the invariant mode also needs its elementwise functions (InvariantFunctions).
         invariant_cpu = self.batch_invariant and self.device.type == "cpu"
-        with InvariantFunctions() if invariant_cpu else contextlib.nullcontext():
-            hidden: torch.Tensor = self.model(x, batch.positions, batch.attn, batch.token_type_ids)
         kv = batch.attn.kv
+        with (
+            InvariantFunctions() if invariant_cpu else contextlib.nullcontext(),
+            cached_step(batch.attn) if kv is not None else contextlib.nullcontext(),
+        ):
+            hidden: torch.Tensor = self.model(x, batch.positions, batch.attn, batch.token_type_ids)
         if kv is not None and kv.prefix is not None:  # blocks written, prefixes read
             batch.prefix_sums = kv.prefix.pool.hidden_sums(hidden, kv.prefix)
         return hidden
