@@ -54,3 +54,31 @@ def test_task_keywords_are_their_options(method: Any, options: type) -> None:
             continue
         assert p.name in defaults, f"{method.__name__}: {p.name} is not a {options.__name__} field"
         assert p.default == defaults[p.name], f"{method.__name__}: {p.name}'s default"
+
+
+class _Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize(("device", "index"), [("cuda", None), ("cuda:1", 1)])
+def test_memory_fraction_names_the_device_as_torch_takes_it(
+    monkeypatch: pytest.MonkeyPatch, device: str, index: int | None
+) -> None:
+    """`gpu_memory_fraction` on "cuda" (no index: the current device) and "cuda:N": torch's
+    `set_per_process_memory_fraction` takes None or an index, and refuses a device without one
+    (which `vecpool serve` with two models on "cuda" once hit). Building stops at the call."""
+    import torch
+
+    from vecpool.api import build
+
+    calls: list[tuple[float, Any]] = []
+
+    def fraction(value: float, device: Any = None) -> None:
+        calls.append((value, device))
+        raise _Stop
+
+    monkeypatch.setattr(build, "resolve_device", lambda _: torch.device(device))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", fraction)
+    with pytest.raises(_Stop):
+        Engine(gpu_memory_fraction=0.4)
+    assert calls == [(0.4, index)]

@@ -85,7 +85,8 @@ class EngineParts:
         self.device = resolve_device(device)
         if gpu_memory_fraction is not None and self.device.type == "cuda":
             # The allocator refuses past this share, so engines sharing the device keep theirs.
-            torch.cuda.set_per_process_memory_fraction(gpu_memory_fraction, self.device)
+            # "cuda" without an index is the current device (torch wants None or an index).
+            torch.cuda.set_per_process_memory_fraction(gpu_memory_fraction, self.device.index)
         self.dtype = resolve_dtype(
             dtype, self.device, hf_get(self.folder.hf_config, "dtype", "torch_dtype")
         )
