@@ -167,3 +167,36 @@ def test_compiled_layers_read_shared_prefixes_without_graph_breaks(
     counters = torch._dynamo.utils.counters
     assert not counters["graph_break"]
     assert 1 <= counters["stats"]["unique_graphs"] <= 2
+
+
+@pytest.mark.parametrize("windowed", [False, True])
+def test_graphs_serve_steps_that_read_shared_prefixes(
+    varlen_on_cpu: list[int], tmp_path: Path, windowed: bool
+) -> None:
+    """A step whose whole prompts only read the pool gets a graph, padded as other steps are
+    (its groups too), and gives what the engine without graphs gives (within the reordering
+    tolerance: padded steps change the products' row counts). A model with sliding windows
+    copies cached keys in those layers, which a graph's padded prefix cannot serve: its prefix
+    steps run without graphs, results unchanged. On the CPU the same padding runs as plain
+    forwards (`capture=False`)."""
+    hf = QWEN3.hf_model() if windowed else QWEN3.hf_model(use_sliding_window=False)
+    folder = save_hf_model(hf, tmp_path)
+    options: dict[str, Any] = dict(device="cpu", pooling="LAST", enable_prefix_caching=True)
+    plain = vecpool.Engine(folder, cuda_graphs=False, **options)
+    padded = vecpool.Engine(folder, cuda_graphs=True, **options)
+    graphs = padded.model_runner.graphs
+    assert graphs is not None and not graphs.capture
+    for seed, tail in enumerate([[9, 2, 20, 1], [4, 30, 3]]):
+        prompts = _shared(3 * B + 5, tail, seed=seed)
+        for _ in range(2):  # the first call writes the prefix, the second only reads it
+            want = plain.embed(prompts, normalize=False)
+            for a, e in zip(padded.embed(prompts, normalize=False), want, strict=True):
+                assert_rel_close(a, e, rtol=REORDERED_RTOL)
+    prefix_keys = [k for k in graphs.graphs if k.prefix is not None]
+    if windowed:
+        assert not prefix_keys and not graphs.prefix_enabled
+    else:  # the second call of each prompt set: a graph each (the first calls write blocks)
+        assert graphs.prefix_enabled and len(prefix_keys) == 2 and graphs.replays == 2
+        # Prompts whose tails fill a block of their own read one block more: their groups
+        # differ from the others'; every group reads 3 blocks (48 rows) at least.
+        assert all(k.prefix is not None and k.prefix.pool_rows >= 64 for k in prefix_keys)

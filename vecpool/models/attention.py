@@ -224,6 +224,8 @@ def _cached_attention(
             causal=causal,
             scale=scale,
         )
+    if meta.static or (kv.prefix is not None and kv.prefix.shared_only):
+        raise GraphUnsupported("a layer attends to cached keys by copying them (a window)")
     k, v = kv.extend(k, v)
     if meta.use_varlen and softcap is None:
         return _flash_attention(

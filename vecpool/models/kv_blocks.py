@@ -107,6 +107,8 @@ class PrefixKV:
     key_starts: list[int]  # [num_seqs]: each sequence's first row among the keys (host)
     # Set where the step's attention may read shared prefixes from the pool (`extend_shared`).
     shared: SharedPrefixes | None = None
+    # A CUDA graph's padded step: only `extend_shared` can read it (its other rows are empty).
+    shared_only: bool = False
 
     def extend(
         self, layer: int, k: torch.Tensor, v: torch.Tensor, kv: ChunkedKV

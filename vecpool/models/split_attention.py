@@ -101,11 +101,15 @@ def attention_with_lse(
             window_size_right=0 if causal else -1,
         )[:2]
         return out, lse
-    outs, lses = [], []
+    # As the kernel: rows of no sequence (a padded step's) are left as they are, here zero
+    # with a log-sum-exp of -inf.
+    out = torch.zeros(q.shape[0], q.shape[1], v.shape[2])
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"))
     bounds_q, bounds_k = cu_q.tolist(), cu_k.tolist()
     group = q.shape[1] // k.shape[1]
     for i in range(len(bounds_q) - 1):
-        qs = q[bounds_q[i] : bounds_q[i + 1]].float()
+        rows = slice(bounds_q[i], bounds_q[i + 1])
+        qs = q[rows].float()
         ks = k[bounds_k[i] : bounds_k[i + 1]].float().repeat_interleave(group, dim=1)
         vs = v[bounds_k[i] : bounds_k[i + 1]].float().repeat_interleave(group, dim=1)
         logits = torch.einsum("qhd,khd->hqk", qs, ks) * scale
@@ -113,9 +117,9 @@ def attention_with_lse(
             n_q, n_k = qs.shape[0], ks.shape[0]
             later = torch.ones(n_q, n_k, dtype=torch.bool).triu(n_k - n_q + 1)
             logits = logits.masked_fill(later, float("-inf"))
-        lses.append(torch.logsumexp(logits, dim=-1))
-        outs.append(torch.einsum("hqk,khd->qhd", torch.softmax(logits, dim=-1), vs))
-    return torch.cat(outs).to(q.dtype), torch.cat(lses, dim=1)
+        lse[:, rows] = torch.logsumexp(logits, dim=-1)
+        out[rows] = torch.einsum("hqk,khd->qhd", torch.softmax(logits, dim=-1), vs)
+    return out.to(q.dtype), lse
 
 
 @functools.cache

@@ -23,21 +23,32 @@ it (two forwards and a capture, tens of milliseconds once), up to `max_graphs`; 
 key cannot get one runs as before. Prompt embeds and token ids enter the graph the same way,
 after the embedding lookup, so they stay bit-exact.
 
+Steps whose prompts read shared cached prefixes (`SharedPrefixes`: an LLM reranker's documents
+after their one cached query) get graphs too, when every prompt is whole and the step only
+reads the pool: the key adds the prefix's shape (`PrefixShape`: group slots, pool rows read,
+the groups' longest queries and prefixes, each a power of two), and the step's groups are
+padded as its sequences are (empty groups, pool row 0 for the padding keys, a spare padding row
+for the padding queries). Without graphs such a step would launch every layer's kernels from
+the host: there, the host is the limit.
+
 Graphs are recorded only where every attention call of the forward goes to the varlen kernel
 (`AttentionMetadata.static`): a model that needs the padded fallback (logit soft-capping)
-refuses to be recorded and runs without graphs. Without a CUDA device (`capture=False`) the
+refuses to be recorded and runs without graphs; one whose cached attention copies keys (a
+sliding window) runs its prefix steps without graphs. Without a CUDA device (`capture=False`) the
 same padding and metadata run as plain forwards, which is how the CPU tests check them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from vecpool.models.attention import AttentionMetadata, GraphUnsupported
+from vecpool.models.attention import AttentionMetadata, GraphUnsupported, cached_step
+from vecpool.models.kv_blocks import BlockPool, ChunkedKV, PrefixKV, SharedPrefixes
 
 logger = logging.getLogger(__name__)
 
@@ -70,15 +81,38 @@ def _pow2_at_least(n: int) -> int:
 
 
 @dataclass(frozen=True)
+class PrefixShape:
+    """The padded shape of a step's shared prefixes (`SharedPrefixes`)."""
+
+    groups: int  # group slots
+    pool_rows: int  # prefix rows read from the pool, all groups together
+    max_q: int  # longest group (its sequences' rows together)
+    max_k: int  # longest prefix
+
+
+@dataclass(frozen=True)
 class ShapeKey:
     tokens: int  # flat rows
     seqs: int  # sequence slots of the attention metadata
     max_len: int  # longest sequence the attention kernel is launched for
+    prefix: PrefixShape | None = None  # a step reading shared prefixes; None: no cache
+
+
+@dataclass
+class _PrefixInputs:
+    """The static buffers of one prefix key's graph (its `SharedPrefixes`, padded)."""
+
+    pool: BlockPool
+    q_rows: torch.Tensor  # [tokens] int64: padding entries name the spare padding row
+    cu_q: torch.Tensor  # [groups + 1] int32
+    pool_rows: torch.Tensor  # [pool_rows] int64: padding entries read row 0
+    cu_k: torch.Tensor  # [groups + 1] int32
 
 
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph | None  # None: replayed as a plain forward (no CUDA)
+    prefix: _PrefixInputs | None = None
 
 
 class StepGraphs:
@@ -106,6 +140,7 @@ class StepGraphs:
         self.max_graphs = max_graphs
         self.capture = capture
         self.enabled = True  # False once a model refused to be recorded
+        self.prefix_enabled = True  # False once its prefix steps refused to be recorded
         rows, slots = self.buckets[-1], _pow2_at_least(max_seqs + 1)
         self.max_seqs = slots - 1  # one slot stays free for the padding rows
         self.x = torch.zeros(rows, hidden_size, dtype=dtype, device=device)
@@ -147,7 +182,7 @@ class StepGraphs:
                 if key in self.graphs or len(self.graphs) >= self.max_graphs:
                     continue
                 self._fill_dummy(key)
-                if self._record(key) is None:
+                if not self._record(key, _Graph(None)):
                     return
 
     def _fill_dummy(self, key: ShapeKey) -> None:
@@ -168,31 +203,68 @@ class StepGraphs:
         token_types: torch.Tensor | None,  # [n]
     ) -> torch.Tensor | None:
         """The step's hidden states `[n, hidden]` from a graph; None when it gets none."""
-        if not self.enabled or attn.kv is not None or attn.key_rows is not None:
+        if not self.enabled or attn.key_rows is not None:
             return None
+        shared = None
+        if attn.kv is not None:
+            shared = self._pool_readers(attn.kv)
+            if shared is None:
+                return None
         n, s = x.shape[0], attn.num_seqs
-        key = self.key(n, s, attn.max_seqlen)
+        # A prefix step keeps one padding row at least: its padding queries write there.
+        key = self.key(n + (shared is not None), s, attn.max_seqlen)
         if key is None:
             return None
+        if shared is not None:
+            key = replace(key, prefix=_prefix_shape(shared))
         entry = self.graphs.get(key)
         if entry is None:
             if len(self.graphs) >= self.max_graphs:
                 return None
-            self._fill(key, x, positions, attn, token_types)
-            entry = self._record(key)
-            if entry is None:
+            entry = _Graph(None, self._prefix_inputs(key, attn.kv) if shared else None)
+            self._fill(key, entry, x, positions, attn, token_types)
+            if not self._record(key, entry):
                 return None
-        self._fill(key, x, positions, attn, token_types)
+        self._fill(key, entry, x, positions, attn, token_types)
         if entry.graph is not None:
             entry.graph.replay()
         else:
-            self._forward(key)
+            try:
+                self._forward(key, entry)
+            except GraphUnsupported:  # without CUDA, found here rather than when recording
+                del self.graphs[key]
+                self.prefix_enabled = False
+                return None
         self.replays += 1
         return self.out[:n].clone()  # the next step writes the same buffer
+
+    def _pool_readers(self, kv: ChunkedKV) -> SharedPrefixes | None:
+        """The step's shared prefixes when a graph can serve it: whole prompts (no earlier
+        chunks, none kept for later ones) that read the pool and write nothing to it."""
+        prefix = kv.prefix
+        if not self.prefix_enabled or prefix is None or prefix.shared is None:
+            return None
+        if prefix.shared.own_key_rows is not None or prefix.write_rows.numel():
+            return None
+        if any(b is not None for b in kv.buffers):
+            return None
+        return prefix.shared
+
+    def _prefix_inputs(self, key: ShapeKey, kv: ChunkedKV | None) -> _PrefixInputs:
+        assert key.prefix is not None and kv is not None and kv.prefix is not None
+        device, groups = self.x.device, key.prefix.groups
+        return _PrefixInputs(
+            pool=kv.prefix.pool,
+            q_rows=torch.zeros(key.tokens, dtype=torch.int64, device=device),
+            cu_q=torch.zeros(groups + 1, dtype=torch.int32, device=device),
+            pool_rows=torch.zeros(key.prefix.pool_rows, dtype=torch.int64, device=device),
+            cu_k=torch.zeros(groups + 1, dtype=torch.int32, device=device),
+        )
 
     def _fill(
         self,
         key: ShapeKey,
+        entry: _Graph,
         x: torch.Tensor,
         positions: torch.Tensor,
         attn: AttentionMetadata,
@@ -212,48 +284,101 @@ class StepGraphs:
         self.seq_ids[n:rows].fill_(s)
         self.pos_in_seq[:n].copy_(attn.pos_in_seq)
         torch.remainder(self._arange[: rows - n], key.max_len, out=self.pos_in_seq[n:rows])
+        inputs = entry.prefix
+        if inputs is not None:
+            assert attn.kv is not None and attn.kv.prefix is not None
+            shared = attn.kv.prefix.shared
+            assert shared is not None
+            m, g, p = shared.q_rows.shape[0], shared.cu_q.shape[0] - 1, shared.pool_rows.shape[0]
+            inputs.q_rows[:m].copy_(shared.q_rows)
+            inputs.q_rows[m:].fill_(n)  # padding queries: the first padding row
+            inputs.cu_q[: g + 1].copy_(shared.cu_q)
+            inputs.cu_q[g + 1 :].fill_(m)  # empty groups after the step's own
+            inputs.pool_rows[:p].copy_(shared.pool_rows)
+            inputs.pool_rows[p:].fill_(0)
+            inputs.cu_k[: g + 1].copy_(shared.cu_k)
+            inputs.cu_k[g + 1 :].fill_(p)
 
-    def _metadata(self, key: ShapeKey) -> AttentionMetadata:
+    def _metadata(self, key: ShapeKey, entry: _Graph) -> AttentionMetadata:
+        cu = self.cu_seqlens[: key.seqs + 1]
+        seq_ids, pos_in_seq = self.seq_ids[: key.tokens], self.pos_in_seq[: key.tokens]
+        kv = None
+        inputs = entry.prefix
+        if inputs is not None and key.prefix is not None:  # readers of the pool only
+            none = torch.zeros(0, dtype=torch.int64, device=cu.device)
+            shared = SharedPrefixes(
+                q_rows=inputs.q_rows,
+                cu_q=inputs.cu_q,
+                max_q=key.prefix.max_q,
+                pool_rows=inputs.pool_rows,
+                cu_k=inputs.cu_k,
+                max_k=key.prefix.max_k,
+                own_cu_k=cu,  # whole prompts: each attends to its own rows after its prefix
+                own_max_k=key.max_len,
+                own_num_keys=key.tokens,
+                own_key_rows=None,
+                own_key_starts=[],
+            )
+            prefix = PrefixKV(
+                inputs.pool, none, none, none, none, none, none, none, none, key.tokens, [], []
+            )
+            prefix.shared, prefix.shared_only = shared, True
+            kv = ChunkedKV([], [], [], [], cu, key.max_len, seq_ids, pos_in_seq, prefix)
         return AttentionMetadata(
-            cu_seqlens=self.cu_seqlens[: key.seqs + 1],
+            cu_seqlens=cu,
             max_seqlen=key.max_len,
-            seq_ids=self.seq_ids[: key.tokens],
-            pos_in_seq=self.pos_in_seq[: key.tokens],
+            seq_ids=seq_ids,
+            pos_in_seq=pos_in_seq,
             use_varlen=self.use_varlen,
+            kv=kv,
             static=self.capture,
         )
 
-    def _forward(self, key: ShapeKey) -> None:
+    def _forward(self, key: ShapeKey, entry: _Graph) -> None:
         """The forward of `key`'s rows, its hidden states left in `out`."""
         rows = key.tokens
         types = self.token_types[:rows] if self.token_types is not None else None
-        hidden = self.forward(self.x[:rows], self.positions[:rows], self._metadata(key), types)
+        meta = self._metadata(key, entry)
+        with cached_step(meta) if meta.kv is not None else contextlib.nullcontext():
+            hidden = self.forward(self.x[:rows], self.positions[:rows], meta, types)
         self.out[:rows].copy_(hidden)
 
-    def _record(self, key: ShapeKey) -> _Graph | None:
-        """Record the graph of `key` (the buffers hold a valid step); None if the model
-        cannot be recorded, which turns graphs off for it."""
-        if not self.capture:
-            entry = _Graph(None)
-            self.graphs[key] = entry
-            return entry
-        try:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                self._forward(key)  # first run of this shape: library handles, workspaces
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                self._forward(key)
-        except GraphUnsupported as exc:
-            logger.info("CUDA graphs are off for this model: %s", exc)
-            self.enabled = False
-            return None
-        except Exception as exc:  # a forward that cannot be recorded still runs without one
-            logger.warning("CUDA graphs are off: recording a step failed: %s", exc)
-            self.enabled = False
-            return None
-        entry = _Graph(graph)
+    def _record(self, key: ShapeKey, entry: _Graph) -> bool:
+        """Record the graph of `key` into `entry` (the buffers hold a valid step); False if
+        the model cannot be recorded, which turns graphs off for it (for its prefix steps
+        only, when the step was one)."""
+        if self.capture:
+            try:
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    self._forward(key, entry)  # a first run: library handles, workspaces
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                    self._forward(key, entry)
+            except Exception as exc:  # a forward that cannot be recorded still runs without
+                off = "CUDA graphs are off" + (
+                    " for steps reading cached prefixes" * bool(key.prefix)
+                )
+                if isinstance(exc, GraphUnsupported):
+                    logger.info("%s for this model: %s", off, exc)
+                else:
+                    logger.warning("%s: recording a step failed: %s", off, exc)
+                if key.prefix is not None:
+                    self.prefix_enabled = False
+                else:
+                    self.enabled = False
+                return False
+            entry.graph = graph
         self.graphs[key] = entry
-        return entry
+        return True
+
+
+def _prefix_shape(shared: SharedPrefixes) -> PrefixShape:
+    return PrefixShape(
+        groups=_pow2_at_least(shared.cu_q.shape[0]),  # the step's groups and one more at least
+        pool_rows=_pow2_at_least(shared.pool_rows.shape[0]),
+        max_q=max(_pow2_at_least(shared.max_q), _MIN_MAX_LEN),
+        max_k=max(_pow2_at_least(shared.max_k), _MIN_MAX_LEN),
+    )

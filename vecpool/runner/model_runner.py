@@ -111,18 +111,18 @@ class ModelRunner:
         if batch.prompt_embeds is not None:
             assert batch.embeds_rows is not None
             x.index_copy_(0, batch.embeds_rows, batch.prompt_embeds)
+        hidden = None
         if self.graphs is not None:
-            replayed = self.graphs.run(x, batch.positions, batch.attn, batch.token_type_ids)
-            if replayed is not None:
-                return replayed
-        # On the CPU the invariant mode also needs its elementwise functions (InvariantFunctions).
-        invariant_cpu = self.batch_invariant and self.device.type == "cpu"
+            hidden = self.graphs.run(x, batch.positions, batch.attn, batch.token_type_ids)
         kv = batch.attn.kv
-        with (
-            InvariantFunctions() if invariant_cpu else contextlib.nullcontext(),
-            cached_step(batch.attn) if kv is not None else contextlib.nullcontext(),
-        ):
-            hidden: torch.Tensor = self.model(x, batch.positions, batch.attn, batch.token_type_ids)
+        if hidden is None:
+            # On the CPU the invariant mode also needs its elementwise functions.
+            invariant_cpu = self.batch_invariant and self.device.type == "cpu"
+            with (
+                InvariantFunctions() if invariant_cpu else contextlib.nullcontext(),
+                cached_step(batch.attn) if kv is not None else contextlib.nullcontext(),
+            ):
+                hidden = self.model(x, batch.positions, batch.attn, batch.token_type_ids)
         if kv is not None and kv.prefix is not None:  # blocks written, prefixes read
             batch.prefix_sums = kv.prefix.pool.hidden_sums(hidden, kv.prefix)
         return hidden
