@@ -143,6 +143,7 @@ def run_rounds(url: str, works: dict[str, Workload], args: argparse.Namespace) -
         for name, r in results.items():
             if i == 0:
                 out[name]["answers"] = r.answers
+                out[name]["warm_up"] = r.summary()  # its statuses say what failed, if any
             else:
                 out[name]["rounds"].append(r.summary())
     for row in out.values():
@@ -154,9 +155,13 @@ def run_rounds(url: str, works: dict[str, Workload], args: argparse.Namespace) -
 
 
 def max_difference(name: str, alone: dict[int, Any], together: dict[int, Any]) -> float:
+    """The largest difference over the sampled bodies both servers answered (a failed request
+    has no answer: the warm-up rounds' statuses say how many)."""
     worst = 0.0
     for i, a in alone.items():
-        b = together[i]
+        b = together.get(i)
+        if b is None:
+            continue
         if name == "emb":
             for x, y in zip(a["data"], b["data"], strict=True):
                 diff = decode_base64(x["embedding"]) - decode_base64(y["embedding"])
@@ -237,19 +242,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         try:
             server.wait_ready()
             together = run_rounds(server.url, works, args)
+            if any(set(r["warm_up"]["statuses"]) - {"200"} for r in together.values()):
+                print("failed requests; the server's log ends:\n" + server.log.read_text()[-4000:])
         finally:
             server.stop()
         together["server_command"] = [record.portable_arg(c) for c in server.command]
     for name in MODELS:
         ratio = together[name]["tokens_per_s_median"] / alone[name]["tokens_per_s_median"]
         together[name]["ratio_to_alone"] = ratio
-        together[name]["max_abs_difference_to_alone"] = max_difference(
-            name, alone[name].pop("answers"), together[name].pop("answers")
-        )
+        answers = alone[name].pop("answers"), together[name].pop("answers")
+        together[name]["answers_compared"] = len(answers[0].keys() & answers[1].keys())
+        together[name]["max_abs_difference_to_alone"] = max_difference(name, *answers)
         print(
             f"together {name}: {together[name]['tokens_per_s_median']:12.0f} tokens/s "
             f"({ratio:.0%} of alone), largest difference to alone "
-            f"{together[name]['max_abs_difference_to_alone']:.2e}",
+            f"{together[name]['max_abs_difference_to_alone']:.2e} over "
+            f"{together[name]['answers_compared']} answers; warm-up statuses "
+            f"{together[name]['warm_up']['statuses']}",
             flush=True,
         )
     report["alone"], report["together"] = alone, together

@@ -24,11 +24,11 @@ key cannot get one runs as before. Prompt embeds and token ids enter the graph t
 after the embedding lookup, so they stay bit-exact.
 
 Steps whose prompts read shared cached prefixes (`SharedPrefixes`: an LLM reranker's documents
-after their one cached query) get graphs too, when every prompt is whole and the step only
-reads the pool: the key adds the prefix's shape (`PrefixShape`: group slots, pool rows read,
-the groups' longest queries and prefixes, each a power of two), and the step's groups are
-padded as its sequences are (empty groups, pool row 0 for the padding keys, a spare padding row
-for the padding queries). Without graphs such a step would launch every layer's kernels from
+after their one cached query) get graphs too, when every prompt is whole: the key adds the
+prefix's shape (`PrefixShape`: group slots, pool rows read and written, the groups' longest
+queries and prefixes, each a power of two), and the step's groups are padded as its sequences
+are (empty groups, pool row 0 for the padding keys, a spare padding row for the padding
+queries, the last write repeated for the padding writes). Without graphs such a step would launch every layer's kernels from
 the host: there, the host is the limit.
 
 Graphs are recorded only where every attention call of the forward goes to the varlen kernel
@@ -88,6 +88,7 @@ class PrefixShape:
     pool_rows: int  # prefix rows read from the pool, all groups together
     max_q: int  # longest group (its sequences' rows together)
     max_k: int  # longest prefix
+    writes: int  # rows whose keys and values the step writes to the pool (0: none)
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,9 @@ class _PrefixInputs:
     cu_q: torch.Tensor  # [groups + 1] int32
     pool_rows: torch.Tensor  # [pool_rows] int64: padding entries read row 0
     cu_k: torch.Tensor  # [groups + 1] int32
+    # Padding entries repeat the last write: the same row to the same place again.
+    write_rows: torch.Tensor  # [writes] int64: batch rows written to the pool
+    write_pool_rows: torch.Tensor  # [writes] int64: where they go
 
 
 @dataclass
@@ -216,7 +220,9 @@ class StepGraphs:
         if key is None:
             return None
         if shared is not None:
-            key = replace(key, prefix=_prefix_shape(shared))
+            assert attn.kv is not None and attn.kv.prefix is not None
+            writes = attn.kv.prefix.write_rows.shape[0]
+            key = replace(key, prefix=_prefix_shape(shared, writes))
         entry = self.graphs.get(key)
         if entry is None:
             if len(self.graphs) >= self.max_graphs:
@@ -240,11 +246,11 @@ class StepGraphs:
 
     def _pool_readers(self, kv: ChunkedKV) -> SharedPrefixes | None:
         """The step's shared prefixes when a graph can serve it: whole prompts (no earlier
-        chunks, none kept for later ones) that read the pool and write nothing to it."""
+        chunks, none kept for later ones) that read the pool (and may write blocks to it)."""
         prefix = kv.prefix
         if not self.prefix_enabled or prefix is None or prefix.shared is None:
             return None
-        if prefix.shared.own_key_rows is not None or prefix.write_rows.numel():
+        if prefix.shared.own_key_rows is not None:
             return None
         if any(b is not None for b in kv.buffers):
             return None
@@ -252,13 +258,15 @@ class StepGraphs:
 
     def _prefix_inputs(self, key: ShapeKey, kv: ChunkedKV | None) -> _PrefixInputs:
         assert key.prefix is not None and kv is not None and kv.prefix is not None
-        device, groups = self.x.device, key.prefix.groups
+        device, shape = self.x.device, key.prefix
         return _PrefixInputs(
             pool=kv.prefix.pool,
             q_rows=torch.zeros(key.tokens, dtype=torch.int64, device=device),
-            cu_q=torch.zeros(groups + 1, dtype=torch.int32, device=device),
-            pool_rows=torch.zeros(key.prefix.pool_rows, dtype=torch.int64, device=device),
-            cu_k=torch.zeros(groups + 1, dtype=torch.int32, device=device),
+            cu_q=torch.zeros(shape.groups + 1, dtype=torch.int32, device=device),
+            pool_rows=torch.zeros(shape.pool_rows, dtype=torch.int64, device=device),
+            cu_k=torch.zeros(shape.groups + 1, dtype=torch.int32, device=device),
+            write_rows=torch.zeros(shape.writes, dtype=torch.int64, device=device),
+            write_pool_rows=torch.zeros(shape.writes, dtype=torch.int64, device=device),
         )
 
     def _fill(
@@ -287,7 +295,8 @@ class StepGraphs:
         inputs = entry.prefix
         if inputs is not None:
             assert attn.kv is not None and attn.kv.prefix is not None
-            shared = attn.kv.prefix.shared
+            prefix = attn.kv.prefix
+            shared = prefix.shared
             assert shared is not None
             m, g, p = shared.q_rows.shape[0], shared.cu_q.shape[0] - 1, shared.pool_rows.shape[0]
             inputs.q_rows[:m].copy_(shared.q_rows)
@@ -298,6 +307,12 @@ class StepGraphs:
             inputs.pool_rows[p:].fill_(0)
             inputs.cu_k[: g + 1].copy_(shared.cu_k)
             inputs.cu_k[g + 1 :].fill_(p)
+            w = prefix.write_rows.shape[0]
+            if w:
+                inputs.write_rows[:w].copy_(prefix.write_rows)
+                inputs.write_rows[w:].copy_(prefix.write_rows[-1])
+                inputs.write_pool_rows[:w].copy_(prefix.write_pool_rows)
+                inputs.write_pool_rows[w:].copy_(prefix.write_pool_rows[-1])
 
     def _metadata(self, key: ShapeKey, entry: _Graph) -> AttentionMetadata:
         cu = self.cu_seqlens[: key.seqs + 1]
@@ -320,7 +335,18 @@ class StepGraphs:
                 own_key_starts=[],
             )
             prefix = PrefixKV(
-                inputs.pool, none, none, none, none, none, none, none, none, key.tokens, [], []
+                pool=inputs.pool,
+                write_rows=inputs.write_rows,
+                write_pool_rows=inputs.write_pool_rows,
+                write_slots=none,  # the rest serves the copying layout, which graphs refuse
+                read_pool_rows=none,
+                read_key_rows=none,
+                read_slots=none,
+                read_blocks=none,
+                own_key_rows=none,
+                num_keys=key.tokens,
+                prefix_tokens=[],
+                key_starts=[],
             )
             prefix.shared, prefix.shared_only = shared, True
             kv = ChunkedKV([], [], [], [], cu, key.max_len, seq_ids, pos_in_seq, prefix)
@@ -375,10 +401,11 @@ class StepGraphs:
         return True
 
 
-def _prefix_shape(shared: SharedPrefixes) -> PrefixShape:
+def _prefix_shape(shared: SharedPrefixes, writes: int) -> PrefixShape:
     return PrefixShape(
         groups=_pow2_at_least(shared.cu_q.shape[0]),  # the step's groups and one more at least
         pool_rows=_pow2_at_least(shared.pool_rows.shape[0]),
         max_q=max(_pow2_at_least(shared.max_q), _MIN_MAX_LEN),
         max_k=max(_pow2_at_least(shared.max_k), _MIN_MAX_LEN),
+        writes=_pow2_at_least(writes) if writes else 0,
     )
