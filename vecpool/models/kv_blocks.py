@@ -58,8 +58,10 @@ class BlockPool:
         if not prefix.read_slots.numel():  # only writers (a shape: no device sync to read)
             return self.sums.new_zeros((prefix.read_blocks.shape[0], hidden.shape[1]))
         per_block = self.sums.index_select(0, prefix.read_slots)  # [num_read_blocks, hidden]
+        # `unsafe`: the lengths are the runner's own (they add up, none negative); checking
+        # them would read them back from the device, a sync in the middle of the step.
         return torch.segment_reduce(
-            per_block, "sum", lengths=prefix.read_blocks, axis=0, initial=0.0
+            per_block, "sum", lengths=prefix.read_blocks, axis=0, initial=0.0, unsafe=True
         )
 
     @property

@@ -147,22 +147,26 @@ def _triton_merge() -> Any | None:
         stride_ph,
         stride_qh,
         stride_qt,
+        H: tl.constexpr,
         D: tl.constexpr,
+        BLOCK_H: tl.constexpr,
         BLOCK_D: tl.constexpr,
     ):
-        i = tl.program_id(0)
-        h = tl.program_id(1)
+        i = tl.program_id(0)  # one row, every head: [BLOCK_H, BLOCK_D] at once
         row = tl.load(rows_ptr + i)
-        a = tl.load(lse_ptr + h * stride_lh + row * stride_lt)
-        b = tl.load(part_lse_ptr + h * stride_qh + i * stride_qt)
-        top = tl.maximum(a, b)
-        weight_a = tl.exp(a - top)
-        weight_b = tl.exp(b - top)
+        h = tl.arange(0, BLOCK_H)
         d = tl.arange(0, BLOCK_D)
-        mask = d < D
-        own = out_ptr + row * stride_ot + h * stride_oh + d
+        on_h = h < H
+        a = tl.load(lse_ptr + h * stride_lh + row * stride_lt, mask=on_h, other=0.0)
+        b = tl.load(part_lse_ptr + h * stride_qh + i * stride_qt, mask=on_h, other=0.0)
+        top = tl.maximum(a, b)
+        weight_a = tl.exp(a - top)[:, None]
+        weight_b = tl.exp(b - top)[:, None]
+        mask = on_h[:, None] & (d < D)[None, :]
+        own = out_ptr + row * stride_ot + h[:, None] * stride_oh + d[None, :]
         x = tl.load(own, mask=mask).to(tl.float32)
-        y = tl.load(part_ptr + i * stride_pt + h * stride_ph + d, mask=mask).to(tl.float32)
+        part = part_ptr + i * stride_pt + h[:, None] * stride_ph + d[None, :]
+        y = tl.load(part, mask=mask).to(tl.float32)
         merged = (x * weight_a + y * weight_b) / (weight_a + weight_b)
         tl.store(own, merged.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -176,7 +180,7 @@ def _triton_merge() -> Any | None:
         n, heads, dim = part.shape
         if n == 0:
             return
-        kernel[(n, heads)](
+        kernel[(n,)](
             out,
             lse,
             part,
@@ -190,7 +194,9 @@ def _triton_merge() -> Any | None:
             part.stride(1),
             part_lse.stride(0),
             part_lse.stride(1),
+            H=heads,
             D=dim,
+            BLOCK_H=triton.next_power_of_2(heads),
             BLOCK_D=triton.next_power_of_2(dim),
         )
 
