@@ -175,6 +175,7 @@ class StepGraphs:
     def _default_slots(self, tokens: int) -> int:
         return min(self.max_seqs + 1, max(2, _pow2_at_least(tokens // 8)))
 
+    @torch.inference_mode()
     def warm_up(self) -> None:
         """Record the graphs of the common shapes now, so that no step waits for one later:
         every token bucket, with sequences up to 512 tokens long (those the model allows)."""

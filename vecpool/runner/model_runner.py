@@ -60,23 +60,25 @@ class ModelRunner:
         self.kv_cache: KVCache | None = KVCache() if chunks else None
         self.block_pool = block_pool if chunks else None
         # Without a CUDA device, graphs=True runs the same padded shapes as plain forwards.
-        self.graphs = (
-            StepGraphs(
-                model,
-                hidden_size=model.hidden_size,
-                dtype=dtype,
-                device=device,
-                max_seqs=max_seqs,
-                max_model_len=max_model_len,
-                use_varlen=self.use_varlen,
-                with_token_types=model.uses_token_type_ids,
-                capture=device.type == "cuda",
+        # Its buffers are inference tensors, as every step's are: compiled blocks guard on
+        # that, and would otherwise compile once more for each kind of step.
+        with torch.inference_mode():
+            self.graphs = (
+                StepGraphs(
+                    model,
+                    hidden_size=model.hidden_size,
+                    dtype=dtype,
+                    device=device,
+                    max_seqs=max_seqs,
+                    max_model_len=max_model_len,
+                    use_varlen=self.use_varlen,
+                    with_token_types=model.uses_token_type_ids,
+                    capture=device.type == "cuda",
+                )
+                if graphs
+                else None
             )
-            if graphs
-            else None
-        )
-        if self.graphs is not None and self.graphs.capture:
-            with torch.inference_mode():
+            if self.graphs is not None and self.graphs.capture:
                 self.graphs.warm_up()
 
     @torch.inference_mode()
