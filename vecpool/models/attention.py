@@ -210,7 +210,7 @@ def _cached_attention(
     softcap: float | None,
 ) -> torch.Tensor:
     """Attention of chunks with their cached positions. It writes the runner's buffers, so it
-    runs outside compiled graphs (a compiled block breaks its graph here, on such steps only)."""
+    runs outside compiled graphs: compiled blocks call it through `vecpool::cached_attention`."""
     kv = meta.kv
     assert kv is not None
     shared = kv.prefix.shared if kv.prefix is not None else None
