@@ -223,7 +223,9 @@ class StepGraphs:
         if shared is not None:
             assert attn.kv is not None and attn.kv.prefix is not None
             writes = attn.kv.prefix.write_rows.shape[0]
-            key = replace(key, prefix=_prefix_shape(shared, writes))
+            # Only the step's own sequence slots: prefix keys are fewer than plain ones, and
+            # each empty slot costs the attention kernel blocks of its grid.
+            key = replace(key, seqs=_pow2_at_least(s + 1), prefix=_prefix_shape(shared, writes))
         entry = self.graphs.get(key)
         if entry is None:
             if len(self.graphs) >= self.max_graphs:
