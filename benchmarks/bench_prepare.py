@@ -18,12 +18,21 @@ Timed per round, each over the whole workload (per input, microseconds):
 - `submit`: `Engine.submit` of the text path's prepared requests (engine `Request`s);
 - `tokenizer`: the `tokenizers` library's `encode_batch` alone, on a tokenizer truncating as
   the engine's does: the floor of the text path;
+- `tokenizer_fast`: the same with `encode_batch_fast` (no character offsets), where the
+  installed library has it (else `encode_batch` again);
 - `text_python` = `text` - `tokenizer` in the same round: the Python around the tokenizer,
   which holds the GIL (and so takes time from the engine thread that runs the device);
 - `*_thread_cpu`: the CPU time of the calling thread in `text`, `ids` and `tokenizer`: the
   time it holds the GIL (the tokenizer's own threads do not count; the conversion of their
   results into Python objects does). Steadier than a difference of two wall times on a
   shared host, and the figure that says how much of the engine thread's time a call takes.
+
+- `text_engine_loss`, `ids_engine_loss`: the time a thread that runs Python without pause (as
+  the engine thread does while it schedules and launches steps) loses while this thread
+  prepares the texts or the ids: the time it would have run at its pace alone, less what it
+  ran. What preparing takes from the engine thread: the GIL that the preparing thread holds,
+  and the cores that the tokenizer's threads take.
+
 Rounds alternate the systems, so that a slow moment of a shared host falls on all of them.
 """
 
@@ -31,9 +40,9 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -58,8 +67,11 @@ FIGURES = (
     "submit",
     "tokenizer",
     "tokenizer_thread_cpu",
+    "tokenizer_fast",
+    "tokenizer_fast_thread_cpu",
     "text_python",
 )
+LOSSES = ("text_engine_loss", "ids_engine_loss")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -91,6 +103,30 @@ def _timed(fn: Callable[[], object]) -> tuple[float, float]:
     return time.perf_counter() - wall, time.thread_time() - cpu
 
 
+def _spin(stop: threading.Event, loops: list[int]) -> None:
+    count = 0
+    while not stop.is_set():
+        sum(range(100))  # a few microseconds of Python, the GIL held
+        count += 1
+    loops.append(count)
+
+
+def _spin_beside(fn: Callable[[], object] | None, alone: float = 0.3) -> tuple[int, float]:
+    """Loops of a thread spinning in Python while `fn()` runs on this one, and the seconds
+    it spun (with `fn` None: for `alone` seconds beside nothing)."""
+    stop, loops = threading.Event(), []
+    spinner = threading.Thread(target=_spin, args=(stop, loops))
+    started = time.perf_counter()
+    spinner.start()
+    if fn is None:
+        time.sleep(alone)
+    else:
+        fn()
+    stop.set()
+    spinner.join()
+    return loops[0], time.perf_counter() - started
+
+
 def measure(engine: vecpool.Engine, texts: list[str], ids: list[list[int]], rounds: int) -> Any:
     """Every figure's rounds (microseconds per input) on one workload."""
     ctx = engine.context
@@ -106,9 +142,10 @@ def measure(engine: vecpool.Engine, texts: list[str], ids: list[list[int]], roun
     def prepare(items: list[Any]) -> list[Any]:
         return [calls.prepare_encode(ctx, items[s : s + PIPELINE_CHUNK], options) for s in starts]
 
-    def tokenize() -> None:
-        for s in starts:
-            floor.encode_batch(texts[s : s + PIPELINE_CHUNK])
+    def tokenize(fast: bool) -> Callable[[], None]:
+        encode = getattr(floor, "encode_batch_fast", None) if fast else None
+        encode = encode or floor.encode_batch
+        return lambda: [encode(texts[s : s + PIPELINE_CHUNK]) for s in starts]
 
     prepared = prepare(texts)
     prepared_ids = prepare(ids)
@@ -118,13 +155,14 @@ def measure(engine: vecpool.Engine, texts: list[str], ids: list[list[int]], roun
             if not np.array_equal(x.prompt.token_ids, y.prompt.token_ids):
                 raise SystemExit("FAILED: text and ids prepared different prompts")
     num_tokens = sum(r.prompt.num_tokens for call in prepared for r in call.requests)
-    out: dict[str, list[float]] = {name: [] for name in FIGURES}
+    out: dict[str, list[float]] = {name: [] for name in FIGURES + LOSSES}
     for _ in range(rounds):
         gc.collect()
         text, text_cpu = _timed(lambda: prepare(texts))
         ids_wall, ids_cpu = _timed(lambda: prepare(ids))
         submit, _ = _timed(lambda: [engine.submit(call.requests) for call in prepared])
-        tok, tok_cpu = _timed(tokenize)
+        tok, tok_cpu = _timed(tokenize(fast=False))
+        fast, fast_cpu = _timed(tokenize(fast=True))
         figures = dict(
             text=text,
             text_thread_cpu=text_cpu,
@@ -133,10 +171,17 @@ def measure(engine: vecpool.Engine, texts: list[str], ids: list[list[int]], roun
             submit=submit,
             tokenizer=tok,
             tokenizer_thread_cpu=tok_cpu,
+            tokenizer_fast=fast,
+            tokenizer_fast_thread_cpu=fast_cpu,
             text_python=text - tok,
         )
         for name, seconds in figures.items():
             out[name].append(seconds / n * 1e6)
+        loops, seconds = _spin_beside(None)
+        pace = loops / seconds
+        for name, items in (("text_engine_loss", texts), ("ids_engine_loss", ids)):
+            loops, seconds = _spin_beside(lambda items=items: prepare(items))
+            out[name].append((seconds - loops / pace) / n * 1e6)
     rounds_ = {k: record.rounds(v) for k, v in out.items()}
     return {"num_inputs": n, "num_tokens": num_tokens, **rounds_}
 
@@ -151,7 +196,7 @@ def run(args: argparse.Namespace, folder: Path, report: dict[str, Any]) -> None:
         texts, ids = make_inputs(tokenizer, lengths)
         result = measure(engine, texts, ids, args.rounds)
         report["workloads"][w] = result
-        medians = "  ".join(f"{k} {result[k]['median']:.2f}" for k in FIGURES)
+        medians = "  ".join(f"{k} {result[k]['median']:.2f}" for k in FIGURES + LOSSES)
         print(f"{w:8} us/input: {medians}", flush=True)
 
 
@@ -173,11 +218,6 @@ def main(argv: list[str]) -> dict[str, Any]:
         with tempfile.TemporaryDirectory() as tmp:
             tokenizer_dir = args.tokenizer or default_model_path()
             run(args, write_folder(SHAPES[args.shape], Path(tmp), tokenizer_dir, "cpu"), report)
-    print(
-        json.dumps(
-            {w: {k: r[k]["median"] for k in FIGURES} for w, r in report["workloads"].items()}
-        )
-    )
     record.write(args.output, report)
     return report
 
