@@ -16,6 +16,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -154,18 +155,17 @@ class InputProcessor:
         limit = self._limit(options)  # the call's option: checked once, before any input
         kinds: list[tuple[str, Any]] = [_classify(item, i) for i, item in enumerate(inputs)]
         text_indices = [i for i, (kind, _) in enumerate(kinds) if kind in ("text", "pair")]
-        if len(text_indices) == len(kinds):  # the common call: texts only (or no input)
-            return self._texts(kinds, text_indices, options, limit) if kinds else []
         prompts: list[Prompt | None] = [None] * len(kinds)
         if text_indices:
-            for i, prompt in zip(
-                text_indices, self._texts(kinds, text_indices, options, limit), strict=True
-            ):
+            texts = self._texts(kinds, text_indices, options, limit)
+            if len(texts) == len(kinds):  # the common call: texts only
+                return texts
+            for i, prompt in zip(text_indices, texts, strict=True):
                 prompts[i] = prompt
         others = [i for i, (kind, _) in enumerate(kinds) if kind not in ("text", "pair")]
         side = options.truncation_side
-        checked = None
-        if all(kinds[i][0] == "token_ids" for i in others):
+        checked = None  # token ids only: checked together
+        if others and all(kinds[i][0] == "token_ids" for i in others):
             checked = self._id_prompts([kinds[i][1] for i in others], limit, side)
         if checked is not None:
             for i, prompt in zip(others, checked, strict=True):
@@ -346,8 +346,13 @@ class InputProcessor:
             if prefix is None
             else [v if isinstance(v, tuple) else prefix + v for v in values]
         )
+        max_chars = self.limits.max_input_chars
+        if max_chars is not None:
+            sizes = [len(t) if isinstance(t, str) else len(t[0]) + len(t[1]) for t in texts]
+            over = next((j for j, n in enumerate(sizes) if n > max_chars), None)
+            if over is not None:
+                self.check_text_size(texts[over], indices[over])
         pairs = [j for j, t in enumerate(texts) if isinstance(t, tuple)]
-        self._check_text_sizes(texts, indices, bool(pairs))
         if pairs and limit is not None and limit - self.tokenizer.num_pair_special_tokens < 2:
             raise InputError(
                 f"truncation to {limit} tokens leaves no room for a text pair besides "
@@ -362,7 +367,7 @@ class InputProcessor:
             raise exc.at(indices[exc.index or 0]) from None
         # Each list of ids made into an array at once (the lists are freed while still in
         # the cache): the ids' Python ints are most of what the GIL is held for here.
-        arrays = [np.array(e.ids, dtype=np.int64) for e in encodings]
+        arrays = [np.fromiter(x, np.int64, len(x)) for x in map(attrgetter("ids"), encodings)]
         lengths = np.fromiter(map(len, arrays), dtype=np.int64, count=len(arrays))
         bad = np.flatnonzero((lengths == 0) | (lengths > self.limits.max_model_len))
         if bad.size:
@@ -374,22 +379,6 @@ class InputProcessor:
             type_ids = np.array(encodings[j].type_ids, dtype=np.int64)
             prompts[j] = replace(prompts[j], token_type_ids=type_ids)
         return prompts
-
-    def _check_text_sizes(
-        self, texts: list[str | tuple[str, str]], indices: list[int], has_pairs: bool
-    ) -> None:
-        """`check_text_size` of every text, in order (at once where no pair is among them)."""
-        limit = self.limits.max_input_chars
-        if limit is None:
-            return
-        if has_pairs:
-            for i, text in zip(indices, texts, strict=True):
-                self.check_text_size(text, i)
-            return
-        sizes = np.fromiter(map(len, texts), dtype=np.int64, count=len(texts))
-        over = np.flatnonzero(sizes > limit)
-        if over.size:
-            self.check_text_size(texts[int(over[0])], indices[int(over[0])])
 
     def _id_prompts(
         self, values: list[Any], limit: int | None, side: TruncationSide
