@@ -45,6 +45,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +85,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     parser.add_argument("--n", type=int, default=4096, help="inputs per workload")
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds (at least 3)")
+    parser.add_argument(
+        "--spin-alone", type=float, default=0.3, help="seconds the spinning thread runs alone"
+    )
     parser.add_argument("--output", type=Path)
     record.add_args(parser)
     args = parser.parse_args(argv)
@@ -114,7 +118,7 @@ def _spin(stop: threading.Event, loops: list[int]) -> None:
 def _spin_beside(fn: Callable[[], object] | None, alone: float = 0.3) -> tuple[int, float]:
     """Loops of a thread spinning in Python while `fn()` runs on this one, and the seconds
     it spun (with `fn` None: for `alone` seconds beside nothing)."""
-    stop, loops = threading.Event(), []
+    stop, loops = threading.Event(), list[int]()
     spinner = threading.Thread(target=_spin, args=(stop, loops))
     started = time.perf_counter()
     spinner.start()
@@ -127,7 +131,13 @@ def _spin_beside(fn: Callable[[], object] | None, alone: float = 0.3) -> tuple[i
     return loops[0], time.perf_counter() - started
 
 
-def measure(engine: vecpool.Engine, texts: list[str], ids: list[list[int]], rounds: int) -> Any:
+def measure(
+    engine: vecpool.Engine,
+    texts: list[str],
+    ids: list[list[int]],
+    rounds: int,
+    spin_alone: float,
+) -> Any:
     """Every figure's rounds (microseconds per input) on one workload."""
     ctx = engine.context
     n = len(texts)
@@ -142,7 +152,7 @@ def measure(engine: vecpool.Engine, texts: list[str], ids: list[list[int]], roun
     def prepare(items: list[Any]) -> list[Any]:
         return [calls.prepare_encode(ctx, items[s : s + PIPELINE_CHUNK], options) for s in starts]
 
-    def tokenize(fast: bool) -> Callable[[], None]:
+    def tokenize(fast: bool) -> Callable[[], object]:
         encode = getattr(floor, "encode_batch_fast", None) if fast else None
         encode = encode or floor.encode_batch
         return lambda: [encode(texts[s : s + PIPELINE_CHUNK]) for s in starts]
@@ -177,10 +187,16 @@ def measure(engine: vecpool.Engine, texts: list[str], ids: list[list[int]], roun
         )
         for name, seconds in figures.items():
             out[name].append(seconds / n * 1e6)
-        loops, seconds = _spin_beside(None)
-        pace = loops / seconds
-        for name, items in (("text_engine_loss", texts), ("ids_engine_loss", ids)):
-            loops, seconds = _spin_beside(lambda items=items: prepare(items))
+        paths: tuple[tuple[str, list[Any]], ...] = (
+            ("text_engine_loss", texts),
+            ("ids_engine_loss", ids),
+        )
+        for name, items in paths:
+            # The pace alone, just before and just after: a shared host's pace drifts.
+            before = _spin_beside(None, spin_alone)
+            loops, seconds = _spin_beside(partial(prepare, items))
+            after = _spin_beside(None, spin_alone)
+            pace = (before[0] + after[0]) / (before[1] + after[1])
             out[name].append((seconds - loops / pace) / n * 1e6)
     rounds_ = {k: record.rounds(v) for k, v in out.items()}
     return {"num_inputs": n, "num_tokens": num_tokens, **rounds_}
@@ -194,7 +210,7 @@ def run(args: argparse.Namespace, folder: Path, report: dict[str, Any]) -> None:
         # Clipped to the model's limit: the same tokens from text as from ids.
         lengths = np.minimum(workload_lengths(w, args.n), engine.info().max_model_len)
         texts, ids = make_inputs(tokenizer, lengths)
-        result = measure(engine, texts, ids, args.rounds)
+        result = measure(engine, texts, ids, args.rounds, args.spin_alone)
         report["workloads"][w] = result
         medians = "  ".join(f"{k} {result[k]['median']:.2f}" for k in FIGURES + LOSSES)
         print(f"{w:8} us/input: {medians}", flush=True)

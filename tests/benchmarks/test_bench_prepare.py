@@ -11,13 +11,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks.bench_prepare import FIGURES, main
+from benchmarks.bench_prepare import FIGURES, LOSSES, main
 from benchmarks.workloads import workload_lengths
 
 
 def test_bench_prepare_reports_rounds_per_figure(tmp_path: Path) -> None:
     out = tmp_path / "prepare.json"
-    report = main(["--n", "40", "--rounds", "3", "--output", str(out)])
+    argv = ["--n", "40", "--rounds", "3", "--spin-alone", "0.02", "--output", str(out)]
+    report = main(argv)
     assert json.loads(out.read_text())["workloads"] == report["workloads"]
     assert report["unit"] == "microseconds per input"
     limit = report["max_model_len"]
@@ -26,7 +27,7 @@ def test_bench_prepare_reports_rounds_per_figure(tmp_path: Path) -> None:
         result = report["workloads"][w]
         assert result["num_inputs"] == 40
         assert result["num_tokens"] == int(np.minimum(workload_lengths(w, 40), limit).sum())
-        for name in FIGURES:
+        for name in FIGURES + LOSSES:
             rounds = result[name]["rounds"]
             assert len(rounds) == 3
             assert result[name]["median"] == statistics.median(rounds)
