@@ -154,8 +154,8 @@ class InputProcessor:
             return self._side(inputs, options, input_type)
         limit = self._limit(options)  # the call's option: checked once, before any input
         kinds: list[tuple[str, Any]] = [_classify(item, i) for i, item in enumerate(inputs)]
-        text_indices = [i for i, (kind, _) in enumerate(kinds) if kind in ("text", "pair")]
         prompts: list[Prompt | None] = [None] * len(kinds)
+        text_indices = [i for i, (kind, _) in enumerate(kinds) if kind in ("text", "pair")]
         if text_indices:
             texts = self._texts(kinds, text_indices, options, limit)
             if len(texts) == len(kinds):  # the common call: texts only
