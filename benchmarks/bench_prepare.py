@@ -17,16 +17,16 @@ Timed per round, each over the whole workload (per input, microseconds):
 - `ids`: the same of the token ids;
 - `submit`: `Engine.submit` of the text path's prepared requests (engine `Request`s);
 - `tokenizer`: the `tokenizers` library's `encode_batch` alone, on a tokenizer truncating as
-  the engine's does: the floor of the text path;
+  the engine's does;
 - `tokenizer_fast`: the same with `encode_batch_fast` (no character offsets), where the
-  installed library has it (else `encode_batch` again);
-- `text_python` = `text` - `tokenizer` in the same round: the Python around the tokenizer,
-  which holds the GIL (and so takes time from the engine thread that runs the device);
-- `*_thread_cpu`: the CPU time of the calling thread in `text`, `ids` and `tokenizer`: the
+  installed library has it (else `encode_batch` again): the floor of the text path;
+- `text_python` = `text` - `tokenizer_fast` in the same round: the time the text path takes
+  beyond the cheapest call that gives the ids, mostly Python that holds the GIL (a
+  difference of two wall times: noisy on a shared host);
+- `*_thread_cpu`: the CPU time of the calling thread in `text`, `ids` and the tokenizer: the
   time it holds the GIL (the tokenizer's own threads do not count; the conversion of their
   results into Python objects does). Steadier than a difference of two wall times on a
-  shared host, and the figure that says how much of the engine thread's time a call takes.
-
+  shared host, and the figure that says how much of the engine thread's time a call takes;
 - `text_engine_loss`, `ids_engine_loss`: the time a thread that runs Python without pause (as
   the engine thread does while it schedules and launches steps) loses while this thread
   prepares the texts or the ids: the time it would have run at its pace alone, less what it
@@ -183,7 +183,7 @@ def measure(
             tokenizer_thread_cpu=tok_cpu,
             tokenizer_fast=fast,
             tokenizer_fast_thread_cpu=fast_cpu,
-            text_python=text - tok,
+            text_python=text - fast,
         )
         for name, seconds in figures.items():
             out[name].append(seconds / n * 1e6)

@@ -1,6 +1,6 @@
 """The host-side benchmark runs in seconds on a few inputs, its figures consistent with each
 other: every round kept with its median, the Python share is that round's text time less its
-tokenizer time, and the tokens counted are the workload's, clipped to the model's limit."""
+fast tokenizer's time, and the tokens counted are the workload's, clipped to the model's limit."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def test_bench_prepare_reports_rounds_per_figure(tmp_path: Path) -> None:
             assert result[name]["median"] == statistics.median(rounds)
         for text, tok, python in zip(
             result["text"]["rounds"],
-            result["tokenizer"]["rounds"],
+            result["tokenizer_fast"]["rounds"],
             result["text_python"]["rounds"],
             strict=True,
         ):
