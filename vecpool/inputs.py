@@ -16,6 +16,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -156,16 +157,26 @@ class InputProcessor:
         prompts: list[Prompt | None] = [None] * len(kinds)
         text_indices = [i for i, (kind, _) in enumerate(kinds) if kind in ("text", "pair")]
         if text_indices:
-            for i, prompt in zip(
-                text_indices, self._texts(kinds, text_indices, options, limit), strict=True
-            ):
+            texts = self._texts(kinds, text_indices, options, limit)
+            if len(texts) == len(kinds):  # the common call: texts only
+                return texts
+            for i, prompt in zip(text_indices, texts, strict=True):
                 prompts[i] = prompt
+        others = [i for i, (kind, _) in enumerate(kinds) if kind not in ("text", "pair")]
         side = options.truncation_side
-        for i, (kind, value) in enumerate(kinds):
-            if kind == "token_ids":
-                prompts[i] = self._token_ids(value, i, limit, side)
-            elif kind == "prompt_embeds":
-                prompts[i] = self._prompt_embeds(value, i, limit, side)
+        checked = None  # token ids only: checked together
+        if others and all(kinds[i][0] == "token_ids" for i in others):
+            checked = self._id_prompts([kinds[i][1] for i in others], limit, side)
+        if checked is not None:
+            for i, prompt in zip(others, checked, strict=True):
+                prompts[i] = prompt
+        else:  # one by one, in input order: the first bad input raises
+            for i in others:
+                kind, value = kinds[i]
+                if kind == "token_ids":
+                    prompts[i] = self._token_ids(value, i, limit, side)
+                else:
+                    prompts[i] = self._prompt_embeds(value, i, limit, side)
         return [p for p in prompts if p is not None]
 
     def windows(
@@ -325,46 +336,68 @@ class InputProcessor:
                 "pass token ids or prompt embeds instead",
                 index=indices[0],
             )
-        texts: list[str | tuple[str, str]] = []
-        for i in indices:
-            kind, text = kinds[i]
-            if kind == "pair":  # instruction prompts are for single texts
-                texts.append(text)
-                continue
-            if not text:
-                raise InputError("the input is an empty string", index=i)
-            texts.append(text if options.prompt is None else options.prompt + text)
-        for i, text in zip(indices, texts, strict=True):
-            self.check_text_size(text, i)
-        pairs = [i for i, t in zip(indices, texts, strict=True) if isinstance(t, tuple)]
+        values = [kinds[i][1] for i in indices]  # str, or a (text, text_pair) tuple
+        if not all(values):  # (a pair's two texts were checked when it was classified)
+            first = next(j for j, value in enumerate(values) if not value)
+            raise InputError("the input is an empty string", index=indices[first])
+        prefix = options.prompt  # instruction prompts are for single texts
+        texts: list[str | tuple[str, str]] = (
+            values
+            if prefix is None
+            else [v if isinstance(v, tuple) else prefix + v for v in values]
+        )
+        max_chars = self.limits.max_input_chars
+        if max_chars is not None:
+            sizes = [len(t) if isinstance(t, str) else len(t[0]) + len(t[1]) for t in texts]
+            over = next((j for j, n in enumerate(sizes) if n > max_chars), None)
+            if over is not None:
+                self.check_text_size(texts[over], indices[over])
+        pairs = [j for j, t in enumerate(texts) if isinstance(t, tuple)]
         if pairs and limit is not None and limit - self.tokenizer.num_pair_special_tokens < 2:
             raise InputError(
                 f"truncation to {limit} tokens leaves no room for a text pair besides "
                 f"{self.tokenizer.num_pair_special_tokens} special tokens",
-                index=pairs[0],
+                index=indices[pairs[0]],
             )
         try:
             encodings = self.tokenizer.encode_batch(
-                texts, limit, options.truncation_side, options.add_special_tokens
+                texts, limit, options.truncation_side, options.add_special_tokens, offsets=False
             )
         except InputError as exc:  # indexed within `texts`, or about the whole call
             raise exc.at(indices[exc.index or 0]) from None
-        prompts = []
-        for i, text, enc in zip(indices, texts, encodings, strict=True):
-            self._check_length(len(enc.ids), i)
-            prompts.append(
-                Prompt(
-                    token_ids=np.asarray(enc.ids, dtype=np.int64),
-                    prompt_embeds=None,
-                    # A single text is all segment 0, which the batch builder fills in itself.
-                    token_type_ids=(
-                        np.asarray(enc.type_ids, dtype=np.int64)
-                        if isinstance(text, tuple)
-                        else None
-                    ),
-                )
-            )
+        # Each list of ids made into an array at once (the lists are freed while still in
+        # the cache): the ids' Python ints are most of what the GIL is held for here.
+        arrays = [np.fromiter(x, np.int64, len(x)) for x in map(attrgetter("ids"), encodings)]
+        lengths = np.fromiter(map(len, arrays), dtype=np.int64, count=len(arrays))
+        bad = np.flatnonzero((lengths == 0) | (lengths > self.limits.max_model_len))
+        if bad.size:
+            j = int(bad[0])
+            self._check_length(int(lengths[j]), indices[j])
+        prompts = [Prompt(a, None) for a in arrays]
+        # A single text is all segment 0, which the batch builder fills in itself.
+        for j in pairs:
+            type_ids = np.array(encodings[j].type_ids, dtype=np.int64)
+            prompts[j] = replace(prompts[j], token_type_ids=type_ids)
         return prompts
+
+    def _id_prompts(
+        self, values: list[Any], limit: int | None, side: TruncationSide
+    ) -> list[Prompt] | None:
+        """The prompts of token-id inputs, checked together; None when any of them is bad
+        (the one-by-one path then names the first)."""
+        try:
+            arrays = [as_id_array(value, None) for value in values]
+        except InputError:
+            return None
+        if limit is not None:
+            arrays = [truncate(a, limit, side) for a in arrays]
+        lengths = np.fromiter(map(len, arrays), dtype=np.int64, count=len(arrays))
+        if lengths.min() < 1 or lengths.max() > self.limits.max_model_len:
+            return None
+        flat = np.concatenate(arrays)
+        if flat.min() < 0 or flat.max() >= self.limits.vocab_size:
+            return None
+        return [Prompt(token_ids=a, prompt_embeds=None) for a in arrays]
 
     def _token_ids(self, value: Any, index: int, limit: int | None, side: TruncationSide) -> Prompt:
         ids = truncate(as_id_array(value, index), limit, side)
