@@ -210,7 +210,17 @@ def test_large_calls_are_pipelined_in_chunks(tiny_bert_engine, monkeypatch) -> N
     prompts = random_prompts(99, [3 + (i * 7) % 40 for i in range(11)], seed=50)
     whole = engine.embed(prompts)
     monkeypatch.setattr(vecpool.api.engine, "PIPELINE_CHUNK", 3)
+    monkeypatch.setattr(vecpool.api.engine, "PIPELINE_FIRST_CHUNK", 2)
+    sizes: list[int] = []
+    prepare = vecpool.api.engine.calls.prepare_encode
+
+    def counted(ctx, items, options):  # type: ignore[no-untyped-def]
+        sizes.append(len(items))
+        return prepare(ctx, items, options)
+
+    monkeypatch.setattr(vecpool.api.engine.calls, "prepare_encode", counted)
     assert np.abs(engine.embed(prompts) - whole).max() <= 1e-6
+    assert sizes == [2, 3, 3, 3]  # a smaller first chunk: the device starts sooner
     per_token = engine.encode(prompts, task="token_embed")
     assert [t.shape[0] for t in per_token] == [len(p) for p in prompts]
     # A bad input in a later chunk is named by its index in the whole call, and the call's
