@@ -70,6 +70,16 @@ class BlockPool:
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def _as_words(rows: torch.Tensor) -> torch.Tensor:
+    """Contiguous `[n, ...]` rows seen as `[n, bytes / 8]` int64 where their bytes allow: a
+    copy by row index moves 8 bytes per element instead of 2 (bf16), 4x fewer of them for the
+    copying kernel, which is paced by its elements (the same bits land)."""
+    flat = rows.view(rows.shape[0], -1)
+    if (flat.shape[1] * flat.element_size()) % 8:
+        return flat
+    return flat.view(torch.int64)
+
+
 @dataclass
 class SharedPrefixes:
     """One step's sequences that read a cached prefix, in groups reading the same blocks (runs
@@ -156,8 +166,9 @@ class PrefixKV:
         """The pool's buffers of `layer`, with the blocks this step computes written."""
         pool_k, pool_v = self.pool.layer(layer, k)
         if self.write_rows.numel():
-            pool_k.index_copy_(0, self.write_pool_rows, k.index_select(0, self.write_rows))
-            pool_v.index_copy_(0, self.write_pool_rows, v.index_select(0, self.write_rows))
+            for pool, new in ((pool_k, k), (pool_v, v)):
+                rows = new.index_select(0, self.write_rows)
+                _as_words(pool).index_copy_(0, self.write_pool_rows, _as_words(rows))
         return pool_k, pool_v
 
     def _earlier_chunks(
