@@ -179,41 +179,6 @@ class InputProcessor:
                     prompts[i] = self._prompt_embeds(value, i, limit, side)
         return [p for p in prompts if p is not None]
 
-    def windows(
-        self, inputs: Sequence[Any], options: TextOptions, overlap: int
-    ) -> list[list[tuple[Prompt, int]]]:
-        """Every input as one prompt, or, when it is longer than the model's limit, as windows of
-        the limit's length: consecutive slices of its tokens, each sharing `overlap` tokens with
-        the one before; a text's special tokens (e.g. [CLS] and [SEP]) surround every slice.
-        Returns, per input, `(prompt, number of the input's own tokens in it)` pairs (a whole
-        input counts all its tokens). With `truncate_prompt_tokens`, inputs are truncated, not
-        split. `InputError` names the first bad input."""
-        if options.truncate_prompt_tokens is not None:
-            return [[(p, p.num_tokens)] for p in self.process(inputs, options)]
-        max_len = self.limits.max_model_len
-        unlimited = InputProcessor(replace(self.limits, max_model_len=sys.maxsize), self.tokenizer)
-        out: list[list[tuple[Prompt, int]]] = []
-        for i, (item, prompt) in enumerate(
-            zip(inputs, unlimited.process(inputs, options), strict=True)
-        ):
-            if prompt.num_tokens <= max_len:
-                out.append([(prompt, prompt.num_tokens)])
-                continue
-            kind = _classify(item, i)[0]
-            if kind == "pair":
-                raise InputError(
-                    f"the text pair has {prompt.num_tokens} tokens, more than the model's maximum context length "
-                    f"of {max_len}; a pair cannot be split into windows, pass "
-                    "truncate_prompt_tokens (-1 for the limit) to truncate it",
-                    index=i,
-                )
-            head = tail = 0
-            if kind == "text" and self.tokenizer is not None and options.add_special_tokens:
-                head = self.tokenizer.num_leading_special_tokens
-                tail = self.tokenizer.num_trailing_special_tokens
-            out.append(split_windows(prompt, max_len, overlap, head, tail))
-        return out
-
     def _side(self, inputs: Sequence[Any], options: TextOptions, input_type: str) -> list[Prompt]:
         """Inputs of one side: the side's prompt in front of texts, its marker after the first
         token, its length limit (truncate_prompt_tokens counts the marker), and the expansion of
@@ -460,45 +425,9 @@ class InputProcessor:
         return Prompt(token_ids=None, prompt_embeds=np.ascontiguousarray(value))
 
 
-def split_windows(
-    prompt: Prompt, window: int, overlap: int, head: int = 0, tail: int = 0
-) -> list[tuple[Prompt, int]]:
-    """`prompt` as windows of at most `window` tokens: its first `head` and last `tail` tokens
-    around each of consecutive slices of the tokens between them, a slice starting
-    `window - head - tail - overlap` tokens after the one before (at least 1) until one reaches
-    the end. Returns `(window prompt, slice length)` pairs."""
-    size = window - head - tail  # tokens of the input's own per window
-    if size < 1:
-        raise InputError(
-            f"a window of {window} tokens leaves no room besides {head + tail} special tokens"
-        )
-    n = prompt.num_tokens
-    body = n - head - tail
-    stride = max(size - overlap, 1)
-    starts = [0]
-    while starts[-1] + size < body:
-        starts.append(starts[-1] + stride)
-
-    def cut(x: Any, start: int, end: int) -> Any:  # the head, x[start:end] of the body, the tail
-        return np.concatenate([x[:head], x[head + start : head + end], x[n - tail :]])
-
-    windows = []
-    for start in starts:
-        end = min(start + size, body)
-        windows.append(
-            (
-                Prompt(
-                    token_ids=None
-                    if prompt.token_ids is None
-                    else cut(prompt.token_ids, start, end),
-                    prompt_embeds=None
-                    if prompt.prompt_embeds is None
-                    else cut(prompt.prompt_embeds, start, end),
-                ),
-                end - start,
-            )
-        )
-    return windows
+def input_kind(item: Any, index: int) -> str:
+    """The form of one input: "text", "pair", "token_ids" or "prompt_embeds"."""
+    return _classify(item, index)[0]
 
 
 def _classify(item: Any, index: int) -> tuple[str, Any]:

@@ -15,6 +15,9 @@ limit is embedded as usual.
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -22,7 +25,8 @@ import numpy as np
 from vecpool.calls.context import CallContext, as_input_list, instruction, make_requests
 from vecpool.calls.options import EmbedOptions
 from vecpool.calls.outputs import PoolingOutput, PreparedCall, PromptRequest, output_data
-from vecpool.inputs import TextOptions
+from vecpool.errors import InputError
+from vecpool.inputs import InputProcessor, Prompt, TextOptions, input_kind
 from vecpool.tasks import PoolingParams
 
 
@@ -39,6 +43,85 @@ def combine_windows(
     if normalize:
         mean = mean / max(float(np.linalg.norm(mean)), 1e-12)
     return mean.astype(np.float32)
+
+
+def input_windows(
+    processor: InputProcessor, inputs: Sequence[Any], options: TextOptions, overlap: int
+) -> list[list[tuple[Prompt, int]]]:
+    """Every input as one prompt, or, when it is longer than the model's limit, as windows of
+    the limit's length: consecutive slices of its tokens, each sharing `overlap` tokens with
+    the one before; a text's special tokens (e.g. [CLS] and [SEP]) surround every slice.
+    Returns, per input, `(prompt, number of the input's own tokens in it)` pairs (a whole
+    input counts all its tokens). With `truncate_prompt_tokens`, inputs are truncated, not
+    split. `InputError` names the first bad input."""
+    if options.truncate_prompt_tokens is not None:
+        return [[(p, p.num_tokens)] for p in processor.process(inputs, options)]
+    max_len = processor.limits.max_model_len
+    unlimited = InputProcessor(
+        replace(processor.limits, max_model_len=sys.maxsize), processor.tokenizer
+    )
+    out: list[list[tuple[Prompt, int]]] = []
+    for i, (item, prompt) in enumerate(
+        zip(inputs, unlimited.process(inputs, options), strict=True)
+    ):
+        if prompt.num_tokens <= max_len:
+            out.append([(prompt, prompt.num_tokens)])
+            continue
+        kind = input_kind(item, i)
+        if kind == "pair":
+            raise InputError(
+                f"the text pair has {prompt.num_tokens} tokens, more than the model's maximum context length "
+                f"of {max_len}; a pair cannot be split into windows, pass "
+                "truncate_prompt_tokens (-1 for the limit) to truncate it",
+                index=i,
+            )
+        head = tail = 0
+        if kind == "text" and processor.tokenizer is not None and options.add_special_tokens:
+            head = processor.tokenizer.num_leading_special_tokens
+            tail = processor.tokenizer.num_trailing_special_tokens
+        out.append(split_windows(prompt, max_len, overlap, head, tail))
+    return out
+
+
+def split_windows(
+    prompt: Prompt, window: int, overlap: int, head: int = 0, tail: int = 0
+) -> list[tuple[Prompt, int]]:
+    """`prompt` as windows of at most `window` tokens: its first `head` and last `tail` tokens
+    around each of consecutive slices of the tokens between them, a slice starting
+    `window - head - tail - overlap` tokens after the one before (at least 1) until one reaches
+    the end. Returns `(window prompt, slice length)` pairs."""
+    size = window - head - tail  # tokens of the input's own per window
+    if size < 1:
+        raise InputError(
+            f"a window of {window} tokens leaves no room besides {head + tail} special tokens"
+        )
+    n = prompt.num_tokens
+    body = n - head - tail
+    stride = max(size - overlap, 1)
+    starts = [0]
+    while starts[-1] + size < body:
+        starts.append(starts[-1] + stride)
+
+    def cut(x: Any, start: int, end: int) -> Any:  # the head, x[start:end] of the body, the tail
+        return np.concatenate([x[:head], x[head + start : head + end], x[n - tail :]])
+
+    windows = []
+    for start in starts:
+        end = min(start + size, body)
+        windows.append(
+            (
+                Prompt(
+                    token_ids=None
+                    if prompt.token_ids is None
+                    else cut(prompt.token_ids, start, end),
+                    prompt_embeds=None
+                    if prompt.prompt_embeds is None
+                    else cut(prompt.prompt_embeds, start, end),
+                ),
+                end - start,
+            )
+        )
+    return windows
 
 
 def prepare_embed_windowed(
@@ -63,7 +146,9 @@ def prepare_embed_windowed(
     requests: list[PromptRequest] = []
     weights: list[np.ndarray | None] = []  # per input: its windows' weights; None: not windowed
     items = as_input_list(inputs)
-    for index, windows in enumerate(ctx.inputs.windows(items, text, ctx.info.embed_window_overlap)):
+    for index, windows in enumerate(
+        input_windows(ctx.inputs, items, text, ctx.info.embed_window_overlap)
+    ):
         if len(windows) == 1:
             requests.append(PromptRequest(index, windows[0][0], params))
             weights.append(None)
