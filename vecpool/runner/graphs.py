@@ -28,14 +28,14 @@ after their one cached query) get graphs too, when every prompt is whole: the ke
 prefix's shape (`PrefixShape`: group slots, pool rows read and written, the groups' longest
 queries and prefixes, each a power of two), and the step's groups are padded as its sequences
 are (empty groups, pool row 0 for the padding keys, a spare padding row for the padding
-queries, the last write repeated for the padding writes). Without graphs such a step would launch every layer's kernels from
-the host: there, the host is the limit.
+queries, the last write repeated for the padding writes). Without graphs such a step launches
+every layer's kernels from the host, and the host is then its limit.
 
 Graphs are recorded only where every attention call of the forward goes to the varlen kernel
 (`AttentionMetadata.static`): a model that needs the padded fallback (logit soft-capping)
 refuses to be recorded and runs without graphs; one whose cached attention copies keys (a
-sliding window) runs its prefix steps without graphs. Without a CUDA device (`capture=False`) the
-same padding and metadata run as plain forwards, which is how the CPU tests check them.
+sliding window) runs its prefix steps without graphs. Without a CUDA device (`capture=False`)
+the same padding and metadata run as plain forwards, which is how the CPU tests check them.
 """
 
 from __future__ import annotations
@@ -322,7 +322,7 @@ class StepGraphs:
         seq_ids, pos_in_seq = self.seq_ids[: key.tokens], self.pos_in_seq[: key.tokens]
         kv = None
         inputs = entry.prefix
-        if inputs is not None and key.prefix is not None:  # readers of the pool only
+        if inputs is not None and key.prefix is not None:  # a step reading shared prefixes
             none = torch.zeros(0, dtype=torch.int64, device=cu.device)
             shared = SharedPrefixes(
                 q_rows=inputs.q_rows,
@@ -387,9 +387,9 @@ class StepGraphs:
                 with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                     self._forward(key, entry)
             except Exception as exc:  # a forward that cannot be recorded still runs without
-                off = "CUDA graphs are off" + (
-                    " for steps reading cached prefixes" * bool(key.prefix)
-                )
+                off = "CUDA graphs are off"
+                if key.prefix is not None:
+                    off += " for steps reading cached prefixes"
                 if isinstance(exc, GraphUnsupported):
                     logger.info("%s for this model: %s", off, exc)
                 else:
