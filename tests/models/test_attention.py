@@ -114,3 +114,40 @@ def test_chunks_attend_to_their_cached_keys(window: int | None, softcap: float |
     )
     cache.release([f"r{i}" for i in range(len(spans))])
     assert (cache.num_entries, cache.num_bytes) == (0, 0)
+
+
+def test_a_bias_shared_by_layers_builds_its_mask_once() -> None:
+    """Layers passing the step's one bias (MPNet, T5, ALiBi) share its additive mask, built at
+    the first; another bias (DeBERTa's, per layer) builds its own. Each output equals the dense
+    reference with its bias (tolerance: float32 against float64, as above)."""
+    from vecpool.models.attention import AttentionMetadata
+
+    gen = torch.Generator().manual_seed(3)
+    lengths, scale = [5, 3], 0.5
+    cu = torch.tensor([0, 5, 8], dtype=torch.int32)
+    seq_ids = torch.repeat_interleave(torch.arange(2), torch.tensor(lengths))
+    pos = torch.cat([torch.arange(n) for n in lengths])
+    meta = AttentionMetadata(cu, 5, seq_ids, pos, use_varlen=False)
+    q, k, v = (torch.randn(8, HEADS, DIM, generator=gen) for _ in range(3))
+
+    def reference(bias: torch.Tensor) -> torch.Tensor:
+        outs = []
+        for a, b in ((0, 5), (5, 8)):
+            n = b - a
+            scores = torch.einsum("qhd,khd->hqk", q[a:b].double(), k[a:b].double()) * scale
+            scores = scores + bias[0, :, :n, :n].double()
+            probs = torch.softmax(scores, dim=-1)
+            outs.append(torch.einsum("hqk,khd->qhd", probs, v[a:b].double()))
+        return torch.cat(outs)
+
+    bias = torch.randn(1, HEADS, 5, 5, generator=gen)
+    other = torch.randn(1, HEADS, 5, 5, generator=gen)
+    first = flat_attention(q, k, v, meta, causal=False, scale=scale, bias=bias)
+    assert meta._biased is not None
+    built = meta._biased[2]
+    again = flat_attention(q, k, v, meta, causal=False, scale=scale, bias=bias)
+    assert meta._biased[2] is built  # the second layer reused the first's mask
+    third = flat_attention(q, k, v, meta, causal=False, scale=scale, bias=other)
+    assert meta._biased[0] is other and meta._biased[2] is not built
+    for out, b in ((first, bias), (again, bias), (third, other)):
+        np.testing.assert_allclose(out.double().numpy(), reference(b).numpy(), rtol=0, atol=1e-6)

@@ -84,6 +84,10 @@ class AttentionMetadata:
     _padded: dict[tuple[str, torch.Size, torch.dtype], torch.Tensor] = field(
         default_factory=dict, repr=False
     )
+    # The last biased attention's additive mask: (bias, mask, bias where allowed, else -inf).
+    _biased: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(
+        default=None, repr=False
+    )
 
     @property
     def num_seqs(self) -> int:
@@ -102,6 +106,27 @@ class AttentionMetadata:
         if buffer is None:
             buffer = self._padded[key] = like.new_zeros(shape)
         return buffer
+
+    def additive_mask(
+        self, bias: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:  # [num_seqs, heads, max_len, max_key_len]
+        """`bias` where `mask` allows attending, -inf elsewhere, in `dtype`. Kept for the
+        step's next layers while they pass the same bias (MPNet's, T5's and ALiBi's are one
+        per step; DeBERTa's, one per layer, is built each time): building it costs a write of
+        the whole padded score shape. Inside a compiled graph, built each time."""
+        cached = self._biased
+        if (
+            cached is not None
+            and not torch.compiler.is_compiling()
+            and cached[0] is bias
+            and cached[1] is mask
+            and cached[2].dtype == dtype
+        ):
+            return cached[2]
+        out = bias.to(dtype).masked_fill(~mask, float("-inf"))
+        if not torch.compiler.is_compiling():
+            self._biased = (bias, mask, out)
+        return out
 
     def padded_mask(self, causal: bool, window: int | None) -> torch.Tensor:
         """`[num_seqs, 1, max_len, max_key_len]` bool, True where a query may attend to a key.
@@ -425,7 +450,7 @@ def _padded_attention(
     if meta.batch_invariant:
         out = invariant.padded_attention(qp, kp, vp, mask, scale=scale, softcap=softcap, bias=bias)
     elif bias is not None:  # additive: the bias where attended, -inf elsewhere
-        float_mask = bias.to(qp.dtype).masked_fill(~mask, float("-inf"))
+        float_mask = meta.additive_mask(bias, mask, qp.dtype)
         out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=float_mask, scale=scale)
     elif softcap is None:
         out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale)
