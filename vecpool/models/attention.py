@@ -114,19 +114,17 @@ class AttentionMetadata:
         step's next layers while they pass the same bias (MPNet's, T5's and ALiBi's are one
         per step; DeBERTa's, one per layer, is built each time): building it costs a write of
         the whole padded score shape. Inside a compiled graph, built each time."""
+        if torch.compiler.is_compiling():
+            return bias.to(dtype).masked_fill(~mask, float("-inf"))
         cached = self._biased
         if (
-            cached is not None
-            and not torch.compiler.is_compiling()
-            and cached[0] is bias
-            and cached[1] is mask
-            and cached[2].dtype == dtype
+            cached is None
+            or cached[0] is not bias
+            or cached[1] is not mask
+            or (cached[2].dtype != dtype)
         ):
-            return cached[2]
-        out = bias.to(dtype).masked_fill(~mask, float("-inf"))
-        if not torch.compiler.is_compiling():
-            self._biased = (bias, mask, out)
-        return out
+            cached = self._biased = (bias, mask, bias.to(dtype).masked_fill(~mask, float("-inf")))
+        return cached[2]
 
     def padded_mask(self, causal: bool, window: int | None) -> torch.Tensor:
         """`[num_seqs, 1, max_len, max_key_len]` bool, True where a query may attend to a key.
