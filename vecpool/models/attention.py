@@ -121,7 +121,7 @@ class AttentionMetadata:
             cached is None
             or cached[0] is not bias
             or cached[1] is not mask
-            or (cached[2].dtype != dtype)
+            or cached[2].dtype != dtype
         ):
             cached = self._biased = (bias, mask, bias.to(dtype).masked_fill(~mask, float("-inf")))
         return cached[2]
