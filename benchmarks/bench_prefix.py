@@ -41,6 +41,7 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import vecpool
 from benchmarks import record
+from benchmarks.workloads import SHAPES as WORKLOAD_SHAPES
 from vecpool.api import default_model_path
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt")
@@ -55,16 +56,12 @@ SHAPES: dict[str, dict[str, Any]] = {
         intermediate_size=1536,
         tie_word_embeddings=True,
     ),
-    "qwen3-reranker-0.6b": dict(
-        vocab_size=151669,
-        hidden_size=1024,
-        num_hidden_layers=28,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-        intermediate_size=3072,
-        tie_word_embeddings=True,
-    ),
+    # Qwen3-Reranker-0.6B is Qwen3-0.6B's shape (write_folder sets the decoder's other fields).
+    "qwen3-reranker-0.6b": {
+        k: v
+        for k, v in WORKLOAD_SHAPES["qwen3-0.6b"].config.items()
+        if k not in ("max_position_embeddings", "rms_norm_eps")
+    },
 }
 WORDS = (
     "cat dog fish bird tree river stone cloud market price city road house light water fire "
