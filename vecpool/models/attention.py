@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from vecpool.models import invariant, split_attention
+from vecpool.models import biased_attention, invariant, split_attention
 from vecpool.models.kv_blocks import ChunkedKV
 
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
@@ -177,9 +177,20 @@ def flat_attention(
 
     `bias` is added to the scaled logits in the padded layout (relative position buckets,
     ALiBi): query `i` and key `j` of a sequence meet at `bias[s, h, i, j]`, a size-1 first axis
-    serving every sequence. The varlen kernel takes no bias, so a biased attention always runs
+    serving every sequence. The varlen kernel takes no bias: where the varlen path runs, one
+    bias for every sequence goes to `biased_attention`'s kernel instead; any other bias runs
     the exact padded fallback, and never with chunked prompts (encoders only)."""
-    padded_only = softcap is not None or bias is not None
+    biased_kernel = (
+        bias is not None
+        and meta.use_varlen
+        and meta.kv is None
+        and meta.key_rows is None
+        and not causal
+        and window is None
+        and softcap is None
+        and biased_attention.serves(q, k, bias)
+    )
+    padded_only = softcap is not None or (bias is not None and not biased_kernel)
     if meta.static and not (meta.use_varlen and not padded_only):
         raise GraphUnsupported(
             "its attention needs the padded fallback (soft-capping, an additive bias, or no "
@@ -192,6 +203,11 @@ def flat_attention(
             return torch.ops.vecpool.cached_attention(q, k, v, causal, scale, window, softcap)
         return _cached_attention(
             q, k, v, meta, causal=causal, scale=scale, window=window, softcap=softcap
+        )
+    if biased_kernel:
+        assert bias is not None
+        return biased_attention.biased_attention(
+            q, k, v, meta.cu_seqlens, meta.max_seqlen, bias, scale
         )
     if meta.use_varlen and not padded_only:
         cu_k, max_k = meta.cu_seqlens, meta.max_seqlen

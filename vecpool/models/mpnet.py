@@ -2,8 +2,8 @@
 types, plus a relative position bias that every layer adds to its attention logits.
 
 The bias is one table per step, `[1, heads, max_seqlen, max_seqlen]`, looked up from bucketed
-query-key distances and shared by all layers (so every MPNet attention runs the exact padded
-path of `flat_attention`). Absolute positions are counted from `padding_idx + 1` = 2, as in
+query-key distances and shared by all layers: on CUDA `biased_attention`'s varlen kernel adds
+it, elsewhere the exact padded path of `flat_attention`. Absolute positions are counted from `padding_idx + 1` = 2, as in
 transformers.
 """
 
@@ -163,7 +163,7 @@ class MPNetModel(EncoderModel):
         if buckets is None or buckets.device != table.device:
             buckets = self._device_buckets = self._buckets.to(table.device)
         values = nn.functional.embedding(buckets[:max_seqlen, :max_seqlen], table)  # [L, L, H]
-        return values.permute(2, 0, 1).unsqueeze(0)
+        return values.permute(2, 0, 1).contiguous().unsqueeze(0)  # rows of keys, for the kernel
 
     def forward(
         self,

@@ -113,7 +113,7 @@ class T5Attention(nn.Module):
         buckets = relative_position_bucket(
             pos[None, :] - pos[:, None], self.num_buckets, self.max_distance
         )  # [length, length]
-        return table[buckets].permute(2, 0, 1).unsqueeze(0)
+        return table[buckets].permute(2, 0, 1).contiguous().unsqueeze(0)  # rows of keys
 
     def forward(self, x: torch.Tensor, attn: AttentionMetadata, bias: torch.Tensor) -> torch.Tensor:
         shape = (x.shape[0], self.num_heads, self.head_dim)
