@@ -15,6 +15,7 @@ Compiled layers call it through `vecpool::biased_attention`, an op opaque to the
 from __future__ import annotations
 
 import functools
+import importlib.util
 import math
 from typing import Any
 
@@ -23,6 +24,9 @@ import torch
 _BLOCK_M = 64  # queries per program
 _BLOCK_N = 64  # keys per inner step
 _MAX_HEAD_DIM = 256
+# Whether Triton is installed, known without importing it (compiled layers ask too, and the
+# compiler cannot trace Triton's import).
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 @functools.cache
@@ -31,7 +35,7 @@ def _kernel() -> Any | None:
     try:
         import triton
         import triton.language as tl
-    except ImportError:  # pragma: no cover - CUDA builds of torch carry Triton
+    except ImportError:  # pragma: no cover - `_HAS_TRITON` says so first
         return None
 
     @triton.jit
@@ -124,7 +128,7 @@ def serves(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor) -> bool:
         and bias.shape[0] == 1
         and k.shape[1] == q.shape[1]
         and q.shape[2] <= _MAX_HEAD_DIM
-        and _kernel() is not None
+        and _HAS_TRITON
     )
 
 
