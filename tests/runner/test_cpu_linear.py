@@ -41,7 +41,10 @@ def test_a_packed_linear_computes_f_linear(rows: int) -> None:
     parts = PackedLinear(weight, bias, [32, 64])(x)
     assert isinstance(parts, tuple) and [p.shape[-1] for p in parts] == [32, 64]
     assert torch.equal(torch.cat(parts, dim=-1), PackedLinear(weight, bias)(x))
-    # bfloat16 (8 bits of mantissa): within its rounding of the float32 result.
+    # bfloat16 (8 bits of mantissa): within its rounding of the float32 result, where oneDNN
+    # has a bfloat16 path on this CPU (AVX-512 or newer); elsewhere the engine does not pack it.
+    if not can_pack(torch.device("cpu"), torch.bfloat16):
+        return
     packed16 = PackedLinear(weight.bfloat16(), bias.bfloat16())(x.bfloat16()).float()
     scale = expected.abs().max()
     assert (packed16 - expected).abs().max() <= 2e-2 * scale

@@ -87,8 +87,14 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether linears on `device` in `dtype` can run through oneDNN's packed kernel."""
-    return device.type == "cpu" and dtype in PACKED_DTYPES and torch.backends.mkldnn.is_available()
+    """Whether linears on `device` in `dtype` can run through oneDNN's packed kernel (its
+    bfloat16 path needs AVX-512 or newer: elsewhere bfloat16 linears stay `nn.Linear`)."""
+    return (
+        device.type == "cpu"
+        and dtype in PACKED_DTYPES
+        and torch.backends.mkldnn.is_available()
+        and (dtype != torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
+    )
 
 
 def pack_linears(model: nn.Module) -> int:
