@@ -39,7 +39,7 @@ def _kernel() -> Any | None:
         return None
 
     @triton.jit
-    def biased_attention_kernel(
+    def biased_attention_kernel(  # type: ignore[no-untyped-def]
         q_ptr,
         k_ptr,
         v_ptr,
