@@ -2,7 +2,8 @@
 
 A batch is the concatenation of every scheduled token; `cu_seqlens` marks where each sequence
 starts. On CUDA with a half dtype the work goes to `torch.nn.attention.varlen.varlen_attn`
-(FlashAttention). Everywhere else — the CPU, float32, logit soft-capping — an exact fallback
+(FlashAttention), and an additive bias shared by every sequence to `biased_attention`'s kernel.
+Everywhere else — the CPU, float32, logit soft-capping, a bias per sequence — an exact fallback
 scatters the tokens into a padded `[num_seqs, max_len]` layout by index arithmetic, runs masked
 attention, and gathers the rows back.
 

@@ -1,0 +1,134 @@
+"""Where the engine thread's time goes in one large `Engine.embed` call on CUDA, by phase:
+what the host does while the device computes, and what it does while the device waits.
+
+    PYTHONPATH=. python benchmarks/profile_phases.py --models bert-base --tokenizer DIR
+
+For each `bench_gpu.py` shape and workload (from token ids, the engine's defaults), five calls
+after a warm-up; per call the wall time and the host seconds in each phase (medians of the
+five, summed over the call's steps):
+- `schedule + build`: the next step scheduled and its batch built (runs while the device
+  computes the current step);
+- `forward (launch)`: the forward's kernels queued (or its graph replayed);
+- `wait for the device`: the host idle until the step's forward is done (a synchronize put
+  before pooling, which would wait there anyway);
+- `pool (host)`: pooling once the device is done: its kernels, the copy to the host, the
+  Python per request; the device waits meanwhile;
+- `rest`: the wall time less the phases above: finishing requests, the call's own Python,
+  preparing the input chunks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import vecpool
+from benchmarks import record
+from benchmarks.workloads import SHAPES, WORKLOADS, make_inputs, workload_lengths, write_folder
+
+PHASES = ("schedule + build", "forward (launch)", "wait for the device", "pool (host)")
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _wrap_phases(engine: vecpool.Engine, seconds: dict[str, float], device: str) -> None:
+    core = engine.core
+
+    def timed(name: str, fn: Any, sync: bool = False) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if sync:
+                started = time.perf_counter()
+                _sync(device)
+                seconds["wait for the device"] += time.perf_counter() - started
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                seconds[name] += time.perf_counter() - started
+
+        return run
+
+    core._prepare_next = timed("schedule + build", core._prepare_next)  # type: ignore[method-assign]
+    runner, pooling = engine.model_runner, core.pooling_runner
+    runner.forward = timed("forward (launch)", runner.forward)  # type: ignore[method-assign]
+    pooling.pool = timed("pool (host)", pooling.pool, sync=True)  # type: ignore[method-assign]
+
+
+def main(argv: list[str]) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", nargs="+", default=["bert-base"], choices=sorted(SHAPES))
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    parser.add_argument("--tokenizer", type=Path, required=True)
+    parser.add_argument("--n", type=int, default=4096)
+    parser.add_argument("--device", default="cuda", help="cpu: a quick check of the script")
+    parser.add_argument("--output", type=Path)
+    record.add_args(parser)
+    args = parser.parse_args(argv)
+    report: dict[str, Any] = record.header(
+        "profile_phases.py", argv, device=args.device, commit=args.commit
+    )
+    rows = []
+    for name in args.models:
+        folder = write_folder(SHAPES[name], Path(tempfile.mkdtemp()), args.tokenizer, args.device)
+        engine = vecpool.Engine(folder, device=args.device)
+        tokenizer = tokenizers.Tokenizer.from_file(str(args.tokenizer / "tokenizer.json"))
+        for workload in args.workloads:
+            _, ids = make_inputs(tokenizer, workload_lengths(workload, args.n))
+            engine.embed(ids[:512], truncate_prompt_tokens=-1, show_progress=False)
+            engine.embed(ids, truncate_prompt_tokens=-1, show_progress=False)
+            seconds: dict[str, float] = {}
+            original = (engine.core._prepare_next, engine.model_runner.forward)
+            original_pool = engine.core.pooling_runner.pool
+            _wrap_phases(engine, seconds, args.device)
+            calls: list[dict[str, float]] = []
+            gc.collect()
+            for _ in range(5):
+                seconds.clear()
+                seconds.update(dict.fromkeys(PHASES, 0.0))
+                _sync(args.device)
+                steps = engine.core.num_steps
+                started = time.perf_counter()
+                engine.embed(ids, truncate_prompt_tokens=-1, show_progress=False)
+                _sync(args.device)
+                wall = time.perf_counter() - started
+                rest = wall - sum(seconds.values())
+                calls.append({"wall": wall, **seconds, "rest": rest})
+                num_steps = engine.core.num_steps - steps
+            engine.core._prepare_next, engine.model_runner.forward = original  # type: ignore[method-assign]
+            engine.core.pooling_runner.pool = original_pool  # type: ignore[method-assign]
+            medians = {k: statistics.median(c[k] for c in calls) for k in calls[0]}
+            row: dict[str, Any] = {
+                "model": name,
+                "workload": workload,
+                "num_inputs": len(ids),
+                "num_tokens": sum(map(len, ids)),
+                "steps_per_call": num_steps,
+                "median_seconds": medians,
+                "calls": calls,
+            }
+            rows.append(row)
+            print(name, workload, {k: round(v * 1e3, 1) for k, v in medians.items()}, flush=True)
+        del engine
+        torch.cuda.empty_cache()
+    report["rows"] = rows
+    if args.output:
+        args.output.write_text(json.dumps(report, indent=1) + "\n")
+    return report
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
