@@ -88,16 +88,8 @@ def build_flat_batch(
                 else np.zeros(c.num_tokens, dtype=np.int64)
             )
 
-    # On CUDA the host arrays go through page-locked memory: a copy from pageable memory may
-    # wait for the stream, i.e. for the step the device is running, which would keep this
-    # batch from being built while the device computes.
-    pin = device.type == "cuda"
-
-    def host(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.pin_memory() if pin else tensor
-
     def to_device(array: np.ndarray) -> torch.Tensor:
-        return host(torch.from_numpy(array)).to(device, non_blocking=True)
+        return torch.from_numpy(array).to(device, non_blocking=True)
 
     cu_device = to_device(cu)
     key_rows: torch.Tensor | None = None
@@ -120,7 +112,7 @@ def build_flat_batch(
         positions=to_device(positions),
         token_type_ids=to_device(np.concatenate(type_parts)) if with_token_types else None,
         embeds_rows=to_device(np.concatenate(embeds_rows_parts)) if embeds_parts else None,
-        prompt_embeds=host(torch.cat(embeds_parts)).to(device, non_blocking=True)
+        prompt_embeds=torch.cat(embeds_parts).to(device, non_blocking=True)
         if embeds_parts
         else None,
         attn=AttentionMetadata(
