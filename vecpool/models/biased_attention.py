@@ -65,8 +65,8 @@ def _kernel() -> Any | None:
         block = tl.program_id(0)
         seq = tl.program_id(1)
         head = tl.program_id(2)
-        start = tl.load(cu_ptr + seq).to(tl.int64)  # row offsets past 2^31 elements stay exact
-        length = (tl.load(cu_ptr + seq + 1) - start).to(tl.int32)
+        start = tl.load(cu_ptr + seq)
+        length = tl.load(cu_ptr + seq + 1) - start
         if block * BLOCK_M >= length:
             return
         log2e: tl.constexpr = 1.4426950408889634
