@@ -189,7 +189,7 @@ def flat_attention(
         and not causal
         and window is None
         and softcap is None
-        and biased_attention.serves(q, k, bias)
+        and biased_attention.serves(q, k, v, bias)
     )
     padded_only = softcap is not None or (bias is not None and not biased_kernel)
     if meta.static and not (meta.use_varlen and not padded_only):

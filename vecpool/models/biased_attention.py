@@ -119,7 +119,7 @@ def _kernel() -> Any | None:
     return biased_attention_kernel
 
 
-def serves(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor) -> bool:
+def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> bool:
     """Whether the kernel can run this attention: on CUDA, one bias for every sequence, as
     many key heads as query heads, a head size it takes, and Triton present."""
     return (
@@ -128,6 +128,10 @@ def serves(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor) -> bool:
         and bias.shape[0] == 1
         and k.shape[1] == q.shape[1]
         and q.shape[2] <= _MAX_HEAD_DIM
+        # The kernel's offsets are 32-bit: a step past 2^31 elements of a row layout runs the
+        # padded fallback instead.
+        and q.shape[0] * max(q.stride(0), k.stride(0), v.stride(0)) < 2**31
+        and bias.numel() < 2**31
         and _HAS_TRITON
     )
 
