@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from operator import attrgetter
 from typing import Any
 
@@ -51,13 +51,13 @@ class Prompt:
     # Only the first `num_attended` tokens are attended to (ColBERT's query expansion that the
     # model does not attend to); None: every token is.
     num_attended: int | None = None
+    # Rows of the prompt: read several times per step, so set once.
+    num_tokens: int = field(init=False, repr=False, compare=False)
 
-    @property
-    def num_tokens(self) -> int:
-        if self.token_ids is not None:
-            return int(self.token_ids.shape[0])
-        assert self.prompt_embeds is not None
-        return int(self.prompt_embeds.shape[0])
+    def __post_init__(self) -> None:
+        rows = self.token_ids if self.token_ids is not None else self.prompt_embeds
+        assert rows is not None
+        object.__setattr__(self, "num_tokens", int(rows.shape[0]))
 
 
 @dataclass(frozen=True)

@@ -430,8 +430,9 @@ class Engine(EngineRunner):
                     if i + 1 < len(starts):
                         upcoming = worker.submit(prepare, starts[i + 1], stops[i + 1])
                     requests = self.submit(call.requests)
-                    for request in requests:
-                        request.add_done_callback(count)
+                    if show:  # counted for the bar only
+                        for request in requests:
+                            request.add_done_callback(count)
                     self.core.add_requests(requests)
                     chunks.append((start, call, requests))
                     while not upcoming.done() and self.core.has_work():

@@ -56,6 +56,7 @@ class EngineRunner(EngineParts):
         """Engine requests for prepared ones (not yet queued: `core.add_requests` does).
         Prompt embeds, checked by the input stage as float arrays, become CPU tensors in the
         model dtype here: the one place they are rounded to it."""
+        tasks = {name: get_task(name) for name in {r.params.task for r in requests}}
         return [
             Request(
                 request_id=self.core.next_request_id(),
@@ -63,7 +64,7 @@ class EngineRunner(EngineParts):
                 if r.prompt.prompt_embeds is None
                 else self._in_model_dtype(r.prompt),
                 params=r.params,
-                task=get_task(r.params.task),
+                task=tasks[r.params.task],
                 user_data=r.index,
             )
             for r in requests

@@ -8,6 +8,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import cast
 
 import numpy as np
 
@@ -202,13 +203,16 @@ class EngineCore:
 
     def _finish(self, sched: SchedulerOutput, results: list[PooledResult]) -> None:
         self.engine_at_fault = False
-        for request, chunk, result in zip(sched.requests, sched.step.chunks, results, strict=True):
+        finite = _finite_outputs(results)
+        for request, chunk, result, ok in zip(
+            sched.requests, sched.step.chunks, results, finite, strict=True
+        ):
             request.num_computed_tokens += chunk.num_tokens
             if result.error is not None:
                 request.fail(result.error)
             elif not result.done:  # the prompt continues in a later step
                 continue
-            elif result.output is None or not np.isfinite(result.output).all():
+            elif not ok or result.output is None:
                 request.fail(RequestFailedError(_NOT_FINITE))
             else:
                 request.finish(result.output)
@@ -317,3 +321,15 @@ class EngineCore:
                 finished += 1
             if finished and on_progress is not None:
                 on_progress(finished)
+
+
+def _finite_outputs(results: list[PooledResult]) -> list[bool]:
+    """Whether each result has an output and every value of it is finite: one numpy call for
+    a step whose outputs share a shape (one vector or score per sequence), else one each."""
+    outputs = [r.output for r in results]
+    arrays = [o for o in outputs if o is not None]
+    if len(arrays) == len(outputs) and all(a.shape == arrays[0].shape for a in arrays):
+        stacked = np.stack(arrays).reshape(len(arrays), -1) if arrays else np.empty((0, 0))
+        rows = cast(np.ndarray, np.isfinite(stacked).all(axis=1))
+        return [bool(ok) for ok in rows]
+    return [o is not None and bool(np.isfinite(o).all()) for o in outputs]

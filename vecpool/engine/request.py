@@ -28,7 +28,6 @@ class RequestStatus(enum.Enum):
 
 # Completion is rare next to everything else a request does; one lock serves them all.
 _COMPLETION_LOCK = threading.Lock()
-_DONE = (RequestStatus.FINISHED, RequestStatus.FAILED, RequestStatus.CANCELLED)
 
 
 @dataclass(slots=True, eq=False)
@@ -60,7 +59,12 @@ class Request:
 
     @property
     def is_done(self) -> bool:
-        return self.status in _DONE
+        status = self.status  # identity tests: cheaper than hashing the enum (hot per step)
+        return (
+            status is RequestStatus.FINISHED
+            or status is RequestStatus.FAILED
+            or status is RequestStatus.CANCELLED
+        )
 
     def finish(self, output: np.ndarray) -> None:
         self._complete(RequestStatus.FINISHED, output=output)

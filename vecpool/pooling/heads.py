@@ -80,9 +80,14 @@ class HeadBatch:
         ]
 
     def flags(self, name: str, default: bool) -> torch.Tensor:  # [k] bool on the device
-        values = [
-            default if getattr(p, name) is None else bool(getattr(p, name)) for p in self.params
-        ]
+        first = self.params[0]
+        if all(p is first for p in self.params):  # one call's requests share their params
+            value = getattr(first, name)
+            values = [default if value is None else bool(value)] * len(self.params)
+        else:
+            values = [
+                default if getattr(p, name) is None else bool(getattr(p, name)) for p in self.params
+            ]
         return on_device(self.seqs.device, values, torch.bool)
 
 
@@ -169,6 +174,8 @@ class EmbedHead:
             b.flags("normalize", self.normalize),
         )
         host = out.cpu().numpy()
+        if all(d == host.shape[1] for d in dims):
+            return b.final_only(list(host))  # rows as views, none cut
         return b.final_only([host[i, :d] for i, d in enumerate(dims)])
 
 

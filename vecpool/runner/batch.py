@@ -66,6 +66,8 @@ def build_flat_batch(
     embeds_parts: list[torch.Tensor] = []
     embeds_rows_parts: list[np.ndarray] = []
     key_lengths: np.ndarray | None = None  # [num_seqs]: set when some keys are left out
+    # Token types: zeros for the whole step unless some prompt has its own (a text pair).
+    own_types = with_token_types and any(c.prompt.token_type_ids is not None for c in chunks)
     for i, (c, offset) in enumerate(zip(chunks, cu[:-1], strict=True)):
         prompt = c.prompt
         end = c.start + c.num_tokens
@@ -80,7 +82,7 @@ def build_flat_batch(
             ids_parts.append(np.zeros(c.num_tokens, dtype=np.int64))
             embeds_parts.append(prompt.prompt_embeds[c.start : end])
             embeds_rows_parts.append(np.arange(offset, offset + c.num_tokens))
-        if with_token_types:
+        if own_types:
             types = prompt.token_type_ids
             type_parts.append(
                 types[c.start : end]
@@ -110,7 +112,11 @@ def build_flat_batch(
     return FlatBatch(
         input_ids=input_ids,
         positions=to_device(positions),
-        token_type_ids=to_device(np.concatenate(type_parts)) if with_token_types else None,
+        token_type_ids=to_device(
+            np.concatenate(type_parts) if own_types else np.zeros(num_tokens, dtype=np.int64)
+        )
+        if with_token_types
+        else None,
         embeds_rows=to_device(np.concatenate(embeds_rows_parts)) if embeds_parts else None,
         prompt_embeds=torch.cat(embeds_parts).to(device, non_blocking=True)
         if embeds_parts

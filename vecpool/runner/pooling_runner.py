@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -26,9 +27,9 @@ from vecpool.runner.step import ScheduledChunk, StepInput
 from vecpool.tasks import Head
 
 
-@dataclass(frozen=True)
-class PooledResult:
-    """The outcome of one scheduled sequence, in batch order."""
+class PooledResult(NamedTuple):
+    """The outcome of one scheduled sequence, in batch order (a tuple: one is made per
+    sequence per step)."""
 
     output: np.ndarray | None  # [dim] or [num_selected_tokens, dim] float32
     error: RequestFailedError | None
