@@ -16,7 +16,7 @@ from vecpool.tasks import PoolingParams
 T = TypeVar("T")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: one is built per input, and frozen init is slow
 class PromptRequest:
     """One validated input and what to compute from it: all an engine needs to run it.
 

@@ -70,8 +70,10 @@ class PoolingRunner:
         results: list[PooledResult | None] = [None] * len(chunks)
         earlier: list[PromptState | None] = [None] * len(chunks)
         groups: dict[Head, list[int]] = {}
+        continuing = False  # some chunk continues a prompt: states to read and commit
         for i, (chunk, has_ids) in enumerate(zip(chunks, batch.has_token_ids, strict=True)):
             if chunk.start > 0:
+                continuing = True
                 earlier[i] = self._states.get(chunk.request_id) or self._from_prefix(
                     i, chunk, batch
                 )
@@ -112,6 +114,10 @@ class PoolingRunner:
                 carry=carry,
             )
             outputs = task_head(head_batch)
+            if carry is None:  # whole prompts, nothing carried: each output is the answer
+                for i, output in zip(seqs, outputs, strict=True):
+                    results[i] = PooledResult(output, None)
+                continue
             for j, (i, output) in enumerate(zip(seqs, outputs, strict=True)):
                 state = earlier[i]
                 if task_head.per_token and (state is not None or not final[j]):
@@ -125,7 +131,7 @@ class PoolingRunner:
                     assert carry is not None
                     updates[i] = PromptState(carried=carry.updates[j])
                 results[i] = PooledResult(output if final[j] else None, None, done=final[j])
-        for i, chunk in enumerate(chunks):  # the whole step pooled: commit
+        for i, chunk in enumerate(chunks if continuing or updates else ()):  # pooled: commit
             if i in updates:
                 self._states[chunk.request_id] = updates[i]
             elif chunk.start > 0:

@@ -24,7 +24,7 @@ class ChunkBlocks:
     write_slots: tuple[int, ...]  # the slots of the blocks it writes, in order
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: one is built per sequence per step, and frozen init is slow
 class ScheduledChunk:
     """`num_tokens` tokens of one prompt, from position `start`, run in this step: the whole
     prompt, or one chunk of a longer one."""
