@@ -27,7 +27,7 @@ from tests.helpers import (
 )
 from tests.runner.conftest import VOCAB
 from vecpool.models.attention import AttentionMetadata, GraphUnsupported, flat_attention
-from vecpool.runner.graphs import StepGraphs, graph_max_tokens, token_buckets
+from vecpool.runner.graphs import StepGraphs, token_buckets
 
 
 def test_token_buckets_cover_every_count_with_bounded_padding() -> None:
@@ -37,16 +37,6 @@ def test_token_buckets_cover_every_count_with_bounded_padding() -> None:
     # From 1024 up, a step is padded by at most a quarter of the bucket below it.
     assert all(b / a <= 1.25 + 1e-9 for a, b in itertools.pairwise(sizes) if a >= 1024)
     assert token_buckets(100)[-1] == 100
-
-
-def test_narrow_models_graph_steps_up_to_their_budget() -> None:
-    assert graph_max_tokens(1024, 65536) == 8192  # wide: launching is a small share
-    assert graph_max_tokens(4096, None) == 8192
-    assert graph_max_tokens(384, 16384) == 16384  # narrow: the budget
-    assert graph_max_tokens(768, 65536) == 32768  # at most 32,768
-    assert graph_max_tokens(384, 2048) == 8192  # never fewer than before
-    assert graph_max_tokens(384, None) == 8192
-    assert token_buckets(graph_max_tokens(384, 32768))[-1] == 32768
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "bert"])

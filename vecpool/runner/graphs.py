@@ -58,12 +58,8 @@ Forward = Callable[
 ]
 
 # Steps up to this many tokens get graphs by default: above it a step's kernels are large
-# enough that launching them is a small share of the step. A model under `NARROW_WIDTH` wide
-# launches as many kernels for far less work each: its graphs serve steps up to the step
-# budget, `NARROW_MAX_TOKENS` at most (`graph_max_tokens`).
+# enough that launching them is a small share of the step.
 DEFAULT_MAX_TOKENS = 8192
-NARROW_WIDTH = 1024
-NARROW_MAX_TOKENS = 32768
 DEFAULT_MAX_GRAPHS = 96
 _MIN_MAX_LEN = 64
 _WARM_MAX_LENS = (64, 128, 256, 512)  # the shapes `warm_up` records, with every bucket
@@ -78,15 +74,6 @@ def token_buckets(max_tokens: int) -> list[int]:
         power = 1 << (last.bit_length() - 1)
         sizes.append(last * 2 if last < 1024 else last + power // 4)
     return [s for s in sizes if s < max_tokens] + [max_tokens]
-
-
-def graph_max_tokens(hidden_size: int, step_budget: int | None = None) -> int:
-    """The largest step (in tokens) that a model of `hidden_size` replays from graphs: 8192,
-    or for a narrow model its step budget up to 32,768 (on an H200, steps of ~500 queries:
-    MiniLM +35%, BERT-base +14% against 8192; `gpu_graphs32k_h200.json`)."""
-    if hidden_size >= NARROW_WIDTH or step_budget is None:
-        return DEFAULT_MAX_TOKENS
-    return max(DEFAULT_MAX_TOKENS, min(NARROW_MAX_TOKENS, step_budget))
 
 
 def _pow2_at_least(n: int) -> int:
