@@ -3,8 +3,8 @@ types, plus a relative position bias that every layer adds to its attention logi
 
 The bias is one table per step, `[1, heads, max_seqlen, max_seqlen]`, looked up from bucketed
 query-key distances and shared by all layers: on CUDA `biased_attention`'s varlen kernel adds
-it, elsewhere the exact padded path of `flat_attention`. Absolute positions are counted from `padding_idx + 1` = 2, as in
-transformers.
+it, elsewhere the exact padded path of `flat_attention`. Absolute positions are counted from
+`padding_idx + 1` = 2, as in transformers.
 """
 
 from __future__ import annotations
