@@ -8,9 +8,11 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import cast
 
 import numpy as np
+import torch
 
 from vecpool.engine.request import Request
 from vecpool.engine.scheduler import Scheduler, SchedulerOutput
@@ -32,6 +34,16 @@ _NOT_FINITE = (
 LOOP_ERROR_DELAY = 0.01
 LOOP_ERROR_MAX_DELAY = 1.0
 UNHEALTHY_AFTER_LOOP_ERRORS = 5
+
+
+@dataclass
+class _InFlight:
+    """A step whose forward is queued on the device, not yet pooled."""
+
+    sched: SchedulerOutput
+    batch: FlatBatch
+    hidden: torch.Tensor  # [num_tokens, hidden]: the forward's output, on the device
+    ready: torch.cuda.Event | None  # the end of the forward on the device (None: no CUDA)
 
 
 class EngineCore:
@@ -58,6 +70,8 @@ class EngineCore:
         self.loop_errors = 0  # errors in a row raised by `step` itself, outside the model
         # The next step, scheduled and built while the device runs the current one.
         self._prefetched: tuple[SchedulerOutput, FlatBatch] | None = None
+        # A step whose forward is queued and whose pooling waits for the next step's call.
+        self._in_flight: _InFlight | None = None
         # Ids of requests that are done, whose runner state is freed once the step in flight
         # has pooled.
         self._releasable: list[str] = []
@@ -107,36 +121,66 @@ class EngineCore:
 
     def has_work(self) -> bool:
         with self._queue_lock:
-            return self._prefetched is not None or self.scheduler.has_work()
+            return (
+                self._prefetched is not None
+                or self._in_flight is not None
+                or self.scheduler.has_work()
+            )
 
     def step(self) -> int:
         """Run one step; return how many requests it ran (whole, or a chunk of their prompt).
 
         While the device computes this step, the next one is scheduled and its batch built,
-        so the host's share of a step overlaps the device's. Once the step has pooled, the
-        runners free what requests that are done kept between steps (a chunked prompt's keys,
-        values and pooling state).
+        so the host's share of a step overlaps the device's. A step of whole prompts followed
+        by another is pooled in the next call, after that step's forward is queued: the host
+        then pools and finishes one step while the device runs the next. Once a step has
+        pooled, the runners free what requests that are done kept between steps (a chunked
+        prompt's keys, values and pooling state).
         """
         with self._step_lock:
             current = self._prefetched or self._prepare_next()
             self._prefetched = None
             if current is not None and any(r.is_done for r in current[0].requests):
                 current = self._without_done(current)
+            previous, self._in_flight = self._in_flight, None
             if current is None:
-                self._release()
-                return 0
+                if previous is None:
+                    self._release()
+                    return 0
+                self._pool(previous)
+                return len(previous.sched.requests)
             sched, batch = current
             self.num_steps += 1
             try:
                 hidden = self.model_runner.forward(batch)
-                self._prefetched = self._prepare_next()
-                results = self.pooling_runner.pool(hidden, batch, sched.step)
             except Exception as exc:  # an engine failure must not take the engine down
+                if previous is not None:
+                    self._pool(previous)
                 self._recover(sched, exc)
+                self._release(sched)
+                return len(sched.requests)
+            launched = _InFlight(sched, batch, hidden, self.pooling_runner.forward_done())
+            if previous is not None:
+                self._pool(previous)
+            self._prefetched = self._prepare_next()
+            upcoming = self._prefetched
+            if upcoming is not None and sched.step.independent and upcoming[0].step.independent:
+                self._in_flight = launched  # pooled once the next step's forward is queued
             else:
-                self._finish(sched, results)
-            self._release(sched)
+                self._pool(launched)
             return len(sched.requests)
+
+    def _pool(self, step: _InFlight) -> None:
+        """Pool a step whose forward is queued, finish its requests, free what they kept."""
+        try:
+            results = self.pooling_runner.pool(
+                step.hidden, step.batch, step.sched.step, after=step.ready
+            )
+        except Exception as exc:  # an engine failure must not take the engine down
+            self._recover(step.sched, exc)
+        else:
+            self._finish(step.sched, results)
+        self._release(step.sched)
 
     def _prepare_next(self) -> tuple[SchedulerOutput, FlatBatch] | None:
         """Schedule the next step and build its batch; None when nothing waits."""
@@ -195,8 +239,11 @@ class EngineCore:
         self._releasable = []
         if not done:
             return
-        if self._prefetched is not None:
-            in_flight = {c.request_id for c in self._prefetched[0].step.chunks}
+        pending = [self._prefetched[0].step] if self._prefetched is not None else []
+        if self._in_flight is not None:
+            pending.append(self._in_flight.sched.step)
+        if pending:
+            in_flight = {c.request_id for step in pending for c in step.chunks}
             done = [i for i in done if i not in in_flight]
         self.model_runner.release(done)
         self.pooling_runner.release(done)

@@ -8,6 +8,11 @@ group (see `vecpool.pooling.heads`).
 A prompt that runs in chunks over several steps keeps its pooling state here, from its first
 chunk to its last: a sequence head's accumulators (`vecpool.pooling.carry`), or a per-token
 head's rows so far. A step's updates are committed only once the whole step has pooled.
+
+On CUDA a step can be pooled after the next step's forward was queued (`EngineCore` does so
+for steps of whole prompts): `forward_done` marks the end of a step's forward on the device,
+and `pool(..., after=event)` then runs on a stream of its own that waits for that mark only,
+so that the host's pooling of one step overlaps the device's forward of the next.
 """
 
 from __future__ import annotations
@@ -53,6 +58,8 @@ class PoolingRunner:
         self.device = device
         # Prompts running in chunks, by request id: from their first chunk to their release.
         self._states: dict[str, PromptState] = {}
+        # Pooling behind the next step's forward (`pool(..., after=...)`); None off CUDA.
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     @property
     def num_states(self) -> int:
@@ -64,8 +71,38 @@ class PoolingRunner:
         for request_id in request_ids:
             self._states.pop(request_id, None)
 
+    def forward_done(self) -> torch.cuda.Event | None:
+        """A mark, on the device's current stream, of the forward queued so far (None off
+        CUDA, where a forward is done when it returns)."""
+        if self._stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+    def pool(
+        self,
+        hidden: torch.Tensor,
+        batch: FlatBatch,
+        step: StepInput,
+        *,
+        after: torch.cuda.Event | None = None,  # `forward_done` of the step's forward
+    ) -> list[PooledResult]:
+        """Each sequence's result, in batch order. With `after`, the pooling's kernels wait
+        for that mark only, on the runner's own stream: forwards queued since run meanwhile."""
+        if after is None or self._stream is None:
+            return self._pool(hidden, batch, step)
+        with torch.cuda.stream(self._stream):
+            self._stream.wait_event(after)
+            try:
+                return self._pool(hidden, batch, step)
+            finally:
+                # The step's tensors were made on the forward's stream, which may hand their
+                # memory out again once they are dropped: nothing here may still read them.
+                self._stream.synchronize()
+
     @torch.inference_mode()
-    def pool(self, hidden: torch.Tensor, batch: FlatBatch, step: StepInput) -> list[PooledResult]:
+    def _pool(self, hidden: torch.Tensor, batch: FlatBatch, step: StepInput) -> list[PooledResult]:
         chunks = step.chunks
         results: list[PooledResult | None] = [None] * len(chunks)
         earlier: list[PromptState | None] = [None] * len(chunks)

@@ -56,3 +56,9 @@ class StepInput:
     @property
     def is_empty(self) -> bool:
         return not self.chunks
+
+    @property
+    def independent(self) -> bool:
+        """Whether every chunk is a whole prompt that reads no cached prefix: nothing of the
+        step depends on another step's pooling, nor leaves state for one."""
+        return all(c.start == 0 and c.blocks is None and c.ends_prompt for c in self.chunks)
