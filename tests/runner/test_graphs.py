@@ -27,7 +27,7 @@ from tests.helpers import (
 )
 from tests.runner.conftest import VOCAB
 from vecpool.models.attention import AttentionMetadata, GraphUnsupported, flat_attention
-from vecpool.runner.graphs import StepGraphs, token_buckets
+from vecpool.runner.graphs import ShapeKey, StepGraphs, graph_max_tokens, token_buckets
 
 
 def test_token_buckets_cover_every_count_with_bounded_padding() -> None:
@@ -37,6 +37,41 @@ def test_token_buckets_cover_every_count_with_bounded_padding() -> None:
     # From 1024 up, a step is padded by at most a quarter of the bucket below it.
     assert all(b / a <= 1.25 + 1e-9 for a, b in itertools.pairwise(sizes) if a >= 1024)
     assert token_buckets(100)[-1] == 100
+
+
+def test_narrow_models_graph_steps_up_to_their_budget() -> None:
+    assert graph_max_tokens(1024, 65536) == 8192  # wide: launching is a small share
+    assert graph_max_tokens(4096, None) == 8192
+    assert graph_max_tokens(384, 16384) == 16384  # narrow: the budget
+    assert graph_max_tokens(768, 65536) == 32768  # at most 32,768
+    assert graph_max_tokens(384, 2048) == 8192  # never fewer than before
+    assert graph_max_tokens(384, None) == 8192
+    assert token_buckets(graph_max_tokens(384, 32768))[-1] == 32768
+
+
+def test_large_buckets_keep_few_empty_sequence_slots() -> None:
+    """Up to 8192 tokens a key has a slot per 8 tokens at least (one key per bucket and
+    length serves most steps); above, as many as sequences of half its length fill, since
+    each empty slot costs the attention kernel blocks (at 32,768 tokens one per 8 would be
+    4096 slots for a step of 128 passages)."""
+    graphs = StepGraphs(
+        lambda *a: a[0],
+        hidden_size=8,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        max_seqs=1024,
+        max_model_len=512,
+        use_varlen=False,
+        with_token_types=False,
+        max_tokens=32768,
+        capture=False,
+    )
+    assert graphs.key(8000, 31, 300) == ShapeKey(8192, 1024, 512)  # as before: 8192 / 8
+    assert graphs.key(32000, 125, 512) == ShapeKey(32768, 256, 512)  # 128 passages of 256
+    assert graphs.key(32000, 250, 256) == ShapeKey(32768, 512, 256)
+    assert graphs.key(30000, 900, 60) == ShapeKey(32768, 2048, 64)  # queries: all 1024 seqs
+    assert graphs.key(12000, 600, 200) == ShapeKey(12288, 1024, 256)  # more than the fewest
+    assert graphs.key(32768, 1024, 40) is not None and graphs.key(32769, 10, 40) is None
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "bert"])

@@ -332,8 +332,9 @@ class EngineArgs:
         eng.add_argument(
             "--cuda-graphs",
             action=argparse.BooleanOptionalAction,
-            help="replay steps of up to 8192 tokens from CUDA graphs, one launch each instead "
-            "of hundreds (default: on CUDA with the varlen attention kernel)",
+            help="replay steps of up to 8192 tokens (models under 1024 wide: up to the step "
+            "budget, at most 32768) from CUDA graphs, one launch each instead of hundreds "
+            "(default: on CUDA with the varlen attention kernel)",
         )
         eng.add_argument(
             "--data-parallel-size",

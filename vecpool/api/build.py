@@ -176,6 +176,7 @@ class EngineParts:
             graphs=cuda_graphs,
             max_seqs=self.scheduler_config.max_num_seqs,
             max_model_len=self.max_model_len,
+            max_step_tokens=self.scheduler_config.max_num_batched_tokens,
             block_pool=BlockPool(prefix_tokens // BLOCK_SIZE, BLOCK_SIZE)
             if prefix_tokens
             else None,

@@ -68,7 +68,8 @@ class Engine(EngineRunner):
     else a cross-encoder's classifier, else MaxSim for a ColBERT model, else cosine of
     embeddings). `compile` compiles the layer stack with `torch.compile` (default: on CUDA,
     for hidden sizes from 768; the first batches then take longer while it compiles).
-    `cuda_graphs` replays steps of up to 8192 tokens from CUDA graphs (default: on CUDA where
+    `cuda_graphs` replays steps of up to 8192 tokens (for models under 1024 wide, up to the
+    step budget, at most 32,768) from CUDA graphs (default: on CUDA where
     the varlen attention kernel runs; common step shapes are recorded at start, others once,
     on first use).
     `data_parallel_size` above 1 is refused: an Engine is one engine in this process (see

@@ -16,7 +16,7 @@ from vecpool.models.kv_blocks import BlockPool
 from vecpool.runner.batch import FlatBatch, build_flat_batch
 from vecpool.runner.compiled import compile_blocks
 from vecpool.runner.cpu_linear import can_pack, pack_linears
-from vecpool.runner.graphs import StepGraphs
+from vecpool.runner.graphs import StepGraphs, graph_max_tokens
 from vecpool.runner.kv_cache import KVCache
 from vecpool.runner.step import StepInput
 
@@ -39,6 +39,7 @@ class ModelRunner:
         graphs: bool = False,  # replay small steps from CUDA graphs (see graphs.py)
         max_seqs: int = 256,  # sequences one step may hold
         max_model_len: int = 512,
+        max_step_tokens: int | None = None,  # the step budget: how large a graphed step can be
         block_pool: BlockPool | None = None,  # shared-prefix caching's blocks (causal models)
         batch_invariant: bool = False,  # every row's result independent of the step's others
     ):
@@ -73,6 +74,7 @@ class ModelRunner:
                     max_model_len=max_model_len,
                     use_varlen=self.use_varlen,
                     with_token_types=model.uses_token_type_ids,
+                    max_tokens=graph_max_tokens(model.hidden_size, max_step_tokens),
                     capture=device.type == "cuda",
                 )
                 if graphs
