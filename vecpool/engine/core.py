@@ -72,6 +72,9 @@ class EngineCore:
         self._prefetched: tuple[SchedulerOutput, FlatBatch] | None = None
         # A step whose forward is queued and whose pooling waits for the next step's call.
         self._in_flight: _InFlight | None = None
+        # False: every step is pooled before the next one's forward is queued (the order
+        # `benchmarks/ab_run_ahead.py` compares against).
+        self.run_ahead = True
         # Ids of requests that are done, whose runner state is freed once the step in flight
         # has pooled.
         self._releasable: list[str] = []
@@ -164,7 +167,12 @@ class EngineCore:
                 self._pool(previous)
             self._prefetched = self._prepare_next()
             upcoming = self._prefetched
-            if upcoming is not None and sched.step.independent and upcoming[0].step.independent:
+            if (
+                self.run_ahead
+                and upcoming is not None
+                and sched.step.independent
+                and upcoming[0].step.independent
+            ):
                 self._in_flight = launched  # pooled once the next step's forward is queued
             else:
                 self._pool(launched)
