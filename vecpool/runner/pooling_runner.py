@@ -58,8 +58,9 @@ class PoolingRunner:
         self.device = device
         # Prompts running in chunks, by request id: from their first chunk to their release.
         self._states: dict[str, PromptState] = {}
-        # Pooling behind the next step's forward (`pool(..., after=...)`); None off CUDA.
-        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # Pooling behind the next step's forward (`pool(..., after=...)`); None off CUDA. Of
+        # high priority: its few small kernels take the SMs before the forward's next ones.
+        self._stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
 
     @property
     def num_states(self) -> int:
