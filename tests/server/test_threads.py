@@ -166,8 +166,9 @@ def test_no_server_process_computes_with_more_threads_than_it_was_given(
 def test_a_burst_is_served_first_come_first_served(
     tiny_bert: tuple[Path, Any], tmp_path: Path
 ) -> None:
-    # Three inputs a step: twelve calls sent at once take four steps, in the order they came,
-    # whatever their lengths (a long call early is not passed by short ones behind it).
+    # Three inputs a step: twelve calls sent at once run in the order they came, whatever
+    # their lengths (a long call early is not passed by short ones behind it). A flush answers
+    # at most two steps: one pooled after the next one's forward, and that one.
     engine = vecpool.Engine(tiny_bert[0], device="cpu", max_num_seqs=3)
     address = f"ipc://{tmp_path}/engine"
     lengths = [40, 3, 9, 33, 5, 2, 27, 8, 16, 4, 21, 6]
@@ -196,4 +197,4 @@ def test_a_burst_is_served_first_come_first_served(
         context.term()
         loop.stop()
     assert [i for r in replies for i in r] == list(range(len(messages)))
-    assert all(len(r) <= 3 for r in replies)
+    assert all(len(r) <= 6 for r in replies)
