@@ -115,3 +115,28 @@ def test_steps_of_chunked_prompts_pool_before_the_next_forward(
     assert requests[0].status == RequestStatus.FINISHED
     assert requests[0].output is not None
     assert np.array_equal(requests[0].output, expected[0])
+
+
+def test_requests_received_while_a_step_is_queued_let_it_pool_behind_the_next(
+    bert: vecpool.Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server takes its requests between steps: those that arrive while a step's forward is
+    queued (`step(receive)`) make the next step, launched before that one is pooled."""
+    prompts = _prompts(8, 6, seed=4)
+    expected = np.concatenate([bert.embed(prompts[:4]), bert.embed(prompts[4:])])
+    first, second = (bert.make_requests(p, PoolingParams()) for p in (prompts[:4], prompts[4:]))
+    calls = _trace(bert, monkeypatch)
+    core = bert.core
+    core.add_requests(first)
+
+    def receive() -> None:
+        if not second[0].num_scheduled_tokens and second[0] not in core.scheduler.waiting:
+            core.add_requests(second)
+
+    assert core.step(receive) == 4
+    assert calls == ["F10"] and core.has_work()  # pooled behind the step just received
+    assert core.step(receive) == 4
+    assert calls == ["F10", "F14", "P10", "P14"] and not core.has_work()
+    requests = [*first, *second]
+    assert all(r.status == RequestStatus.FINISHED for r in requests)
+    assert np.array_equal(np.stack([r.output for r in requests]), expected)

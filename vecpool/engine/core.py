@@ -86,12 +86,12 @@ class EngineCore:
         raised outside the model `UNHEALTHY_AFTER_LOOP_ERRORS` times in a row."""
         return not self.engine_at_fault and self.loop_errors < UNHEALTHY_AFTER_LOOP_ERRORS
 
-    def guarded_step(self) -> int:
+    def guarded_step(self, receive: Callable[[], object] | None = None) -> int:
         """`step` for a loop that must outlive any one step: an error raised outside the model
         is logged, then waited out (`LOOP_ERROR_DELAY`, doubling to `LOOP_ERROR_MAX_DELAY`)
         rather than retried at once; `healthy` turns false once it keeps recurring."""
         try:
-            ran = self.step()
+            ran = self.step(receive)
         except Exception:
             self.loop_errors += 1
             delay = min(LOOP_ERROR_DELAY * 2 ** (self.loop_errors - 1), LOOP_ERROR_MAX_DELAY)
@@ -130,7 +130,7 @@ class EngineCore:
                 or self.scheduler.has_work()
             )
 
-    def step(self) -> int:
+    def step(self, receive: Callable[[], object] | None = None) -> int:
         """Run one step; return how many requests it ran (whole, or a chunk of their prompt).
 
         While the device computes this step, the next one is scheduled and its batch built,
@@ -139,6 +139,10 @@ class EngineCore:
         then pools and finishes one step while the device runs the next. Once a step has
         pooled, the runners free what requests that are done kept between steps (a chunked
         prompt's keys, values and pooling state).
+
+        `receive` is called once this step's forward is queued, before the next step is
+        scheduled: a server that takes its requests between steps adds those that arrived
+        meanwhile, so that the next step can be prepared (and this one pooled behind it).
         """
         with self._step_lock:
             current = self._prefetched or self._prepare_next()
@@ -165,6 +169,12 @@ class EngineCore:
             launched = _InFlight(sched, batch, hidden, self.pooling_runner.forward_done())
             if previous is not None:
                 self._pool(previous)
+            if receive is not None:
+                try:
+                    receive()
+                except BaseException:
+                    self._pool(launched)
+                    raise
             self._prefetched = self._prepare_next()
             upcoming = self._prefetched
             if (

@@ -2,7 +2,10 @@
 
 Its loop is single-threaded, so nothing contends with the model for the interpreter: receive
 every message that arrived (ZeroMQ's own I/O thread, outside Python, buffers them while a step
-runs), step with everything queued, send each API process the calls that finished. When the
+runs), step with everything queued, send each API process the calls that finished. A step
+takes what arrived once its forward is queued: with more to run, the next step is prepared
+and launched before this one is pooled, so that the device computes while the host pools,
+replies and receives (`EngineCore.step`). When the
 engine was idle and a call arrives, it takes more while they keep coming, up to `batch_wait`
 seconds (or a step's worth) before it steps: a step that starts with one request runs with one
 request, while the others of a burst are a millisecond behind.
@@ -169,7 +172,10 @@ class EngineLoop:
     def _step(self) -> None:
         self.step_started = time.perf_counter()
         self.arrived_tokens = 0
-        ran = self.engine.core.guarded_step()  # the loop must outlive any one step
+        # The loop must outlive any one step. What arrived while the step's forward was being
+        # queued is taken before the next step is scheduled: that step can then be prepared,
+        # and this one pooled behind it (`EngineCore.step`).
+        ran = self.engine.core.guarded_step(self._receive)
         if ran:
             self.admission.on_step(time.perf_counter() - self.step_started)
         if ran and self.metrics is not None:
