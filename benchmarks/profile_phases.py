@@ -9,10 +9,11 @@ five, summed over the call's steps):
 - `schedule + build`: the next step scheduled and its batch built (runs while the device
   computes the current step);
 - `forward (launch)`: the forward's kernels queued (or its graph replayed);
-- `wait for the device`: the host idle until the step's forward is done (a synchronize put
-  before pooling, which would wait there anyway);
-- `pool (host)`: pooling once the device is done: its kernels, the copy to the host, the
-  Python per request; the device waits meanwhile;
+- `wait for the device`: the host idle until the step's forward is done (a wait put before
+  pooling, which would wait there anyway);
+- `pool (host)`: pooling once the step's forward is done: its kernels, the copy to the host,
+  the Python per request; the device runs the next step's forward meanwhile when that was
+  queued first (`EngineCore.step`), else it waits;
 - `rest`: the wall time less the phases above: finishing requests, the call's own Python,
   preparing the input chunks.
 """
@@ -50,9 +51,13 @@ def _wrap_phases(engine: vecpool.Engine, seconds: dict[str, float], device: str)
 
     def timed(name: str, fn: Any, sync: bool = False) -> Any:
         def run(*args: Any, **kwargs: Any) -> Any:
-            if sync:
+            if sync:  # until the step's forward is done (not a forward queued after it)
                 started = time.perf_counter()
-                _sync(device)
+                after = kwargs.get("after")
+                if after is not None:
+                    after.synchronize()
+                else:
+                    _sync(device)
                 seconds["wait for the device"] += time.perf_counter() - started
             started = time.perf_counter()
             try:
