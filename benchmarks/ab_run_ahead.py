@@ -3,6 +3,10 @@ pooling each step at once, in one process on the same engine and inputs, rounds 
 
     PYTHONPATH=. python benchmarks/ab_run_ahead.py --models bert-base --tokenizer DIR
 
+`--against pageable-copies` compares the engine as it is with the same engine copying each of
+a batch's arrays to the device on its own from pageable memory (as it did before `upload`),
+run-ahead on in both.
+
 For each `bench_gpu.py` shape and workload (from token ids, the engine's defaults): a warm-up,
 then `--rounds` pairs of `Engine.embed` calls, the order inside each pair alternating; tokens
 per second, the median of the rounds with every round kept, and the ratio of the medians. Both
@@ -28,8 +32,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import vecpool
 from benchmarks import record
 from benchmarks.workloads import SHAPES, WORKLOADS, make_inputs, workload_lengths, write_folder
+from vecpool.runner import batch
 
-ORDERS = {"run-ahead": True, "in order": False}
+UPLOAD = batch.upload
+
+# Per baseline, the names of the engine as it is and of the baseline, in the report.
+LABELS = {"in-order": ("run-ahead", "in order"), "pageable-copies": ("packed", "pageable copies")}
+
+
+def _pageable_upload(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    return [torch.from_numpy(a).to(device, non_blocking=True) for a in arrays]
+
+
+def _set_variant(engine: vecpool.Engine, baseline: str, new: bool) -> None:
+    """The engine as it is (`new`), or as the baseline has it."""
+    if baseline == "in-order":
+        engine.core.run_ahead = new
+    else:
+        batch.upload = UPLOAD if new else _pageable_upload  # type: ignore[assignment]
 
 
 def _timed(engine: vecpool.Engine, ids: list[list[int]], device: str) -> tuple[float, np.ndarray]:
@@ -48,6 +68,7 @@ def main(argv: list[str]) -> dict[str, Any]:
     parser.add_argument("--n", type=int, default=4096, help="inputs per call")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--against", choices=sorted(LABELS), default="in-order")
     parser.add_argument("--output", type=Path)
     record.add_args(parser)
     args = parser.parse_args(argv)
@@ -64,37 +85,37 @@ def main(argv: list[str]) -> dict[str, Any]:
             engine.embed(ids[:512], show_progress=False)
             gc.collect()
             gc.freeze()
-            seconds: dict[str, list[float]] = {order: [] for order in ORDERS}
+            new, old = LABELS[args.against]
+            seconds: dict[str, list[float]] = {new: [], old: []}
             outputs: dict[str, np.ndarray] = {}
             for i in range(args.rounds):
-                for order in sorted(ORDERS, reverse=i % 2 == 1):
-                    engine.core.run_ahead = ORDERS[order]
-                    took, outputs[order] = _timed(engine, ids, args.device)
-                    seconds[order].append(took)
+                for label in (new, old) if i % 2 == 0 else (old, new):
+                    _set_variant(engine, args.against, label == new)
+                    took, outputs[label] = _timed(engine, ids, args.device)
+                    seconds[label].append(took)
             gc.unfreeze()
-            engine.core.run_ahead = True
+            _set_variant(engine, args.against, True)
             tokens = int(lengths.sum())
-            per_order = {
-                order: {
+            per_variant = {
+                label: {
                     "tokens_per_s": tokens / statistics.median(values),
                     "seconds": values,
                 }
-                for order, values in seconds.items()
+                for label, values in seconds.items()
             }
             row = {
                 "model": name,
                 "workload": workload,
                 "num_inputs": len(ids),
                 "num_tokens": tokens,
-                **per_order,
-                "ratio": per_order["run-ahead"]["tokens_per_s"]
-                / per_order["in order"]["tokens_per_s"],
-                "identical": bool(np.array_equal(outputs["run-ahead"], outputs["in order"])),
+                **per_variant,
+                "ratio": per_variant[new]["tokens_per_s"] / per_variant[old]["tokens_per_s"],
+                "identical": bool(np.array_equal(outputs[new], outputs[old])),
             }
             rows.append(row)
             print(
-                f"{name:11s} {workload:8s} run-ahead {row['run-ahead']['tokens_per_s']:,.0f} "
-                f"in order {row['in order']['tokens_per_s']:,.0f} tok/s: "
+                f"{name:11s} {workload:8s} {new} {row[new]['tokens_per_s']:,.0f} "
+                f"{old} {row[old]['tokens_per_s']:,.0f} tok/s: "
                 f"{row['ratio']:.3f}x, identical {row['identical']}",
                 flush=True,
             )

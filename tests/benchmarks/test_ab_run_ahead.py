@@ -1,5 +1,5 @@
-"""The run-ahead A/B runs in seconds on the CPU: both orders timed every round, their outputs
-identical, the ratio that of the medians."""
+"""The step-pipeline A/B runs in seconds on the CPU: both variants timed every round, their
+outputs identical, the ratio that of the medians, and the engine left as it was."""
 
 from __future__ import annotations
 
@@ -8,20 +8,24 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.ab_run_ahead import main
+from benchmarks.ab_run_ahead import LABELS, UPLOAD, main
 from vecpool.api import default_model_path
+from vecpool.runner import batch
 
 
-def test_ab_run_ahead_reports_both_orders(tmp_path: Path) -> None:
+@pytest.mark.parametrize("against", sorted(LABELS))
+def test_ab_run_ahead_reports_both_variants(tmp_path: Path, against: str) -> None:
     argv = ["--models", "tiny-bert", "--workloads", "queries", "--n", "24", "--rounds", "2"]
-    argv += ["--tokenizer", str(default_model_path()), "--device", "cpu"]
+    argv += ["--tokenizer", str(default_model_path()), "--device", "cpu", "--against", against]
     report = main([*argv, "--output", str(tmp_path / "ab.json")])
     (row,) = report["rows"]
     assert row["num_inputs"] == 24 and row["identical"]
+    new, old = LABELS[against]
     medians = {}
-    for order in ("run-ahead", "in order"):
-        seconds = row[order]["seconds"]
+    for label in (new, old):
+        seconds = row[label]["seconds"]
         assert len(seconds) == 2 and all(s > 0 for s in seconds)
-        medians[order] = statistics.median(seconds)
-        assert row[order]["tokens_per_s"] == row["num_tokens"] / medians[order]
-    assert row["ratio"] == pytest.approx(medians["in order"] / medians["run-ahead"], rel=1e-12)
+        medians[label] = statistics.median(seconds)
+        assert row[label]["tokens_per_s"] == row["num_tokens"] / medians[label]
+    assert row["ratio"] == pytest.approx(medians[old] / medians[new], rel=1e-12)
+    assert batch.upload is UPLOAD

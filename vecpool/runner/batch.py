@@ -93,7 +93,18 @@ def build_flat_batch(
     def to_device(array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(device, non_blocking=True)
 
-    cu_device = to_device(cu)
+    arrays = [np.concatenate(ids_parts), cu, seq_ids, starts, positions, pos_in_seq, lengths]
+    if with_token_types:  # zeros for the whole step unless some prompt has its own
+        arrays.append(
+            np.concatenate(type_parts) if own_types else np.zeros(num_tokens, dtype=np.int64)
+        )
+    if embeds_parts:
+        arrays.append(np.concatenate(embeds_rows_parts))
+    on_device = upload(arrays, device)
+    input_ids, cu_device, seq_ids_device, starts_device, positions_device = on_device[:5]
+    pos_device, lengths_device = on_device[5:7]
+    token_types = on_device[7] if with_token_types else None
+    embeds_rows = on_device[-1] if embeds_parts else None
     key_rows: torch.Tensor | None = None
     cu_seqlens_k: torch.Tensor | None = None
     if key_lengths is not None:
@@ -105,19 +116,12 @@ def build_flat_batch(
             + np.repeat(cu[:-1], key_lengths)
         )
         key_rows, cu_seqlens_k = to_device(rows), to_device(cu_k).to(torch.int32)
-    seq_ids_device = to_device(seq_ids)
-    input_ids = to_device(np.concatenate(ids_parts))
-    starts_device = to_device(starts)
     kv = _chunked_kv(step, starts, lengths, cu, kv_cache, to_device, block_pool, use_varlen)
     return FlatBatch(
         input_ids=input_ids,
-        positions=to_device(positions),
-        token_type_ids=to_device(
-            np.concatenate(type_parts) if own_types else np.zeros(num_tokens, dtype=np.int64)
-        )
-        if with_token_types
-        else None,
-        embeds_rows=to_device(np.concatenate(embeds_rows_parts)) if embeds_parts else None,
+        positions=positions_device,
+        token_type_ids=token_types,
+        embeds_rows=embeds_rows,
         prompt_embeds=torch.cat(embeds_parts).to(device, non_blocking=True)
         if embeds_parts
         else None,
@@ -125,7 +129,7 @@ def build_flat_batch(
             cu_seqlens=cu_device.to(torch.int32),
             max_seqlen=int(lengths.max()),
             seq_ids=seq_ids_device,
-            pos_in_seq=to_device(pos_in_seq),
+            pos_in_seq=pos_device,
             use_varlen=use_varlen,
             key_rows=key_rows,
             cu_seqlens_k=cu_seqlens_k,
@@ -134,13 +138,23 @@ def build_flat_batch(
         ),
         pooling=PoolingMetadata(
             cu_seqlens=cu_device,
-            lengths=to_device(lengths),
+            lengths=lengths_device,
             seq_ids=seq_ids_device,
             input_ids=input_ids,
             starts=starts_device,
         ),
         has_token_ids=[c.prompt.token_ids is not None for c in chunks],
     )
+
+
+def upload(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """int64 arrays on `device`, in one copy: views of one buffer. On CUDA the copy goes
+    through page-locked memory, so that it is queued behind the running step instead of
+    waiting for it (the host allocator keeps the pages until the copy has run)."""
+    sizes = [a.shape[0] for a in arrays]
+    host = torch.empty(sum(sizes), dtype=torch.int64, pin_memory=device.type == "cuda")
+    np.concatenate(arrays, out=host.numpy(), casting="same_kind")
+    return list(host.to(device, non_blocking=True).split(sizes))
 
 
 def _chunked_kv(
