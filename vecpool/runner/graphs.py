@@ -19,11 +19,12 @@ A graph is recorded for fixed shapes, so a step is padded up to a *shape key*:
 - `max_len`: the longest sequence the attention kernel is launched for, a power of two from 64.
 
 FlashAttention's grid is slots x ceil(max_len / 128) x heads; empty slots cost blocks that
-return at once, which is why large buckets keep fewer of them: a step of 32,768 tokens with one
-slot per 8 would launch ~16x the blocks of its 128 passages. The engine records the common keys when it starts (`warm_up`: every
-token bucket with `max_len` up to 512); another key is recorded the first time a step needs
-it (two forwards and a capture, tens of milliseconds once), up to `max_graphs`; a step whose
-key cannot get one runs as before. Prompt embeds and token ids enter the graph the same way,
+return at once, which is why large buckets keep fewer of them: a step of 32,768 tokens holding
+128 passages would keep 2,048 slots at one per 8 tokens (as many as a step may hold sequences),
+where 256 serve. The engine records the common keys when it starts (`warm_up`: every token
+bucket with `max_len` up to 512); another key is recorded the first time a step needs it (two
+forwards and a capture, tens of milliseconds once), up to `max_graphs`; a step whose key cannot
+get one runs as before. Prompt embeds and token ids enter the graph the same way,
 after the embedding lookup, so they stay bit-exact.
 
 Steps whose prompts read shared cached prefixes (`SharedPrefixes`: an LLM reranker's documents

@@ -5,10 +5,10 @@ every message that arrived (ZeroMQ's own I/O thread, outside Python, buffers the
 runs), step with everything queued, send each API process the calls that finished. A step
 takes what arrived once its forward is queued: with more to run, the next step is prepared
 and launched before this one is pooled, so that the device computes while the host pools,
-replies and receives (`EngineCore.step`). When the
-engine was idle and a call arrives, it takes more while they keep coming, up to `batch_wait`
-seconds (or a step's worth) before it steps: a step that starts with one request runs with one
-request, while the others of a burst are a millisecond behind.
+replies and receives (`EngineCore.step`). When the engine was idle and a call arrives, it
+takes more while they keep coming, up to `batch_wait` seconds (or a step's worth) before it
+steps: a step that starts with one request runs with one request, while the others of a burst
+are a millisecond behind.
 """
 
 from __future__ import annotations
