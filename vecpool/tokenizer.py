@@ -1,11 +1,25 @@
 """`TextTokenizer`: a model's `tokenizer.json` through the `tokenizers` library, with truncation
-done inside the tokenizer."""
+done inside the tokenizer.
+
+A BERT normalizer (clean-up of control characters, spaces around CJK characters, accents
+stripped, lowercase) is a third of tokenizing time on English text, and on printable ASCII it
+does nothing but lowercase: every character is kept (none is a control character, the one
+space stays a space), none is CJK, and ASCII has no accents. Such texts are tokenized by a
+copy of the tokenizer whose normalizer only lowercases (or, uncased, does nothing): the same
+normalized string, so the same tokens. Tabs and line breaks count as plain where the
+pre-tokenizer is BERT's, which splits on them as on the space the BERT normalizer makes of
+them (and no added token matched on normalized text holds whitespace). Any other text takes
+the tokenizer as it is.
+"""
 
 from __future__ import annotations
 
+import json
+import re
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from tokenizers import Encoding, Tokenizer
 
@@ -25,10 +39,17 @@ class TextTokenizer:
         self._tok = Tokenizer.from_str(self._json)
         self._tok.no_padding()
         self._tok.no_truncation()
+        # The cheaper copy for plain texts (see the module's docstring); None: no BERT normalizer.
+        twin = _plain_twin(json.loads(self._json))
+        self._plain_json: str | None = None
+        self._plain_text: re.Pattern[str] = _PRINTABLE
+        if twin is not None:
+            self._plain_json = json.dumps(twin[0])
+            self._plain_text = _PRINTABLE_AND_BREAKS if twin[1] else _PRINTABLE
         processor = self._tok.post_processor
         self.num_special_tokens = processor.num_special_tokens_to_add(False) if processor else 0
         self.num_pair_special_tokens = processor.num_special_tokens_to_add(True) if processor else 0
-        self._truncating: dict[tuple[int, str], Tokenizer] = {}
+        self._truncating: dict[tuple[int | None, str, bool], Tokenizer] = {}
         self._lock = threading.Lock()
         # How many of a single text's special tokens come before its own tokens, and after.
         mask = self._tok.encode("a", add_special_tokens=True).special_tokens_mask
@@ -52,12 +73,29 @@ class TextTokenizer:
         the library can leave them out (its `encode_batch_fast`; an older release computes
         them): the same ids and type ids, in encodings far cheaper to free, which the
         calling thread does holding the GIL."""
-        tok = self._for_length(max_tokens, side)
-        encode = (
-            tok.encode_batch if offsets else getattr(tok, "encode_batch_fast", tok.encode_batch)
-        )
+
+        def encode(tok: Tokenizer, batch: list[Any]) -> list[Encoding]:
+            run = tok.encode_batch if offsets else getattr(tok, "encode_batch_fast", None)
+            return list((run or tok.encode_batch)(batch, add_special_tokens=add_special_tokens))
+
+        texts = list(texts)
         try:
-            return list(encode(list(texts), add_special_tokens=add_special_tokens))
+            if offsets or self._plain_json is None:
+                return encode(self._for_length(max_tokens, side), texts)
+            plain = [self._is_plain(text) for text in texts]
+            if all(plain):
+                return encode(self._for_length(max_tokens, side, plain=True), texts)
+            if not any(plain):
+                return encode(self._for_length(max_tokens, side), texts)
+            out: list[Encoding] = [None] * len(texts)  # type: ignore[list-item]
+            for kind in (True, False):
+                where = [i for i, p in enumerate(plain) if p is kind]
+                encoded = encode(
+                    self._for_length(max_tokens, side, plain=kind), [texts[i] for i in where]
+                )
+                for i, encoding in zip(where, encoded, strict=True):
+                    out[i] = encoding
+            return out
         except TypeError:  # a text that is not valid Unicode (the tokenizer takes UTF-8)
             for i, text in enumerate(texts):
                 check_unicode(text, i)
@@ -71,23 +109,36 @@ class TextTokenizer:
             check_unicode(text, None)
             raise
 
-    def _for_length(self, max_tokens: int | None, side: TruncationSide) -> Tokenizer:
-        if max_tokens is None:
+    def _is_plain(self, text: str | tuple[str, str]) -> bool:
+        """Whether the cheaper copy tokenizes `text` exactly (see the module's docstring)."""
+        if isinstance(text, tuple):
+            return all(self._is_plain(part) for part in text)
+        return isinstance(text, str) and text.isascii() and bool(self._plain_text.fullmatch(text))
+
+    def _for_length(
+        self, max_tokens: int | None, side: TruncationSide, *, plain: bool = False
+    ) -> Tokenizer:
+        if max_tokens is None and not plain:
             return self._tok
-        if max_tokens - self.num_special_tokens < 1:
+        if max_tokens is not None and max_tokens - self.num_special_tokens < 1:
             raise InputError(
                 f"truncation to {max_tokens} tokens leaves no room besides "
                 f"{self.num_special_tokens} special tokens"
             )
-        key = (max_tokens, side)
+        key = (max_tokens, side, plain)
         with self._lock:
             tok = self._truncating.get(key)
             if tok is None:
                 if len(self._truncating) >= 16:  # a few lengths are in use at any time
                     self._truncating.clear()
-                tok = Tokenizer.from_str(self._json)
+                source = self._plain_json if plain else self._json
+                assert source is not None
+                tok = Tokenizer.from_str(source)
                 tok.no_padding()
-                tok.enable_truncation(max_tokens, direction=side)
+                if max_tokens is None:
+                    tok.no_truncation()
+                else:
+                    tok.enable_truncation(max_tokens, direction=side)
                 self._truncating[key] = tok
         return tok
 
@@ -117,3 +168,25 @@ def check_unicode(text: str | tuple[str, str], index: int | None) -> None:
                 f"({part[exc.start]!r})",
                 index=index,
             ) from None
+
+
+# Printable ASCII; and with tabs and line breaks too.
+_PRINTABLE = re.compile(r"[\x20-\x7e]*")
+_PRINTABLE_AND_BREAKS = re.compile(r"[\t\n\r\x20-\x7e]*")
+
+
+def _plain_twin(config: dict[str, Any]) -> tuple[dict[str, Any], bool] | None:
+    """For a tokenizer file whose normalizer is BERT's: the same file with a normalizer that
+    does to printable ASCII exactly what BERT's does, and whether tabs and line breaks may
+    count as plain too. None for any other normalizer."""
+    normalizer = config.get("normalizer")
+    if not isinstance(normalizer, dict) or normalizer.get("type") != "BertNormalizer":
+        return None
+    twin = dict(config)
+    twin["normalizer"] = {"type": "Lowercase"} if normalizer.get("lowercase", True) else None
+    pre = config.get("pre_tokenizer")
+    breaks = isinstance(pre, dict) and pre.get("type") == "BertPreTokenizer"
+    for token in config.get("added_tokens") or ():
+        if token.get("normalized") and any(c.isspace() for c in token.get("content", "")):
+            breaks = False  # matched on the normalized text, where a break became a space
+    return twin, breaks
