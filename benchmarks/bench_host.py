@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import statistics
 import sys
 import tempfile
@@ -106,8 +105,7 @@ def main(argv: list[str]) -> dict[str, Any]:
             flush=True,
         )
     report["workloads"] = results
-    if args.output:
-        args.output.write_text(json.dumps(report, indent=1) + "\n")
+    record.write(args.output, report)
     return report
 
 

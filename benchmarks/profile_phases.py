@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import statistics
 import sys
 import tempfile
@@ -130,8 +129,7 @@ def main(argv: list[str]) -> dict[str, Any]:
         del engine
         torch.cuda.empty_cache()
     report["rows"] = rows
-    if args.output:
-        args.output.write_text(json.dumps(report, indent=1) + "\n")
+    record.write(args.output, report)
     return report
 
 

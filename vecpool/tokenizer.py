@@ -83,10 +83,8 @@ class TextTokenizer:
             if offsets or self._plain_json is None:
                 return encode(self._for_length(max_tokens, side), texts)
             plain = [self._is_plain(text) for text in texts]
-            if all(plain):
-                return encode(self._for_length(max_tokens, side, plain=True), texts)
-            if not any(plain):
-                return encode(self._for_length(max_tokens, side), texts)
+            if len(set(plain)) < 2:  # all of one kind: one call
+                return encode(self._for_length(max_tokens, side, plain=all(plain)), texts)
             out: list[Encoding] = [None] * len(texts)  # type: ignore[list-item]
             for kind in (True, False):
                 where = [i for i, p in enumerate(plain) if p is kind]

@@ -80,14 +80,15 @@ class HeadBatch:
         ]
 
     def flags(self, name: str, default: bool) -> torch.Tensor:  # [k] bool on the device
+        def flag(params: PoolingParams) -> bool:
+            value = getattr(params, name)
+            return default if value is None else bool(value)
+
         first = self.params[0]
         if all(p is first for p in self.params):  # one call's requests share their params
-            value = getattr(first, name)
-            values = [default if value is None else bool(value)] * len(self.params)
+            values = [flag(first)] * len(self.params)
         else:
-            values = [
-                default if getattr(p, name) is None else bool(getattr(p, name)) for p in self.params
-            ]
+            values = [flag(p) for p in self.params]
         return on_device(self.seqs.device, values, torch.bool)
 
 
