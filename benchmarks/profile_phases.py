@@ -79,6 +79,13 @@ def main(argv: list[str]) -> dict[str, Any]:
     parser.add_argument("--tokenizer", type=Path, required=True)
     parser.add_argument("--n", type=int, default=4096)
     parser.add_argument("--device", default="cuda", help="cpu: a quick check of the script")
+    parser.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help="inputs per step at most (e.g. 16: the steps of a server under single-query "
+        "clients); default: the engine's",
+    )
     parser.add_argument("--output", type=Path)
     record.add_args(parser)
     args = parser.parse_args(argv)
@@ -88,7 +95,11 @@ def main(argv: list[str]) -> dict[str, Any]:
     rows = []
     for name in args.models:
         folder = write_folder(SHAPES[name], Path(tempfile.mkdtemp()), args.tokenizer, args.device)
-        engine = vecpool.Engine(folder, device=args.device)
+        engine = vecpool.Engine(
+            folder,
+            device=args.device,
+            **({} if args.max_num_seqs is None else {"max_num_seqs": args.max_num_seqs}),
+        )
         tokenizer = tokenizers.Tokenizer.from_file(str(args.tokenizer / "tokenizer.json"))
         for workload in args.workloads:
             _, ids = make_inputs(tokenizer, workload_lengths(workload, args.n))
@@ -120,6 +131,7 @@ def main(argv: list[str]) -> dict[str, Any]:
                 "workload": workload,
                 "num_inputs": len(ids),
                 "num_tokens": sum(map(len, ids)),
+                "max_num_seqs": engine.info().max_num_seqs,
                 "steps_per_call": num_steps,
                 "median_seconds": medians,
                 "calls": calls,
