@@ -34,8 +34,10 @@ def test_token_buckets_cover_every_count_with_bounded_padding() -> None:
     sizes = token_buckets(8192)
     assert sizes[0] == 16 and sizes[-1] == 8192
     assert all(a < b for a, b in itertools.pairwise(sizes))
-    # From 1024 up, a step is padded by at most a quarter of the bucket below it.
-    assert all(b / a <= 1.25 + 1e-9 for a, b in itertools.pairwise(sizes) if a >= 1024)
+    # From 128 up, a step is padded by at most a quarter of the bucket below it.
+    assert all(b / a <= 1.25 + 1e-9 for a, b in itertools.pairwise(sizes) if a >= 128)
+    assert sizes[:12] == [16, 32, 64, 128, 160, 192, 224, 256, 320, 384, 448, 512]
+    assert 640 in sizes and 1280 in sizes
     assert token_buckets(100)[-1] == 100
 
 
@@ -96,7 +98,7 @@ def test_padded_steps_match_unpadded_and_keep_embeds_exact(
             assert np.array_equal(a, b)
     assert graphs.replays == 6  # every step above was served padded
     keys = set(graphs.graphs)
-    assert {k.tokens for k in keys} == {16, 64, 256}  # 55, 1 and 143 tokens, rounded up
+    assert {k.tokens for k in keys} == {16, 64, 160}  # 55, 1 and 143 tokens, rounded up
     assert all(k.seqs & (k.seqs - 1) == 0 and k.max_len >= 64 for k in keys)
     # The varlen kernel reads every slot's boundaries: after a step of nine sequences, one of
     # a single sequence must leave every other slot empty at its end (the padded fallback on
@@ -165,8 +167,9 @@ def test_warm_up_records_every_bucket_with_common_lengths(qwen3_folder: Path) ->
     graphs.warm_up()
     keys = set(graphs.graphs)
     # Buckets 16..8192; lengths 64..256 (the model's limit is 256), each at most the bucket
-    # (or 64): 3 buckets with one length, 128 with two, then three for each of the other ten.
-    assert len(keys) == 3 + 2 + 3 * (len(graphs.buckets) - 4)
+    # (or 64): 16, 32 and 64 with one length, 128..224 with two, the rest with three.
+    assert graphs.buckets[:8] == [16, 32, 64, 128, 160, 192, 224, 256]
+    assert len(keys) == 3 + 2 * 4 + 3 * (len(graphs.buckets) - 7)
     assert {k.max_len for k in keys} == {64, 128, 256}
     # A later step of a recorded shape takes its entry: no new key.
     engine_hidden(engine, random_prompts(VOCAB, [30, 30, 30, 30, 30]))

@@ -68,19 +68,23 @@ Forward = Callable[
 DEFAULT_MAX_TOKENS = 8192
 NARROW_WIDTH = 1024
 NARROW_MAX_TOKENS = 32768
-DEFAULT_MAX_GRAPHS = 160  # `warm_up` records up to 96 (32,768 tokens), the rest on first use
+DEFAULT_MAX_GRAPHS = 192  # `warm_up` records up to 123 (32,768 tokens), the rest on first use
+_FINE_FROM = 128  # buckets from here go in quarter steps (`token_buckets`)
 _MIN_MAX_LEN = 64
 _WARM_MAX_LENS = (64, 128, 256, 512)  # the shapes `warm_up` records, with every bucket
 
 
 def token_buckets(max_tokens: int) -> list[int]:
-    """Flat token counts graphs are recorded for: powers of two from 16 to 1024, then steps of
-    a quarter of the previous power (a large step is padded by at most a quarter)."""
+    """Flat token counts graphs are recorded for: powers of two from 16 to 128, then steps of
+    a quarter of the previous power (a step of 128 tokens or more is padded by at most a
+    quarter). Below 128 a forward costs about the same at any size (its weights' reads and
+    its launches); above, its rows' work: with powers of two up to 1024, a server's step of
+    ~600 tokens ran as 1,024 on the device (`online_*_h200.json`)."""
     sizes = [16]
     while sizes[-1] < max_tokens:
         last = sizes[-1]
         power = 1 << (last.bit_length() - 1)
-        sizes.append(last * 2 if last < 1024 else last + power // 4)
+        sizes.append(last * 2 if last < _FINE_FROM else last + power // 4)
     return [s for s in sizes if s < max_tokens] + [max_tokens]
 
 
