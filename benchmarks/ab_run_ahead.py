@@ -5,12 +5,17 @@ pooling each step at once, in one process on the same engine and inputs, rounds 
 
 `--against pageable-copies` compares the engine as it is with the same engine copying each of
 a batch's arrays to the device on its own from pageable memory (as it did before `upload`),
-run-ahead on in both.
+run-ahead on in both. `--against pow2-buckets` compares the CUDA graphs' token buckets as they
+are (quarter steps from 128 tokens) with powers of two up to 1,024 (as they were); with
+`--max-num-seqs` (e.g. 16 or 32) the steps are as small as a server's under single-query
+clients. Each variant runs the whole workload once before the rounds, recording its graphs.
 
 For each `bench_gpu.py` shape and workload (from token ids, the engine's defaults): a warm-up,
 then `--rounds` pairs of `Engine.embed` calls, the order inside each pair alternating; tokens
 per second, the median of the rounds with every round kept, and the ratio of the medians. Both
-orders run the same steps through the same kernels: their outputs must be identical (checked).
+orders run the same steps through the same kernels: their outputs must be identical (checked;
+for the buckets, where a step's rows are padded to another count, the largest difference is
+kept too).
 """
 
 from __future__ import annotations
@@ -32,12 +37,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import vecpool
 from benchmarks import record
 from benchmarks.workloads import SHAPES, WORKLOADS, make_inputs, workload_lengths, write_folder
-from vecpool.runner import batch
+from vecpool.runner import batch, graphs
 
 UPLOAD = batch.upload
 
 # Per baseline, the names of the engine as it is and of the baseline, in the report.
-LABELS = {"in-order": ("run-ahead", "in order"), "pageable-copies": ("packed", "pageable copies")}
+LABELS = {
+    "in-order": ("run-ahead", "in order"),
+    "pageable-copies": ("packed", "pageable copies"),
+    "pow2-buckets": ("quarter buckets", "pow2 buckets"),
+}
+
+
+def _pow2_buckets(max_tokens: int) -> list[int]:
+    """The graphs' token buckets before quarter steps from 128: powers of two up to 1,024."""
+    sizes = [16]
+    while sizes[-1] < max_tokens:
+        last = sizes[-1]
+        sizes.append(last * 2 if last < 1024 else last + (1 << (last.bit_length() - 1)) // 4)
+    return [s for s in sizes if s < max_tokens] + [max_tokens]
 
 
 def _pageable_upload(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
@@ -48,8 +66,11 @@ def _set_variant(engine: vecpool.Engine, baseline: str, new: bool) -> None:
     """The engine as it is (`new`), or as the baseline has it."""
     if baseline == "in-order":
         engine.core.run_ahead = new
-    else:
+    elif baseline == "pageable-copies":
         batch.upload = UPLOAD if new else _pageable_upload  # type: ignore[assignment]
+    elif (step_graphs := engine.model_runner.graphs) is not None:
+        largest = step_graphs.buckets[-1]
+        step_graphs.buckets = (graphs.token_buckets if new else _pow2_buckets)(largest)
 
 
 def _timed(engine: vecpool.Engine, ids: list[list[int]], device: str) -> tuple[float, np.ndarray]:
@@ -69,20 +90,37 @@ def main(argv: list[str]) -> dict[str, Any]:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--against", choices=sorted(LABELS), default="in-order")
+    parser.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help="inputs per step at most (default: the engine's)",
+    )
     parser.add_argument("--output", type=Path)
     record.add_args(parser)
     args = parser.parse_args(argv)
     report = record.header("ab_run_ahead.py", argv, device=args.device, commit=args.commit)
+    report["max_num_seqs"] = args.max_num_seqs
     tokenizer = tokenizers.Tokenizer.from_file(str(args.tokenizer / "tokenizer.json"))
     rows = report["rows"] = []
     for name in args.models:
         folder = write_folder(SHAPES[name], Path(tempfile.mkdtemp()), args.tokenizer, args.device)
-        engine = vecpool.Engine(folder, device=args.device)
+        engine = vecpool.Engine(
+            folder,
+            device=args.device,
+            **({} if args.max_num_seqs is None else {"max_num_seqs": args.max_num_seqs}),
+            # on the CPU too: the same padding, as plain forwards
+            **({"cuda_graphs": True} if args.against == "pow2-buckets" else {}),
+        )
         limit = engine.info().max_model_len
         for workload in args.workloads:
             lengths = workload_lengths(workload, args.n).clip(max=limit)
             _, ids = make_inputs(tokenizer, lengths)
             engine.embed(ids[:512], show_progress=False)
+            if args.against == "pow2-buckets":  # each records its graphs before the clock
+                for variant in (False, True):
+                    _set_variant(engine, args.against, variant)
+                    engine.embed(ids, show_progress=False)
             gc.collect()
             gc.freeze()
             new, old = LABELS[args.against]
@@ -111,12 +149,14 @@ def main(argv: list[str]) -> dict[str, Any]:
                 **per_variant,
                 "ratio": per_variant[new]["tokens_per_s"] / per_variant[old]["tokens_per_s"],
                 "identical": bool(np.array_equal(outputs[new], outputs[old])),
+                "max_abs_diff": float(np.abs(outputs[new] - outputs[old]).max()),
             }
             rows.append(row)
             print(
                 f"{name:11s} {workload:8s} {new} {row[new]['tokens_per_s']:,.0f} "
                 f"{old} {row[old]['tokens_per_s']:,.0f} tok/s: "
-                f"{row['ratio']:.3f}x, identical {row['identical']}",
+                f"{row['ratio']:.3f}x, identical {row['identical']} "
+                f"(max diff {row['max_abs_diff']:.2g})",
                 flush=True,
             )
             record.write(args.output, report)
