@@ -31,7 +31,9 @@ CPU cost: each round also reads the CPU seconds (user and system) of the server'
 process tree (supervisor, API processes, engine) from /proc, and the offline runs around it
 their own (`time.process_time`, every thread of this process); a row gives the server's CPU per
 request and per item (an input; a call for rerank) next to offline's per item, and their ratio
-(`cpu_efficiency`: 100% when serving costs what offline costs). `queue_drain_ms` is how long
+(`cpu_efficiency`: 100% when serving costs what offline costs). The client processes' own CPU
+per request and how busy they were (`client_cpu_busy`, 100%: each client process used a whole
+core, and the clients, not the server, set the pace). `queue_drain_ms` is how long
 the server takes to answer as many requests as there are clients (what a request waits behind
 in a closed loop), and `p99_over_drain` the 99th-percentile latency over it (near 1 when
 requests are answered first come, first served).
@@ -355,7 +357,8 @@ def _print(row: dict[str, Any]) -> None:
         f"({row['server_cpu_s_per_item'] * 1000:.2f} ms/item), offline "
         f"{row['offline_cpu_s_per_item'] * 1000:.2f} ms/item ({row['cpu_efficiency']:.0%} "
         f"efficient); p99 {row['p99_over_drain']:.2f}x the queue's drain "
-        f"({row['queue_drain_ms']:.1f} ms)",
+        f"({row['queue_drain_ms']:.1f} ms); clients {row['client_cpu_s_per_request'] * 1000:.2f} "
+        f"ms/request, their processes {row['client_cpu_busy']:.0%} busy",
         flush=True,
     )
 

@@ -97,6 +97,10 @@ class Round:
 
     clients: int
     seconds: float = 0.0
+    # CPU seconds the client processes used in the round (every thread, user and system),
+    # and how many processes: when each is near one core's worth, the clients set the pace
+    client_cpu_seconds: float = 0.0
+    client_processes: int = 1
     latencies: list[float] = field(default_factory=list)  # seconds, answered requests
     tokens: int = 0
     connection_errors: Counter[str] = field(default_factory=Counter)
@@ -117,6 +121,10 @@ class Round:
                 "p99": float(np.percentile(lat, 99)),
                 "max": float(lat.max()),
             },
+            "client_cpu_s_per_request": self.client_cpu_seconds / max(len(self.latencies), 1),
+            # the client processes' mean CPU use in the round: 1.0 is each one's core saturated
+            "client_cpu_busy": self.client_cpu_seconds
+            / max(self.seconds * self.client_processes, 1e-12),
             "connection_errors": dict(self.connection_errors),
             "connection_error_count": sum(self.connection_errors.values()),
             "statuses": {str(k): v for k, v in sorted(self.statuses.items())},
@@ -196,20 +204,22 @@ async def run_round(
             conn.close()
 
     if raw:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         deadline = start + max_seconds
         await asyncio.gather(*(raw_client() for _ in range(clients)))
         result.seconds = time.perf_counter() - start
+        result.client_cpu_seconds = time.process_time() - cpu
         return result
     # One client, one connection: the clients of a server are separate programs (and a pool
     # of many connections in one httpx client costs its process far more per request). Built
     # before the clock starts: making one costs milliseconds of CPU (its SSL context).
     https = [httpx.AsyncClient(base_url=url, timeout=300.0) for _ in range(clients)]
     try:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         deadline = start + max_seconds
         await asyncio.gather(*(client(http) for http in https))
         result.seconds = time.perf_counter() - start
+        result.client_cpu_seconds = time.process_time() - cpu
     finally:
         await asyncio.gather(*(http.aclose() for http in https))
     return result
@@ -296,8 +306,9 @@ def load(
         for w in range(n)
     ]
     rounds = [f.result() for f in futures]
-    total = Round(clients, seconds=max(r.seconds for r in rounds))
+    total = Round(clients, seconds=max(r.seconds for r in rounds), client_processes=n)
     for r in rounds:
+        total.client_cpu_seconds += r.client_cpu_seconds
         total.latencies += r.latencies
         total.tokens += r.tokens
         total.connection_errors.update(r.connection_errors)

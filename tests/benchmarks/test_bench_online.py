@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from benchmarks.bench_online import main
 
 
@@ -34,5 +36,10 @@ def test_bench_online_runs_on_cpu_and_reports_consistent_numbers(tmp_path: Path)
         per_request = 1 if scenario == "embed" else 32  # inputs of one request
         assert row["server_cpu_s_per_item"] == row["server_cpu_s_per_request"] / per_request
         assert row["cpu_efficiency"] == row["offline_cpu_s_per_item"] / row["server_cpu_s_per_item"]
+        # The clients' own CPU: some per request; one client process, busy at most its
+        # round's wall time across its threads (a little slack for the clock's grain).
+        cpu = row["client_cpu_s_per_request"] * row["requests"]
+        assert cpu > 0 and row["client_cpu_busy"] == pytest.approx(cpu / row["seconds"], rel=1e-9)
+        assert row["client_cpu_busy"] <= 1.5
         assert row["queue_drain_ms"] == row["clients"] / row["requests_per_s"] * 1000
         assert row["p99_over_drain"] == row["latency_ms"]["p99"] / row["queue_drain_ms"]
