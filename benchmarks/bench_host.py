@@ -40,7 +40,7 @@ from vecpool.api import default_model_path
 HIDDEN = 32
 
 
-def stub_engine(tokenizer_dir: Path) -> vecpool.Engine:
+def stub_engine(tokenizer_dir: Path, max_num_seqs: int = 1024) -> vecpool.Engine:
     """An engine on the CPU whose forward returns zeros of the hidden size at once."""
     base = SHAPES["tiny-bert"]
     config = dict(
@@ -52,7 +52,9 @@ def stub_engine(tokenizer_dir: Path) -> vecpool.Engine:
     )
     shape = Shape(base.config_class, base.model_class, config, causal=False)
     folder = write_folder(shape, Path(tempfile.mkdtemp()), tokenizer_dir, "cpu")
-    engine = vecpool.Engine(folder, device="cpu", max_num_batched_tokens=32768, max_num_seqs=1024)
+    engine = vecpool.Engine(
+        folder, device="cpu", max_num_batched_tokens=32768, max_num_seqs=max_num_seqs
+    )
 
     def forward(batch: Any) -> torch.Tensor:
         return torch.zeros(batch.num_tokens, HIDDEN)

@@ -26,6 +26,8 @@ from vecpool.pooling.heads import (
     TaskHead,
     TokenClassifierHead,
     TokenEmbedHead,
+    normalize_rows,
+    truncate_and_normalize,
 )
 from vecpool.runner.batch import build_flat_batch
 from vecpool.runner.kv_cache import KVCache
@@ -142,3 +144,27 @@ def test_a_failed_step_leaves_the_carried_state_as_it_was(monkeypatch: pytest.Mo
     assert np.abs(last.output - whole.output).max() <= 1e-6
     runner.release(["a"])
     assert runner.num_states == 0
+
+
+@pytest.mark.parametrize(
+    ("dims", "normalize"),
+    [
+        ([8, 8, 8], [True, True, True]),  # the short path: one norm, one division
+        ([8, 8, 8], [False, False, False]),  # the short path: nothing
+        ([8, 8, 8], [True, False, True]),
+        ([8, 3, 8], [True, True, True]),
+        ([5, 3, 8], [False, False, False]),
+    ],
+)
+def test_normalize_rows_is_the_general_path_to_the_bit(
+    dims: list[int], normalize: list[bool]
+) -> None:
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0)) * 10
+    x[1, 0] = 0.0  # and a row of tiny norm: the clamp
+    x[1] *= 1e-20
+    general = truncate_and_normalize(
+        x, torch.tensor(dims), torch.tensor(normalize, dtype=torch.bool)
+    )
+    assert torch.equal(normalize_rows(x, dims, normalize), general)
+    if all(normalize):
+        assert torch.allclose(general[[0, 2]].norm(dim=1), torch.ones(2))

@@ -79,17 +79,20 @@ class HeadBatch:
             out if final else None for out, final in zip(outputs, self.carry.final, strict=True)
         ]
 
-    def flags(self, name: str, default: bool) -> torch.Tensor:  # [k] bool on the device
+    def flag_values(self, name: str, default: bool) -> list[bool]:
+        """Each sequence's boolean parameter `name` (`default` where it is None)."""
+
         def flag(params: PoolingParams) -> bool:
             value = getattr(params, name)
             return default if value is None else bool(value)
 
         first = self.params[0]
         if all(p is first for p in self.params):  # one call's requests share their params
-            values = [flag(first)] * len(self.params)
-        else:
-            values = [flag(p) for p in self.params]
-        return on_device(self.seqs.device, values, torch.bool)
+            return [flag(first)] * len(self.params)
+        return [flag(p) for p in self.params]
+
+    def flags(self, name: str, default: bool) -> torch.Tensor:  # [k] bool on the device
+        return on_device(self.seqs.device, self.flag_values(name, default), torch.bool)
 
 
 class TaskHead(Protocol):
@@ -147,6 +150,24 @@ def truncate_and_normalize(
     return torch.where(normalize[:, None], x / norms, x)
 
 
+def normalize_rows(
+    x: torch.Tensor,  # [n, dim] float32
+    dims: list[int],  # [n]: kept leading dimensions per row
+    normalize: list[bool],  # [n]
+) -> torch.Tensor:
+    """`truncate_and_normalize` of per-row parameters given on the host. Where no row is cut
+    and every row has the same flag (a step's usual case) it runs one norm and one division,
+    or nothing: the same values as the general path (its mask multiplies by one and its
+    `where` picks one side), without that path's kernels and copies."""
+    if all(d >= x.shape[1] for d in dims) and (all(normalize) or not any(normalize)):
+        return x / x.norm(dim=1, keepdim=True).clamp_min(1e-12) if normalize[0] else x
+    return truncate_and_normalize(
+        x,
+        on_device(x.device, dims, torch.int64),
+        on_device(x.device, normalize, torch.bool),
+    )
+
+
 class EmbedHead:
     """The model's pooling, the folder's Dense projections, matryoshka truncation, normalize."""
 
@@ -169,11 +190,7 @@ class EmbedHead:
         merged = b.merge("pooled", chunk, method.merge)
         pooled = method.finish(merged, prompt_lengths(b.meta)[b.seqs])
         dims = [p.dimensions or self.output_dim for p in b.params]
-        out = truncate_and_normalize(
-            self.dense(pooled),
-            on_device(b.seqs.device, dims, torch.int64),
-            b.flags("normalize", self.normalize),
-        )
+        out = normalize_rows(self.dense(pooled), dims, b.flag_values("normalize", self.normalize))
         host = out.cpu().numpy()
         if all(d == host.shape[1] for d in dims):
             return b.final_only(list(host))  # rows as views, none cut

@@ -58,7 +58,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         assert metrics.engine is not None
-        metrics.engine.prefix_cache_stats = lambda: engine.core.prefix_cache_stats
+        metrics.engine.follow_prefix_cache(engine.core)
         front = AsyncEngine(
             engine,
             max_queued=config.max_queued,

@@ -24,7 +24,6 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import cast
 
 import zmq
 
@@ -41,6 +40,9 @@ logger = logging.getLogger(__name__)
 # While an idle engine gathers a step, a pause this long in arrivals ends the wait: one client
 # alone waits this much, many clients keep adding to the step up to `batch_wait`.
 GATHER_GAP = 0.001
+# As plain ints: pyzmq's enum members cost a conversion at each use, and these are used for
+# every message.
+_EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
 
 
 @dataclass(eq=False)
@@ -116,12 +118,17 @@ class EngineLoop:
     def _receive(self) -> bool:
         """Take every message waiting; whether a call arrived."""
         arrived = False
+        socket = self.socket
         # Asked first: a receive that finds nothing raises, which costs more than asking.
-        while cast(int, self.socket.get(zmq.EVENTS)) & zmq.POLLIN:
+        while socket.getsockopt(_EVENTS) & _POLLIN:  # type: ignore[operator]
+            # An API process's DEALER sends one frame, which the ROUTER prefixes with its
+            # identity: two receives, cheaper than `recv_multipart`'s loop. A message is
+            # delivered whole, so the second frame is there once the first is.
             try:
-                identity, payload = self.socket.recv_multipart(zmq.NOBLOCK)
+                identity = socket.recv(_NOBLOCK)
             except zmq.Again:
                 return arrived
+            payload = socket.recv(_NOBLOCK)
             message = wire.to_engine.decode(payload)
             if isinstance(message, wire.Submit):
                 arrived |= self._submit(identity, message)
@@ -153,11 +160,10 @@ class EngineLoop:
         call = _Call(identity, message.call_id, requests, time.perf_counter(), remaining=n)
         self.calls[(identity, message.call_id)] = call
         self.admission.add(n, tokens)
+        on_done = functools.partial(self._on_done, call)
         for request in requests:
             self.arrived_tokens += request.num_prompt_tokens
-            request.add_done_callback(functools.partial(self._on_done, call))
-            if self.metrics is not None:
-                request.add_done_callback(self.metrics.on_request_done)
+            request.add_done_callback(on_done)
         self.engine.core.add_requests(requests)
         if not requests:  # an empty call is done at once
             self._reply(call)
@@ -186,6 +192,8 @@ class EngineLoop:
 
     def _on_done(self, call: _Call, request: Request) -> None:
         """A request of `call` is done (in a step, or cancelled)."""
+        if self.metrics is not None:
+            self.metrics.on_request_done(request)
         ran = request.status in (RequestStatus.FINISHED, RequestStatus.FAILED)
         self.admission.done(request.num_prompt_tokens, ran=ran)
         if ran:
@@ -252,7 +260,7 @@ def run_engine_process(
             from prometheus_client import CollectorRegistry
 
             metrics = EngineMetrics(CollectorRegistry(), model=config.model)
-            metrics.prefix_cache_stats = lambda: engine.core.prefix_cache_stats
+            metrics.follow_prefix_cache(engine.core)
         loop = EngineLoop(engine, config, metrics)
     except VecpoolError as exc:  # a setting or the model folder: the user's to fix
         ready.send(("invalid", str(exc)))

@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, TypeVar
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
-if TYPE_CHECKING:  # a type only: the API processes load nothing of the engine
+if TYPE_CHECKING:  # types only: the API processes load nothing of the engine
+    from vecpool.engine.core import EngineCore
     from vecpool.engine.request import Request
 
 _SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -184,11 +185,22 @@ class EngineMetrics:
         self.prefix_cache_stats: Callable[[], tuple[int, int]] | None = None
         self._prefix_cache_seen = (0, 0)
         self._step_tokens = 0  # written by the engine loop thread only
+        self._by_outcome: dict[str, Counter] = {}  # `engine_requests` by outcome label
+
+    def follow_prefix_cache(self, core: EngineCore) -> None:
+        """Report `core`'s shared-prefix cache counters, where it has a cache (without one,
+        nothing is read per request)."""
+        if core.scheduler.prefix_cache is not None:
+            self.prefix_cache_stats = lambda: core.prefix_cache_stats
 
     def on_request_done(self, request: Request) -> None:
         """A request's done callback: runs in the loop thread, or where it was cancelled."""
-        self.engine_requests.labels(request.status.value, *self._model).inc()
-        if request.status.value in ("finished", "failed"):
+        outcome = request.status.value
+        counter = self._by_outcome.get(outcome)
+        if counter is None:  # `labels` takes a lock and a lookup: once per outcome
+            counter = self._by_outcome[outcome] = self.engine_requests.labels(outcome, *self._model)
+        counter.inc()
+        if outcome in ("finished", "failed"):
             self._step_tokens += request.num_prompt_tokens
             self._sync_prefix_cache()  # the loop thread: before the answer goes out
 
