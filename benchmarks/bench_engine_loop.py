@@ -9,8 +9,8 @@ On a GPU under many single-query clients the engine process, not the device, set
 each step holds a dozen inputs, and its Python per step and per request is the limit
 (`bench_online.py`'s `engine busy`, `profile_phases.py --max-num-seqs`). Steps here hold at
 most `--max-num-seqs` inputs, as a server's do at that load. Per round: the CPU time of the
-loop's thread per request and per step (`time.thread_time`: the client process and the
-tokenizer-free stub take none of it), inputs per step, and how busy the loop's thread was.
+loop's thread per request and per step (`time.thread_time`: the client process's time is not
+in it, and the ids need no tokenizer), inputs per step, and how busy the loop's thread was.
 The figure is the median of `--rounds` rounds, each kept. Its metrics are recorded in one
 process's registry (a server's engine process writes them to files shared with the API
 processes, which costs a little more).
