@@ -379,7 +379,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rerank-clients", type=int, nargs="+", default=[64])
     parser.add_argument("--batched-clients", type=int, default=32)
     parser.add_argument("--batched-inputs", type=int, default=8192, help="passages in all")
-    parser.add_argument("--n", type=int, default=4096, help="queries, and requests per round")
+    parser.add_argument(
+        "--n",
+        type=int,
+        default=16384,
+        help="queries, and requests per round (rounds of 4,096 lasted under a second on a GPU, "
+        "and their ratios to offline spread from 0.44 to 0.85 in one run)",
+    )
     parser.add_argument("--rerank-calls", type=int, default=1024, help="distinct rerank calls")
     parser.add_argument("--max-seconds", type=float, default=120.0, help="per round")
     parser.add_argument(
