@@ -78,8 +78,8 @@ def token_buckets(max_tokens: int) -> list[int]:
     """Flat token counts graphs are recorded for: powers of two from 16 to 128, then steps of
     a quarter of the previous power (a step of 128 tokens or more is padded by at most a
     quarter). Below 128 a forward costs about the same at any size (its weights' reads and
-    its launches); above, its rows' work: with powers of two up to 1,024, a server's step of
-    ~600 tokens ran as 1,024 on the device (Qwen3-0.6B queries in steps of 16: 1.08x faster
+    its launches); above, its rows' work: with powers of two up to 1,024, a step of 16
+    queries (~580 tokens) ran as 1,024 on the device (Qwen3-0.6B queries in steps of 16: 1.08x faster
     in quarter steps, `ab_buckets_qwen3-0.6b_seqs16_h200.json`)."""
     sizes = [16]
     while sizes[-1] < max_tokens:
