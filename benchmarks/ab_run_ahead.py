@@ -48,14 +48,8 @@ LABELS = {
     "pow2-buckets": ("quarter buckets", "pow2 buckets"),
 }
 
-
-def _pow2_buckets(max_tokens: int) -> list[int]:
-    """The graphs' token buckets before quarter steps from 128: powers of two up to 1,024."""
-    sizes = [16]
-    while sizes[-1] < max_tokens:
-        last = sizes[-1]
-        sizes.append(last * 2 if last < 1024 else last + (1 << (last.bit_length() - 1)) // 4)
-    return [s for s in sizes if s < max_tokens] + [max_tokens]
+# The graphs' token buckets before quarter steps from 128: powers of two up to 1,024.
+POW2_UP_TO = 1024
 
 
 def _pageable_upload(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
@@ -70,7 +64,11 @@ def _set_variant(engine: vecpool.Engine, baseline: str, new: bool) -> None:
         batch.upload = UPLOAD if new else _pageable_upload  # type: ignore[assignment]
     elif (step_graphs := engine.model_runner.graphs) is not None:
         largest = step_graphs.buckets[-1]
-        step_graphs.buckets = (graphs.token_buckets if new else _pow2_buckets)(largest)
+        step_graphs.buckets = (
+            graphs.token_buckets(largest)
+            if new
+            else graphs.token_buckets(largest, fine_from=POW2_UP_TO)
+        )
 
 
 def _timed(engine: vecpool.Engine, ids: list[list[int]], device: str) -> tuple[float, np.ndarray]:

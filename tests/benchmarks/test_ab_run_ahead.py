@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.ab_run_ahead import LABELS, UPLOAD, _pow2_buckets, main
+from benchmarks.ab_run_ahead import LABELS, POW2_UP_TO, UPLOAD, main
 from vecpool.api import default_model_path
 from vecpool.runner import batch
 from vecpool.runner.graphs import token_buckets
@@ -35,5 +35,6 @@ def test_ab_run_ahead_reports_both_variants(tmp_path: Path, against: str) -> Non
 
 
 def test_pow2_buckets_are_the_old_rule() -> None:
-    assert _pow2_buckets(2048) == [16, 32, 64, 128, 256, 512, 1024, 1280, 1536, 1792, 2048]
+    old = token_buckets(2048, fine_from=POW2_UP_TO)
+    assert old == [16, 32, 64, 128, 256, 512, 1024, 1280, 1536, 1792, 2048]
     assert token_buckets(2048)[:5] == [16, 32, 64, 128, 160]

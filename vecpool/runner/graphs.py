@@ -74,18 +74,18 @@ _MIN_MAX_LEN = 64
 _WARM_MAX_LENS = (64, 128, 256, 512)  # the shapes `warm_up` records, with every bucket
 
 
-def token_buckets(max_tokens: int) -> list[int]:
-    """Flat token counts graphs are recorded for: powers of two from 16 to 128, then steps of
-    a quarter of the previous power (a step of 128 tokens or more is padded by at most a
-    quarter). Below 128 a forward costs about the same at any size (its weights' reads and
-    its launches); above, its rows' work: with powers of two up to 1,024, a step of 16
-    queries (~580 tokens) ran as 1,024 on the device (Qwen3-0.6B queries in steps of 16: 1.08x faster
-    in quarter steps, `ab_buckets_qwen3-0.6b_seqs16_h200.json`)."""
+def token_buckets(max_tokens: int, fine_from: int = _FINE_FROM) -> list[int]:
+    """Flat token counts graphs are recorded for: powers of two from 16 to `fine_from` (128),
+    then steps of a quarter of the previous power (a step of 128 tokens or more is padded by
+    at most a quarter). Below 128 a forward costs about the same at any size (its weights'
+    reads and its launches); above, its rows' work: with `fine_from` 1,024 (as it was), a step
+    of 16 queries (~580 tokens) ran as 1,024 on the device (Qwen3-0.6B queries in steps of
+    16: 1.08x faster in quarter steps, `ab_buckets_qwen3-0.6b_seqs16_h200.json`)."""
     sizes = [16]
     while sizes[-1] < max_tokens:
         last = sizes[-1]
         power = 1 << (last.bit_length() - 1)
-        sizes.append(last * 2 if last < _FINE_FROM else last + power // 4)
+        sizes.append(last * 2 if last < fine_from else last + power // 4)
     return [s for s in sizes if s < max_tokens] + [max_tokens]
 
 
