@@ -16,12 +16,19 @@ five, summed over the call's steps):
   queued first (`EngineCore.step`), else it waits;
 - `rest`: the wall time less the phases above: finishing requests, the call's own Python,
   preparing the input chunks.
+
+`--cprofile N` adds, per row, one more call under `cProfile` (its N functions of most own
+time); `--torch-profile N` one more under `torch.profiler` (its N operators and CUDA runtime
+calls of most own host time, and its kernels' device time): what the phases are made of.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
+import io
+import pstats
 import statistics
 import sys
 import tempfile
@@ -86,6 +93,8 @@ def main(argv: list[str]) -> dict[str, Any]:
         help="inputs per step at most (e.g. 16: the steps of a server under single-query "
         "clients); default: the engine's",
     )
+    parser.add_argument("--cprofile", type=int, default=0, metavar="N")
+    parser.add_argument("--torch-profile", type=int, default=0, metavar="N")
     parser.add_argument("--output", type=Path)
     record.add_args(parser)
     args = parser.parse_args(argv)
@@ -136,6 +145,10 @@ def main(argv: list[str]) -> dict[str, Any]:
                 "median_seconds": medians,
                 "calls": calls,
             }
+            if args.cprofile:
+                row["cprofile"] = _cprofile(engine, ids, args.cprofile)
+            if args.torch_profile:
+                row["torch_profile"] = _torch_profile(engine, ids, args.torch_profile, args.device)
             rows.append(row)
             print(name, workload, {k: round(v * 1e3, 1) for k, v in medians.items()}, flush=True)
         del engine
@@ -143,6 +156,42 @@ def main(argv: list[str]) -> dict[str, Any]:
     report["rows"] = rows
     record.write(args.output, report)
     return report
+
+
+def _cprofile(engine: vecpool.Engine, ids: list[list[int]], top: int) -> list[str]:
+    """One more call under cProfile: its `top` functions by own time, as text lines."""
+    profile = cProfile.Profile()
+    profile.enable()
+    engine.embed(ids, truncate_prompt_tokens=-1, show_progress=False)
+    profile.disable()
+    out = io.StringIO()
+    pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(top)
+    return _lines(out.getvalue())
+
+
+def _torch_profile(
+    engine: vecpool.Engine, ids: list[list[int]], top: int, device: str
+) -> list[str]:
+    """One more call under torch.profiler: its `top` operators and runtime calls by own host
+    time, then by device time, as text lines."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        engine.embed(ids, truncate_prompt_tokens=-1, show_progress=False)
+        _sync(device)
+    events = prof.key_averages()
+    tables = [events.table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=60)]
+    if device == "cuda":
+        tables.append(
+            events.table(sort_by="self_device_time_total", row_limit=top, max_name_column_width=60)
+        )
+    return _lines("\n".join(tables))
+
+
+def _lines(text: str) -> list[str]:
+    """Text as lines with the machine's own paths cut to the file names."""
+    return [line.replace(str(Path.cwd()) + "/", "") for line in text.splitlines() if line.strip()]
 
 
 if __name__ == "__main__":
