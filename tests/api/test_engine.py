@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import threading
+from concurrent.futures import Future
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -230,6 +232,81 @@ def test_large_calls_are_pipelined_in_chunks(tiny_bert_engine, monkeypatch) -> N
         engine.embed(bad)
     assert not engine.core.has_work()
     assert np.abs(engine.embed(prompts) - whole).max() <= 1e-6
+
+
+class _LaterFuture(Future):  # type: ignore[type-arg]
+    """A worker's result that reports itself ready only once `ready` is set."""
+
+    ready = False
+
+    def done(self) -> bool:
+        return self.ready
+
+
+class _GatedWorker:
+    """Stands for the input worker thread of a large call: it prepares each chunk at once but
+    reports it ready only once a step's forward has been queued after it was asked for, as a
+    worker that tokenizes while the device computes (the timing made deterministic)."""
+
+    pending: ClassVar[list[_LaterFuture]] = []
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        _GatedWorker.pending = []
+
+    def __enter__(self) -> _GatedWorker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def submit(self, fn, *args):  # type: ignore[no-untyped-def]
+        future = _LaterFuture()
+        future.set_result(fn(*args))
+        self.pending.append(future)
+        return future
+
+
+def test_a_chunk_prepared_during_a_step_joins_it_and_the_step_pools_behind_the_next(
+    tiny_bert_engine, monkeypatch
+) -> None:
+    # Short inputs: each chunk of a large call fills a step of its own. The next chunk must
+    # join the queue while a step's forward runs (not after it has pooled), so that the next
+    # step is prepared and launched before this one pools: the host's pooling then overlaps
+    # the device's forward (on CUDA; here the order is what is checked).
+    engine = tiny_bert_engine
+    prompts = random_prompts(99, [3 + (i * 7) % 40 for i in range(11)], seed=51)
+    whole = engine.embed(prompts)
+    monkeypatch.setattr(vecpool.api.engine, "PIPELINE_CHUNK", 3)
+    monkeypatch.setattr(vecpool.api.engine, "PIPELINE_FIRST_CHUNK", 2)
+    monkeypatch.setattr(vecpool.api.engine, "ThreadPoolExecutor", _GatedWorker)
+    events: list[tuple[str, int]] = []
+    forward, pool = engine.model_runner.forward, engine.core.pooling_runner.pool
+
+    def logged_forward(batch):  # type: ignore[no-untyped-def]
+        events.append(("forward", len(batch.has_token_ids)))
+        for future in _GatedWorker.pending:
+            future.ready = True
+        return forward(batch)
+
+    def logged_pool(hidden, batch, step, **kwargs):  # type: ignore[no-untyped-def]
+        events.append(("pool", len(step.chunks)))
+        return pool(hidden, batch, step, **kwargs)
+
+    monkeypatch.setattr(engine.model_runner, "forward", logged_forward)
+    monkeypatch.setattr(engine.core.pooling_runner, "pool", logged_pool)
+    got = engine.embed(prompts, show_progress=False)
+    assert np.abs(got - whole).max() <= 1e-6
+    # Chunks of 2, 3, 3, 3 inputs: each step pools after the next step's forward is queued.
+    assert events == [
+        ("forward", 2),
+        ("forward", 3),
+        ("pool", 2),
+        ("forward", 3),
+        ("pool", 3),
+        ("forward", 3),
+        ("pool", 3),
+        ("pool", 3),
+    ]
 
 
 def test_a_failing_input_is_isolated_from_its_step(tiny_bert_engine, monkeypatch) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -43,6 +44,8 @@ __all__ = [
     "default_model_path",
     "outcome",
 ]
+
+logger = logging.getLogger(__name__)
 
 # Calls larger than this are tokenized chunk by chunk, overlapping the device's work. The
 # device waits for the first chunk: 512 rather than 2048 made 4,096 passages from text 7%
@@ -406,8 +409,11 @@ class Engine(EngineRunner):
         desc: str,
     ) -> list[np.ndarray]:
         """Run a large call chunk by chunk, tokenizing the next chunk on a worker thread
-        while the device runs the ones already queued. Errors name the input's index in the
-        whole call; a failure cancels the call's queued requests."""
+        while the device runs the ones already queued. A chunk that is ready joins the queue
+        as soon as a step's forward is queued (`EngineCore.step`'s `receive`), so that the next
+        step is prepared, and this one pooled, while the device computes: short inputs fill a
+        step with one chunk. Errors name the input's index in the whole call; a failure cancels
+        the call's queued requests."""
         chunks: list[tuple[int, PreparedCall[list[np.ndarray]], list[Request]]] = []
         done = [0]
 
@@ -415,37 +421,51 @@ class Engine(EngineRunner):
             done[0] += 1
 
         show = show_progress if show_progress is not None else total >= PROGRESS_THRESHOLD
+        starts = [0, *range(PIPELINE_FIRST_CHUNK, total, PIPELINE_CHUNK)]
+        stops = [*starts[1:], total]
         with (
             ThreadPoolExecutor(1, thread_name_prefix="vecpool-inputs") as worker,
             tqdm(total=total, disable=not show, desc=desc, unit="input") as bar,
         ):
-            starts = [0, *range(PIPELINE_FIRST_CHUNK, total, PIPELINE_CHUNK)]
-            stops = [*starts[1:], total]
-            upcoming = worker.submit(prepare, 0, stops[0])
+            upcoming = [worker.submit(prepare, 0, stops[0])]  # the next chunk's, if any left
+
+            def queue_next(wait: bool = False) -> None:
+                """Queue the next chunk's requests if it is prepared (or once it is, with
+                `wait`), and start preparing the one after it."""
+                if not upcoming or not (wait or upcoming[0].done()):
+                    return
+                start = starts[len(chunks)]
+                try:
+                    call = upcoming.pop().result()
+                except InputError as exc:
+                    raise _shifted(exc, start) from None
+                if len(chunks) + 1 < len(starts):
+                    i = len(chunks) + 1
+                    upcoming.append(worker.submit(prepare, starts[i], stops[i]))
+                requests = self.submit(call.requests)
+                if show:  # counted for the bar only
+                    for request in requests:
+                        request.add_done_callback(count)
+                self.core.add_requests(requests)
+                chunks.append((start, call, requests))
+
             try:
-                for i, start in enumerate(starts):
-                    try:
-                        call = upcoming.result()
-                    except InputError as exc:
-                        raise _shifted(exc, start) from None
-                    if i + 1 < len(starts):
-                        upcoming = worker.submit(prepare, starts[i + 1], stops[i + 1])
-                    requests = self.submit(call.requests)
-                    if show:  # counted for the bar only
-                        for request in requests:
-                            request.add_done_callback(count)
-                    self.core.add_requests(requests)
-                    chunks.append((start, call, requests))
-                    while not upcoming.done() and self.core.has_work():
-                        self.core.step()
+                while upcoming:
+                    queue_next(wait=True)
+                    while self.core.has_work() and not (upcoming and upcoming[0].done()):
+                        self.core.step(receive=queue_next)
                         bar.update(done[0] - bar.n)
                 for _, _, requests in chunks:
                     self.core.run_until_done(requests)
                     bar.update(done[0] - bar.n)
             except BaseException:
-                for _, _, requests in chunks:
-                    for request in requests:
-                        request.cancel()
+                queued = [request for _, _, requests in chunks for request in requests]
+                for request in queued:
+                    request.cancel()
+                try:
+                    self.core.run_out(queued)
+                except Exception:  # the call's own error is the one to raise
+                    logger.exception("running out a failed call's requests raised")
                 raise
         results: list[np.ndarray] = []
         for start, call, requests in chunks:

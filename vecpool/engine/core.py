@@ -130,6 +130,28 @@ class EngineCore:
                 or self.scheduler.has_work()
             )
 
+    def run_out(self, requests: list[Request]) -> None:
+        """Step until none of `requests` (done: a failed call's, cancelled) is queued or in a
+        step any more, so that the call leaves nothing behind; other callers' requests ride
+        along, as in `run_until_done`."""
+        ids = {r.request_id for r in requests}
+        while self._holds(ids):
+            self.step()
+
+    def _holds(self, ids: set[str]) -> bool:
+        with self._queue_lock:
+            steps = [
+                *([] if self._prefetched is None else [self._prefetched[0]]),
+                *([] if self._in_flight is None else [self._in_flight.sched]),
+            ]
+            queued = itertools.chain(
+                self.scheduler.waiting,
+                self.scheduler.held,
+                self.scheduler.chunked,
+                (r for sched in steps for r in sched.requests),
+            )
+            return any(r.request_id in ids for r in queued)
+
     def step(self, receive: Callable[[], object] | None = None) -> int:
         """Run one step; return how many requests it ran (whole, or a chunk of their prompt).
 

@@ -380,7 +380,8 @@ class SparseHead:
             # Weights are >= 0, so the zeros `out` starts from change neither a max nor a sum.
             if self.reduce == "sum":
                 counts = torch.bincount(row_local[start:end], minlength=b.num_seqs)
-                out += torch.segment_reduce(weights, "sum", lengths=counts, axis=0)
+                # `unsafe`: counts of these very rows (no check that reads them back).
+                out += torch.segment_reduce(weights, "sum", lengths=counts, axis=0, unsafe=True)
             else:
                 index = row_local[start:end, None].expand_as(weights)
                 out.scatter_reduce_(0, index, weights, reduce="amax")

@@ -67,13 +67,20 @@ def _last(hidden: torch.Tensor, meta: PoolingMetadata) -> torch.Tensor:
     return hidden[meta.cu_seqlens[1:] - 1].float()
 
 
+def _segments(values: torch.Tensor, reduce: str, meta: PoolingMetadata) -> torch.Tensor:
+    """`[num_seqs, ...]`: each sequence's rows of `values` reduced, in one fixed order on every
+    device (no atomics). `unsafe`: the lengths are the batch's own (none negative, they add up
+    to the rows); checking them would read them back from the device, two syncs per step."""
+    return torch.segment_reduce(values, reduce, lengths=meta.lengths, axis=0, unsafe=True)
+
+
 def _sum(hidden: torch.Tensor, meta: PoolingMetadata) -> torch.Tensor:
-    # Segment sums accumulate in float32 whatever the model dtype; deterministic on every device.
-    return torch.segment_reduce(hidden.float(), "sum", lengths=meta.lengths, axis=0)
+    # Segment sums accumulate in float32 whatever the model dtype.
+    return _segments(hidden.float(), "sum", meta)
 
 
 def _max(hidden: torch.Tensor, meta: PoolingMetadata) -> torch.Tensor:
-    return torch.segment_reduce(hidden.float(), "max", lengths=meta.lengths, axis=0)
+    return _segments(hidden.float(), "max", meta)
 
 
 def _position_weighted_sum(hidden: torch.Tensor, meta: PoolingMetadata) -> torch.Tensor:
@@ -83,7 +90,7 @@ def _position_weighted_sum(hidden: torch.Tensor, meta: PoolingMetadata) -> torch
     if meta.starts is not None:
         positions = positions + meta.starts[meta.seq_ids]
     weights = (positions + 1).float()  # [num_tokens]
-    return torch.segment_reduce(hidden.float() * weights[:, None], "sum", lengths=meta.lengths)
+    return _segments(hidden.float() * weights[:, None], "sum", meta)
 
 
 def _per_token(merged: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
