@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import operator
 import threading
 import time
 from collections import deque
@@ -119,7 +120,7 @@ class EngineCore:
         """Queue one call's requests, longest first: steps of similar lengths waste less, and
         memory peaks early."""
         with self._queue_lock:
-            for request in sorted(requests, key=lambda r: -r.num_prompt_tokens):
+            for request in sorted(requests, key=_prompt_tokens, reverse=True):  # stable
                 self.scheduler.add(request)
 
     def has_work(self) -> bool:
@@ -408,6 +409,9 @@ class EngineCore:
                 finished += 1
             if finished and on_progress is not None:
                 on_progress(finished)
+
+
+_prompt_tokens = operator.attrgetter("num_prompt_tokens")
 
 
 def _finite_outputs(results: list[PooledResult]) -> list[bool]:

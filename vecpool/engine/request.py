@@ -47,6 +47,9 @@ class Request:
     error: VecpoolError | None = None  # set once, when failed
     user_data: Any = None  # the submitter's tag (e.g. the input's index in its call)
     num_prompt_tokens: int = field(init=False)
+    # Finished, failed or cancelled: set once, with the outcome (read in every step's loops,
+    # so a plain attribute rather than a test of `status`).
+    is_done: bool = field(default=False, init=False)
     _callbacks: list[Callable[[Request], object]] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -56,15 +59,6 @@ class Request:
     def num_unscheduled_tokens(self) -> int:
         """Prompt tokens no step has been given yet."""
         return self.num_prompt_tokens - self.num_scheduled_tokens
-
-    @property
-    def is_done(self) -> bool:
-        status = self.status  # identity tests: cheaper than hashing the enum (hot per step)
-        return (
-            status is RequestStatus.FINISHED
-            or status is RequestStatus.FAILED
-            or status is RequestStatus.CANCELLED
-        )
 
     def finish(self, output: np.ndarray) -> None:
         self._complete(RequestStatus.FINISHED, output=output)
@@ -96,6 +90,7 @@ class Request:
             if self.is_done:  # the first outcome wins (e.g. cancelled, then finished)
                 return
             self.output, self.error, self.status = output, error, status
+            self.is_done = True
             callbacks, self._callbacks = self._callbacks, None
         for fn in callbacks or ():
             try:

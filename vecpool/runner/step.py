@@ -8,6 +8,7 @@ plain data — each chunk's prompt, parameters and task declaration, never the e
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from vecpool.inputs import Prompt
 from vecpool.tasks import PoolingParams, TaskSpec
@@ -57,7 +58,7 @@ class StepInput:
     def is_empty(self) -> bool:
         return not self.chunks
 
-    @property
+    @cached_property  # asked of every step twice, as the next step and as the current one
     def independent(self) -> bool:
         """Whether every chunk is a whole prompt that reads no cached prefix: nothing of the
         step depends on another step's pooling, nor leaves state for one."""
