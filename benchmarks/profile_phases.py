@@ -20,6 +20,9 @@ five, summed over the call's steps):
 `--cprofile N` adds, per row, one more call under `cProfile` (its N functions of most own
 time); `--torch-profile N` one more under `torch.profiler` (its N operators and CUDA runtime
 calls of most own host time, and its kernels' device time): what the phases are made of.
+`--gaps N` one more under `torch.profiler` with the phases labelled and no wait added: how long
+the device sat idle within the call, that idle time by what the host was doing when each idle
+stretch began, and the N longest stretches.
 """
 
 from __future__ import annotations
@@ -95,6 +98,7 @@ def main(argv: list[str]) -> dict[str, Any]:
     )
     parser.add_argument("--cprofile", type=int, default=0, metavar="N")
     parser.add_argument("--torch-profile", type=int, default=0, metavar="N")
+    parser.add_argument("--gaps", type=int, default=0, metavar="N")
     parser.add_argument("--output", type=Path)
     record.add_args(parser)
     args = parser.parse_args(argv)
@@ -149,6 +153,8 @@ def main(argv: list[str]) -> dict[str, Any]:
                 row["cprofile"] = _cprofile(engine, ids, args.cprofile)
             if args.torch_profile:
                 row["torch_profile"] = _torch_profile(engine, ids, args.torch_profile, args.device)
+            if args.gaps:
+                row["device_gaps"] = _device_gaps(engine, ids, args.gaps, args.device)
             rows.append(row)
             print(name, workload, {k: round(v * 1e3, 1) for k, v in medians.items()}, flush=True)
         del engine
@@ -187,6 +193,90 @@ def _torch_profile(
             events.table(sort_by="self_device_time_total", row_limit=top, max_name_column_width=60)
         )
     return _lines("\n".join(tables))
+
+
+# What `_device_gaps` labels: (label, object path from the engine, attribute).
+_LABELS = (
+    ("schedule + build", "core", "_prepare_next"),
+    ("forward (launch)", "model_runner", "forward"),
+    ("pool (host)", "core.pooling_runner", "pool"),
+    ("finish requests", "core", "_finish"),
+    ("queue a chunk", "core", "add_requests"),
+)
+
+
+def _device_gaps(
+    engine: vecpool.Engine, ids: list[list[int]], top: int, device: str
+) -> dict[str, Any]:
+    """One more call under torch.profiler, the engine's phases labelled (no wait added): the
+    device's idle time within the call, by the host phases running when each idle stretch
+    began (several at once: the input worker's thread too), and the `top` longest. (On the
+    CPU there is no device activity: the whole call is one stretch; a check of the script.)"""
+    from vecpool.api import engine as api_engine
+
+    def labelled(name: str, fn: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            with torch.profiler.record_function(name):
+                return fn(*args, **kwargs)
+
+        return run
+
+    patched: list[tuple[Any, str]] = []
+    for name, path, attr in _LABELS:
+        owner: Any = engine
+        for part in path.split("."):
+            owner = getattr(owner, part)
+        setattr(owner, attr, labelled(name, getattr(owner, attr)))
+        patched.append((owner, attr))
+    prepare = api_engine.calls.prepare_encode
+    api_engine.calls.prepare_encode = labelled("prepare a chunk (worker)", prepare)  # type: ignore[attr-defined]
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    try:
+        with (
+            torch.profiler.profile(activities=activities) as prof,
+            torch.profiler.record_function("the call"),
+        ):
+            engine.embed(ids, truncate_prompt_tokens=-1, show_progress=False)
+            _sync(device)
+    finally:
+        api_engine.calls.prepare_encode = prepare  # type: ignore[attr-defined]
+        for owner, attr in patched:
+            delattr(owner, attr)  # the class's own method again
+    events = list(prof.events())
+    names = {name for name, _, _ in _LABELS} | {"prepare a chunk (worker)"}
+    call = next(e for e in events if e.name == "the call")
+    begin, end = call.time_range.start, call.time_range.end
+    device = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in events
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > begin
+    )
+    host = [(e.time_range.start, e.time_range.end, e.name) for e in events if e.name in names]
+    gaps: list[tuple[float, float]] = []
+    cursor = begin
+    for start, stop in device:
+        if start > cursor:
+            gaps.append((cursor, start))
+        cursor = max(cursor, stop)
+    if end > cursor:
+        gaps.append((cursor, end))
+    by_phase: dict[str, float] = {}
+    stretches = []
+    for start, stop in gaps:
+        doing = sorted({n for s, e, n in host if s <= start < e}) or ["(none of these)"]
+        key = " + ".join(doing)
+        by_phase[key] = by_phase.get(key, 0.0) + (stop - start) / 1e3
+        stretches.append({"at_ms": (start - begin) / 1e3, "ms": (stop - start) / 1e3, "host": key})
+    idle = sum(stop - start for start, stop in gaps) / 1e3
+    return {
+        "call_ms": (end - begin) / 1e3,
+        "device_idle_ms": idle,
+        "idle_ms_by_host_phase": dict(sorted(by_phase.items(), key=lambda kv: -kv[1])),
+        "longest": sorted(stretches, key=lambda g: -g["ms"])[:top],
+        "num_stretches": len(stretches),
+    }
 
 
 def _lines(text: str) -> list[str]:

@@ -31,3 +31,17 @@ def test_profile_phases_adds_up_each_call(tmp_path: Path) -> None:
         assert sum(call[name] for name in (*PHASES, "rest")) == pytest.approx(call["wall"])
     for key in ("wall", *PHASES, "rest"):
         assert row["median_seconds"][key] == statistics.median(c[key] for c in row["calls"])
+
+
+def test_profile_phases_profiles_one_more_call_each_way(tmp_path: Path) -> None:
+    # 600 inputs: a large call, run in chunks (its input worker labelled too).
+    argv = ["--device", "cpu", "--models", "tiny-bert", "--workloads", "queries", "--n", "600"]
+    extra = ["--cprofile", "5", "--torch-profile", "5", "--gaps", "3"]
+    report = main([*argv, *extra, "--tokenizer", str(default_model_path())])
+    (row,) = report["rows"]
+    assert any("Ordered by: internal time" in line for line in row["cprofile"])
+    assert any("Self CPU time total" in line for line in row["torch_profile"])
+    gaps = row["device_gaps"]
+    # On the CPU nothing runs on a device: the whole call is one idle stretch, from its start.
+    assert gaps["num_stretches"] == 1 and gaps["device_idle_ms"] == gaps["call_ms"] > 0
+    assert gaps["longest"][0]["at_ms"] == 0 and gaps["longest"][0]["ms"] == gaps["call_ms"]
