@@ -178,8 +178,7 @@ class Engine(EngineRunner):
             call = windowed_embed.prepare_embed_windowed(self.context, inputs, options)
             vectors = self.run(call, show_progress=show_progress, desc="embed")
         else:
-            outputs = self._encode(inputs, options.encode(), show_progress)
-            vectors = np.stack(outputs) if outputs else np.zeros((0, dim), dtype=np.float32)
+            vectors = self._encode_rows(inputs, options.encode(), show_progress, dim)
         if precision == "float32":
             return vectors
         return postprocess.quantize(vectors, precision, checked_ranges)
@@ -221,7 +220,35 @@ class Engine(EngineRunner):
 
         if len(items) <= PIPELINE_CHUNK:
             return self.run(prepare(0, len(items)), show_progress=show_progress, desc=options.task)
-        return self._run_pipelined(len(items), prepare, show_progress, options.task)
+        results: list[np.ndarray] = []
+        self._run_pipelined(
+            len(items), prepare, lambda _, chunk: results.extend(chunk), show_progress, options.task
+        )
+        return results
+
+    def _encode_rows(
+        self, inputs: Any, options: EncodeOptions, show_progress: bool | None, dim: int
+    ) -> np.ndarray:
+        """`_encode` of one vector per input, as `[n, dim]` float32 rows. A large call's rows
+        are stacked chunk by chunk into the result as the chunks finish, while the device runs
+        later ones, rather than all after the last step."""
+        items = calls.as_input_list(inputs)
+
+        def prepare(start: int, stop: int) -> PreparedCall[list[np.ndarray]]:
+            return calls.prepare_encode(self.context, items[start:stop], options)
+
+        if len(items) <= PIPELINE_CHUNK:
+            outputs = self.run(
+                prepare(0, len(items)), show_progress=show_progress, desc=options.task
+            )
+            return np.stack(outputs) if outputs else np.zeros((0, dim), dtype=np.float32)
+        rows = np.empty((len(items), dim), dtype=np.float32)
+
+        def stack(start: int, chunk: list[np.ndarray]) -> None:
+            np.stack(chunk, out=rows[start : start + len(chunk)])
+
+        self._run_pipelined(len(items), prepare, stack, show_progress, options.task)
+        return rows
 
     def prepare_encode(
         self,
@@ -405,15 +432,17 @@ class Engine(EngineRunner):
         self,
         total: int,
         prepare: Callable[[int, int], PreparedCall[list[np.ndarray]]],  # inputs [start, stop)
+        take: Callable[[int, list[np.ndarray]], object],  # (first input, a chunk's results)
         show_progress: bool | None,
         desc: str,
-    ) -> list[np.ndarray]:
+    ) -> None:
         """Run a large call chunk by chunk, tokenizing the next chunk on a worker thread
         while the device runs the ones already queued. A chunk that is ready joins the queue
         as soon as a step's forward is queued (`EngineCore.step`'s `receive`), so that the next
         step is prepared, and this one pooled, while the device computes: short inputs fill a
-        step with one chunk. Errors name the input's index in the whole call; a failure cancels
-        the call's queued requests."""
+        step with one chunk. Each chunk's results go to `take`, in order, as soon as the chunk
+        is done. Errors name the input's index in the whole call; a failure cancels the call's
+        queued requests."""
         chunks: list[tuple[int, PreparedCall[list[np.ndarray]], list[Request]]] = []
         done = [0]
 
@@ -449,14 +478,30 @@ class Engine(EngineRunner):
                 self.core.add_requests(requests)
                 chunks.append((start, call, requests))
 
+            def take_finished() -> None:
+                """The results of the chunks done so far, in order, to `take`: while the device
+                runs later chunks rather than all after the last step."""
+                while taken[0] < len(chunks):
+                    start, call, requests = chunks[taken[0]]
+                    if not all(r.is_done for r in requests):
+                        return
+                    try:
+                        take(start, call.finish([outcome(r) for r in requests]))
+                    except InputError as exc:
+                        raise _shifted(exc, start) from None
+                    taken[0] += 1
+
+            taken = [0]  # chunks whose results went to `take`
             try:
                 while upcoming:
                     queue_next(wait=True)
                     while self.core.has_work() and not (upcoming and upcoming[0].done()):
                         self.core.step(receive=queue_next)
+                        take_finished()
                         bar.update(done[0] - bar.n)
                 for _, _, requests in chunks:
                     self.core.run_until_done(requests)
+                    take_finished()
                     bar.update(done[0] - bar.n)
             except BaseException:
                 queued = [request for _, _, requests in chunks for request in requests]
@@ -467,13 +512,6 @@ class Engine(EngineRunner):
                 except Exception:  # the call's own error is the one to raise
                     logger.exception("running out a failed call's requests raised")
                 raise
-        results: list[np.ndarray] = []
-        for start, call, requests in chunks:
-            try:
-                results.extend(call.finish([outcome(r) for r in requests]))
-            except InputError as exc:
-                raise _shifted(exc, start) from None
-        return results
 
     # ---- tokens --------------------------------------------------------------------------
 
