@@ -266,7 +266,7 @@ class _GatedWorker:
         return future
 
 
-def test_a_chunk_prepared_during_a_step_joins_it_and_the_step_pools_behind_the_next(
+def test_a_chunk_prepared_during_a_step_joins_it_the_step_pools_behind_the_next_results_early(
     tiny_bert_engine, monkeypatch
 ) -> None:
     # Short inputs: each chunk of a large call fills a step of its own. The next chunk must
@@ -292,20 +292,34 @@ def test_a_chunk_prepared_during_a_step_joins_it_and_the_step_pools_behind_the_n
         events.append(("pool", len(step.chunks)))
         return pool(hidden, batch, step, **kwargs)
 
+    outcome = vecpool.api.engine.outcome
+
+    def logged_outcome(request):  # type: ignore[no-untyped-def]
+        if not events or events[-1][0] != "take":
+            events.append(("take", 0))
+        events[-1] = ("take", events[-1][1] + 1)
+        return outcome(request)
+
     monkeypatch.setattr(engine.model_runner, "forward", logged_forward)
     monkeypatch.setattr(engine.core.pooling_runner, "pool", logged_pool)
+    monkeypatch.setattr(vecpool.api.engine, "outcome", logged_outcome)
     got = engine.embed(prompts, show_progress=False)
     assert np.abs(got - whole).max() <= 1e-6
-    # Chunks of 2, 3, 3, 3 inputs: each step pools after the next step's forward is queued.
+    # Chunks of 2, 3, 3, 3 inputs: each step pools after the next step's forward is queued,
+    # and each chunk's results are taken once it has pooled, while later steps run.
     assert events == [
         ("forward", 2),
         ("forward", 3),
         ("pool", 2),
+        ("take", 2),
         ("forward", 3),
         ("pool", 3),
+        ("take", 3),
         ("forward", 3),
         ("pool", 3),
+        ("take", 3),
         ("pool", 3),
+        ("take", 3),
     ]
 
 
