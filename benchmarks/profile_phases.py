@@ -32,8 +32,10 @@ import cProfile
 import gc
 import io
 import pstats
+import re
 import statistics
 import sys
+import sysconfig
 import tempfile
 import time
 from pathlib import Path
@@ -280,8 +282,12 @@ def _device_gaps(
 
 
 def _lines(text: str) -> list[str]:
-    """Text as lines with the machine's own paths cut to the file names."""
-    return [line.replace(str(Path.cwd()) + "/", "") for line in text.splitlines() if line.strip()]
+    """Text as lines with the machine's own paths cut: the repository's to its files', the
+    installed packages' and the standard library's to a placeholder."""
+    stdlib = sysconfig.get_paths()["stdlib"]
+    text = re.sub(r"[^\s(]*/site-packages/", "<site-packages>/", text)
+    text = text.replace(str(Path.cwd()) + "/", "").replace(stdlib + "/", "<stdlib>/")
+    return [line for line in text.splitlines() if line.strip()]
 
 
 if __name__ == "__main__":
