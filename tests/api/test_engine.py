@@ -223,6 +223,14 @@ def test_large_calls_are_pipelined_in_chunks(tiny_bert_engine, monkeypatch) -> N
     monkeypatch.setattr(vecpool.api.engine.calls, "prepare_encode", counted)
     assert np.abs(engine.embed(prompts) - whole).max() <= 1e-6
     assert sizes == [2, 3, 3, 3]  # a smaller first chunk: the device starts sooner
+    # Matryoshka dimensions: each chunk's rows stacked into the call's result, cut alike.
+    cut = engine.embed(prompts, dimensions=8)
+    assert cut.shape == (len(prompts), 8)
+    sizes.clear()
+    assert (
+        np.abs(cut - np.stack([engine.embed([p], dimensions=8)[0] for p in prompts])).max() <= 1e-6
+    )
+    assert sizes == [1] * len(prompts)  # (those calls were small: not chunked)
     per_token = engine.encode(prompts, task="token_embed")
     assert [t.shape[0] for t in per_token] == [len(p) for p in prompts]
     # A bad input in a later chunk is named by its index in the whole call, and the call's
