@@ -82,6 +82,8 @@ class TextTokenizer:
         try:
             if offsets or self._plain_json is None:
                 return encode(self._for_length(max_tokens, side), texts)
+            if self._all_plain_strings(texts):  # the usual case, tested in one pass
+                return encode(self._for_length(max_tokens, side, plain=True), texts)
             plain = [self._is_plain(text) for text in texts]
             if len(set(plain)) < 2:  # all of one kind: one call
                 return encode(self._for_length(max_tokens, side, plain=all(plain)), texts)
@@ -106,6 +108,15 @@ class TextTokenizer:
         except TypeError:
             check_unicode(text, None)
             raise
+
+    def _all_plain_strings(self, texts: list[Any]) -> bool:
+        """Whether every one of `texts` is a single text that `_is_plain`: their concatenation
+        is plain exactly when each of them is (the test is a run of allowed characters)."""
+        try:
+            joined = "".join(texts)
+        except TypeError:  # text pairs among them
+            return False
+        return joined.isascii() and bool(self._plain_text.fullmatch(joined))
 
     def _is_plain(self, text: str | tuple[str, str]) -> bool:
         """Whether the cheaper copy tokenizes `text` exactly (see the module's docstring)."""
