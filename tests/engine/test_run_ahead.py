@@ -140,3 +140,30 @@ def test_requests_received_while_a_step_is_queued_let_it_pool_behind_the_next(
     requests = [*first, *second]
     assert all(r.status == RequestStatus.FINISHED for r in requests)
     assert np.array_equal(np.stack([r.output for r in requests]), expected)
+
+
+def test_a_failed_callers_requests_run_out_and_others_finish(
+    bert: vecpool.Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`EngineCore.run_out`: a caller's cancelled requests in the step in flight, in the step
+    prepared behind it and in the queue leave the engine (the one in flight pooled, the
+    prepared one never run, the queued ones dropped by the step that runs another caller's
+    requests in their place, which ride along)."""
+    prompts = _prompts(16, 6, seed=5)
+    expected = bert.embed(prompts[12:])
+    ours = bert.make_requests(prompts[:12], PoolingParams())  # three steps of four
+    theirs = bert.make_requests(prompts[12:], PoolingParams())
+    core = bert.core
+    core.add_requests(ours)
+    core.add_requests(theirs)
+    calls = _trace(bert, monkeypatch)
+    core.step()  # the first step in flight, the second prepared behind it
+    assert calls == ["F10"] and core.has_work()
+    for request in ours:
+        request.cancel()
+    core.run_out(ours)
+    # The prepared step of cancelled requests never ran; theirs ran alone, as they would have.
+    assert calls == ["F10", "P10", "F22", "P22"] and not core.has_work()
+    assert all(r.status == RequestStatus.CANCELLED for r in ours)
+    assert all(r.status == RequestStatus.FINISHED for r in theirs)
+    assert np.array_equal(np.stack([r.output for r in theirs]), expected)
