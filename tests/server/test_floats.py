@@ -103,3 +103,26 @@ def test_prompt_embeds_refused_exactly_where_the_model_dtype_overflows(model_dty
         else:
             with pytest.raises(InputError, match="not finite in the model dtype"):
                 processor.process([{"prompt_embeds": embeds}], TextOptions())
+
+
+def test_json_floats_are_the_vectors_values_and_an_overflow_is_refused() -> None:
+    """Responses are written by msgspec (`routes.common.dumps`): every float reads back as the
+    very value (float32, and rounded to float16 / bfloat16) the standard library's JSON gives;
+    a value that overflows the asked embed_dtype is refused by name, as JSON has no infinity."""
+    import json
+
+    from vecpool.server.codec import encode_array
+    from vecpool.server.routes.common import dumps
+
+    rng = np.random.default_rng(7)
+    vector = (rng.standard_normal(1024) * 10.0 ** rng.integers(-8, 5, 1024)).astype(np.float32)
+    vector[:4] = [0.0, -0.0, np.float32(1e-45), np.float32(1e38)]  # zeros, subnormal, large
+    for dtype in ("float32", "float16", "bfloat16"):
+        values = encode_array(
+            vector if dtype != "float16" else vector.clip(-6e4, 6e4), "float", dtype
+        )
+        body = {"data": [{"embedding": values, "index": 0}], "usage": {"prompt_tokens": 3}}
+        assert json.loads(dumps(body)) == json.loads(json.dumps(body, allow_nan=False))
+        assert json.loads(dumps(values)) == values  # each float exactly
+    with pytest.raises(InputError, match=r"^embed_dtype: a value of this output overflows float16"):
+        encode_array(np.array([1.0, 7e4], dtype=np.float32), "float", "float16")

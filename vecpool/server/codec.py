@@ -168,6 +168,12 @@ def encode_array(
         return base64.b64encode(to_bytes(array, dtype, endianness)).decode("ascii")
     if array.dtype.kind == "f" and dtype != "float32":
         array = round_to(array, dtype)
+        if not np.isfinite(array).all():  # JSON has no infinity (the bytes formats do)
+            raise InputError(
+                f"a value of this output overflows {dtype}, which JSON cannot carry; ask for "
+                "embed_dtype float32, or an encoding_format of bytes",
+                field="embed_dtype",
+            )
     return array.tolist()
 
 
@@ -189,5 +195,6 @@ def round_to(array: np.ndarray, dtype: EmbedDtype) -> np.ndarray:
     if dtype in FORMATS:
         return round_to_format(np.asarray(array, dtype=np.float32), FORMATS[dtype])
     if dtype == "float16":
-        return array.astype(np.float16).astype(np.float32)
+        with np.errstate(over="ignore"):  # past float16's range: inf, which callers check
+            return array.astype(np.float16).astype(np.float32)
     return array
