@@ -7,7 +7,8 @@ on the same inputs, in one run.
 Scenarios (`--scenarios`, fixed seeds, texts as `bench_gpu.py` makes them: whole-word
 vocabulary entries of the MiniLM tokenizer, so a text of L tokens is L tokens):
 - **embed**: `/v1/embeddings` with one query each (the queries workload, U[8, 64] tokens),
-  base64 output, at each `--clients` count; against offline `Engine.embed` of the same queries.
+  base64 output (`--encoding-format float`: JSON numbers, what the OpenAI API answers by
+  default), at each `--clients` count; against offline `Engine.embed` of the same queries.
 - **rerank**: `/rerank` with one query and 20 short documents (U[16, 48] tokens) each, at
   `--rerank-clients`, on a cross-encoder (`--rerank-model-dir`, else a random-weight one of
   BERT-base shape); against offline `rerank` of the same calls run as one batch.
@@ -198,11 +199,16 @@ def embed_scenarios(
     import vecpool
 
     out = []
+    fmt = args.encoding_format
+
+    def vector(value: Any) -> np.ndarray:  # one answer's vector, as asked for
+        return decode_base64(value) if fmt == "base64" else np.asarray(value, dtype=np.float32)
+
     if "embed" in args.scenarios:
         prompts = engine.context.inputs.process(queries, vecpool.TextOptions())
         work = Workload(
             "/v1/embeddings",
-            [{"input": q, "encoding_format": "base64"} for q in queries],
+            [{"input": q, "encoding_format": fmt} for q in queries],
             sum(p.num_tokens for p in prompts),
         )
         out.append(
@@ -212,7 +218,7 @@ def embed_scenarios(
                 len(queries),
                 lambda: engine.embed(queries, show_progress=False),
                 lambda answers, vectors: max(
-                    float(np.abs(decode_base64(a["data"][0]["embedding"]) - vectors[i]).max())
+                    float(np.abs(vector(a["data"][0]["embedding"]) - vectors[i]).max())
                     for i, a in answers.items()
                 ),
                 args.clients,
@@ -226,7 +232,7 @@ def embed_scenarios(
             [
                 {
                     "input": passages[i : i + BATCH_INPUTS],
-                    "encoding_format": "base64",
+                    "encoding_format": fmt,
                     "truncate_prompt_tokens": -1,
                 }
                 for i in range(0, len(passages), BATCH_INPUTS)
@@ -240,9 +246,7 @@ def embed_scenarios(
                 len(passages),
                 lambda: engine.embed(passages, truncate_prompt_tokens=-1, show_progress=False),
                 lambda answers, vectors: max(
-                    float(
-                        np.abs(decode_base64(d["embedding"]) - vectors[i * BATCH_INPUTS + j]).max()
-                    )
+                    float(np.abs(vector(d["embedding"]) - vectors[i * BATCH_INPUTS + j]).max())
                     for i, a in answers.items()
                     for j, d in enumerate(a["data"])
                 ),
@@ -387,6 +391,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "and their ratios to offline spread from 0.44 to 0.85 in one run)",
     )
     parser.add_argument("--rerank-calls", type=int, default=1024, help="distinct rerank calls")
+    parser.add_argument(
+        "--encoding-format",
+        choices=("base64", "float"),
+        default="base64",
+        help="how embed and batched answers carry their vectors (float: JSON numbers)",
+    )
     parser.add_argument("--max-seconds", type=float, default=120.0, help="per round")
     parser.add_argument(
         "--repeats",

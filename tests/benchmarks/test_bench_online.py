@@ -11,9 +11,13 @@ import pytest
 from benchmarks.bench_online import main
 
 
-def test_bench_online_runs_on_cpu_and_reports_consistent_numbers(tmp_path: Path) -> None:
+@pytest.mark.parametrize("encoding", ["base64", "float"])
+def test_bench_online_runs_on_cpu_and_reports_consistent_numbers(
+    tmp_path: Path, encoding: str
+) -> None:
     out = tmp_path / "online.json"
     argv = ["--synthetic", "tiny-bert", "--device", "cpu", "--scenarios", "embed", "batched"]
+    argv += ["--encoding-format", encoding]
     argv += ["--clients", "4", "16", "--batched-clients", "2", "--batched-inputs", "64"]
     argv += ["--n", "48", "--repeats", "3", "--client-processes", "1", "--output", str(out)]
     report = main(argv)
