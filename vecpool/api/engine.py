@@ -213,16 +213,9 @@ class Engine(EngineRunner):
     def _encode(
         self, inputs: Any, options: EncodeOptions, show_progress: bool | None
     ) -> list[np.ndarray]:
-        items = calls.as_input_list(inputs)
-
-        def prepare(start: int, stop: int) -> PreparedCall[list[np.ndarray]]:
-            return calls.prepare_encode(self.context, items[start:stop], options)
-
-        if len(items) <= PIPELINE_CHUNK:
-            return self.run(prepare(0, len(items)), show_progress=show_progress, desc=options.task)
         results: list[np.ndarray] = []
-        self._run_pipelined(
-            len(items), prepare, lambda _, chunk: results.extend(chunk), show_progress, options.task
+        self._encode_items(
+            calls.as_input_list(inputs), options, show_progress, lambda _, out: results.extend(out)
         )
         return results
 
@@ -233,22 +226,34 @@ class Engine(EngineRunner):
         are stacked chunk by chunk into the result as the chunks finish, while the device runs
         later ones, rather than all after the last step."""
         items = calls.as_input_list(inputs)
+        rows = np.empty((len(items), dim), dtype=np.float32)
+        if items:
+            self._encode_items(
+                items,
+                options,
+                show_progress,
+                lambda start, out: np.stack(out, out=rows[start : start + len(out)]),
+            )
+        return rows
+
+    def _encode_items(
+        self,
+        items: list[Any],
+        options: EncodeOptions,
+        show_progress: bool | None,
+        take: Callable[[int, list[np.ndarray]], object],  # (first input, outputs in order)
+    ) -> None:
+        """Run `items`: in one call, or chunk by chunk when large (`_run_pipelined`); their
+        outputs go to `take`, at once or a chunk at a time."""
 
         def prepare(start: int, stop: int) -> PreparedCall[list[np.ndarray]]:
             return calls.prepare_encode(self.context, items[start:stop], options)
 
         if len(items) <= PIPELINE_CHUNK:
-            outputs = self.run(
-                prepare(0, len(items)), show_progress=show_progress, desc=options.task
-            )
-            return np.stack(outputs) if outputs else np.zeros((0, dim), dtype=np.float32)
-        rows = np.empty((len(items), dim), dtype=np.float32)
-
-        def stack(start: int, chunk: list[np.ndarray]) -> None:
-            np.stack(chunk, out=rows[start : start + len(chunk)])
-
-        self._run_pipelined(len(items), prepare, stack, show_progress, options.task)
-        return rows
+            call = prepare(0, len(items))
+            take(0, self.run(call, show_progress=show_progress, desc=options.task))
+        else:
+            self._run_pipelined(len(items), prepare, take, show_progress, options.task)
 
     def prepare_encode(
         self,

@@ -76,8 +76,7 @@ def build_flat_batch(
                 key_lengths = lengths.copy()
             key_lengths[i] = min(max(prompt.num_attended - c.start, 1), c.num_tokens)
         if prompt.token_ids is not None:
-            whole = c.start == 0 and end == prompt.num_tokens
-            ids_parts.append(prompt.token_ids if whole else prompt.token_ids[c.start : end])
+            ids_parts.append(prompt.token_ids[c.start : end])
         else:
             assert prompt.prompt_embeds is not None
             ids_parts.append(np.zeros(c.num_tokens, dtype=np.int64))
