@@ -226,15 +226,17 @@ class Engine(EngineRunner):
         are stacked chunk by chunk into the result as the chunks finish, while the device runs
         later ones, rather than all after the last step."""
         items = calls.as_input_list(inputs)
-        rows = np.empty((len(items), dim), dtype=np.float32)
-        if items:
-            self._encode_items(
-                items,
-                options,
-                show_progress,
-                lambda start, out: np.stack(out, out=rows[start : start + len(out)]),
-            )
-        return rows
+        rows: list[np.ndarray] = []  # made once outputs come: preparing checks the options first
+
+        def stack(start: int, out: list[np.ndarray]) -> None:
+            if not out:
+                return
+            if not rows:
+                rows.append(np.empty((len(items), dim), dtype=np.float32))
+            np.stack(out, out=rows[0][start : start + len(out)])
+
+        self._encode_items(items, options, show_progress, stack)
+        return rows[0] if rows else np.zeros((0, dim), dtype=np.float32)
 
     def _encode_items(
         self,
