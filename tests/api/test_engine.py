@@ -313,21 +313,22 @@ def test_a_chunk_prepared_during_a_step_joins_it_the_step_pools_behind_the_next_
     monkeypatch.setattr(vecpool.api.engine, "outcome", logged_outcome)
     got = engine.embed(prompts, show_progress=False)
     assert np.abs(got - whole).max() <= 1e-6
-    # Chunks of 2, 3, 3, 3 inputs: each step pools after the next step's forward is queued,
-    # and each chunk's results are taken once it has pooled, while later steps run (the last
-    # step, with nothing behind it, pools at once: the last two chunks are taken together).
+    # Chunks of 2, 3, 3, 3 inputs, the worker preparing up to two ahead (`PIPELINE_AHEAD`):
+    # the first two are asked for at once, the third and fourth as the first two join the
+    # queue, and those two are ready by the second forward, so they share the third step. Each
+    # step pools after the next step's forward is queued, and each chunk's results are taken
+    # once it has pooled, while later steps run (the last step, with nothing behind it, pools
+    # at once: the last three chunks are taken together).
+    assert vecpool.api.engine.PIPELINE_AHEAD == 2
     assert events == [
         ("forward", 2),
         ("forward", 3),
         ("pool", 2),
         ("take", 2),
-        ("forward", 3),
+        ("forward", 6),
         ("pool", 3),
-        ("take", 3),
-        ("forward", 3),
-        ("pool", 3),
-        ("pool", 3),
-        ("take", 6),
+        ("pool", 6),
+        ("take", 9),
     ]
 
 

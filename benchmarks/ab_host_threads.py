@@ -1,0 +1,143 @@
+"""A large call's two host threads, in one process on the same engine and inputs, rounds
+interleaved: how far the input worker runs ahead of the steps (`--vary ahead`, the engine's
+`PIPELINE_AHEAD`) or the interpreter's thread switch interval (`--vary switch-interval`,
+`sys.setswitchinterval`).
+
+    PYTHONPATH=. python benchmarks/ab_host_threads.py --models bert-base --tokenizer DIR \
+        --vary ahead --values 1 2
+
+A large call runs on two threads of one interpreter: the caller's, which runs the engine's
+steps, and the worker that prepares (tokenizes) the next chunks. A chunk that is not ready when
+a step's forward is queued cannot join the next step, and the device waits for it; and each
+torch call of the engine thread lets go of the interpreter lock, which it gets back only when
+the worker lets go too or the switch interval (5 ms by default) runs out. This measures
+`Engine.embed` of `bench_gpu.py`'s workloads from text and from ids under each value: tokens
+per second and MFU, the median of `--rounds` rounds (the values' order rotating from round to
+round), every round kept, each value's ratio to the first one's, and the largest difference of
+the outputs from the first one's (a chunk joins the steps when it is ready, so the steps'
+makeup, and with it the last bits of a row, may differ from run to run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tokenizers
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import vecpool
+import vecpool.api.engine
+from benchmarks import record
+from benchmarks.bench_gpu import flop_model, matmul_ceiling
+from benchmarks.workloads import SHAPES, WORKLOADS, make_inputs, workload_lengths, write_folder
+
+
+def _set(vary: str, value: float) -> None:
+    if vary == "ahead":
+        vecpool.api.engine.PIPELINE_AHEAD = int(value)
+    else:
+        sys.setswitchinterval(value)
+
+
+def _timed(engine: vecpool.Engine, inputs: list[Any], device: str) -> tuple[float, np.ndarray]:
+    if device == "cuda":
+        torch.cuda.synchronize()
+    started = time.perf_counter()
+    out = engine.embed(inputs, show_progress=False)
+    return time.perf_counter() - started, out
+
+
+def main(argv: list[str]) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", nargs="+", default=["bert-base"], choices=sorted(SHAPES))
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    parser.add_argument("--forms", nargs="+", default=["text", "ids"], choices=["text", "ids"])
+    parser.add_argument("--vary", choices=["ahead", "switch-interval"], required=True)
+    parser.add_argument(
+        "--values", nargs="+", type=float, required=True, help="the first is the baseline"
+    )
+    parser.add_argument("--tokenizer", type=Path, required=True)
+    parser.add_argument("--n", type=int, default=4096, help="inputs per call")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--output", type=Path)
+    record.add_args(parser)
+    args = parser.parse_args(argv)
+    report = record.header("ab_host_threads.py", argv, device=args.device, commit=args.commit)
+    tokenizer = tokenizers.Tokenizer.from_file(str(args.tokenizer / "tokenizer.json"))
+    rows = report["rows"] = []
+    default = vecpool.api.engine.PIPELINE_AHEAD if args.vary == "ahead" else sys.getswitchinterval()
+    ceiling = report["ceiling_flops"] = matmul_ceiling(torch.device(args.device))
+    for name in args.models:
+        folder = write_folder(SHAPES[name], Path(tempfile.mkdtemp()), args.tokenizer, args.device)
+        flops = flop_model(folder)
+        engine = vecpool.Engine(folder, device=args.device)
+        limit = engine.info().max_model_len
+        for workload in args.workloads:
+            lengths = workload_lengths(workload, args.n).clip(max=limit)
+            texts, ids = make_inputs(tokenizer, lengths)
+            tokens = int(lengths.sum())
+            for form in args.forms:
+                inputs: list[Any] = texts if form == "text" else ids
+                engine.embed(inputs, show_progress=False)  # warm-up: graphs, compiled kernels
+                gc.collect()
+                gc.freeze()
+                seconds: dict[float, list[float]] = {v: [] for v in args.values}
+                outputs: dict[float, np.ndarray] = {}
+                try:
+                    for r in range(args.rounds):
+                        k = r % len(args.values)
+                        for value in args.values[k:] + args.values[:k]:
+                            _set(args.vary, value)
+                            took, outputs[value] = _timed(engine, inputs, args.device)
+                            seconds[value].append(took)
+                finally:
+                    _set(args.vary, default)
+                    gc.unfreeze()
+                base = args.values[0]
+                per_value = {
+                    f"{value:g}": {
+                        "tokens_per_s": tokens / statistics.median(values),
+                        "mfu": flops.flops(lengths) / statistics.median(values) / ceiling,
+                        "seconds": values,
+                        "ratio": statistics.median(seconds[base]) / statistics.median(values),
+                        "max_abs_diff": float(np.abs(outputs[value] - outputs[base]).max()),
+                    }
+                    for value, values in seconds.items()
+                }
+                rows.append(
+                    {
+                        "model": name,
+                        "workload": workload,
+                        "form": form,
+                        "num_inputs": len(inputs),
+                        "num_tokens": tokens,
+                        "vary": args.vary,
+                        "values": per_value,
+                    }
+                )
+                print(
+                    f"{name:11s} {workload:8s} {form:4s} "
+                    + "  ".join(
+                        f"{k}: {v['tokens_per_s']:,.0f} {v['mfu']:.1%} ({v['ratio']:.2f}x, "
+                        f"diff {v['max_abs_diff']:.1g})"
+                        for k, v in per_value.items()
+                    ),
+                    flush=True,
+                )
+                record.write(args.output, report)
+        del engine
+    return report
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
