@@ -34,6 +34,12 @@ from vecpool.models.kv_blocks import ChunkedKV
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
 
+# `_varlen_kernel()`'s answer once it has been asked (when a runner chooses its attention),
+# read as a plain global by the attention: the compiler traces into a cached function's body
+# (and warns that it does) rather than calling it.
+_varlen: tuple[Any, bool] | None = None
+
+
 @functools.cache
 def _varlen_kernel() -> tuple[Any, bool] | None:
     """(varlen_attn, whether it takes `enable_gqa`), or None on a torch without it.
@@ -41,11 +47,13 @@ def _varlen_kernel() -> tuple[Any, bool] | None:
     Imported on first use: the module pulls in torch's compiler stack, which costs seconds of
     start-up that a CPU engine never needs. torch 2.11's varlen_attn has no `enable_gqa`.
     """
+    global _varlen
     try:  # torch >= 2.10
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:  # pragma: no cover - older torch has no varlen attention
         return None
-    return varlen_attn, "enable_gqa" in inspect.signature(varlen_attn).parameters
+    _varlen = varlen_attn, "enable_gqa" in inspect.signature(varlen_attn).parameters
+    return _varlen
 
 
 def varlen_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -349,7 +357,7 @@ def _flash_attention(
     scale: float,
     window: int | None,
 ) -> torch.Tensor:
-    kernel = _varlen_kernel()
+    kernel = _varlen if _varlen is not None else _varlen_kernel()
     assert kernel is not None  # guarded by varlen_available when the runner chose it
     varlen_attn, has_gqa = kernel
     # FlashAttention aligns a causal mask and a window to the end of the keys when a sequence
