@@ -55,9 +55,10 @@ logger = logging.getLogger(__name__)
 PIPELINE_CHUNK = 512
 PIPELINE_FIRST_CHUNK = 128
 # Chunks being prepared or prepared and not yet queued, at most. With one, the next chunk was
-# started only once the last had joined the queue, and a chunk of short texts (6.7 ms to
-# tokenize 512 queries on an H200's host) was not ready when the step before it was queued:
-# the device waited for it every chunk. With two, the worker prepares chunks back to back.
+# started only once the last had joined the queue, and a chunk of short texts, which takes
+# longer to tokenize than the host takes to queue a step, was not ready when the step before
+# it was queued: the device waited for it every chunk. With two, the worker prepares chunks
+# back to back, one ahead of the queue.
 PIPELINE_AHEAD = 2
 
 
