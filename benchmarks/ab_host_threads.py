@@ -16,6 +16,12 @@ per second and MFU, the median of `--rounds` rounds (the values' order rotating 
 round), every round kept, each value's ratio to the first one's, and the largest difference of
 the outputs from the first one's (a chunk joins the steps when it is ready, so the steps'
 makeup, and with it the last bits of a row, may differ from run to run).
+
+`--simulate-device RATE` needs no GPU: `bench_host.py`'s engine (the model's forward stubbed
+out, on the CPU) with a simulated device that runs RATE tokens per second, one step after the
+other: a forward returns at once and its step's pooling sleeps (the lock let go) until the
+simulated device would have finished it, as pooling waits for a GPU. It shows whether the
+host keeps such a device busy. `--models` is then ignored and MFU not given.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ import vecpool
 import vecpool.api.engine
 from benchmarks import record
 from benchmarks.bench_gpu import flop_model, matmul_ceiling
+from benchmarks.bench_host import stub_engine
 from benchmarks.workloads import SHAPES, WORKLOADS, make_inputs, workload_lengths, write_folder
 
 
@@ -46,6 +53,30 @@ def _set(vary: str, value: float) -> None:
         vecpool.api.engine.PIPELINE_AHEAD = int(value)
     else:
         sys.setswitchinterval(value)
+
+
+def _simulated_device(tokenizer_dir: Path, rate: float) -> vecpool.Engine:
+    """`bench_host.py`'s stub engine, its steps timed as a device of `rate` tokens/s runs them."""
+    engine = stub_engine(tokenizer_dir)
+    free_at = [0.0]  # when the simulated device is done with every step queued so far
+    done_at: dict[int, float] = {}  # by id() of a step's output
+    forward, pool = engine.model_runner.forward, engine.core.pooling_runner.pool
+
+    def timed_forward(batch: Any) -> torch.Tensor:
+        hidden = forward(batch)
+        free_at[0] = max(free_at[0], time.perf_counter()) + batch.num_tokens / rate
+        done_at[id(hidden)] = free_at[0]
+        return hidden
+
+    def waiting_pool(hidden: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        wait = done_at.pop(id(hidden), 0.0) - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)
+        return pool(hidden, *args, **kwargs)
+
+    engine.model_runner.forward = timed_forward  # type: ignore[method-assign]
+    engine.core.pooling_runner.pool = waiting_pool  # type: ignore[method-assign]
+    return engine
 
 
 def _timed(engine: vecpool.Engine, inputs: list[Any], device: str) -> tuple[float, np.ndarray]:
@@ -69,6 +100,12 @@ def main(argv: list[str]) -> dict[str, Any]:
     parser.add_argument("--n", type=int, default=4096, help="inputs per call")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--simulate-device",
+        type=float,
+        metavar="RATE",
+        help="the stubbed model on the CPU, with a simulated device of RATE tokens/s",
+    )
     parser.add_argument("--output", type=Path)
     record.add_args(parser)
     args = parser.parse_args(argv)
@@ -76,11 +113,22 @@ def main(argv: list[str]) -> dict[str, Any]:
     tokenizer = tokenizers.Tokenizer.from_file(str(args.tokenizer / "tokenizer.json"))
     rows = report["rows"] = []
     default = vecpool.api.engine.PIPELINE_AHEAD if args.vary == "ahead" else sys.getswitchinterval()
-    ceiling = report["ceiling_flops"] = matmul_ceiling(torch.device(args.device))
-    for name in args.models:
-        folder = write_folder(SHAPES[name], Path(tempfile.mkdtemp()), args.tokenizer, args.device)
-        flops = flop_model(folder)
-        engine = vecpool.Engine(folder, device=args.device)
+    simulated = args.simulate_device is not None
+    if simulated:
+        args.device = "cpu"
+        report["simulated_device_tokens_per_s"] = args.simulate_device
+    ceiling = None if simulated else matmul_ceiling(torch.device(args.device))
+    report["ceiling_flops"] = ceiling
+    for name in ["stub"] if simulated else args.models:
+        if simulated:
+            engine = _simulated_device(args.tokenizer, args.simulate_device)
+            flops = None
+        else:
+            folder = write_folder(
+                SHAPES[name], Path(tempfile.mkdtemp()), args.tokenizer, args.device
+            )
+            flops = flop_model(folder)
+            engine = vecpool.Engine(folder, device=args.device)
         limit = engine.info().max_model_len
         for workload in args.workloads:
             lengths = workload_lengths(workload, args.n).clip(max=limit)
@@ -107,7 +155,11 @@ def main(argv: list[str]) -> dict[str, Any]:
                 per_value = {
                     f"{value:g}": {
                         "tokens_per_s": tokens / statistics.median(values),
-                        "mfu": flops.flops(lengths) / statistics.median(values) / ceiling,
+                        "mfu": (
+                            flops.flops(lengths) / statistics.median(values) / ceiling
+                            if flops is not None and ceiling is not None
+                            else None
+                        ),
                         "seconds": values,
                         "ratio": statistics.median(seconds[base]) / statistics.median(values),
                         "max_abs_diff": float(np.abs(outputs[value] - outputs[base]).max()),
@@ -128,7 +180,9 @@ def main(argv: list[str]) -> dict[str, Any]:
                 print(
                     f"{name:11s} {workload:8s} {form:4s} "
                     + "  ".join(
-                        f"{k}: {v['tokens_per_s']:,.0f} {v['mfu']:.1%} ({v['ratio']:.2f}x, "
+                        f"{k}: {v['tokens_per_s']:,.0f} "
+                        + ("" if v["mfu"] is None else f"{v['mfu']:.1%} ")
+                        + f"({v['ratio']:.2f}x, "
                         f"diff {v['max_abs_diff']:.1g})"
                         for k, v in per_value.items()
                     ),
