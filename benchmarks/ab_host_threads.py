@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import vecpool
 import vecpool.api.engine
 from benchmarks import record
+from benchmarks.ab_run_ahead import _timed
 from benchmarks.bench_gpu import flop_model, matmul_ceiling
 from benchmarks.bench_host import stub_engine
 from benchmarks.workloads import SHAPES, WORKLOADS, make_inputs, workload_lengths, write_folder
@@ -77,14 +78,6 @@ def _simulated_device(tokenizer_dir: Path, rate: float) -> vecpool.Engine:
     engine.model_runner.forward = timed_forward  # type: ignore[method-assign]
     engine.core.pooling_runner.pool = waiting_pool  # type: ignore[method-assign]
     return engine
-
-
-def _timed(engine: vecpool.Engine, inputs: list[Any], device: str) -> tuple[float, np.ndarray]:
-    if device == "cuda":
-        torch.cuda.synchronize()
-    started = time.perf_counter()
-    out = engine.embed(inputs, show_progress=False)
-    return time.perf_counter() - started, out
 
 
 def main(argv: list[str]) -> dict[str, Any]:
