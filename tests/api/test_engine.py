@@ -313,23 +313,72 @@ def test_a_chunk_prepared_during_a_step_joins_it_the_step_pools_behind_the_next_
     monkeypatch.setattr(vecpool.api.engine, "outcome", logged_outcome)
     got = engine.embed(prompts, show_progress=False)
     assert np.abs(got - whole).max() <= 1e-6
-    # Chunks of 2, 3, 3, 3 inputs, the worker preparing up to two ahead (`PIPELINE_AHEAD`):
-    # the first two are asked for at once, the third and fourth as the first two join the
-    # queue, and those two are ready by the second forward, so they share the third step. Each
-    # step pools after the next step's forward is queued, and each chunk's results are taken
-    # once it has pooled, while later steps run (the last step, with nothing behind it, pools
-    # at once: the last three chunks are taken together).
-    assert vecpool.api.engine.PIPELINE_AHEAD == 2
+    # Chunks of 2, 3, 3, 3 inputs: each step pools after the next step's forward is queued,
+    # and each chunk's results are taken once it has pooled, while later steps run (the last
+    # step, with nothing behind it, pools at once: the last two chunks are taken together).
     assert events == [
         ("forward", 2),
         ("forward", 3),
         ("pool", 2),
         ("take", 2),
-        ("forward", 6),
+        ("forward", 3),
         ("pool", 3),
-        ("pool", 6),
-        ("take", 9),
+        ("take", 3),
+        ("forward", 3),
+        ("pool", 3),
+        ("pool", 3),
+        ("take", 6),
     ]
+
+
+class _LateWorker:
+    """An input worker whose chunks are never ready before the engine asks for them (as a
+    slow tokenizer's): records how many chunks were asked for and not yet taken, at each ask."""
+
+    pending: ClassVar[list[int]] = []
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        self.asked = 0
+        _LateWorker.pending = []
+
+    def __enter__(self) -> _LateWorker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def submit(self, fn, *args):  # type: ignore[no-untyped-def]
+        worker = self
+        worker.asked += 1
+        _LateWorker.pending.append(worker.asked)
+
+        class Taken(_LaterFuture):
+            def result(self, timeout=None):  # type: ignore[no-untyped-def]
+                worker.asked -= 1
+                return super().result(timeout)
+
+        future = Taken()
+        future.set_result(fn(*args))
+        return future
+
+
+def test_the_worker_prepares_two_chunks_ahead_once_the_engine_waited_for_one(
+    tiny_bert_engine, monkeypatch
+) -> None:
+    engine = tiny_bert_engine
+    prompts = random_prompts(99, [3 + (i * 7) % 40 for i in range(14)], seed=52)
+    whole = engine.embed(prompts)
+    monkeypatch.setattr(vecpool.api.engine, "PIPELINE_CHUNK", 3)
+    monkeypatch.setattr(vecpool.api.engine, "PIPELINE_FIRST_CHUNK", 2)
+    monkeypatch.setattr(vecpool.api.engine, "ThreadPoolExecutor", _LateWorker)
+    got = engine.embed(prompts, show_progress=False)
+    assert np.abs(got - whole).max() <= 1e-6
+    # Chunks of 2, 3, 3, 3, 3: the first asked for alone, the second once the first joined;
+    # the engine waits for the second, so from then on two are asked for ahead. (Chunks ready
+    # in time keep one at a time: the test above, whose worker reports each chunk ready once a
+    # step's forward is queued, sees one forward per chunk.)
+    assert vecpool.api.engine.PIPELINE_AHEAD == 2
+    assert _LateWorker.pending == [1, 1, 1, 2, 2]
 
 
 def test_a_failing_input_is_isolated_from_its_step(tiny_bert_engine, monkeypatch) -> None:

@@ -54,11 +54,13 @@ logger = logging.getLogger(__name__)
 # smaller (the device starts sooner) and the others keep the size that pays.
 PIPELINE_CHUNK = 512
 PIPELINE_FIRST_CHUNK = 128
-# Chunks being prepared or prepared and not yet queued, at most. With one, the next chunk was
-# started only once the last had joined the queue, and a chunk of short texts, which takes
-# longer to tokenize than the host takes to queue a step, was not ready when the step before
-# it was queued: the device waited for it every chunk. With two, the worker prepares chunks
-# back to back, one ahead of the queue.
+# Chunks being prepared, or prepared and not yet queued, at most, once the engine has had to
+# wait for one: the worker then prepares chunks back to back. A chunk of short texts can take
+# longer to tokenize than the host takes to queue a step: started only once the chunk before
+# it had joined the queue, it was not ready when the step before it was queued, and the device
+# waited for it every chunk (BERT-base queries from text 1.37x on an H200 with two, in
+# `ahead_h200.json`). Until then one is prepared at a time: inputs that are ready in time (ids)
+# ran up to 13% slower with two, the worker's Python then taking turns with the engine thread's.
 PIPELINE_AHEAD = 2
 
 
@@ -471,24 +473,25 @@ class Engine(EngineRunner):
             tqdm(total=total, disable=not show, desc=desc, unit="input") as bar,
         ):
             # The next chunks' preparations, in order: the worker runs them back to back.
-            upcoming = deque(
-                worker.submit(prepare, starts[i], stops[i])
-                for i in range(min(PIPELINE_AHEAD, len(starts)))
-            )
+            upcoming = deque([worker.submit(prepare, 0, stops[0])])
+            ahead = [1]  # chunks prepared ahead at most: PIPELINE_AHEAD once one was late
 
             def queue_next(wait: bool = False) -> None:
                 """Queue the next chunk's requests if it is prepared (or once it is, with
-                `wait`), and start preparing another."""
+                `wait`), and start preparing the next ones."""
                 if not upcoming or not (wait or upcoming[0].done()):
                     return
                 start = starts[len(chunks)]
+                if chunks and not upcoming[0].done():  # the engine waits for it (not the first)
+                    ahead[0] = PIPELINE_AHEAD
                 try:
                     call = upcoming.popleft().result()
                 except InputError as exc:
                     raise _shifted(exc, start) from None
                 i = len(chunks) + 1 + len(upcoming)  # the first chunk not yet submitted
-                if i < len(starts):
+                while i < len(starts) and len(upcoming) < ahead[0]:
                     upcoming.append(worker.submit(prepare, starts[i], stops[i]))
+                    i += 1
                 requests = self.submit(call.requests)
                 if show:  # counted for the bar only
                     for request in requests:
