@@ -331,26 +331,20 @@ def test_a_chunk_prepared_during_a_step_joins_it_the_step_pools_behind_the_next_
     ]
 
 
-class _LateWorker:
+class _LateWorker(_GatedWorker):
     """An input worker whose chunks are never ready before the engine asks for them (as a
     slow tokenizer's): records how many chunks were asked for and not yet taken, at each ask."""
 
-    pending: ClassVar[list[int]] = []
+    asks: ClassVar[list[int]] = []
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         self.asked = 0
-        _LateWorker.pending = []
-
-    def __enter__(self) -> _LateWorker:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
+        _LateWorker.asks = []
 
     def submit(self, fn, *args):  # type: ignore[no-untyped-def]
         worker = self
         worker.asked += 1
-        _LateWorker.pending.append(worker.asked)
+        _LateWorker.asks.append(worker.asked)
 
         class Taken(_LaterFuture):
             def result(self, timeout=None):  # type: ignore[no-untyped-def]
@@ -378,7 +372,7 @@ def test_the_worker_prepares_two_chunks_ahead_once_the_engine_waited_for_one(
     # in time keep one at a time: the test above, whose worker reports each chunk ready once a
     # step's forward is queued, sees one forward per chunk.)
     assert vecpool.api.engine.PIPELINE_AHEAD == 2
-    assert _LateWorker.pending == [1, 1, 1, 2, 2]
+    assert _LateWorker.asks == [1, 1, 1, 2, 2]
 
 
 def test_a_failing_input_is_isolated_from_its_step(tiny_bert_engine, monkeypatch) -> None:
