@@ -156,7 +156,12 @@ def _run_counts(
             # CPU: the server's whole process tree per request, next to offline per item.
             # (An item: an input of embed and batched, a call of rerank; a batched request
             # carries several.)
-            row["server_cpu_s_per_request"] = (c1 - c0) / max(len(r.latencies), 1)
+            done = max(len(r.latencies), 1)
+            row["server_cpu_s_per_request"] = (c1["total"] - c0["total"]) / done
+            # ... and by process: the API processes', the engine processes', the supervisor's.
+            row["server_cpu_s_per_request_by_process"] = {
+                role: (c1[role] - c0[role]) / done for role in ("api", "engine", "other")
+            }
             row["server_cpu_s_per_item"] = row["server_cpu_s_per_request"] / (
                 scenario.items / len(w.bodies)
             )
@@ -347,6 +352,7 @@ def write_cross_encoder(dest: Path, args: argparse.Namespace) -> Path:
 
 def _print(row: dict[str, Any]) -> None:
     lat = row["latency_ms"]
+    by = row["server_cpu_s_per_request_by_process"]
     print(
         f"{row['scenario']:8s} clients={row['clients']:4d} {row['requests_per_s']:9.1f} req/s "
         f"{row['tokens_per_s']:10.0f} tok/s ({row['ratio_to_offline']:.0%} of offline) "
@@ -358,6 +364,7 @@ def _print(row: dict[str, Any]) -> None:
     )
     print(
         f"{'':8s} CPU: server {row['server_cpu_s_per_request'] * 1000:.2f} ms/request "
+        f"(API {by['api'] * 1000:.2f}, engine {by['engine'] * 1000:.2f}) "
         f"({row['server_cpu_s_per_item'] * 1000:.2f} ms/item), offline "
         f"{row['offline_cpu_s_per_item'] * 1000:.2f} ms/item ({row['cpu_efficiency']:.0%} "
         f"efficient); p99 {row['p99_over_drain']:.2f}x the queue's drain "

@@ -346,20 +346,26 @@ def engine_metrics(url: str) -> dict[str, float]:
     return out
 
 
-def tree_cpu_seconds(pid: int) -> float:
+def tree_cpu_seconds(pid: int) -> dict[str, float]:
     """CPU seconds (user and system) that process `pid` and its descendants have used so far,
-    read from /proc (0 where there is none)."""
+    read from /proc (0 where there is none): in all (`total`), and by the server's process
+    names (`api`: its API processes, `engine`: its engine processes, `other`: the rest)."""
     tick = os.sysconf("SC_CLK_TCK")
     parents: dict[int, int] = {}
     times: dict[int, float] = {}
+    names: dict[int, str] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
+            head, _, tail = stat.read_text().rpartition(")")
+            fields = tail.split()
+        except OSError:
             continue  # gone meanwhile
+        if not fields:
+            continue
         child = int(stat.parent.name)
         parents[child] = int(fields[1])
         times[child] = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+        names[child] = head.partition("(")[2]
     tree, grew = {pid}, True
     while grew:
         grew = False
@@ -367,7 +373,13 @@ def tree_cpu_seconds(pid: int) -> float:
             if parent in tree and child not in tree:
                 tree.add(child)
                 grew = True
-    return sum(times.get(child, 0.0) for child in tree)
+    out = {"total": 0.0, "api": 0.0, "engine": 0.0, "other": 0.0}
+    for child in tree:
+        name = names.get(child, "")
+        role = next((r for r in ("api", "engine") if name.startswith(f"vecpool-{r}")), "other")
+        out[role] += times.get(child, 0.0)
+        out["total"] += times.get(child, 0.0)
+    return out
 
 
 def timed(fn: Callable[[], Any], device: str) -> tuple[float, Any]:

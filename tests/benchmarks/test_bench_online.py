@@ -37,6 +37,9 @@ def test_bench_online_runs_on_cpu_and_reports_consistent_numbers(
         assert row["engine"]["steps"] >= 1 and row["engine"]["inputs_per_step"] >= 1
         # CPU: the server's process tree spent some per request, offline some per input.
         assert row["server_cpu_s_per_request"] > 0 and row["offline_cpu_s_per_item"] > 0
+        # ... split by the processes' names: the parts sum to the whole.
+        by = row["server_cpu_s_per_request_by_process"]
+        assert sum(by.values()) == pytest.approx(row["server_cpu_s_per_request"], rel=1e-9)
         per_request = 1 if scenario == "embed" else 32  # inputs of one request
         assert row["server_cpu_s_per_item"] == row["server_cpu_s_per_request"] / per_request
         assert row["cpu_efficiency"] == row["offline_cpu_s_per_item"] / row["server_cpu_s_per_item"]
@@ -47,3 +50,9 @@ def test_bench_online_runs_on_cpu_and_reports_consistent_numbers(
         assert row["client_cpu_busy"] <= 1.5
         assert row["queue_drain_ms"] == row["clients"] / row["requests_per_s"] * 1000
         assert row["p99_over_drain"] == row["latency_ms"]["p99"] / row["queue_drain_ms"]
+    # Over the embed rows' rounds (96 requests, whole clock ticks of CPU) both the API process
+    # and the engine process were seen working.
+    for role in ("api", "engine"):
+        assert (
+            sum(rows["embed", c]["server_cpu_s_per_request_by_process"][role] for c in (4, 16)) > 0
+        )

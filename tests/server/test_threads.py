@@ -140,6 +140,9 @@ def test_no_server_process_computes_with_more_threads_than_it_was_given(
     engines = {pid: r for pid, r in records.items() if any(x["kind"] == "step" for x in r)}
     apis = {pid: r for pid, r in records.items() if pid not in engines}
     assert len(engines) == 1 and len(apis) == 1, records
+    # Each child is named for its role, so that `top` and a benchmark tell their CPU apart.
+    for pid, name in ((*engines, "vecpool-engine"), (*apis, "vecpool-api-0")):
+        assert Path(f"/proc/{pid}/comm").read_text().strip() == name
     # The machine's compute threads as torch counts them (as the supervisor does), one API
     # process: the engine has the rest.
     given = {"engine": max(1, torch.get_num_threads() - 1), "api": 1}

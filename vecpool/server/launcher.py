@@ -25,6 +25,7 @@ lost engine process and hands it to the API processes (`supervisor.py`). With `a
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import gc
 import logging
 import math
@@ -75,6 +76,8 @@ DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 # `--engine-restart-window`).
 DEFAULT_MAX_ENGINE_RESTARTS = 5
 DEFAULT_ENGINE_RESTART_WINDOW = 300.0
+# prctl's option that names the calling thread (the main thread's name is the process's).
+PR_SET_NAME = 15
 
 
 @dataclass(frozen=True)
@@ -396,10 +399,22 @@ def _spawner(
     return spawn
 
 
+def name_this_process() -> None:
+    """This child's process name (`vecpool-api-0`, `vecpool-engine`: what `top`, `ps -o comm`
+    and /proc/PID/comm show, so that each process's CPU is told apart), from its
+    multiprocessing name, cut to the 15 bytes Linux keeps; nothing where there is no prctl."""
+    name = mp.current_process().name.encode()[:15]
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_NAME, ctypes.c_char_p(name), 0, 0, 0)
+
+
 def _engine_main(*args: Any, **kwargs: Any) -> None:
     """An engine process's entry point: the engine (and torch) load here, in that process,
     never in this one (the supervisor) or in the API processes."""
     from vecpool.server.engine_process import run_engine_process
+
+    name_this_process()
 
     run_engine_process(*args, **kwargs)
 
@@ -428,6 +443,7 @@ def run_api_process(
     from vecpool.server.metrics import EngineGroupMetrics
     from vecpool.server.served import ServedModelsClient
 
+    name_this_process()
     # No torch here: its compute threads were set through the environment it started with
     # (`child_threads`), which numpy and the tokenizer read.
     by_model: list[list[EngineProcessClient]] = [[] for _ in infos]
