@@ -356,7 +356,7 @@ class _LateWorker(_GatedWorker):
         return future
 
 
-def test_the_worker_prepares_two_chunks_ahead_once_the_engine_waited_for_one(
+def test_the_worker_prepares_two_chunks_ahead_once_the_engine_ran_dry_behind_one(
     tiny_bert_engine, monkeypatch
 ) -> None:
     engine = tiny_bert_engine
@@ -367,12 +367,12 @@ def test_the_worker_prepares_two_chunks_ahead_once_the_engine_waited_for_one(
     monkeypatch.setattr(vecpool.api.engine, "ThreadPoolExecutor", _LateWorker)
     got = engine.embed(prompts, show_progress=False)
     assert np.abs(got - whole).max() <= 1e-6
-    # Chunks of 2, 3, 3, 3, 3: the first asked for alone, the second once the first joined;
-    # the engine waits for the second, so from then on two are asked for ahead. (Chunks ready
-    # in time keep one at a time: the test above, whose worker reports each chunk ready once a
-    # step's forward is queued, sees one forward per chunk.)
+    # Chunks of 2, 3, 3, 3, 3: each asked for once the one before it joined the queue, until
+    # the engine has run dry behind a full chunk (the second): from then on two are asked for
+    # ahead. (Chunks ready in time keep one at a time: the test above, whose worker reports
+    # each chunk ready once a step's forward is queued, sees one forward per chunk.)
     assert vecpool.api.engine.PIPELINE_AHEAD == 2
-    assert _LateWorker.asks == [1, 1, 1, 2, 2]
+    assert _LateWorker.asks == [1, 1, 1, 1, 2]
 
 
 def test_a_failing_input_is_isolated_from_its_step(tiny_bert_engine, monkeypatch) -> None:

@@ -54,13 +54,16 @@ logger = logging.getLogger(__name__)
 # smaller (the device starts sooner) and the others keep the size that pays.
 PIPELINE_CHUNK = 512
 PIPELINE_FIRST_CHUNK = 128
-# Chunks being prepared, or prepared and not yet queued, at most, once the engine has had to
-# wait for one: the worker then prepares chunks back to back. A chunk of short texts can take
-# longer to tokenize than the host takes to queue a step: started only once the chunk before
-# it had joined the queue, it was not ready when the step before it was queued, and the device
-# waited for it every chunk (BERT-base queries from text 1.37x on an H200 with two, in
-# `ahead_h200.json`). Until then one is prepared at a time: inputs that are ready in time (ids)
-# ran up to 13% slower with two, the worker's Python then taking turns with the engine thread's.
+# Chunks being prepared, or prepared and not yet queued, at most, once the engine has run out
+# of work before the next chunk was queued: the worker then prepares chunks back to back. A
+# chunk of short texts can take longer to tokenize than the host takes to queue a step:
+# started only once the chunk before it had joined the queue, it was not ready when the steps
+# before it were queued, and the device ran dry before every chunk (BERT-base queries from text
+# 1.37x on an H200 with two, in `ahead_h200.json`). Until then one is prepared at a time:
+# inputs that are ready in time (ids) ran up to 13% slower with two, the worker's Python then
+# taking turns with the engine thread's. (Going two ahead only once the engine blocked on a
+# chunk did not engage on the H200, `ahead_adaptive_h200.json`: the chunk that missed the
+# steps was mostly ready by the time the last of them had pooled.)
 PIPELINE_AHEAD = 2
 
 
@@ -482,8 +485,6 @@ class Engine(EngineRunner):
                 if not upcoming or not (wait or upcoming[0].done()):
                     return
                 start = starts[len(chunks)]
-                if chunks and not upcoming[0].done():  # the engine waits for it (not the first)
-                    ahead[0] = PIPELINE_AHEAD
                 try:
                     call = upcoming.popleft().result()
                 except InputError as exc:
@@ -515,6 +516,12 @@ class Engine(EngineRunner):
             taken = [0]  # chunks whose results went to `take`
             try:
                 while upcoming:
+                    # Every queued step is done and the next chunk was not queued in time:
+                    # the device ran dry waiting for it (after a full chunk; the first, smaller
+                    # one runs too briefly to tell). It may be ready by now, having missed the
+                    # last step's `receive`: from here the worker prepares chunks back to back.
+                    if len(chunks) >= 2 and not self.core.has_work():
+                        ahead[0] = PIPELINE_AHEAD
                     queue_next(wait=True)
                     while self.core.has_work() and not (upcoming and upcoming[0].done()):
                         self.core.step(receive=queue_next)
