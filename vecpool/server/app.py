@@ -10,16 +10,18 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
 import vecpool
 from vecpool.calls import CallContext, EngineInfo
@@ -139,16 +141,93 @@ async def _executor(state: ServerState) -> AsyncIterator[None]:
         executor.shutdown(wait=False, cancel_futures=True)
 
 
+class App(FastAPI):
+    """FastAPI, except that a POST to a route whose endpoint takes the bare request and nothing
+    else (every route that does work) runs without FastAPI's router and middleware: the same
+    endpoint, the same `ServerMiddleware` around it, the same exception handlers. Those layers
+    (routing, dependency solving, an exit stack, telemetry and body-limit middleware) have
+    nothing to do for such an endpoint, and cost a single-query request a third of what the
+    app's own work does (`benchmarks/bench_api_request.py`). Any other request, or one to a
+    path under a root path, goes through FastAPI whole."""
+
+    fast_routes: dict[tuple[str, str], Callable[[Request], Awaitable[Response]]]
+    fast_app: ServerMiddleware | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (
+            self.fast_app is not None
+            and scope["type"] == "http"
+            and (scope["method"], scope["path"]) in self.fast_routes
+        ):
+            scope["app"] = self  # where a request finds the server's state
+            await self.fast_app(scope, receive, send)
+            return
+        await super().__call__(scope, receive, send)
+
+    def serve_fast(
+        self, routes: Iterable[object], state: ServerState, endpoints: frozenset[str]
+    ) -> None:
+        """Run the POST endpoints among `routes` that take only the request around FastAPI
+        (once every route and exception handler is in place)."""
+        self.fast_routes = {
+            ("POST", route.path): route.endpoint
+            for route in routes
+            if isinstance(route, APIRoute)
+            and "POST" in route.methods
+            and _takes_only_the_request(route)
+        }
+        self.fast_app = ServerMiddleware(self._run_fast, state=state, endpoints=endpoints)
+
+    async def _run_fast(self, scope: Scope, receive: Receive, send: Send) -> None:
+        request = Request(scope, receive, send)
+        try:
+            response = await self.fast_routes[scope["method"], scope["path"]](request)
+        except Exception as exc:
+            # As FastAPI's exception middleware does: the handler of the exception's nearest
+            # class; none (an unexpected error) is raised on to `ServerMiddleware`.
+            handler = next(
+                (
+                    self.exception_handlers[cls]
+                    for cls in type(exc).__mro__
+                    if cls is not Exception and cls in self.exception_handlers
+                ),
+                None,
+            )
+            if handler is None:
+                raise
+            response = await handler(request, exc)
+        await response(scope, receive, send)
+
+
+def _takes_only_the_request(route: APIRoute) -> bool:
+    d = route.dependant
+    return d.request_param_name is not None and not (
+        d.path_params
+        or d.query_params
+        or d.header_params
+        or d.cookie_params
+        or d.body_params
+        or d.dependencies
+        or d.websocket_param_name
+        or d.http_connection_param_name
+        or d.response_param_name
+        or d.background_tasks_param_name
+        or d.security_scopes_param_name
+    )
+
+
 def _build(state: ServerState, lifespan: Lifespan) -> FastAPI:
-    app = FastAPI(title="vecpool", version=vecpool.__version__, lifespan=lifespan)
+    app = App(title="vecpool", version=vecpool.__version__, lifespan=lifespan)
     app.state.vecpool = state
     for router in ROUTERS:
         app.include_router(router)
     _add_error_handlers(app, state)
     # Read from each router: some FastAPI versions keep an included router as one route.
-    paths = (getattr(r, "path", None) for x in (app, *ROUTERS) for r in x.routes)
+    routes = [r for x in (app, *ROUTERS) for r in x.routes]
+    paths = (getattr(r, "path", None) for r in routes)
     endpoints = frozenset(path for path in paths if isinstance(path, str))
     app.add_middleware(ServerMiddleware, state=state, endpoints=endpoints)
+    app.serve_fast(routes, state, endpoints)
     return app
 
 
@@ -179,7 +258,7 @@ def _add_error_handlers(app: FastAPI, state: ServerState) -> None:
         return error_response(ApiError(400, f"{param}: {first['msg']}", param=param))
 
     async def on_disconnect(request: Request, exc: Exception) -> Response:
-        state.metrics.disconnects.labels(request.url.path).inc()
+        state.metrics.disconnects.labels(request.scope["path"]).inc()
         return Response(status_code=STATUS_CLIENT_CLOSED)
 
     async def on_unexpected(request: Request, exc: Exception) -> Response:

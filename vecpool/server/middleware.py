@@ -99,8 +99,8 @@ class ServerMiddleware:
                 error = ApiError(500, "internal server error", code="internal_error")
                 await error_response(error)(scope, receive, send_and_record)
         finally:
-            self.metrics.http_requests.labels(endpoint, str(status)).inc()
-            self.metrics.http_seconds.labels(endpoint).observe(time.perf_counter() - start)
+            self.metrics.answered(endpoint, status).inc()
+            self.metrics.for_endpoint(endpoint).http_seconds.observe(time.perf_counter() - start)
 
     def _refusal(self, scope: Scope, path: str) -> ApiError | None:
         """401 without the API key; for work, 503 while every engine restarts and 429 while

@@ -95,7 +95,7 @@ async def embed(request: Request, data: dict[str, Any], *, version: int) -> Resp
         return calls.prepare_encode(state.context, texts, options.encode())
 
     vectors, timings = await run_call(
-        state, request, request.url.path, prepare, len(texts), texts_error
+        state, request, request.scope["path"], prepare, len(texts), texts_error
     )
     stacked = np.stack(vectors)
     meta = {

@@ -81,7 +81,7 @@ def parse_items(state: ServerState, value: Any) -> list[Item]:
 @router.post("/embeddings", openapi_extra=openapi_body(EmbeddingRequest))  # Infinity's, TEI's
 async def create_embeddings(request: Request) -> Response:
     state = get_state(request)
-    if request.url.path == INFINITY_EMBEDDINGS:
+    if request.scope["path"] == INFINITY_EMBEDDINGS:
         return await infinity_embeddings(request)
     return await embeddings(request, await read_json(request, state.config.max_payload_bytes))
 
@@ -112,7 +112,7 @@ async def embeddings(request: Request, data: dict[str, Any]) -> Response:
     state = state.for_model(body.model)
     inputs = TextInputs(state, body)
     # vLLM and OpenAI refuse `dimensions` for a model not trained for it; Infinity cuts any.
-    matryoshka_only = request.url.path != INFINITY_EMBEDDINGS
+    matryoshka_only = request.scope["path"] != INFINITY_EMBEDDINGS
     ranges = quantization(state, body)
     normalize = body.normalize
     if body.use_activation is not None:
@@ -147,11 +147,13 @@ async def embeddings(request: Request, data: dict[str, Any]) -> Response:
             return windowed.prepare_embed_windowed(state.context, inputs.decode(), options)
 
         array, timings = await run_call(
-            state, request, request.url.path, prepare_windowed, len(inputs)
+            state, request, request.scope["path"], prepare_windowed, len(inputs)
         )
         vectors = list(array)
     else:
-        vectors, timings = await run_call(state, request, request.url.path, prepare, len(inputs))
+        vectors, timings = await run_call(
+            state, request, request.scope["path"], prepare, len(inputs)
+        )
 
     if options.precision != "float32":
         stacked = postprocess.quantize(np.stack(vectors), options.precision, options.ranges)

@@ -68,7 +68,7 @@ async def rerank_any(request: Request, data: dict[str, Any]) -> Response:
     client always sends it), else `documents` (Cohere, Jina, vLLM)."""
     if "texts" in data and "documents" not in data:
         return await tei_routes.rerank(request, data)
-    if "raw_scores" in data and request.url.path == "/rerank":
+    if "raw_scores" in data and request.scope["path"] == "/rerank":
         return await infinity_rerank(request, data)
     return await rerank(request, data)
 
@@ -91,7 +91,7 @@ async def infinity_rerank(request: Request, data: dict[str, Any]) -> Response:
         return calls.prepare_rerank(state.context, body.query, body.documents, options=options)
 
     ranked, timings = await run_call(
-        state, request, request.url.path, prepare, len(body.documents) + 1, RERANK_ERRORS
+        state, request, request.scope["path"], prepare, len(body.documents) + 1, RERANK_ERRORS
     )
     results = [
         {
@@ -144,7 +144,7 @@ async def rerank(request: Request, data: dict[str, Any]) -> Response:
         return calls.prepare_rerank(state.context, body.query, texts, options=options)
 
     ranked, timings = await run_call(
-        state, request, request.url.path, prepare, len(texts) + 1, RERANK_ERRORS
+        state, request, request.scope["path"], prepare, len(texts) + 1, RERANK_ERRORS
     )
     results = []
     for index, score in ranked:
@@ -228,7 +228,7 @@ async def score(request: Request, data: dict[str, Any]) -> Response:
         {"text_1": not isinstance(first, str), "text_2": not isinstance(second, str)},
     )
     scores, timings = await run_call(
-        state, request, request.url.path, prepare, len(firsts) + len(seconds), to_api_error
+        state, request, request.scope["path"], prepare, len(firsts) + len(seconds), to_api_error
     )
     content = {
         "id": response_id("score"),
@@ -269,7 +269,7 @@ async def classify(request: Request, data: dict[str, Any]) -> Response:
     def prepare() -> PreparedCall[np.ndarray]:
         return calls.prepare_classify(state.context, inputs.decode(), options)
 
-    probs, timings = await run_call(state, request, request.url.path, prepare, len(inputs))
+    probs, timings = await run_call(state, request, request.scope["path"], prepare, len(inputs))
     rendered = await asyncio.to_thread(_classes, probs, state.info.id2label)
     content = {
         "id": response_id("classify"),
@@ -324,7 +324,7 @@ async def infinity_classify(request: Request, data: dict[str, Any]) -> Response:
     def prepare() -> PreparedCall[np.ndarray]:
         return calls.prepare_classify(state.context, texts, options)
 
-    scores, timings = await run_call(state, request, request.url.path, prepare, len(texts))
+    scores, timings = await run_call(state, request, request.scope["path"], prepare, len(texts))
     labels = [info.id2label.get(i, f"LABEL_{i}") for i in range(scores.shape[1])]
     data_out = [
         [{"score": float(row[j]), "label": labels[j]} for j in np.argsort(-row, kind="stable")]

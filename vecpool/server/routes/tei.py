@@ -157,7 +157,7 @@ async def _encode(
         return calls.prepare_encode(state.context, items, options)
 
     arrays, timings = await run_call(
-        state, request, request.url.path, prepare, len(items), inputs_error
+        state, request, request.scope["path"], prepare, len(items), inputs_error
     )
     content = await asyncio.to_thread(lambda: dumps([a.tolist() for a in arrays]))
     return json_response(content, timings.headers())
@@ -184,7 +184,7 @@ async def embed_sparse(request: Request, data: dict[str, Any]) -> Response:
         return calls.prepare_embed_sparse(state.context, items, options)
 
     vectors, timings = await run_call(
-        state, request, request.url.path, prepare, len(items), inputs_error
+        state, request, request.scope["path"], prepare, len(items), inputs_error
     )
     content = [[{"index": i, "value": w} for i, w in sorted(vector.items())] for vector in vectors]
     return json_response(dumps(content), timings.headers())
@@ -213,7 +213,7 @@ async def predict(request: Request, data: dict[str, Any]) -> Response:
         return calls.prepare_classify(state.context, items, options)
 
     scores, timings = await run_call(
-        state, request, request.url.path, prepare, len(items), inputs_error
+        state, request, request.scope["path"], prepare, len(items), inputs_error
     )
     labels = state.info.id2label
     predictions = [
@@ -275,7 +275,7 @@ async def rerank(request: Request, data: dict[str, Any]) -> Response:
         return calls.prepare_rerank(state.context, body.query, body.texts, options=options)
 
     ranked, timings = await run_call(
-        state, request, request.url.path, prepare, len(body.texts) + 1, RERANK_ERRORS
+        state, request, request.scope["path"], prepare, len(body.texts) + 1, RERANK_ERRORS
     )
     ranks = []
     for index, score in ranked:
