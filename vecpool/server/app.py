@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -173,7 +174,7 @@ class App(FastAPI):
             ("POST", route.path): route.endpoint
             for route in routes
             if isinstance(route, APIRoute)
-            and "POST" in route.methods
+            and "POST" in (route.methods or ())
             and _takes_only_the_request(route)
         }
         self.fast_app = ServerMiddleware(self._run_fast, state=state, endpoints=endpoints)
@@ -195,7 +196,8 @@ class App(FastAPI):
             )
             if handler is None:
                 raise
-            response = await handler(request, exc)
+            answer = handler(request, exc)  # every handler of this app is a coroutine
+            response = await answer if inspect.isawaitable(answer) else answer
         await response(scope, receive, send)
 
 
