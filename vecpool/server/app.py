@@ -196,7 +196,7 @@ class App(FastAPI):
             )
             if handler is None:
                 raise
-            answer = handler(request, exc)  # every handler of this app is a coroutine
+            answer = handler(request, exc)  # a coroutine here; Starlette allows a function
             response = await answer if inspect.isawaitable(answer) else answer
         await response(scope, receive, send)
 
