@@ -33,7 +33,7 @@ class Options:
     @classmethod
     def of(cls: type[OptionsT], values: Mapping[str, Any]) -> OptionsT:
         """The options named in `values` (a caller's keywords; other names are left out)."""
-        return cls(**{f.name: values[f.name] for f in fields(cls) if f.name in values})
+        return cls(**{name: values[name] for name in _field_names(cls) if name in values})
 
     @classmethod
     def build(
@@ -152,3 +152,15 @@ def check_top_k(top_k: Any) -> None:
     """`top_k` of a sparse call: None for every weight above the threshold, else how many."""
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
         raise InputError(f"top_k must be a non-negative integer, got {top_k!r}", field="top_k")
+
+
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _field_names(cls: type) -> tuple[str, ...]:
+    """A dataclass's field names, read once (`dataclasses.fields` walks them anew on every
+    call, once or twice per request of a server)."""
+    names = _FIELD_NAMES.get(cls)
+    if names is None:
+        names = _FIELD_NAMES[cls] = tuple(f.name for f in fields(cls))
+    return names
