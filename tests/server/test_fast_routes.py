@@ -147,3 +147,29 @@ def test_an_unexpected_error_on_the_fast_path_is_a_logged_500_and_the_app_goes_o
 
     asyncio.run(scenario())
     assert any("unexpected error answering /v1/embeddings" in r.message for r in caplog.records)
+
+
+def test_a_middleware_added_after_the_app_was_built_sees_every_request(
+    engine: vecpool.Engine,
+) -> None:
+    seen: list[str] = []
+
+    class Recording:
+        def __init__(self, app: Any) -> None:
+            self.app = app
+
+        async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+            seen.append(scope["path"])
+            await self.app(scope, receive, send)
+
+    async def scenario() -> None:
+        app = create_app(engine, ServerConfig(model_names=(NAME,)))
+        app.add_middleware(Recording)  # as a user adds CORS to the app
+        async with app.router.lifespan_context(app):
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+                response = await client.post("/v1/embeddings", json={"input": "hello"})
+                assert response.status_code == 200 and len(response.json()["data"]) == 1
+
+    asyncio.run(scenario())
+    assert seen == ["/v1/embeddings"]

@@ -148,17 +148,20 @@ class App(FastAPI):
     endpoint, the same `ServerMiddleware` around it, the same exception handlers. Those layers
     (routing, dependency solving, an exit stack, telemetry and body-limit middleware) have
     nothing to do for such an endpoint, and cost a single-query request a third of what the
-    app's own work does (`benchmarks/bench_api_request.py`). Any other request, or one to a
-    path under a root path, goes through FastAPI whole."""
+    app's own work does (`benchmarks/bench_api_request.py`). Any other request, one to a path
+    under a root path, and every request once a middleware has been added to the app after it
+    was built, goes through FastAPI whole."""
 
     fast_routes: dict[tuple[str, str], Callable[[Request], Awaitable[Response]]]
     fast_app: ServerMiddleware | None = None
+    fast_middleware = 0  # the middleware the fast path stands for (any added since: none)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (
             self.fast_app is not None
             and scope["type"] == "http"
             and (scope["method"], scope["path"]) in self.fast_routes
+            and len(self.user_middleware) == self.fast_middleware
         ):
             scope["app"] = self  # where a request finds the server's state
             await self.fast_app(scope, receive, send)
@@ -178,6 +181,8 @@ class App(FastAPI):
             and _takes_only_the_request(route)
         }
         self.fast_app = ServerMiddleware(self._run_fast, state=state, endpoints=endpoints)
+        # A middleware a user adds later (CORS, say) must see every request: FastAPI's path.
+        self.fast_middleware = len(self.user_middleware)
 
     async def _run_fast(self, scope: Scope, receive: Receive, send: Send) -> None:
         request = Request(scope, receive, send)
