@@ -147,8 +147,8 @@ class App(FastAPI):
     else (every route that does work) runs without FastAPI's router and middleware: the same
     endpoint, the same `ServerMiddleware` around it, the same exception handlers. Those layers
     (routing, dependency solving, an exit stack, telemetry and body-limit middleware) have
-    nothing to do for such an endpoint, and cost a single-query request a third of what the
-    app's own work does (`benchmarks/bench_api_request.py`). Any other request, one to a path
+    nothing to do for such an endpoint, and took a third of the app's CPU for a single-query
+    request (FastAPI's path 1.5x the fast one, `benchmarks/bench_api_request.py`). Any other request, one to a path
     under a root path, and every request once a middleware has been added to the app after it
     was built, goes through FastAPI whole."""
 

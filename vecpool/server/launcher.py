@@ -404,7 +404,7 @@ def name_this_process() -> None:
     and /proc/PID/comm show, so that each process's CPU is told apart), from its
     multiprocessing name, cut to the 15 bytes Linux keeps; nothing where there is no prctl."""
     name = mp.current_process().name.encode()[:15]
-    with contextlib.suppress(OSError, AttributeError):
+    with contextlib.suppress(OSError, AttributeError, TypeError):  # no prctl: not Linux
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_NAME, ctypes.c_char_p(name), 0, 0, 0)
 
@@ -415,7 +415,6 @@ def _engine_main(*args: Any, **kwargs: Any) -> None:
     from vecpool.server.engine_process import run_engine_process
 
     name_this_process()
-
     run_engine_process(*args, **kwargs)
 
 
