@@ -268,10 +268,13 @@ class _GatedWorker:
         return None
 
     def submit(self, fn, *args):  # type: ignore[no-untyped-def]
-        future = _LaterFuture()
+        future = self.new_future()
         future.set_result(fn(*args))
         self.pending.append(future)
         return future
+
+    def new_future(self) -> _LaterFuture:
+        return _LaterFuture()
 
 
 def test_a_chunk_prepared_during_a_step_joins_it_the_step_pools_behind_the_next_results_early(
@@ -338,10 +341,11 @@ class _LateWorker(_GatedWorker):
     asks: ClassVar[list[int]] = []
 
     def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__()
         self.asked = 0
         _LateWorker.asks = []
 
-    def submit(self, fn, *args):  # type: ignore[no-untyped-def]
+    def new_future(self) -> _LaterFuture:
         worker = self
         worker.asked += 1
         _LateWorker.asks.append(worker.asked)
@@ -351,9 +355,7 @@ class _LateWorker(_GatedWorker):
                 worker.asked -= 1
                 return super().result(timeout)
 
-        future = Taken()
-        future.set_result(fn(*args))
-        return future
+        return Taken()
 
 
 def test_the_worker_prepares_two_chunks_ahead_once_the_engine_ran_dry_behind_one(

@@ -477,7 +477,7 @@ class Engine(EngineRunner):
         ):
             # The next chunks' preparations, in order: the worker runs them back to back.
             upcoming = deque([worker.submit(prepare, 0, stops[0])])
-            ahead = [1]  # chunks prepared ahead at most: PIPELINE_AHEAD once one was late
+            ahead = [1]  # chunks prepared ahead at most: PIPELINE_AHEAD once the engine ran dry
 
             def queue_next(wait: bool = False) -> None:
                 """Queue the next chunk's requests if it is prepared (or once it is, with
