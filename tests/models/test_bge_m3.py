@@ -270,6 +270,7 @@ def test_first_token_of_a_prompt_not_of_a_chunk() -> None:
         lengths=torch.tensor([3, 2, 2]),
         seq_ids=torch.tensor([0, 0, 0, 1, 1, 2, 2]),
         input_ids=torch.zeros(7, dtype=torch.int64),
+        last_rows=torch.tensor([2, 4, 6]),
         starts=torch.tensor([0, 4, 0]),
     )
     keep = _not_prompt_first(meta).tolist()

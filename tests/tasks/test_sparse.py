@@ -268,6 +268,7 @@ def test_sparse_head_on_slices_and_unordered_sequences(strategy: str, activation
         lengths=torch.tensor(lengths),
         seq_ids=torch.repeat_interleave(torch.arange(3), torch.tensor(lengths)),
         input_ids=input_ids,
+        last_rows=cu[1:] - 1,
     )
     params = [
         vecpool.PoolingParams(task="sparse", exclude_special_tokens=True),

@@ -71,6 +71,8 @@ class AttentionMetadata:
 
     cu_seqlens: torch.Tensor  # [num_seqs + 1] int32, on the model's device
     max_seqlen: int  # longest sequence of this step (host int: no device sync to read it)
+    # Not read by the varlen kernel: under a recorded CUDA graph (`static`) without cached
+    # prefixes they hold another step's values (`StepGraphs._fill`).
     seq_ids: torch.Tensor  # [num_tokens] int64: the sequence each token belongs to
     pos_in_seq: torch.Tensor  # [num_tokens] int64: the token's offset inside its sequence
     use_varlen: bool  # FlashAttention kernel (CUDA, half dtypes) or the exact padded fallback

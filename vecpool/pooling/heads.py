@@ -61,10 +61,17 @@ class HeadBatch:
     # Accumulators across the chunks of prompts run over several steps; None: every sequence
     # is a whole prompt.
     carry: Carry | None = None
+    # True: `seqs` is every sequence of the step in order (0 .. k - 1), so that the per-sequence
+    # values of the step are already the head's, without selecting them.
+    every: bool = False
 
     @property
     def num_seqs(self) -> int:
         return len(self.params)
+
+    def pick(self, values: torch.Tensor) -> torch.Tensor:
+        """`[k, ...]`: the head's sequences' rows of `[num_seqs, ...]` per-sequence values."""
+        return values if self.every else values[self.seqs]
 
     def merge(self, name: str, values: torch.Tensor, how: str) -> torch.Tensor:
         """`[k, ...]` values of this step's chunks merged with their prompts' earlier chunks'
@@ -186,15 +193,20 @@ class EmbedHead:
 
     def __call__(self, b: HeadBatch) -> list[np.ndarray | None]:
         method = METHODS[self.pooler]
-        chunk = method.reduce(b.hidden, b.meta)[b.seqs]  # [k, hidden] float32
+        chunk = b.pick(method.reduce(b.hidden, b.meta))  # [k, hidden] float32
         merged = b.merge("pooled", chunk, method.merge)
-        pooled = method.finish(merged, prompt_lengths(b.meta)[b.seqs])
+        pooled = merged if method.finish is None else method.finish(merged, _lengths(b))
         dims = [p.dimensions or self.output_dim for p in b.params]
         out = normalize_rows(self.dense(pooled), dims, b.flag_values("normalize", self.normalize))
         host = out.cpu().numpy()
         if all(d == host.shape[1] for d in dims):
             return b.final_only(list(host))  # rows as views, none cut
         return b.final_only([host[i, :d] for i, d in enumerate(dims)])
+
+
+def _lengths(b: HeadBatch) -> torch.Tensor:
+    """`[k]` int64: each of the head's sequences' prompt length up to its end."""
+    return b.pick(prompt_lengths(b.meta))
 
 
 class ClassifierHead:
@@ -212,11 +224,12 @@ class ClassifierHead:
     def __call__(self, b: HeadBatch) -> list[np.ndarray | None]:
         if self.pooler == "MEAN":
             method = METHODS["MEAN"]
-            sums = b.merge("sum", method.reduce(b.hidden, b.meta)[b.seqs], method.merge)
-            mean = method.finish(sums, prompt_lengths(b.meta)[b.seqs])  # [k, hidden] float32
+            assert method.finish is not None
+            sums = b.merge("sum", b.pick(method.reduce(b.hidden, b.meta)), method.merge)
+            mean = method.finish(sums, _lengths(b))  # [k, hidden] float32
             rows = mean.to(b.hidden.dtype)
         else:
-            rows = b.hidden[sequence_rows(self.pooler, b.meta, b.seqs)]  # [k, hidden]
+            rows = b.hidden[sequence_rows(self.pooler, b.meta, None if b.every else b.seqs)]
             # A prompt's first row is its first chunk's; its last row, its last chunk's.
             rows = b.merge("row", rows, "first" if self.pooler == "CLS" else "last")
         logits = self.classify(rows).float()  # [k, num_labels]
@@ -239,7 +252,8 @@ class LogitScoreHead:
         self.vocab_ids = vocab_ids  # [1 or 2] int64: the true token, then the false one
 
     def __call__(self, b: HeadBatch) -> list[np.ndarray | None]:
-        rows = b.hidden[sequence_rows("LAST", b.meta, b.seqs)]  # a prompt's last chunk's is it
+        # A prompt's last chunk's last row is its last row.
+        rows = b.hidden[sequence_rows("LAST", b.meta, None if b.every else b.seqs)]
         logits = self.compute_logits(rows, self.vocab_ids).float()  # [k, 1 or 2]
         raw = logits[:, :1] if logits.shape[1] == 1 else logits[:, :1] - logits[:, 1:2]
         scores = torch.where(b.flags("use_activation", True)[:, None], torch.sigmoid(raw), raw)

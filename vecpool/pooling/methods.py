@@ -28,6 +28,7 @@ class PoolingMetadata:
     lengths: torch.Tensor  # [num_seqs] int64
     seq_ids: torch.Tensor  # [num_tokens] int64
     input_ids: torch.Tensor  # [num_tokens] int64; 0 on rows that came as prompt embeds
+    last_rows: torch.Tensor  # [num_seqs] int64: each sequence's last row (`cu_seqlens[1:] - 1`)
     # [num_seqs] int64: the prompt position each sequence's rows start at (a chunk of a longer
     # prompt); None: every sequence is a whole prompt.
     starts: torch.Tensor | None = None
@@ -42,8 +43,9 @@ class SequenceMethod:
     # (hidden [num_tokens, hidden], meta) -> [num_seqs, hidden] float32, one vector per chunk
     reduce: Callable[[torch.Tensor, PoolingMetadata], torch.Tensor]
     merge: str  # "sum", "max", "first" (the first chunk's vector), "last" (the last chunk's)
-    # (merged [k, hidden] float32, prompt lengths [k] int64) -> pooled [k, hidden] float32
-    finish: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lambda merged, _: merged
+    # (merged [k, hidden] float32, prompt lengths [k] int64) -> pooled [k, hidden] float32;
+    # None: the merged vector is the pooled one (no lengths to select for it)
+    finish: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
 
 def merge_values(how: str, earlier: torch.Tensor, chunk: torch.Tensor) -> torch.Tensor:
@@ -64,7 +66,7 @@ def _cls(hidden: torch.Tensor, meta: PoolingMetadata) -> torch.Tensor:
 
 
 def _last(hidden: torch.Tensor, meta: PoolingMetadata) -> torch.Tensor:
-    return hidden[meta.cu_seqlens[1:] - 1].float()
+    return hidden[meta.last_rows].float()
 
 
 def _segments(values: torch.Tensor, reduce: str, meta: PoolingMetadata) -> torch.Tensor:
@@ -123,13 +125,14 @@ def prompt_lengths(meta: PoolingMetadata) -> torch.Tensor:
     return meta.lengths if meta.starts is None else meta.starts + meta.lengths
 
 
-def sequence_rows(method: str, meta: PoolingMetadata, seqs: torch.Tensor) -> torch.Tensor:
-    """`[k]` int64: the row each of the sequences `seqs` (`[k]` batch positions) is read at:
-    its first token (CLS) or its last (LAST)."""
+def sequence_rows(method: str, meta: PoolingMetadata, seqs: torch.Tensor | None) -> torch.Tensor:
+    """`[k]` int64: the row each of the sequences `seqs` (`[k]` batch positions; None: every
+    sequence, in order) is read at: its first token (CLS) or its last (LAST)."""
     if method == "CLS":
-        return meta.cu_seqlens[:-1][seqs]
+        starts = meta.cu_seqlens[:-1]
+        return starts if seqs is None else starts[seqs]
     if method == "LAST":
-        return meta.cu_seqlens[1:][seqs] - 1
+        return meta.last_rows if seqs is None else meta.last_rows[seqs]
     raise ConfigError(f"a classifier reads the CLS or LAST row, not {method!r}")
 
 

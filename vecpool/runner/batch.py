@@ -93,7 +93,12 @@ def build_flat_batch(
     def to_device(array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(device, non_blocking=True)
 
+    # The attention kernel's int32 boundaries travel as the bytes of int64 words (the copy
+    # keeps bytes), and each sequence's last row as its own array: no kernels to make them.
+    cu32 = np.zeros(len(cu) + len(cu) % 2, dtype=np.int32)
+    cu32[: len(cu)] = cu
     arrays = [np.concatenate(ids_parts), cu, seq_ids, starts, positions, pos_in_seq, lengths]
+    arrays += [cu[1:] - 1, cu32.view(np.int64)]
     if with_token_types:  # zeros for the whole step unless some prompt has its own
         arrays.append(
             np.concatenate(type_parts) if own_types else np.zeros(num_tokens, dtype=np.int64)
@@ -102,8 +107,8 @@ def build_flat_batch(
         arrays.append(np.concatenate(embeds_rows_parts))
     on_device = upload(arrays, device)
     input_ids, cu_device, seq_ids_device, starts_device, positions_device = on_device[:5]
-    pos_device, lengths_device = on_device[5:7]
-    token_types = on_device[7] if with_token_types else None
+    pos_device, lengths_device, last_rows, cu32_words = on_device[5:9]
+    token_types = on_device[9] if with_token_types else None
     embeds_rows = on_device[-1] if embeds_parts else None
     key_rows: torch.Tensor | None = None
     cu_seqlens_k: torch.Tensor | None = None
@@ -126,7 +131,7 @@ def build_flat_batch(
         if embeds_parts
         else None,
         attn=AttentionMetadata(
-            cu_seqlens=cu_device.to(torch.int32),
+            cu_seqlens=cu32_words.view(torch.int32)[: len(cu)],
             max_seqlen=int(lengths.max()),
             seq_ids=seq_ids_device,
             pos_in_seq=pos_device,
@@ -141,6 +146,7 @@ def build_flat_batch(
             lengths=lengths_device,
             seq_ids=seq_ids_device,
             input_ids=input_ids,
+            last_rows=last_rows,
             starts=starts_device,
         ),
         has_token_ids=[c.prompt.token_ids is not None for c in chunks],
@@ -170,6 +176,8 @@ def _chunked_kv(
     """The cached keys and values the step's chunks read and write; None when every chunk is a
     whole prompt that shares no block. A chunk's keys are its prompt's positions up to its end:
     those of a cached prefix from `block_pool`, the others of earlier chunks from `kv_cache`."""
+    if step.independent:  # whole prompts, no cached prefix: a step's usual case, found once
+        return None
     ends = starts + lengths
     totals = np.fromiter((c.prompt.num_tokens for c in step.chunks), np.int64, len(step.chunks))
     shares = any(

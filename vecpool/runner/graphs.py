@@ -315,13 +315,16 @@ class StepGraphs:
             self.token_types[:n].copy_(token_types)
         self.cu_seqlens[: s + 1].copy_(attn.cu_seqlens)
         self.cu_seqlens[s + 1 :].fill_(n)  # empty sequences after the step's own
-        # The padded fallback (no CUDA) places every row: the padding rows in the first free
-        # slot, which no query of the step reads.
-        self.seq_ids[:n].copy_(attn.seq_ids)
-        self.seq_ids[n:rows].fill_(s)
-        self.pos_in_seq[:n].copy_(attn.pos_in_seq)
-        torch.remainder(self._arange[: rows - n], key.max_len, out=self.pos_in_seq[n:rows])
         inputs = entry.prefix
+        if not self.capture or inputs is not None:
+            # Each row's place: read by the padded fallback (no CUDA), which places the padding
+            # rows in the first free slot (no query of the step reads it), and by the keys of
+            # a prefix step. A recorded graph without prefixes runs the varlen kernel only
+            # (`AttentionMetadata.static`), which reads `cu_seqlens`: four copies a step saved.
+            self.seq_ids[:n].copy_(attn.seq_ids)
+            self.seq_ids[n:rows].fill_(s)
+            self.pos_in_seq[:n].copy_(attn.pos_in_seq)
+            torch.remainder(self._arange[: rows - n], key.max_len, out=self.pos_in_seq[n:rows])
         if inputs is not None:
             assert attn.kv is not None and attn.kv.prefix is not None
             prefix = attn.kv.prefix

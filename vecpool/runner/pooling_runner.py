@@ -58,6 +58,7 @@ class PoolingRunner:
         self.device = device
         # Prompts running in chunks, by request id: from their first chunk to their release.
         self._states: dict[str, PromptState] = {}
+        self._aranges: dict[int, torch.Tensor] = {}  # `_every`'s, by size
         # Pooling behind the next step's forward (`pool(..., after=...)`); None off CUDA. Of
         # high priority: its few small kernels take the SMs before the forward's next ones.
         self._stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
@@ -144,12 +145,17 @@ class PoolingRunner:
             carry = None
             if not all(final) or any(earlier[i] is not None for i in seqs):
                 carry = Carry([_carried(earlier[i]) for i in seqs], final)
+            # Positions in increasing order: as many as the step's sequences are all of them.
+            every = len(seqs) == len(chunks)
             head_batch = HeadBatch(
                 hidden=hidden,
                 meta=batch.pooling,
-                seqs=torch.tensor(seqs, dtype=torch.int64).to(self.device, non_blocking=True),
+                seqs=self._every(len(seqs))
+                if every
+                else torch.tensor(seqs, dtype=torch.int64).to(self.device, non_blocking=True),
                 params=[chunks[i].params for i in seqs],
                 carry=carry,
+                every=every,
             )
             outputs = task_head(head_batch)
             if carry is None:  # whole prompts, nothing carried: each output is the answer
@@ -176,6 +182,17 @@ class PoolingRunner:
                 self._states.pop(chunk.request_id, None)
         assert all(r is not None for r in results)
         return [r for r in results if r is not None]
+
+    def _every(self, num_seqs: int) -> torch.Tensor:
+        """`[num_seqs]` int64 on the device: 0 .. num_seqs - 1, made once per size (a step's
+        usual head serves all its sequences)."""
+        seqs = self._aranges.get(num_seqs)
+        if seqs is None:
+            seqs = torch.arange(num_seqs, device=self.device)
+            if self._stream is not None:  # kept for any stream's later steps: made by now
+                torch.cuda.current_stream(self.device).synchronize()
+            self._aranges[num_seqs] = seqs
+        return seqs
 
     def _from_prefix(self, i: int, chunk: ScheduledChunk, batch: FlatBatch) -> PromptState | None:
         """The state a prompt starts from after its cached prefix (shared-prefix caching): the
