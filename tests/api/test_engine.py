@@ -316,14 +316,17 @@ def test_a_chunk_prepared_during_a_step_joins_it_the_step_pools_behind_the_next_
     monkeypatch.setattr(vecpool.api.engine, "outcome", logged_outcome)
     got = engine.embed(prompts, show_progress=False)
     assert np.abs(got - whole).max() <= 1e-6
-    # Chunks of 2, 3, 3, 3 inputs: each step pools after the next step's forward is queued,
-    # and each chunk's results are taken once it has pooled, while later steps run (the last
-    # step, with nothing behind it, pools at once: the last two chunks are taken together).
+    # Chunks of 2, 3, 3, 3 inputs. The second chunk is asked for once the first step's
+    # forward is queued (not while that step is scheduled and built), so in this model it is
+    # ready only after the first step: that one pools alone. From then on each step pools
+    # after the next step's forward is queued, and each chunk's results are taken once it has
+    # pooled, while later steps run (the last step, with nothing behind it, pools at once: the
+    # last two chunks are taken together).
     assert events == [
         ("forward", 2),
-        ("forward", 3),
         ("pool", 2),
         ("take", 2),
+        ("forward", 3),
         ("forward", 3),
         ("pool", 3),
         ("take", 3),
