@@ -1,7 +1,8 @@
 """A large call's two host threads, in one process on the same engine and inputs, rounds
 interleaved: how far the input worker runs ahead of the steps (`--vary ahead`, the engine's
-`PIPELINE_AHEAD`) or the interpreter's thread switch interval (`--vary switch-interval`,
-`sys.setswitchinterval`).
+`PIPELINE_AHEAD`), whether it waits for the first step's forward before preparing the second
+chunk (`--vary first-alone`, 1 or 0: `PIPELINE_FIRST_ALONE`) or the interpreter's thread
+switch interval (`--vary switch-interval`, `sys.setswitchinterval`).
 
     PYTHONPATH=. python benchmarks/ab_host_threads.py --models bert-base --tokenizer DIR \
         --vary ahead --values 1 2
@@ -52,6 +53,8 @@ from benchmarks.workloads import SHAPES, WORKLOADS, make_inputs, workload_length
 def _set(vary: str, value: float) -> None:
     if vary == "ahead":
         vecpool.api.engine.PIPELINE_AHEAD = int(value)
+    elif vary == "first-alone":
+        vecpool.api.engine.PIPELINE_FIRST_ALONE = bool(value)
     else:
         sys.setswitchinterval(value)
 
@@ -85,7 +88,9 @@ def main(argv: list[str]) -> dict[str, Any]:
     parser.add_argument("--models", nargs="+", default=["bert-base"], choices=sorted(SHAPES))
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     parser.add_argument("--forms", nargs="+", default=["text", "ids"], choices=["text", "ids"])
-    parser.add_argument("--vary", choices=["ahead", "switch-interval"], required=True)
+    parser.add_argument(
+        "--vary", choices=["ahead", "first-alone", "switch-interval"], required=True
+    )
     parser.add_argument(
         "--values", nargs="+", type=float, required=True, help="the first is the baseline"
     )
@@ -105,7 +110,10 @@ def main(argv: list[str]) -> dict[str, Any]:
     report = record.header("ab_host_threads.py", argv, device=args.device, commit=args.commit)
     tokenizer = tokenizers.Tokenizer.from_file(str(args.tokenizer / "tokenizer.json"))
     rows = report["rows"] = []
-    default = vecpool.api.engine.PIPELINE_AHEAD if args.vary == "ahead" else sys.getswitchinterval()
+    default = {
+        "ahead": vecpool.api.engine.PIPELINE_AHEAD,
+        "first-alone": int(vecpool.api.engine.PIPELINE_FIRST_ALONE),
+    }.get(args.vary, sys.getswitchinterval())
     simulated = args.simulate_device is not None
     if simulated:
         args.device = "cpu"

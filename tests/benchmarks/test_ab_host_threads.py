@@ -19,6 +19,7 @@ from vecpool.api import default_model_path
     ("vary", "values", "extra"),
     [
         ("ahead", ["1", "2"], ["--simulate-device", "400000"]),
+        ("first-alone", ["1", "0"], ["--simulate-device", "400000"]),
         ("switch-interval", ["0.005", "0.001"], ["--models", "tiny-bert", "--device", "cpu"]),
     ],
 )
@@ -26,6 +27,7 @@ def test_ab_host_threads_times_each_value_and_puts_the_setting_back(
     tmp_path: Path, vary: str, values: list[str], extra: list[str]
 ) -> None:
     ahead, interval = vecpool.api.engine.PIPELINE_AHEAD, sys.getswitchinterval()
+    first_alone = vecpool.api.engine.PIPELINE_FIRST_ALONE
     argv = ["--vary", vary, "--values", *values, "--tokenizer", str(default_model_path())]
     argv += ["--workloads", "queries", "--n", "40", "--rounds", "2", *extra]
     report = main([*argv, "--output", str(tmp_path / "ab.json")])
@@ -41,3 +43,4 @@ def test_ab_host_threads_times_each_value_and_puts_the_setting_back(
             assert figures["tokens_per_s"] == row["num_tokens"] / median
             assert figures["ratio"] == pytest.approx(statistics.median(base) / median)
     assert ahead == vecpool.api.engine.PIPELINE_AHEAD and sys.getswitchinterval() == interval
+    assert first_alone == vecpool.api.engine.PIPELINE_FIRST_ALONE

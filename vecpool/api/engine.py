@@ -65,6 +65,11 @@ PIPELINE_FIRST_CHUNK = 128
 # chunk did not engage on the H200, `ahead_adaptive_h200.json`: the chunk that missed the
 # steps was mostly ready by the time the last of them had pooled.)
 PIPELINE_AHEAD = 2
+# The chunks after the first are started only once the first step's forward is queued: the
+# worker's Python, begun at once, took turns for the interpreter lock with the engine thread
+# scheduling and building that step (4,096 passages from ids on the CPU: the first forward
+# 15 ms after the call began, 6 ms without).
+PIPELINE_FIRST_ALONE = True
 
 
 class Engine(EngineRunner):
@@ -488,12 +493,8 @@ class Engine(EngineRunner):
 
             def queue_next(wait: bool = False) -> None:
                 """Queue the next chunk's requests if it is prepared (or once it is, with
-                `wait`), and start preparing the next ones. The chunks after the first are
-                started once the first step's forward is queued (this called as its
-                `receive`): the worker's Python, begun at once, took turns for the
-                interpreter lock with the engine thread's scheduling and building of that
-                step, which then reached the device 15 ms after the call began instead of 5
-                (4,096 passages from ids, CPU)."""
+                `wait`), and start preparing the next ones (after the first chunk, with
+                `PIPELINE_FIRST_ALONE`, once this is called as a step's `receive`)."""
                 if not upcoming or not (wait or upcoming[0].done()):
                     prepare_more(len(chunks))
                     return
@@ -502,7 +503,7 @@ class Engine(EngineRunner):
                     call = upcoming.popleft().result()
                 except InputError as exc:
                     raise _shifted(exc, start) from None
-                if chunks:
+                if chunks or not PIPELINE_FIRST_ALONE:
                     prepare_more(len(chunks) + 1)
                 requests = self.submit(call.requests)
                 if show:  # counted for the bar only
