@@ -277,8 +277,9 @@ class _GatedWorker:
         return _LaterFuture()
 
 
+@pytest.mark.parametrize("first_alone", [False, True])
 def test_a_chunk_prepared_during_a_step_joins_it_the_step_pools_behind_the_next_results_early(
-    tiny_bert_engine, monkeypatch
+    tiny_bert_engine, monkeypatch, first_alone: bool
 ) -> None:
     # Short inputs: each chunk of a large call fills a step of its own. The next chunk must
     # join the queue while a step's forward runs (not after it has pooled), so that the next
@@ -290,6 +291,7 @@ def test_a_chunk_prepared_during_a_step_joins_it_the_step_pools_behind_the_next_
     monkeypatch.setattr(vecpool.api.engine, "PIPELINE_CHUNK", 3)
     monkeypatch.setattr(vecpool.api.engine, "PIPELINE_FIRST_CHUNK", 2)
     monkeypatch.setattr(vecpool.api.engine, "ThreadPoolExecutor", _GatedWorker)
+    monkeypatch.setattr(vecpool.api.engine, "PIPELINE_FIRST_ALONE", first_alone)
     events: list[tuple[str, int]] = []
     forward, pool = engine.model_runner.forward, engine.core.pooling_runner.pool
 
@@ -316,17 +318,17 @@ def test_a_chunk_prepared_during_a_step_joins_it_the_step_pools_behind_the_next_
     monkeypatch.setattr(vecpool.api.engine, "outcome", logged_outcome)
     got = engine.embed(prompts, show_progress=False)
     assert np.abs(got - whole).max() <= 1e-6
-    # Chunks of 2, 3, 3, 3 inputs. The second chunk is asked for once the first step's
-    # forward is queued (not while that step is scheduled and built), so in this model it is
-    # ready only after the first step: that one pools alone. From then on each step pools
-    # after the next step's forward is queued, and each chunk's results are taken once it has
-    # pooled, while later steps run (the last step, with nothing behind it, pools at once: the
-    # last two chunks are taken together).
+    # Chunks of 2, 3, 3, 3 inputs: each step pools after the next step's forward is queued,
+    # and each chunk's results are taken once it has pooled, while later steps run (the last
+    # step, with nothing behind it, pools at once: the last two chunks are taken together).
+    # With `first_alone` the second chunk is asked for once the first step's forward is
+    # queued, so in this model it is ready only after that step, which pools alone.
+    first = [("pool", 2), ("take", 2), ("forward", 3)]
+    if not first_alone:
+        first = [("forward", 3), ("pool", 2), ("take", 2)]
     assert events == [
         ("forward", 2),
-        ("pool", 2),
-        ("take", 2),
-        ("forward", 3),
+        *first,
         ("forward", 3),
         ("pool", 3),
         ("take", 3),

@@ -65,11 +65,13 @@ PIPELINE_FIRST_CHUNK = 128
 # chunk did not engage on the H200, `ahead_adaptive_h200.json`: the chunk that missed the
 # steps was mostly ready by the time the last of them had pooled.)
 PIPELINE_AHEAD = 2
-# The chunks after the first are started only once the first step's forward is queued: the
-# worker's Python, begun at once, took turns for the interpreter lock with the engine thread
-# scheduling and building that step (4,096 passages from ids on the CPU: the first forward
-# 15 ms after the call began, 6 ms without).
-PIPELINE_FIRST_ALONE = True
+# True: the chunks after the first are started only once the first step's forward is queued.
+# Begun at once, the worker's Python takes turns for the interpreter lock with the engine
+# thread scheduling and building that step (4,096 passages from ids on the CPU: the first
+# forward 15 ms after the call began, 6 ms with True). But on an H200 the second chunk is then
+# late for the steps after the first, which costs more: with True every workload ran 0-5%
+# slower (BERT-base and MiniLM, 5 interleaved rounds, `first_alone_h200.json`).
+PIPELINE_FIRST_ALONE = False
 
 
 class Engine(EngineRunner):
