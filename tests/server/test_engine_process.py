@@ -324,6 +324,57 @@ def test_the_engine_exit_fails_calls_in_flight(
     asyncio.run(main())
 
 
+def test_a_pooled_steps_replies_go_out_before_the_next_step_is_built(
+    tiny_bert: tuple[Path, object], address: str
+) -> None:
+    # Three calls of two inputs, two inputs a step: the second step's forward is queued, the
+    # first step pools behind it, and its call's reply is sent before the third step is
+    # scheduled and built (not after, with the loop's own flush).
+    engine = vecpool.Engine(tiny_bert[0], device="cpu", max_num_seqs=2)
+    loop = EngineLoop(engine, EngineProcessConfig(address, 64, 0.0), metrics=None)
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        dealer.connect(address)
+        events: list[tuple[str, int]] = []
+        flush, prepare = loop._flush, engine.core._prepare_next
+
+        def logged_flush() -> None:
+            events.append(("flush", sum(len(c) for c in loop.outbox.values())))
+            flush()
+
+        def logged_prepare():  # type: ignore[no-untyped-def]
+            prepared = prepare()
+            events.append(("prepare", 0 if prepared is None else len(prepared[0].requests)))
+            return prepared
+
+        loop._flush = logged_flush  # type: ignore[method-assign]
+        engine.core._prepare_next = logged_prepare  # type: ignore[method-assign]
+        for call_id in range(3):
+            prompts = random_prompts(99, [4, 5], seed=70 + call_id)
+            requests = [
+                PromptRequest(i, Prompt(np.array(p), None), PoolingParams())
+                for i, p in enumerate(prompts)
+            ]
+            dealer.send(wire.encoder.encode(wire.submit(call_id, requests)))
+        deadline = time.monotonic() + 30
+        while len(loop.calls) < 3:
+            assert time.monotonic() < deadline
+            loop._receive()
+        while engine.core.has_work():
+            loop._step()
+            loop._flush()
+        sent = [e for e in events if e != ("flush", 0)]  # flushes with replies to send
+        assert sent[:4] == [("prepare", 2), ("prepare", 2), ("flush", 1), ("prepare", 2)]
+        answered = []
+        while len(answered) < 3:
+            assert dealer.poll(30_000)
+            answered += [c.call_id for c in wire.replies.decode(dealer.recv()).calls]
+        assert answered == [0, 1, 2]
+    finally:
+        dealer.close(linger=0)
+        loop.close()
+
+
 def test_messages_carry_prompts_and_outputs_exactly() -> None:
     # The input stage's prompt embeds: a float array in the dtype it came in (the engine rounds
     # it to the model's dtype when it takes the request).

@@ -184,11 +184,19 @@ class EngineLoop:
         # The loop must outlive any one step. What arrived while the step's forward was being
         # queued is taken before the next step is scheduled: that step can then be prepared,
         # and this one pooled behind it (`EngineCore.step`).
-        ran = self.engine.core.guarded_step(self._receive)
+        ran = self.engine.core.guarded_step(self._between_steps)
         if ran:
             self.admission.on_step(time.perf_counter() - self.step_started)
         if ran and self.metrics is not None:
             self.metrics.on_step(self.step_started, time.perf_counter())
+
+    def _between_steps(self) -> None:
+        """Once a step's forward is queued and the step before it has pooled: that step's
+        replies go out now rather than after the next step is scheduled and built (a
+        request's answer sooner by that host time), then what arrived is taken."""
+        if self.outbox:
+            self._flush()
+        self._receive()
 
     def _on_done(self, call: _Call, request: Request) -> None:
         """A request of `call` is done (in a step, or cancelled)."""
