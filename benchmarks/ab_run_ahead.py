@@ -8,7 +8,10 @@ a batch's arrays to the device on its own from pageable memory (as it did before
 run-ahead on in both. `--against pow2-buckets` compares the CUDA graphs' token buckets as they
 are (quarter steps from 128 tokens) with powers of two up to 1,024 (as they were); with
 `--max-num-seqs` (e.g. 16 or 32) the steps are as small as a server's under single-query
-clients. Each variant runs the whole workload once before the rounds, recording its graphs.
+clients. `--against flash-attention` compares the engine as it is (steps of short sequences
+attend through `packed_attention`'s kernel) with FlashAttention's varlen kernel for every step
+(each variant with CUDA graphs of its own). Each variant of these two runs the whole workload
+once before the rounds, recording its graphs.
 
 For each `bench_gpu.py` shape and workload (from token ids, the engine's defaults): a warm-up,
 then `--rounds` pairs of `Engine.embed` calls, the order inside each pair alternating; tokens
@@ -37,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import vecpool
 from benchmarks import record
 from benchmarks.workloads import SHAPES, WORKLOADS, make_inputs, workload_lengths, write_folder
+from vecpool.models import packed_attention
 from vecpool.runner import batch, graphs
 
 UPLOAD = batch.upload
@@ -46,7 +50,10 @@ LABELS = {
     "in-order": ("run-ahead", "in order"),
     "pageable-copies": ("packed", "pageable copies"),
     "pow2-buckets": ("quarter buckets", "pow2 buckets"),
+    "flash-attention": ("packed attention", "flash attention"),
 }
+# Variants that record CUDA graphs of their own before the clock.
+OWN_GRAPHS = ("pow2-buckets", "flash-attention")
 
 # The graphs' token buckets before quarter steps from 128: powers of two up to 1,024.
 POW2_UP_TO = 1024
@@ -56,10 +63,24 @@ def _pageable_upload(arrays: list[np.ndarray], device: torch.device) -> list[tor
     return [torch.from_numpy(a).to(device, non_blocking=True) for a in arrays]
 
 
+# Per `StepGraphs` (by id), its recorded graphs by the packed-attention limit they were recorded
+# with.
+_GRAPH_SETS: dict[int, dict[int, dict[Any, Any]]] = {}
+
+
 def _set_variant(engine: vecpool.Engine, baseline: str, new: bool) -> None:
     """The engine as it is (`new`), or as the baseline has it."""
     if baseline == "in-order":
         engine.core.run_ahead = new
+    elif baseline == "flash-attention":
+        runner = engine.model_runner
+        limit = packed_attention.max_len(runner.model.is_causal) if new else 0
+        runner.packed_max_len = limit  # read when a step's batch is built
+        if (step_graphs := runner.graphs) is not None:  # a graph keeps the kernel it recorded
+            sets = _GRAPH_SETS.setdefault(id(step_graphs), {})
+            sets.setdefault(step_graphs.packed_max_len, step_graphs.graphs)
+            step_graphs.packed_max_len = limit
+            step_graphs.graphs = sets.setdefault(limit, {})
     elif baseline == "pageable-copies":
         batch.upload = UPLOAD if new else _pageable_upload  # type: ignore[assignment]
     elif (step_graphs := engine.model_runner.graphs) is not None:
@@ -108,14 +129,14 @@ def main(argv: list[str]) -> dict[str, Any]:
             device=args.device,
             **({} if args.max_num_seqs is None else {"max_num_seqs": args.max_num_seqs}),
             # on the CPU too: the same padding, as plain forwards
-            **({"cuda_graphs": True} if args.against == "pow2-buckets" else {}),
+            **({"cuda_graphs": True} if args.against in OWN_GRAPHS else {}),
         )
         limit = engine.info().max_model_len
         for workload in args.workloads:
             lengths = workload_lengths(workload, args.n).clip(max=limit)
             _, ids = make_inputs(tokenizer, lengths)
             engine.embed(ids[:512], show_progress=False)
-            if args.against == "pow2-buckets":  # each records its graphs before the clock
+            if args.against in OWN_GRAPHS:  # each records its graphs before the clock
                 for variant in (False, True):
                     _set_variant(engine, args.against, variant)
                     engine.embed(ids, show_progress=False)

@@ -372,6 +372,14 @@ def _print(row: dict[str, Any]) -> None:
         f"ms/request, their processes {row['client_cpu_busy']:.0%} busy",
         flush=True,
     )
+    split = row.get("latency_split_ms")
+    if split:
+        print(
+            f"{'':8s} latency, mean ms: {split['total']['mean']:.2f} = tokenizing "
+            f"{split['tokenize']['mean']:.2f} + in the engine {split['engine']['mean']:.2f} + "
+            f"the rest {split['rest']['mean']:.2f} (HTTP, the API process, the hops, waits)",
+            flush=True,
+        )
 
 
 # ---- main -----------------------------------------------------------------------------------

@@ -102,6 +102,10 @@ class Round:
     client_cpu_seconds: float = 0.0
     client_processes: int = 1
     latencies: list[float] = field(default_factory=list)  # seconds, answered requests
+    # Per answered request, as the server's headers tell it (seconds): tokenizing in the API
+    # process, and the engine's time (from the engine process receiving the call to its last
+    # input done); what is left of the latency is the HTTP, the hops and the waits around them.
+    server_times: list[tuple[float, float]] = field(default_factory=list)
     tokens: int = 0
     connection_errors: Counter[str] = field(default_factory=Counter)
     statuses: Counter[int] = field(default_factory=Counter)
@@ -121,6 +125,7 @@ class Round:
                 "p99": float(np.percentile(lat, 99)),
                 "max": float(lat.max()),
             },
+            "latency_split_ms": self.latency_split(),
             "client_cpu_s_per_request": self.client_cpu_seconds / max(len(self.latencies), 1),
             # the client processes' mean CPU use in the round: 1.0 is each one's core saturated
             "client_cpu_busy": self.client_cpu_seconds
@@ -129,6 +134,33 @@ class Round:
             "connection_error_count": sum(self.connection_errors.values()),
             "statuses": {str(k): v for k, v in sorted(self.statuses.items())},
         }
+
+    def latency_split(self) -> dict[str, dict[str, float]] | None:
+        """Mean and median milliseconds of a request's latency by where it went: `tokenize`
+        (in the API process), `engine` (in the engine process), `rest` (everything else:
+        the client, HTTP, the API process's other work, the hops to the engine and back, and
+        waiting for each of them). The means add up to the mean latency. None without the
+        server's times."""
+        if not self.server_times or len(self.server_times) != len(self.latencies):
+            return None
+        total = np.array(self.latencies) * 1000
+        tokenize, engine = (np.array(x) * 1000 for x in zip(*self.server_times, strict=True))
+        parts = {"total": total, "tokenize": tokenize, "engine": engine}
+        parts["rest"] = total - tokenize - engine
+        return {
+            name: {"mean": float(v.mean()), "p50": float(np.median(v))} for name, v in parts.items()
+        }
+
+
+def server_times(headers: Any) -> tuple[float, float] | None:
+    """(tokenizing, the engine's time) in seconds from a response's timing headers (a
+    mapping of lower-case names to strings); None when they are not there."""
+    try:
+        return float(headers["x-tokenization-time"]) / 1000, (
+            float(headers["x-queue-time"]) + float(headers["x-inference-time"])
+        ) / 1000
+    except (KeyError, ValueError):
+        return None
 
 
 async def run_round(
@@ -168,6 +200,9 @@ async def run_round(
             if response.status_code != 200:
                 continue
             result.latencies.append(time.perf_counter() - start)
+            times = server_times(response.headers)
+            if times is not None:
+                result.server_times.append(times)
             body = response.json()
             result.tokens += int(body["usage"].get("prompt_tokens", body["usage"]["total_tokens"]))
             if i < sample:
@@ -183,7 +218,7 @@ async def run_round(
             try:
                 if conn is None:
                     conn = await RawConnection.open(url)
-                status, body = await conn.post(workload.path, payloads[i])
+                status, headers, body = await conn.post(workload.path, payloads[i])
             except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
                 result.connection_errors[type(exc).__name__] += 1
                 if conn is not None:
@@ -194,6 +229,9 @@ async def run_round(
             if status != 200:
                 continue
             result.latencies.append(time.perf_counter() - start)
+            times = server_times(headers)
+            if times is not None:
+                result.server_times.append(times)
             parsed = json.loads(body)
             result.tokens += int(
                 parsed["usage"].get("prompt_tokens", parsed["usage"]["total_tokens"])
@@ -244,7 +282,8 @@ class RawConnection:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return cls(hostport, reader, writer)
 
-    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
+    async def post(self, path: str, body: bytes) -> tuple[int, dict[str, str], bytes]:
+        """(status, headers by lower-case name, body)."""
         head = (
             f"POST {path} HTTP/1.1\r\nhost: {self.host}\r\ncontent-type: application/json\r\n"
             f"content-length: {len(body)}\r\n\r\n"
@@ -254,15 +293,14 @@ class RawConnection:
         if not status_line.startswith(b"HTTP/1.1 "):
             raise ValueError(f"not an HTTP/1.1 response: {status_line[:40]!r}")
         status = int(status_line.split(b" ", 2)[1])
-        headers = await self.reader.readuntil(b"\r\n\r\n")
-        length = None
-        for line in headers.split(b"\r\n"):
-            name, _, value = line.partition(b":")
-            if name.strip().lower() == b"content-length":
-                length = int(value)
-        if length is None:
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        headers = {}
+        for line in head.decode("latin-1").split("\r\n"):
+            name, _, value = line.partition(":")
+            headers[name.strip().lower()] = value.strip()
+        if "content-length" not in headers:
             raise ValueError("a response without content-length")
-        return status, await self.reader.readexactly(length)
+        return status, headers, await self.reader.readexactly(int(headers["content-length"]))
 
     def close(self) -> None:
         self.writer.close()
@@ -310,6 +348,7 @@ def load(
     for r in rounds:
         total.client_cpu_seconds += r.client_cpu_seconds
         total.latencies += r.latencies
+        total.server_times += r.server_times
         total.tokens += r.tokens
         total.connection_errors.update(r.connection_errors)
         total.statuses.update(r.statuses)

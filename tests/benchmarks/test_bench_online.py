@@ -50,6 +50,13 @@ def test_bench_online_runs_on_cpu_and_reports_consistent_numbers(
         assert row["client_cpu_busy"] <= 1.5
         assert row["queue_drain_ms"] == row["clients"] / row["requests_per_s"] * 1000
         assert row["p99_over_drain"] == row["latency_ms"]["p99"] / row["queue_drain_ms"]
+        # The latency split by the server's headers: each part positive, the means adding up
+        # to the mean latency (to the float sum's rounding), the engine's part at most the
+        # latency it is part of (the headers carry microseconds: rounding slack).
+        split = row["latency_split_ms"]
+        parts = [split[k]["mean"] for k in ("tokenize", "engine", "rest")]
+        assert min(parts) > 0 and sum(parts) == pytest.approx(split["total"]["mean"], rel=1e-9)
+        assert split["engine"]["p50"] <= split["total"]["p50"] + 1e-3
     # Over the embed rows' rounds (96 requests, whole clock ticks of CPU) both the API process
     # and the engine process were seen working.
     for role in ("api", "engine"):

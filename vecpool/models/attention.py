@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from vecpool.models import biased_attention, invariant, split_attention
+from vecpool.models import biased_attention, invariant, packed_attention, split_attention
 from vecpool.models.kv_blocks import ChunkedKV
 
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
@@ -89,6 +89,9 @@ class AttentionMetadata:
     # Batch-invariant mode: the padded fallback runs `invariant.padded_attention`, whose rows do
     # not depend on the step's longest sequence (the varlen kernel is per sequence already).
     batch_invariant: bool = False
+    # Every sequence is short enough for `packed_attention`'s kernel, which then serves the
+    # step's plain attention in place of the varlen kernel (set by the model runner).
+    packed: bool = False
     # Padded-fallback masks, built at most once per (causal, window) per step.
     _masks: dict[tuple[bool, int | None], torch.Tensor] = field(default_factory=dict, repr=False)
     # Padded-fallback layouts of q, k and v, zeroed once per step and rewritten by every layer.
@@ -221,6 +224,14 @@ def flat_attention(
             q, k, v, meta.cu_seqlens, meta.max_seqlen, bias, scale
         )
     if meta.use_varlen and not padded_only:
+        if (
+            meta.packed
+            and meta.key_rows is None
+            and bias is None
+            and (window is None or window >= meta.max_seqlen)  # no window within a sequence
+            and packed_attention.serves(q, k, v)
+        ):
+            return packed_attention.packed_attention(q, k, v, meta.cu_seqlens, causal, scale)
         cu_k, max_k = meta.cu_seqlens, meta.max_seqlen
         if meta.key_rows is not None:
             # Keys cut short only where every query sees every key (ColBERT's encoders):

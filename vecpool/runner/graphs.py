@@ -155,6 +155,7 @@ class StepGraphs:
         max_model_len: int,
         use_varlen: bool,
         with_token_types: bool,
+        packed_max_len: int = 0,  # keys whose sequences are at most this long: packed attention
         max_tokens: int = DEFAULT_MAX_TOKENS,
         max_graphs: int = DEFAULT_MAX_GRAPHS,
         capture: bool = True,  # False: no CUDA graphs, the same padding as plain forwards
@@ -163,6 +164,7 @@ class StepGraphs:
         self.buckets = token_buckets(max_tokens)
         self.max_model_len = max_model_len
         self.use_varlen = use_varlen
+        self.packed_max_len = packed_max_len
         self.max_graphs = max_graphs
         self.capture = capture
         self.enabled = True  # False once a model refused to be recorded
@@ -390,6 +392,7 @@ class StepGraphs:
             use_varlen=self.use_varlen,
             kv=kv,
             static=self.capture,
+            packed=key.max_len <= self.packed_max_len,
         )
 
     def _forward(self, key: ShapeKey, entry: _Graph) -> None:

@@ -9,6 +9,7 @@ import contextlib
 
 import torch
 
+from vecpool.models import packed_attention
 from vecpool.models.attention import cached_step, varlen_available
 from vecpool.models.base import PoolingModel
 from vecpool.models.invariant import InvariantFunctions, make_batch_invariant
@@ -48,6 +49,13 @@ class ModelRunner:
         self.dtype = dtype
         self.use_varlen = varlen_available(device, dtype)
         self.batch_invariant = batch_invariant
+        # Steps whose sequences are all this short run their attention packed (0: never);
+        # batch-invariant engines keep the per-sequence kernel (packed_attention.py).
+        self.packed_max_len = (
+            packed_attention.max_len(model.is_causal)
+            if self.use_varlen and not batch_invariant
+            else 0
+        )
         if batch_invariant:  # before compiling: the compiled blocks call the invariant products
             make_batch_invariant(model)
         self.compiled = compile_backend is not None
@@ -73,6 +81,7 @@ class ModelRunner:
                     max_seqs=max_seqs,
                     max_model_len=max_model_len,
                     use_varlen=self.use_varlen,
+                    packed_max_len=self.packed_max_len,
                     with_token_types=model.uses_token_type_ids,
                     max_tokens=graph_max_tokens(model.hidden_size, max_step_tokens),
                     capture=device.type == "cuda",
@@ -99,6 +108,7 @@ class ModelRunner:
             block_pool=self.block_pool,
         )
         batch.attn.batch_invariant = self.batch_invariant
+        batch.attn.packed = batch.attn.max_seqlen <= self.packed_max_len
         return batch
 
     def release(self, request_ids: list[str]) -> None:
