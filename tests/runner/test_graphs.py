@@ -27,7 +27,8 @@ from tests.helpers import (
 )
 from tests.runner.conftest import VOCAB
 from vecpool.models.attention import AttentionMetadata, GraphUnsupported, flat_attention
-from vecpool.runner.graphs import ShapeKey, StepGraphs, graph_max_tokens, token_buckets
+from vecpool.runner.batch import FlatBatch
+from vecpool.runner.graphs import ShapeKey, StepGraphs, _Graph, graph_max_tokens, token_buckets
 
 
 def test_token_buckets_cover_every_count_with_bounded_padding() -> None:
@@ -174,3 +175,41 @@ def test_warm_up_records_every_bucket_with_common_lengths(qwen3_folder: Path) ->
     # A later step of a recorded shape takes its entry: no new key.
     engine_hidden(engine, random_prompts(VOCAB, [30, 30, 30, 30, 30]))
     assert set(graphs.graphs) == keys and graphs.replays == 1
+
+
+def test_steps_of_short_sequences_are_marked_for_packed_attention(qwen3_folder: Path) -> None:
+    """The runner marks a step packed when its longest sequence is within the limit, a
+    recorded shape when its `max_len` is; on the CPU (no kernel) the limit is 0 and a marked
+    step runs the same fallback, so its rows are the same bits."""
+    engine = vecpool.Engine(qwen3_folder, device="cpu", cuda_graphs=False)
+    runner = engine.model_runner
+    assert runner.packed_max_len == 0  # no varlen kernel here: never packed
+    prompts = [random_prompts(VOCAB, [5, 9], seed=1), random_prompts(VOCAB, [5, 17], seed=2)]
+    before = [engine_hidden(engine, p) for p in prompts]
+    runner.packed_max_len = 10
+    seen: list[tuple[int, bool]] = []
+    forward = runner.forward
+
+    def spy(batch: FlatBatch) -> torch.Tensor:
+        seen.append((batch.attn.max_seqlen, batch.attn.packed))
+        return forward(batch)
+
+    runner.forward = spy  # type: ignore[method-assign]
+    after = [engine_hidden(engine, p) for p in prompts]
+    assert seen == [(9, True), (17, False)]
+    for b, a in zip(itertools.chain(*before), itertools.chain(*after), strict=True):
+        assert np.array_equal(a, b)
+    graphs = StepGraphs(
+        lambda *a: a[0],
+        hidden_size=8,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        max_seqs=16,
+        max_model_len=512,
+        use_varlen=True,
+        with_token_types=False,
+        packed_max_len=128,
+        capture=False,
+    )
+    assert graphs._metadata(ShapeKey(64, 8, 128), _Graph(None)).packed
+    assert not graphs._metadata(ShapeKey(512, 8, 256), _Graph(None)).packed
