@@ -2,7 +2,7 @@
 against a float32 reference per sequence, next to FlashAttention's varlen kernel (the path it
 replaces), and both kernels' device time, at the attention shapes of Qwen3-0.6B (16 query
 heads, 8 key/value heads of 128, causal), BERT-base (12 of 64) and MiniLM-L6 (12 of 32),
-over steps of query-, mid- and passage-length sequences.
+over steps of query-, mid-, passage-length and long sequences (up to 4,096 tokens).
 
     PYTHONPATH=. python benchmarks/packed_attention_check.py [--output FILE]
 

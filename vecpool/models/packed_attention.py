@@ -18,9 +18,9 @@ in which its keys are summed depends on where the sequence starts within its til
 prompt in another step can differ in the last bits, which is why batch-invariant engines keep
 the per-sequence kernel (`AttentionMetadata.batch_invariant`).
 
-Used where every sequence of the step is at most `max_len` tokens long (longer ones fill
-FlashAttention's tiles, and its kernel is the faster one there). Grouped-query attention reads
-each query head's key/value head directly. Compiled layers call it through
+Used where every sequence of the step is at most `max_len(causal)` tokens long: 128 for
+bidirectional models, 1,024 for causal ones, as measured against FlashAttention (`MAX_LEN`).
+Grouped-query attention reads each query head's key/value head directly. Compiled layers call it through
 `vecpool::packed_attention`, an op opaque to the compiler.
 """
 
