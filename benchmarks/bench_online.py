@@ -376,8 +376,9 @@ def _print(row: dict[str, Any]) -> None:
     if split:
         print(
             f"{'':8s} latency, mean ms: {split['total']['mean']:.2f} = tokenizing "
-            f"{split['tokenize']['mean']:.2f} + in the engine {split['engine']['mean']:.2f} + "
-            f"the rest {split['rest']['mean']:.2f} (HTTP, the API process, the hops, waits)",
+            f"{split['tokenize']['mean']:.2f} + the engine's round trip "
+            f"{split['engine']['mean']:.2f} + the rest {split['rest']['mean']:.2f} (HTTP, the "
+            "API process)",
             flush=True,
         )
 

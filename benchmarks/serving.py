@@ -103,8 +103,9 @@ class Round:
     client_processes: int = 1
     latencies: list[float] = field(default_factory=list)  # seconds, answered requests
     # Per answered request, as the server's headers tell it (seconds): tokenizing in the API
-    # process, and the engine's time (from the engine process receiving the call to its last
-    # input done); what is left of the latency is the HTTP, the hops and the waits around them.
+    # process, and the call's round trip to the engine process (from the API process sending
+    # it to its answer read there: the hops, the wait for the engine loop to take it, its
+    # steps); what is left of the latency is the HTTP and the API process's other work.
     server_times: list[tuple[float, float]] = field(default_factory=list)
     tokens: int = 0
     connection_errors: Counter[str] = field(default_factory=Counter)
@@ -137,10 +138,10 @@ class Round:
 
     def latency_split(self) -> dict[str, dict[str, float]] | None:
         """Mean and median milliseconds of a request's latency by where it went: `tokenize`
-        (in the API process), `engine` (in the engine process), `rest` (everything else:
-        the client, HTTP, the API process's other work, the hops to the engine and back, and
-        waiting for each of them). The means add up to the mean latency. None without the
-        server's times."""
+        (in the API process), `engine` (the round trip from the API process to the engine
+        process and back: the hops, the wait to be taken into a step, the steps), `rest`
+        (everything else: the client, HTTP, the API process's other work, and waiting for
+        them). The means add up to the mean latency. None without the server's times."""
         if not self.server_times or len(self.server_times) != len(self.latencies):
             return None
         total = np.array(self.latencies) * 1000
