@@ -418,3 +418,55 @@ def test_messages_carry_prompts_and_outputs_exactly() -> None:
     for original, copy in zip(outputs[1:], got_out[1:], strict=True):
         assert type(copy.error) is type(original.error)
         assert str(copy.error) == str(original.error)
+
+
+class Paced:
+    """A pacer that always asks for `seconds` more of arrivals before the next build."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def delay(self) -> float:
+        return self.seconds
+
+
+@pytest.mark.parametrize("pacing", [True, False])
+def test_a_paced_loop_takes_what_arrives_until_the_next_step_must_be_built(
+    tiny_bert: tuple[Path, object], address: str, pacing: bool
+) -> None:
+    # Two calls of one input, two inputs a step. Between steps the paced loop goes on taking
+    # arrivals until its pacer's delay is over or a step's worth is queued: the second call,
+    # sent 50 ms into a 5 s delay, is taken in the same pass, which ends with it (the step is
+    # full), long before the delay; unpaced, the pass takes only what is already there.
+    engine = vecpool.Engine(tiny_bert[0], device="cpu", max_num_seqs=2)
+    config = EngineProcessConfig(address, 64, 0.0, step_pacing=pacing)
+    loop = EngineLoop(engine, config, metrics=None)
+    engine.core.pacer = Paced(5.0)  # type: ignore[assignment]
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+
+    def send(call_id: int) -> None:
+        prompt = Prompt(np.array(random_prompts(99, [6], seed=call_id)[0]), None)
+        request = PromptRequest(0, prompt, PoolingParams())
+        dealer.send(wire.encoder.encode(wire.submit(call_id, [request])))
+
+    try:
+        dealer.connect(address)
+        send(0)
+        deadline = time.monotonic() + 30
+        while not loop.calls:
+            assert time.monotonic() < deadline
+            loop._receive()
+        later = threading.Timer(0.05, send, args=(1,))
+        started = time.perf_counter()
+        later.start()
+        loop._between_steps()
+        took = time.perf_counter() - started
+        later.join()
+        if pacing:
+            assert len(loop.calls) == 2 and len(engine.core.scheduler.waiting) == 2
+            assert 0.04 < took < 2.5  # from the second call's arrival, not the delay's end
+        else:
+            assert len(loop.calls) == 1 and took < 0.04
+    finally:
+        dealer.close(linger=0)
+        loop.close()
