@@ -122,13 +122,6 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: %(default)s)",
     )
     procs.add_argument(
-        "--no-step-pacing",
-        dest="step_pacing",
-        action="store_false",
-        help="build the next step as soon as the device starts one, not as late as keeps "
-        "the device busy (which lets what arrives meanwhile join it)",
-    )
-    procs.add_argument(
         "--max-engine-restarts",
         type=int,
         default=launcher.DEFAULT_MAX_ENGINE_RESTARTS,
@@ -215,7 +208,6 @@ def serve(args: argparse.Namespace) -> int:
                 launcher.default_api_server_count(models[0].device) if count is None else count
             ),
             batch_wait_ms=args.batch_wait_ms,
-            step_pacing=args.step_pacing,
             timeout_keep_alive=args.timeout_keep_alive,
             shutdown_timeout=args.shutdown_timeout,
             max_engine_restarts=args.max_engine_restarts,

@@ -15,7 +15,6 @@ from typing import cast
 import numpy as np
 import torch
 
-from vecpool.engine.pacing import StepPacer
 from vecpool.engine.request import Request
 from vecpool.engine.scheduler import Scheduler, SchedulerOutput
 from vecpool.errors import EngineError, RequestFailedError
@@ -46,9 +45,6 @@ class _InFlight:
     batch: FlatBatch
     hidden: torch.Tensor  # [num_tokens, hidden]: the forward's output, on the device
     ready: torch.cuda.Event | None  # the end of the forward on the device (None: no CUDA)
-    # Queued while the step before it was still unpooled: on a busy device the two forwards
-    # run back to back (what `StepPacer` needs to tell a step's device time).
-    behind: bool = False
 
 
 class EngineCore:
@@ -83,10 +79,6 @@ class EngineCore:
         # Ids of requests that are done, whose runner state is freed once the step in flight
         # has pooled.
         self._releasable: list[str] = []
-        # How long a step keeps the device busy, and the host's lead in building one: when a
-        # server's `receive` may wait for more arrivals before the next step is built.
-        self.pacer = StepPacer()
-        self._build_started = 0.0  # when the prefetched step's build began
 
     @property
     def healthy(self) -> bool:
@@ -176,9 +168,7 @@ class EngineCore:
         meanwhile, so that the next step can be prepared (and this one pooled behind it).
         """
         with self._step_lock:
-            prefetched, current = self._prefetched is not None, self._prefetched
-            if current is None:
-                current = self._prepare_next()
+            current = self._prefetched or self._prepare_next()
             self._prefetched = None
             if current is not None and any(r.is_done for r in current[0].requests):
                 current = self._without_done(current)
@@ -186,7 +176,6 @@ class EngineCore:
             if current is None:
                 if previous is None:
                     self._release()
-                    self.pacer.idle()
                     return 0
                 self._pool(previous)
                 return len(previous.sched.requests)
@@ -200,10 +189,7 @@ class EngineCore:
                 self._recover(sched, exc)
                 self._release(sched)
                 return len(sched.requests)
-            if prefetched:
-                self.pacer.built_and_queued(time.perf_counter() - self._build_started)
-            ready = self.pooling_runner.forward_done()
-            launched = _InFlight(sched, batch, hidden, ready, behind=previous is not None)
+            launched = _InFlight(sched, batch, hidden, self.pooling_runner.forward_done())
             if previous is not None:
                 self._pool(previous)
             if receive is not None:
@@ -212,7 +198,6 @@ class EngineCore:
                 except BaseException:
                     self._pool(launched)
                     raise
-            self._build_started = time.perf_counter()
             self._prefetched = self._prepare_next()
             upcoming = self._prefetched
             if (
@@ -228,11 +213,6 @@ class EngineCore:
 
     def _pool(self, step: _InFlight) -> None:
         """Pool a step whose forward is queued, finish its requests, free what they kept."""
-        if step.ready is not None:  # the forward's end, as the pacer needs it
-            waited = not step.ready.query()
-            if waited:
-                step.ready.synchronize()
-            self.pacer.forward_ended(time.perf_counter(), waited and step.behind)
         try:
             results = self.pooling_runner.pool(
                 step.hidden, step.batch, step.sched.step, after=step.ready

@@ -81,6 +81,3 @@ class EngineProcessConfig:
     max_wait: float | None = None  # seconds of work ahead of a call before it is refused
     metrics: bool = True  # record the engine's metrics (into the multiprocess directory)
     model: str | None = None  # its metrics' `model` label, where several models are served
-    # While the device runs a step, take arrivals until it is about to end before building
-    # the next (`vecpool.engine.pacing`); False: build it as soon as the step is queued.
-    step_pacing: bool = True

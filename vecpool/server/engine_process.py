@@ -8,9 +8,7 @@ and launched before this one is pooled, so that the device computes while the ho
 replies and receives (`EngineCore.step`). When the engine was idle and a call arrives, it
 takes more while they keep coming, up to `batch_wait` seconds (or a step's worth) before it
 steps: a step that starts with one request runs with one request, while the others of a burst
-are a millisecond behind. While the device runs a step, the loop takes arrivals until that step
-is about to end before it builds the next one (`step_pacing`, `vecpool.engine.pacing`), so
-that what arrived meanwhile runs one step sooner.
+are a millisecond behind.
 """
 
 from __future__ import annotations
@@ -20,7 +18,6 @@ import functools
 import gc
 import logging
 import math
-import select
 import signal
 import sys
 import time
@@ -46,7 +43,6 @@ GATHER_GAP = 0.001
 # As plain ints: pyzmq's enum members cost a conversion at each use, and these are used for
 # every message.
 _EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
-_FD = int(zmq.FD)
 
 
 @dataclass(eq=False)
@@ -197,32 +193,10 @@ class EngineLoop:
     def _between_steps(self) -> None:
         """Once a step's forward is queued and the step before it has pooled: that step's
         replies go out now rather than after the next step is scheduled and built (a
-        request's answer sooner by that host time), then what arrived is taken, and, paced,
-        what arrives until the next step must be built for the device not to wait."""
+        request's answer sooner by that host time), then what arrived is taken."""
         if self.outbox:
             self._flush()
         self._receive()
-        if self.config.step_pacing:
-            delay = self.engine.core.pacer.delay()
-            if delay > 0:
-                self._take_until(time.perf_counter() + delay)
-
-    def _take_until(self, deadline: float) -> None:
-        """Take arrivals as they come until `deadline` (perf_counter seconds) or until a
-        step's worth is queued. Waits on the socket's file descriptor, whose timeout takes
-        fractions of a millisecond (zmq_poll's takes whole ones)."""
-        socket = self.socket
-        fd = int(socket.getsockopt(_FD))
-        waiting = self.engine.core.scheduler.waiting
-        while self.arrived_tokens < self.step_tokens and len(waiting) < self.step_requests:
-            left = deadline - time.perf_counter()
-            if left <= 0:
-                return
-            # The descriptor signals changes, not readiness: ask first, then wait for a change.
-            if socket.getsockopt(_EVENTS) & _POLLIN:  # type: ignore[operator]
-                self._receive()
-            else:
-                select.select([fd], [], [], left)
 
     def _on_done(self, call: _Call, request: Request) -> None:
         """A request of `call` is done (in a step, or cancelled)."""

@@ -88,7 +88,6 @@ class ServeOptions:
     port: int = 8000
     api_server_count: int = 1  # API-server processes; 0: one process, the engine in a thread
     batch_wait_ms: float = DEFAULT_BATCH_WAIT_MS  # an idle engine gathers a step this long
-    step_pacing: bool = True  # build the next step late while the device runs one
     timeout_keep_alive: float = DEFAULT_KEEP_ALIVE  # seconds an idle connection stays open
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT  # SIGTERM: seconds to drain requests
     max_engine_restarts: int = DEFAULT_MAX_ENGINE_RESTARTS  # within the window, then exit 1
@@ -353,7 +352,6 @@ def _start_engines(
                 max_wait=config.max_queue_wait,
                 batch_wait=options.batch_wait_ms / 1000,
                 model=label,
-                step_pacing=options.step_pacing,
             )
             # Several engines on one machine share its cores: each gets an equal share.
             shared = group or len(models) > 1
