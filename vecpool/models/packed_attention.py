@@ -20,8 +20,8 @@ the per-sequence kernel (`AttentionMetadata.batch_invariant`).
 
 Used where every sequence of the step is at most `max_len(causal)` tokens long: 128 for
 bidirectional models, 1,024 for causal ones, as measured against FlashAttention (`MAX_LEN`).
-Grouped-query attention reads each query head's key/value head directly. Compiled layers call it through
-`vecpool::packed_attention`, an op opaque to the compiler.
+Grouped-query attention reads each query head's key/value head directly. Compiled layers call
+it through `vecpool::packed_attention`, an op opaque to the compiler.
 """
 
 from __future__ import annotations
