@@ -154,8 +154,8 @@ class Round:
 
 
 def server_times(headers: Any) -> tuple[float, float] | None:
-    """(tokenizing, the engine's time) in seconds from a response's timing headers (a
-    mapping of lower-case names to strings); None when they are not there."""
+    """(tokenizing, the round trip to the engine) in seconds from a response's timing
+    headers (a mapping of lower-case names to strings); None when they are not there."""
     try:
         return float(headers["x-tokenization-time"]) / 1000, (
             float(headers["x-queue-time"]) + float(headers["x-inference-time"])

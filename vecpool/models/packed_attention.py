@@ -56,7 +56,9 @@ def _kernel() -> Any | None:
     except ImportError:  # pragma: no cover - `_HAS_TRITON` says so first
         return None
 
-    @triton.jit
+    # The step's sizes are plain arguments, not specializations: a kernel compiled once per
+    # model serves every step (compiling takes about a second, which a step must not wait for).
+    @triton.jit(do_not_specialize=["num_seqs", "num_rows", "search_steps"])
     def packed_attention_kernel(  # type: ignore[no-untyped-def]
         q_ptr,
         k_ptr,
@@ -74,9 +76,9 @@ def _kernel() -> Any | None:
         stride_ot,
         stride_oh,
         qk_scale,  # the logits' scale times log2(e): softmax runs in base 2
+        search_steps,  # enough halvings to find one of num_seqs sequences
         GROUP: tl.constexpr,  # query heads per key/value head
         CAUSAL: tl.constexpr,
-        SEARCH_STEPS: tl.constexpr,  # enough halvings to find one of num_seqs sequences
         HEAD_DIM: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -92,7 +94,7 @@ def _kernel() -> Any | None:
         # the last one, computing values nobody reads.
         lo = tl.zeros([BLOCK_M], tl.int32)
         hi = tl.zeros([BLOCK_M], tl.int32) + num_seqs
-        for _ in tl.static_range(SEARCH_STEPS):
+        for _ in range(search_steps):
             mid = (lo + hi) // 2
             right = tl.load(cu_ptr + mid) <= rows
             lo = tl.where(right, mid, lo)
@@ -225,9 +227,9 @@ def _launch(
         out.stride(0),
         out.stride(1),
         scale * 1.4426950408889634,
+        max(1, num_seqs.bit_length()),
         GROUP=heads // k.shape[1],
         CAUSAL=causal,
-        SEARCH_STEPS=max(1, num_seqs.bit_length()),
         HEAD_DIM=head_dim,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
