@@ -36,9 +36,10 @@ import torch
 # The longest sequence (tokens) of a step for which the engine uses this kernel
 # (`max_len`), bidirectional and causal. Measured on the H200 (`packed_attention_check.py`,
 # kernel time against FlashAttention's): at Qwen3-0.6B's causal layout (16 query heads on 8
-# key/value heads of 128) 1.3-2.0x up to 1,024-token sequences, even at 2,048-4,096; at BERT's
-# and MiniLM's bidirectional ones (heads of 64 and 32) 1.2-2.9x up to 128 tokens, 0.8-0.9x
-# from 512 on, and a whole BERT-base passages workload (up to 512 tokens) 0.98x end to end.
+# key/value heads of 128) 1.2-2.0x up to 1,024-token sequences, even (1.0x) at 2,048-4,096; at
+# BERT's and MiniLM's bidirectional ones (heads of 64 and 32) 1.6-3.1x up to 64 tokens, 1.0-1.1x
+# at 64-128, 0.8-0.9x from 512 on, and a whole BERT-base passages workload (up to 512 tokens)
+# 0.98x end to end.
 MAX_LEN = 128
 MAX_LEN_CAUSAL = 1024
 # Head sizes up to this one: those measured (32, 64, 128); wider heads (Gemma's 256) would hold
@@ -203,7 +204,7 @@ def _launch(
     cu_seqlens: torch.Tensor,
     causal: bool,
     scale: float,
-    tiles: tuple[int, int, int] | None = None,  # (BLOCK_M, BLOCK_N, warps); default by head size
+    tiles: tuple[int, int, int] | None = None,  # (BLOCK_M, BLOCK_N, warps); None: `_TILE`
 ) -> torch.Tensor:
     kernel = _kernel()
     assert kernel is not None  # guarded by `serves`
