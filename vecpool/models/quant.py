@@ -16,7 +16,7 @@ accumulation), then scales.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -125,6 +125,13 @@ class Fp8Linear(nn.Module):
     static input scale this layer loads but does not use (its rows are scaled per token, which
     is at least as fine); `finish_scales` turns every form into `[N]`.
     """
+
+    # The dtypes of the parameters as loaded (`restore_fp8_dtypes`).
+    PARAM_DTYPES: ClassVar[dict[str, torch.dtype]] = {
+        "weight": FP8_DTYPE,
+        "weight_scale": torch.float32,
+        "input_scale": torch.float32,
+    }
 
     def __init__(
         self,
@@ -362,8 +369,8 @@ def _stack_linears(
 
 
 def finish_fp8(model: nn.Module, device: torch.device) -> None:
-    """Once FP8 linears are in place (quantized here or loaded): scales per channel, the
-    kernels and the FP8 matmul chosen for `device`, and each pre-norm decoder layer's norms
+    """Once FP8 linears are in place (quantized here or loaded, per channel or in blocks):
+    scales per channel, the kernels and the FP8 matmul chosen for `device`, and each pre-norm decoder layer's norms
     folded into the projections they feed."""
     capable = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (
         FP8_MIN_CAPABILITY
@@ -371,7 +378,11 @@ def finish_fp8(model: nn.Module, device: torch.device) -> None:
     kernels = fused_fp8_ops(device)
     if kernels:
         import vecpool.models.fp8_ops  # noqa: F401 - registers the ops
+    from vecpool.models.fp8_block import Fp8BlockLinear
+
     for module in model.modules():
+        if isinstance(module, Fp8BlockLinear):
+            module.choose_backend(device)
         if isinstance(module, Fp8Linear):
             module.finish_scales()
             module.kernels = kernels
@@ -404,14 +415,9 @@ def _fold_decoder_norms(layer: DecoderLayer) -> None:
 
 def restore_fp8_dtypes(model: nn.Module) -> None:
     """After `model.to(dtype)` on the meta device (which casts every floating tensor): give
-    the FP8 linears back their FP8 weights and float32 scales."""
+    the FP8 linears back their FP8 weights and float32 scales (each class's `PARAM_DTYPES`)."""
     for module in model.modules():
-        if isinstance(module, Fp8Linear):
-            for name, dtype in (
-                ("weight", FP8_DTYPE),
-                ("weight_scale", torch.float32),
-                ("input_scale", torch.float32),
-            ):
-                param: nn.Parameter | None = getattr(module, name)
-                if param is not None and param.dtype != dtype:
-                    setattr(module, name, nn.Parameter(param.to(dtype), requires_grad=False))
+        for name, dtype in getattr(module, "PARAM_DTYPES", {}).items():
+            param: nn.Parameter | None = getattr(module, name)
+            if param is not None and param.dtype != dtype:
+                setattr(module, name, nn.Parameter(param.to(dtype), requires_grad=False))

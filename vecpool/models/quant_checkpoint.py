@@ -1,12 +1,13 @@
 """Checkpoints stored in FP8: which linears they quantized, and FP8 layers to load them into.
 
-compressed-tensors (llm-compressor's `FP8_DYNAMIC` and `FP8` schemes) stores a quantized
-linear as `weight` in float8_e4m3fn plus `weight_scale`, one float per output channel
-(`[N, 1]`) or per tensor (`[]` / `[1]`), and with static activations an `input_scale`. The
-loader asks `fp8_checkpoint_layers` for an `Fp8Linear` in place of each linear the checkpoint
-stores a `weight_scale` for, then matches every tensor strictly as usual. Block-wise FP8
-(`quant_method: "fp8"`, `weight_scale_inv` per 128 x 128 block, as DeepSeek-V3 and Qwen3-FP8
-ship) is not read yet.
+Two forms are read. compressed-tensors (llm-compressor's `FP8_DYNAMIC` and `FP8` schemes)
+stores a quantized linear as `weight` in float8_e4m3fn plus `weight_scale`, one float per
+output channel (`[N, 1]`) or per tensor (`[]` / `[1]`): an `Fp8Linear`. Hugging Face's
+fine-grained FP8 (`quant_method` "fp8", as DeepSeek-V3 and the Qwen3 FP8 releases ship) stores
+`weight` plus `weight_scale_inv`, one factor per `weight_block_size` block: an
+`Fp8BlockLinear`. With static activations either may add an `input_scale`. The loader asks
+`fp8_checkpoint_layers` for the FP8 layer in place of each linear the checkpoint stores a
+scale for, then matches every tensor strictly as usual.
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ from torch import nn
 
 from vecpool.errors import ModelLoadError
 
-CHECKPOINT_QUANT_METHODS = ("compressed-tensors",)
+CHECKPOINT_QUANT_METHODS = ("compressed-tensors", "fp8")
 _FP8_SAFETENSORS = "F8_E4M3"
-_SCALE = ".weight_scale"
+# The weight scale's name in each form.
+_SCALES = {"compressed-tensors": ".weight_scale", "fp8": ".weight_scale_inv"}
 
 
 def fp8_checkpoint_layers(
@@ -34,7 +36,8 @@ def fp8_checkpoint_layers(
     dtype: torch.dtype,
 ) -> int:
     """Replace (on the meta device) each linear of `model` whose checkpoint tensors are FP8 by
-    an `Fp8Linear` shaped for them; returns how many. `stored` is the checkpoint's key ->
+    the FP8 layer of the checkpoint's form (`Fp8Linear`, `Fp8BlockLinear`) shaped for them;
+    returns how many. `stored` is the checkpoint's key ->
     (file, shape); `parameter_name` maps a key to the parameter it fills."""
     config = hf.get("quantization_config")
     if not config:
@@ -45,20 +48,22 @@ def fp8_checkpoint_layers(
             f"quantization_config quant_method {method!r} is not supported "
             f"({', '.join(CHECKPOINT_QUANT_METHODS)} with FP8 weights)"
         )
-    _check_schemes(config)
+    block = _check_schemes(config)
+    from vecpool.models.fp8_block import Fp8BlockLinear
     from vecpool.models.quant import Fp8Linear
 
+    suffix = _SCALES[method]
     fp8_weights = _fp8_weights(stored)
-    scaled = {key[: -len(_SCALE)] for key in stored if key.endswith(_SCALE)}
+    scaled = {key[: -len(suffix)] for key in stored if key.endswith(suffix)}
     for prefix in sorted(set(fp8_weights) - scaled):
         raise ModelLoadError(
             f"{fp8_weights[prefix].name}: {prefix + '.weight'!r} is FP8, but the checkpoint has "
-            f"no {prefix + _SCALE!r}"
+            f"no {prefix + suffix!r}"
         )
     for prefix in sorted(scaled - set(fp8_weights)):
         weight = prefix + ".weight"
         what = f"is not {_FP8_SAFETENSORS}" if weight in stored else "is not in the checkpoint"
-        raise ModelLoadError(f"the checkpoint has {prefix + _SCALE!r}, but {weight!r} {what}")
+        raise ModelLoadError(f"the checkpoint has {prefix + suffix!r}, but {weight!r} {what}")
     swapped = 0
     for prefix in sorted(scaled):
         name = parameter_name(prefix + ".weight")
@@ -67,29 +72,50 @@ def fp8_checkpoint_layers(
         module_name = name.rpartition(".")[0]
         linear = model.get_submodule(module_name)
         if not isinstance(linear, nn.Linear):
-            raise ModelLoadError(f"{prefix + _SCALE!r} scales {module_name!r}, not a linear layer")
+            raise ModelLoadError(f"{prefix + suffix!r} scales {module_name!r}, not a linear layer")
         input_scale = stored.get(prefix + ".input_scale")
         parent_name, _, attr = module_name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(
-            parent,
-            attr,
-            Fp8Linear(
+        input_scale_shape = tuple(input_scale[1]) if input_scale else None
+        layer: nn.Module
+        if block is None:
+            layer = Fp8Linear(
                 linear.in_features,
                 linear.out_features,
                 bias=linear.bias is not None,
                 out_dtype=dtype,
-                scale_shape=tuple(stored[prefix + _SCALE][1]),
-                input_scale_shape=tuple(input_scale[1]) if input_scale else None,
-            ),
-        )
+                scale_shape=tuple(stored[prefix + suffix][1]),
+                input_scale_shape=input_scale_shape,
+            )
+        else:
+            layer = Fp8BlockLinear(
+                linear.in_features,
+                linear.out_features,
+                block=block,
+                bias=linear.bias is not None,
+                out_dtype=dtype,
+                input_scale_shape=input_scale_shape,
+            )
+        setattr(parent, attr, layer)
         swapped += 1
     return swapped
 
 
-def _check_schemes(config: dict[str, Any]) -> None:
-    """Raise naming a compressed-tensors scheme other than FP8 weights per channel or tensor
-    with per-token or static per-tensor activations."""
+def _check_schemes(config: dict[str, Any]) -> tuple[int, int] | None:
+    """The weight block (rows, columns) of a block-wise FP8 config, None for compressed-tensors;
+    raise naming a scheme other than FP8 weights per channel, per tensor or in blocks."""
+    if config.get("quant_method") == "fp8":
+        block = config.get("weight_block_size")
+        if not (
+            isinstance(block, list)
+            and len(block) == 2
+            and all(isinstance(b, int) and b > 0 for b in block)
+        ):
+            raise ModelLoadError(
+                f"quantization_config (quant_method 'fp8'): weight_block_size {block!r}; "
+                "expected two positive integers (rows, columns of a block), e.g. [128, 128]"
+            )
+        return block[0], block[1]
     for name, group in (config.get("config_groups") or {}).items():
         weights = group.get("weights") or {}
         if weights.get("num_bits") != 8 or weights.get("type") != "float":
@@ -102,6 +128,7 @@ def _check_schemes(config: dict[str, Any]) -> None:
                 f"quantization_config group {name!r}: weight strategy "
                 f"{weights.get('strategy')!r}; only 'channel' and 'tensor' are read"
             )
+    return None
 
 
 def _fp8_weights(stored: dict[str, tuple[Path, list[int]]]) -> dict[str, Path]:

@@ -1,0 +1,228 @@
+"""Block-scaled FP8 linears: checkpoints stored as DeepSeek-V3 and the Qwen3 FP8 releases ship.
+
+Hugging Face's fine-grained FP8 form (`quantization_config`: `quant_method` "fp8",
+`weight_block_size` [bn, bk]) keeps each linear's `[N, K]` weight in float8 e4m3 with one
+float32 factor per bn x bk block, `weight_scale_inv` (`[ceil(N / bn), ceil(K / bk)]`; despite
+its name, what the stored values are multiplied by). Activations are quantized as they come:
+one scale per token and group of bk inputs (`[M, ceil(K / bk)]`), so a row's result never
+depends on the other rows of its step, and prompt embeds still give the bits of ids.
+
+On Hopper (compute capability 9.0), with 128 x 128 blocks and both dimensions multiples of 128,
+the product runs through cuBLAS's block-scaled FP8 matmul (`torch._scaled_mm` recognizes the
+scales by their shapes; it takes row counts that are multiples of 4, so a step's rows are padded
+to 16). Elsewhere the same arithmetic runs dequantized in float32: exact up to the float32
+rounding of each value times its scale and the order of the sums, and slow, which is what the
+tests check on the CPU.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vecpool.errors import ConfigError
+from vecpool.models.quant import FP8_DTYPE, FP8_MAX, MIN_AMAX, QuantizedRows
+
+BLOCK_SCALE = "weight_scale_inv"
+# What cuBLAS's block-scaled FP8 matmul takes: 128 x 128 weight blocks on compute capability 9.0.
+CUBLAS_BLOCK = (128, 128)
+CUBLAS_CAPABILITY = (9, 0)
+# The row count of a cuBLAS block-scaled product is padded to a multiple of this (it needs 4).
+_ROW_ALIGN = 16
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def quantize_groups(x: torch.Tensor, group: int) -> QuantizedRows:
+    """`[M, K]` rows -> FP8 values and one float32 scale per row and group of `group` inputs
+    (`[M, ceil(K / group)]`, the group's amax / 448); a last, shorter group scales alone."""
+    m, k = x.shape
+    pad = _cdiv(k, group) * group - k
+    x32 = F.pad(x.float(), (0, pad)).view(m, -1, group)  # [M, G, group]
+    amax = torch.linalg.vector_norm(x32, ord=float("inf"), dim=-1, keepdim=True)
+    scale = amax.clamp_(min=MIN_AMAX) / FP8_MAX  # [M, G, 1]
+    data = (x32 / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view(m, -1)[:, :k]
+    return QuantizedRows(data, scale.view(m, -1))
+
+
+def quantize_blocks(
+    weight: torch.Tensor, block: tuple[int, int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A `[N, K]` weight as a block-wise FP8 checkpoint stores it: (`[N, K]` FP8,
+    `[ceil(N / bn), ceil(K / bk)]` float32 factors, each block's amax / 448). For tests and
+    benchmarks that write such checkpoints; the engine reads them as they are."""
+    (n, k), (bn, bk) = weight.shape, block
+    w = F.pad(weight.float(), (0, _cdiv(k, bk) * bk - k, 0, _cdiv(n, bn) * bn - n))
+    blocks = w.view(_cdiv(n, bn), bn, _cdiv(k, bk), bk)
+    scale = blocks.abs().amax(dim=(1, 3), keepdim=True).clamp_(min=MIN_AMAX) / FP8_MAX
+    data = (blocks / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view_as(w)[:n, :k]
+    return data.contiguous(), scale.view(_cdiv(n, bn), _cdiv(k, bk))
+
+
+def dequantize_blocks(
+    data: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
+) -> torch.Tensor:
+    """The float32 `[N, K]` weight that FP8 `data` under block factors `scale` stands for."""
+    (n, k), (bn, bk) = data.shape, block
+    factors = scale.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    return data.float() * factors
+
+
+def dequantize_groups(rows: QuantizedRows, group: int) -> torch.Tensor:
+    """The float32 `[M, K]` rows that group-quantized `rows` stand for."""
+    k = rows.data.shape[1]
+    return rows.data.float() * rows.scale.repeat_interleave(group, 1)[:, :k]
+
+
+def cublas_block_fp8(device: torch.device) -> bool:
+    """Whether `device` multiplies block-scaled FP8 through cuBLAS (Hopper)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) == CUBLAS_CAPABILITY
+
+
+# An opaque op to the compiler: cuBLAS reads the scales in layouts of its own, which a compiled
+# graph would not otherwise keep.
+@torch.library.custom_op("vecpool::fp8_block_mm", mutates_args=())
+def block_mm(
+    data: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
+) -> torch.Tensor:
+    """`[M, K]` FP8 rows with `[M, K / 128]` group scales times the `[N, K]` FP8 weight with
+    `[N / 128, K / 128]` block factors -> `[M, N]` bf16 (M a multiple of 4), through cuBLAS."""
+    return torch._scaled_mm(
+        data,
+        weight.t(),  # [K, N], column-major
+        scale_a=scale.t().contiguous().t(),  # the rows adjacent ("outer-dim-major")
+        scale_b=weight_scale.t(),  # [K / 128, N / 128]
+        out_dtype=torch.bfloat16,
+    )
+
+
+@block_mm.register_fake
+def _(
+    data: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
+) -> torch.Tensor:
+    return data.new_empty((data.shape[0], weight.shape[0]), dtype=torch.bfloat16)
+
+
+class Fp8BlockLinear(nn.Module):
+    """A linear layer as a block-wise FP8 checkpoint stores it: `weight` `[N, K]` FP8 and
+    `weight_scale_inv`, one float32 factor per `block` (bn x bk) of it; inputs quantized per
+    token and group of bk. `sizes` splits the output as `FusedProjections` does (q/k/v); a
+    static `input_scale` of the checkpoint is loaded and not used (the rows are scaled per
+    token and group, which is at least as fine)."""
+
+    # The dtypes of the parameters as loaded (`quant.restore_fp8_dtypes`).
+    PARAM_DTYPES: ClassVar[dict[str, torch.dtype]] = {
+        "weight": FP8_DTYPE,
+        BLOCK_SCALE: torch.float32,
+        "input_scale": torch.float32,
+    }
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        block: tuple[int, int],
+        bias: bool,
+        out_dtype: torch.dtype,
+        sizes: list[int] | None = None,
+        input_scale_shape: tuple[int, ...] | None = None,
+    ):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.block = block
+        self.sizes = sizes
+        self.out_dtype = out_dtype
+        # [N, K] float8_e4m3fn
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features, dtype=FP8_DTYPE), requires_grad=False
+        )
+        # [ceil(N / bn), ceil(K / bk)] float32
+        self.weight_scale_inv = nn.Parameter(
+            torch.empty(
+                _cdiv(out_features, block[0]), _cdiv(in_features, block[1]), dtype=torch.float32
+            ),
+            requires_grad=False,
+        )
+        self.bias = (
+            nn.Parameter(torch.empty(out_features, dtype=out_dtype), requires_grad=False)
+            if bias
+            else None
+        )  # [N]
+        self.input_scale = (
+            nn.Parameter(torch.empty(input_scale_shape, dtype=torch.float32), requires_grad=False)
+            if input_scale_shape is not None
+            else None
+        )
+        self.cublas = False  # set by `choose_backend`
+
+    def choose_backend(self, device: torch.device) -> None:
+        """Multiply through cuBLAS where `device` and this layer's shapes allow it."""
+        self.cublas = (
+            cublas_block_fp8(device)
+            and self.block == CUBLAS_BLOCK
+            and self.in_features % CUBLAS_BLOCK[1] == 0
+            and self.out_features % CUBLAS_BLOCK[0] == 0
+        )
+
+    @classmethod
+    def fuse_parts(cls, parts: list[nn.Module]) -> Fp8BlockLinear:
+        """Layers over the same input as one (q/k/v, gate/up): weights and block factors
+        stacked along the outputs, which keeps every block whole only if each part but the
+        last fills whole blocks."""
+        layers = [p for p in parts if isinstance(p, Fp8BlockLinear)]
+        if len(layers) != len(parts):
+            raise ConfigError(
+                "a checkpoint stores some of the projections that share an input in block-wise "
+                "FP8 and others not; they must be quantized alike"
+            )
+        block = layers[0].block
+        for layer in layers[:-1]:
+            if layer.out_features % block[0]:
+                raise ConfigError(
+                    f"block-wise FP8 projections of {[p.out_features for p in layers]} outputs "
+                    f"in blocks of {block[0]}: each but the last must fill whole blocks to be "
+                    "joined"
+                )
+        with torch.device("meta"):  # filled below
+            fused = cls(
+                layers[0].in_features,
+                sum(p.out_features for p in layers),
+                block=block,
+                bias=False,
+                out_dtype=layers[0].out_dtype,
+                sizes=[p.out_features for p in layers],
+            )
+        fused.weight = nn.Parameter(torch.cat([p.weight for p in layers]), requires_grad=False)
+        fused.weight_scale_inv = nn.Parameter(
+            torch.cat([p.weight_scale_inv.float() for p in layers]), requires_grad=False
+        )
+        biases = [p.bias for p in layers]
+        if all(b is not None for b in biases):
+            fused.bias = nn.Parameter(torch.cat(biases), requires_grad=False)  # type: ignore[arg-type]
+        return fused
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        lead = x.shape[:-1]
+        out = self._matmul(x.reshape(-1, self.in_features)).view(*lead, self.out_features)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.split(self.sizes, dim=-1) if self.sizes else out
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N] in out_dtype
+        m = x.shape[0]
+        if self.cublas:
+            padded = F.pad(x, (0, 0, 0, (-m) % _ROW_ALIGN))
+            rows = quantize_groups(padded, self.block[1])
+            out = torch.ops.vecpool.fp8_block_mm(
+                rows.data, rows.scale, self.weight, self.weight_scale_inv
+            )
+            return out[:m].to(self.out_dtype)
+        inputs = dequantize_groups(quantize_groups(x, self.block[1]), self.block[1])
+        weight = dequantize_blocks(self.weight, self.weight_scale_inv, self.block)
+        return (inputs @ weight.t()).to(self.out_dtype)
