@@ -56,6 +56,34 @@ def test_compiled_blocks_match_eager_and_keep_embeds_bit_exact(qwen3_folder: Pat
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 2
 
 
+def test_many_block_structures_stay_compiled(qwen3_folder: Path) -> None:
+    """Past dynamo's default of 8 graphs per code object (here 12 structures sharing one
+    forward, as several models of one block class in a process do), every one still compiles."""
+
+    class Block(torch.nn.Module):
+        def __init__(self, inner: torch.nn.Module):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner(x) + 1
+
+    compile_blocks(vecpool.Engine(qwen3_folder, device="cpu", compile=False).model, backend="eager")
+    graphs = []
+
+    def count(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> object:
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    inners = [type(f"Inner{i}", (torch.nn.Identity,), {})() for i in range(12)]
+    for inner in inners:
+        block = Block(inner)
+        block.compile(backend=count, dynamic=True)
+        assert torch.equal(block(torch.zeros(3)), torch.ones(3))
+    assert len(graphs) == 12
+
+
 def test_compiled_blocks_run_chunked_prompts(qwen3_folder: Path) -> None:
     """Chunks of prompts over the budget attend to cached keys through the opaque
     `vecpool::cached_attention` op: no graph break, one graph per block for chunked steps
