@@ -42,8 +42,9 @@ def compile_blocks(model: nn.Module, *, backend: str = "inductor") -> int:
     # Every model of a block class shares the forward's compiled code, one graph for each
     # structure (norms, quantized projections) and kind of step it meets: a few models in one
     # process (a multi-model server, a benchmark's engines side by side) pass dynamo's default
-    # of 8 graphs per code, past which it runs the forward eagerly, silently. Measured: the
-    # third engine of a second model in one process fell to eager (a 7B in FP8 at 0.87x bf16).
+    # of 8 graphs per code, past which it runs the forward eagerly, silently. Measured: a
+    # 7B's engines built after five others in one process ran at 34.8k tokens/s instead of
+    # 59.7k (`benchmarks/results/fp8_block_recompile_limit_h200.json`).
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
     for block in blocks:
