@@ -184,6 +184,9 @@ def test_block_checkpoint_errors_name_the_tensor_or_field(
     )
     with pytest.raises(ModelLoadError, match=r"layers\.1\.mlp\.up_proj\.weight_scale_inv"):
         vecpool.Engine(tmp_path / "missing", device="cpu")
+    _block_checkpoint(qwen3[0], tmp_path / "fp8", [16, 16])
+    with pytest.raises(ConfigError, match=r"stored in FP8.*leave batch_invariant unset"):
+        vecpool.Engine(tmp_path / "fp8", device="cpu", batch_invariant=True)
     _block_checkpoint(qwen3[0], tmp_path / "no_block", [16, 16])
     cfg_path = tmp_path / "no_block" / "config.json"
     cfg = json.loads(cfg_path.read_text())

@@ -28,7 +28,7 @@ from vecpool.models.hf import hf_get
 from vecpool.models.invariant import InvariantHead
 from vecpool.models.kv_blocks import BlockPool
 from vecpool.models.loader import load_model
-from vecpool.models.quant import check_quantization, quantize_model
+from vecpool.models.quant import check_quantization, has_fp8_layers, quantize_model
 from vecpool.models.st import load_dense_stack
 from vecpool.pooling.build import PoolingDefaults, build_heads
 from vecpool.runner.compiled import compile_by_default
@@ -157,6 +157,11 @@ class EngineParts:
             raise ConfigError(
                 f"{self.folder.architecture} runs through transformers, whose products vecpool "
                 "cannot make batch-invariant: leave batch_invariant unset"
+            )
+        if batch_invariant and has_fp8_layers(self.model):
+            raise ConfigError(
+                f"{self.folder.path.name} is stored in FP8, whose products vecpool does not "
+                "make batch-invariant: leave batch_invariant unset"
             )
         if batch_invariant and compile and self.device.type == "cpu":
             raise ConfigError(

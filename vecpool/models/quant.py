@@ -413,6 +413,13 @@ def _fold_decoder_norms(layer: DecoderLayer) -> None:
             setattr(layer, "post_attention_layernorm", nn.Identity())  # noqa: B010
 
 
+def has_fp8_layers(model: nn.Module) -> bool:
+    """Whether `model` multiplies in FP8 anywhere (quantized here or stored so)."""
+    from vecpool.models.fp8_block import Fp8BlockLinear
+
+    return any(isinstance(m, (Fp8Linear, Fp8BlockLinear)) for m in model.modules())
+
+
 def restore_fp8_dtypes(model: nn.Module) -> None:
     """After `model.to(dtype)` on the meta device (which casts every floating tensor): give
     the FP8 linears back their FP8 weights and float32 scales (each class's `PARAM_DTYPES`)."""
