@@ -21,6 +21,7 @@ import vecpool
 from tests.helpers import engine_hidden, hf_last_hidden, random_prompts
 from tests.models.test_quant import FP8_REL_ERR, LENGTHS, VOCAB, _cosines, _qwen3
 from vecpool.errors import ConfigError, ModelLoadError
+from vecpool.models import quant
 from vecpool.models.fp8_block import (
     Fp8BlockLinear,
     dequantize_blocks,
@@ -28,7 +29,7 @@ from vecpool.models.fp8_block import (
     quantize_blocks,
     quantize_groups,
 )
-from vecpool.models.quant import FP8_DTYPE, FP8_MAX
+from vecpool.models.quant import FP8_DTYPE, FP8_MAX, Fp8GatedMLP, Fp8NormLinear
 
 
 def test_groups_scale_by_their_own_amax() -> None:
@@ -154,13 +155,18 @@ def test_block_checkpoint_loads_as_stored(
     folder, hf = qwen3
     dequantized = _block_checkpoint(folder, tmp_path / "fp8", block)
     engine = vecpool.Engine(tmp_path / "fp8", device="cpu")
-    attn = engine.model.layers[0].self_attn
-    assert isinstance(attn.qkv_proj, Fp8BlockLinear) and attn.qkv_proj.block == tuple(block)
-    assert isinstance(engine.model.layers[1].mlp.down_proj, Fp8BlockLinear)
+    layer = engine.model.layers[0]
+    # The pre-norm decoder's norms moved into the projections they feed, as per channel.
+    assert isinstance(layer.self_attn.qkv_proj, Fp8NormLinear)
+    assert isinstance(layer.input_layernorm, torch.nn.Identity)
+    qkv = layer.self_attn.qkv_proj.linear
+    assert isinstance(qkv, Fp8BlockLinear) and qkv.block == tuple(block)
+    assert isinstance(layer.mlp, Fp8GatedMLP)
+    assert isinstance(layer.mlp.down_proj, Fp8BlockLinear)
     stored = load_file(str(tmp_path / "fp8" / "model.safetensors"))
     q, q_scale = (stored[f"layers.0.self_attn.q_proj.{n}"] for n in ("weight", "weight_scale_inv"))
-    assert torch.equal(attn.qkv_proj.weight[: q.shape[0]].view(torch.uint8), q.view(torch.uint8))
-    assert torch.equal(attn.qkv_proj.weight_scale_inv[: q_scale.shape[0]], q_scale)
+    assert torch.equal(qkv.weight[: q.shape[0]].view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(qkv.weight_scale_inv[: q_scale.shape[0]], q_scale)
     # transformers on the dequantized weights; the rest of the difference is the activations'
     # FP8 rounding per token and group (2^-4 relative per value).
     hf.load_state_dict({k: v.to(torch.float32) for k, v in dequantized.items()})
@@ -202,3 +208,35 @@ def test_block_checkpoint_errors_name_the_tensor_or_field(
     cfg_path.write_text(json.dumps(cfg))
     with pytest.raises(ModelLoadError, match=r"weight_scale_inv.*shape"):
         vecpool.Engine(tmp_path / "other_block", device="cpu")
+
+
+def test_group_ops_path_equals_the_reference_and_compiles_whole(
+    qwen3: tuple[Path, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The path CUDA takes (rows quantized by the `vecpool::fp8_*_groups` ops, here their CPU
+    kernels: padded to 16 rows, scales laid out for cuBLAS) gives the bits of the plain torch
+    path, and each fused module traces as one graph with a dynamic token count."""
+    import vecpool.models.fp8_ops  # the ops, with their CPU kernels (the reference math)
+
+    _block_checkpoint(qwen3[0], tmp_path / "fp8", [16, 16])
+    prompts = random_prompts(VOCAB, LENGTHS)
+    plain = vecpool.Engine(tmp_path / "fp8", device="cpu")
+    monkeypatch.setattr(quant, "fused_fp8_ops", lambda device: True)
+    ops = vecpool.Engine(tmp_path / "fp8", device="cpu")
+    layer = ops.model.layers[0]
+    assert layer.mlp.fused_silu and layer.self_attn.qkv_proj.linear.kernels
+    assert not plain.model.layers[0].mlp.fused_silu
+    for got, want in zip(engine_hidden(ops, prompts), engine_hidden(plain, prompts), strict=True):
+        assert np.array_equal(got, want)
+    for module in (layer.mlp, layer.self_attn.qkv_proj, layer.self_attn.o_proj):
+        compiled = torch.compile(module, backend="aot_eager", dynamic=True, fullgraph=True)
+        width = next(m for m in module.modules() if isinstance(m, Fp8BlockLinear)).in_features
+        for n in (5, 19):
+            x = torch.randn(n, width)
+            eager, traced = module(x), compiled(x)
+            for a, b in zip(
+                eager if isinstance(eager, tuple) else (eager,),
+                traced if isinstance(traced, tuple) else (traced,),
+                strict=True,
+            ):
+                assert a.shape[0] == n and torch.equal(a, b)

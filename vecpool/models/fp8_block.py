@@ -10,7 +10,8 @@ depends on the other rows of its step, and prompt embeds still give the bits of 
 On Hopper (compute capability 9.0), with 128 x 128 blocks and both dimensions multiples of 128,
 the product runs through cuBLAS's block-scaled FP8 matmul (`torch._scaled_mm` recognizes the
 scales by their shapes; it takes row counts that are multiples of 4, so a step's rows are padded
-to 16). Elsewhere the same arithmetic runs dequantized in float32: exact up to the float32
+to 16). On CUDA the rows are quantized by the Triton kernels of `fp8_kernels`, fused into the
+RMSNorm or SiLU * up that produces them in a pre-norm decoder, as the per-channel FP8 path does. Elsewhere the same arithmetic runs dequantized in float32: exact up to the float32
 rounding of each value times its scale and the order of the sums, and slow, which is what the
 tests check on the CPU.
 """
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vecpool.errors import ConfigError
+from vecpool.models.layers import RMSNorm
 from vecpool.models.quant import FP8_DTYPE, FP8_MAX, MIN_AMAX, QuantizedRows
 
 BLOCK_SCALE = "weight_scale_inv"
@@ -31,7 +33,7 @@ BLOCK_SCALE = "weight_scale_inv"
 CUBLAS_BLOCK = (128, 128)
 CUBLAS_CAPABILITY = (9, 0)
 # The row count of a cuBLAS block-scaled product is padded to a multiple of this (it needs 4).
-_ROW_ALIGN = 16
+ROW_ALIGN = 16
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -160,6 +162,8 @@ class Fp8BlockLinear(nn.Module):
             else None
         )
         self.cublas = False  # set by `choose_backend`
+        # Set by `quant.finish_fp8`: rows quantized by the `fp8_ops` group ops (Triton on CUDA)
+        self.kernels = False
 
     def choose_backend(self, device: torch.device) -> None:
         """Multiply through cuBLAS where `device` and this layer's shapes allow it."""
@@ -209,20 +213,45 @@ class Fp8BlockLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
         lead = x.shape[:-1]
-        out = self._matmul(x.reshape(-1, self.in_features)).view(*lead, self.out_features)
+        rows = x.reshape(-1, self.in_features)
+        if self.kernels:
+            quantized = QuantizedRows(*torch.ops.vecpool.fp8_quant_groups(rows, self.block[1]))
+        else:
+            padding = (-rows.shape[0]) % ROW_ALIGN if self.cublas else 0
+            quantized = quantize_groups(F.pad(rows, (0, 0, 0, padding)), self.block[1])
+        return self._finish(self._product(quantized, rows.shape[0]).view(*lead, self.out_features))
+
+    def norm_forward(
+        self, x: torch.Tensor, norm: RMSNorm
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """This layer of `norm(x)` (`[M, K]` rows), on CUDA the norm writing FP8 rows and
+        their group scales directly."""
+        if not self.kernels:
+            return self(norm(x))
+        n = norm
+        rows = torch.ops.vecpool.fp8_rms_norm_groups(
+            x, n.weight, n.eps, n.unit_offset, self.block[1]
+        )
+        return self._finish(self._product(QuantizedRows(*rows), x.shape[0]))
+
+    def silu_mul_forward(self, gate_up: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """This layer of SiLU(gate) * up, which the `fp8_silu_mul_groups` op writes as FP8
+        rows and group scales."""
+        rows = torch.ops.vecpool.fp8_silu_mul_groups(gate_up, self.block[1])
+        return self._finish(self._product(QuantizedRows(*rows), gate_up.shape[0]))
+
+    def _finish(self, out: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
         if self.bias is not None:
             out = out + self.bias
         return out.split(self.sizes, dim=-1) if self.sizes else out
 
-    def _matmul(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N] in out_dtype
-        m = x.shape[0]
+    def _product(self, rows: QuantizedRows, m: int) -> torch.Tensor:
+        """The first `m` rows (of `rows`, padded or not) times the weight: `[m, N]`."""
         if self.cublas:
-            padded = F.pad(x, (0, 0, 0, (-m) % _ROW_ALIGN))
-            rows = quantize_groups(padded, self.block[1])
             out = torch.ops.vecpool.fp8_block_mm(
                 rows.data, rows.scale, self.weight, self.weight_scale_inv
             )
             return out[:m].to(self.out_dtype)
-        inputs = dequantize_groups(quantize_groups(x, self.block[1]), self.block[1])
+        inputs = dequantize_groups(QuantizedRows(rows.data[:m], rows.scale[:m]), self.block[1])
         weight = dequantize_blocks(self.weight, self.weight_scale_inv, self.block)
         return (inputs @ weight.t()).to(self.out_dtype)

@@ -5,7 +5,9 @@ A matmul through `torch._scaled_mm` takes FP8 rows and one float32 scale per row
 the rows in separate kernels (amax, divide, cast) costs as much as the FP8 matmul saves; here
 each row is read once, its amax reduced in registers, and the FP8 values and the scale written
 straight away. Two kernels also compute the row first: an RMSNorm (the input of q/k/v and of
-gate/up in a pre-norm decoder) and SiLU(gate) * up (the input of down).
+gate/up in a pre-norm decoder) and SiLU(gate) * up (the input of down). Each has a variant
+with one scale per group of inputs (block-wise FP8 weights): it writes the rows padded to a
+multiple of 16 (zeros) and the scales of a group side by side for all rows.
 
 Imported only on CUDA, when the model runs FP8 (`vecpool.models.quant`): this module imports
 Triton at the top. Each kernel is the CUDA kernel of one of `fp8_ops`'s custom ops, whose CPU
@@ -138,4 +140,153 @@ def silu_mul_rows(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         _silu_mul_quant_kernel[(rows,)](
             gate_up, q, scale, cols, gate_up.stride(0), q.stride(0), BLOCK=block, num_warps=warps
         )
+    return q, scale
+
+
+# ---- one scale per row and group (block-wise FP8 weights) --------------------------------------
+
+
+@triton.jit
+def _store_fp8_groups(
+    y, cols, n_cols, q_row_ptr, s_row_ptr, stride_s, BLOCK: tl.constexpr, GROUP: tl.constexpr
+):
+    """Quantize one float32 row `y` (zero past `n_cols`) by the amax of each group of GROUP:
+    FP8 values to `q_row_ptr`, the row's scale of group g to `s_row_ptr + g * stride_s`."""
+    groups = tl.reshape(y, (BLOCK // GROUP, GROUP))
+    amax = tl.max(tl.abs(groups), axis=1)
+    scale = tl.maximum(amax, _MIN_AMAX) / _FP8_MAX
+    q = tl.reshape(tl.clamp(groups / scale[:, None], -_FP8_MAX, _FP8_MAX), (BLOCK,))
+    tl.store(q_row_ptr + cols, q.to(tl.float8e4nv), mask=cols < n_cols)
+    g = tl.arange(0, BLOCK // GROUP)
+    tl.store(s_row_ptr + g * stride_s, scale, mask=g * GROUP < n_cols)
+
+
+@triton.jit
+def _group_row(n_rows):
+    """This program's row, the input row it reads (a padded row, past `n_rows`, reads the last
+    one), and 1.0, or 0.0 for a padded row, which is written as zeros."""
+    row = tl.program_id(0).to(tl.int64)
+    return row, tl.minimum(row, n_rows - 1), (row < n_rows).to(tl.float32)
+
+
+@triton.jit
+def _quant_groups_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    n_rows,
+    n_cols,
+    stride_x,
+    stride_q,
+    stride_s,
+    BLOCK: tl.constexpr,
+    GROUP: tl.constexpr,
+):
+    row, src, valid = _group_row(n_rows)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    y = tl.load(x_ptr + src * stride_x + cols, mask=mask, other=0.0).to(tl.float32) * valid
+    _store_fp8_groups(y, cols, n_cols, q_ptr + row * stride_q, s_ptr + row, stride_s, BLOCK, GROUP)
+
+
+@triton.jit
+def _rms_norm_groups_kernel(
+    x_ptr,
+    w_ptr,
+    q_ptr,
+    s_ptr,
+    n_rows,
+    n_cols,
+    stride_x,
+    stride_q,
+    stride_s,
+    eps,
+    UNIT_OFFSET: tl.constexpr,
+    BLOCK: tl.constexpr,
+    GROUP: tl.constexpr,
+):
+    row, src, valid = _group_row(n_rows)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + src * stride_x + cols, mask=mask, other=0.0).to(tl.float32) * valid
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if UNIT_OFFSET:
+        w = w + 1.0
+    inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+    y = tl.where(mask, x * inv_rms * w, 0.0)
+    _store_fp8_groups(y, cols, n_cols, q_ptr + row * stride_q, s_ptr + row, stride_s, BLOCK, GROUP)
+
+
+@triton.jit
+def _silu_mul_groups_kernel(
+    gu_ptr,
+    q_ptr,
+    s_ptr,
+    n_rows,
+    n_cols,
+    stride_gu,
+    stride_q,
+    stride_s,
+    BLOCK: tl.constexpr,
+    GROUP: tl.constexpr,
+):
+    row, src, valid = _group_row(n_rows)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    gate = tl.load(gu_ptr + src * stride_gu + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gu_ptr + src * stride_gu + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    y = gate * tl.sigmoid(gate) * up * valid
+    _store_fp8_groups(y, cols, n_cols, q_ptr + row * stride_q, s_ptr + row, stride_s, BLOCK, GROUP)
+
+
+def _group_outputs(
+    rows: int, cols: int, group: int, like: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """(FP8 rows `[Mp, K]`, scales `[Mp, G]` with strides (1, Mp), BLOCK, warps)."""
+    padded = fp8_ops.padded_rows(rows)
+    q = torch.empty((padded, cols), dtype=FP8_DTYPE, device=like.device)
+    groups = -(-cols // group)
+    scale = torch.empty((groups, padded), dtype=torch.float32, device=like.device).t()
+    block, warps = _launch_config(cols)
+    return q, scale, max(block, triton.next_power_of_2(group)), warps
+
+
+@fp8_ops.quant_groups.register_kernel("cuda")
+def quant_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    rows, cols = x.shape
+    q, scale, block, warps = _group_outputs(rows, cols, group, x)
+    if q.shape[0]:
+        _quant_groups_kernel[(q.shape[0],)](
+            x, q, scale, rows, cols, x.stride(0), q.stride(0), scale.stride(1),
+            BLOCK=block, GROUP=group, num_warps=warps,
+        )  # fmt: skip
+    return q, scale
+
+
+@fp8_ops.rms_norm_groups.register_kernel("cuda")
+def rms_norm_groups(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool, group: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    rows, cols = x.shape
+    q, scale, block, warps = _group_outputs(rows, cols, group, x)
+    if q.shape[0]:
+        _rms_norm_groups_kernel[(q.shape[0],)](
+            x, weight, q, scale, rows, cols, x.stride(0), q.stride(0), scale.stride(1), eps,
+            UNIT_OFFSET=unit_offset, BLOCK=block, GROUP=group, num_warps=warps,
+        )  # fmt: skip
+    return q, scale
+
+
+@fp8_ops.silu_mul_groups.register_kernel("cuda")
+def silu_mul_groups(gate_up: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gate_up = gate_up if gate_up.stride(-1) == 1 else gate_up.contiguous()
+    rows, cols = gate_up.shape[0], gate_up.shape[1] // 2
+    q, scale, block, warps = _group_outputs(rows, cols, group, gate_up)
+    if q.shape[0]:
+        _silu_mul_groups_kernel[(q.shape[0],)](
+            gate_up, q, scale, rows, cols, gate_up.stride(0), q.stride(0), scale.stride(1),
+            BLOCK=block, GROUP=group, num_warps=warps,
+        )  # fmt: skip
     return q, scale

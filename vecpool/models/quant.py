@@ -16,7 +16,7 @@ accumulation), then scales.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import ClassVar, NamedTuple
+from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +26,9 @@ from vecpool.config import QUANTIZATIONS
 from vecpool.errors import ConfigError
 from vecpool.models.decoder import DecoderLayer
 from vecpool.models.layers import FusedProjections, GatedMLP, RMSNorm
+
+if TYPE_CHECKING:
+    from vecpool.models.fp8_block import Fp8BlockLinear
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(float8_e4m3fn).max
@@ -241,6 +244,22 @@ class Fp8Linear(nn.Module):
             out = out + self.bias
         return out.split(self.sizes, dim=-1) if self.sizes else out
 
+    def norm_forward(
+        self, x: torch.Tensor, norm: RMSNorm
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """This layer of `norm(x)`, the norm writing FP8 rows and their scales directly (the
+        `fp8_kernels` RMSNorm on CUDA)."""
+        if self.kernels:
+            n = norm
+            rows = QuantizedRows(*torch.ops.vecpool.fp8_rms_norm(x, n.weight, n.eps, n.unit_offset))
+        else:
+            rows = quantize_rows(norm(x), FP8_DTYPE)
+        return self(rows)
+
+    def silu_mul_forward(self, gate_up: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """This layer of SiLU(gate) * up, which the `fp8_silu_mul` op writes as FP8 rows."""
+        return self(QuantizedRows(*torch.ops.vecpool.fp8_silu_mul(gate_up)))
+
     def _matmul(self, rows: QuantizedRows) -> torch.Tensor:  # [M, N] in out_dtype
         if self.scaled_mm:
             # Row-wise scaling: scale_a [M, 1], scale_b [1, N], float32; the weight passed
@@ -259,21 +278,16 @@ class Fp8Linear(nn.Module):
 
 
 class Fp8NormLinear(nn.Module):
-    """An RMSNorm whose output only feeds one FP8 linear, as one step: the norm writes FP8
-    rows and their scales directly (the `fp8_kernels` RMSNorm on CUDA)."""
+    """An RMSNorm whose output only feeds one FP8 linear (per channel or in blocks), as one
+    step: on CUDA the norm writes FP8 rows and their scales directly (`norm_forward`)."""
 
-    def __init__(self, norm: RMSNorm, linear: Fp8Linear):
+    def __init__(self, norm: RMSNorm, linear: Fp8Linear | Fp8BlockLinear):
         super().__init__()
         self.norm = norm
         self.linear = linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        if self.linear.kernels:
-            n = self.norm
-            rows = QuantizedRows(*torch.ops.vecpool.fp8_rms_norm(x, n.weight, n.eps, n.unit_offset))
-        else:
-            rows = quantize_rows(self.norm(x), FP8_DTYPE)
-        return self.linear(rows)
+        return self.linear.norm_forward(x, self.norm)
 
 
 class Fp8GatedMLP(nn.Module):
@@ -282,8 +296,8 @@ class Fp8GatedMLP(nn.Module):
 
     def __init__(
         self,
-        gate_up: Fp8Linear,
-        down: Fp8Linear,
+        gate_up: Fp8Linear | Fp8BlockLinear,
+        down: Fp8Linear | Fp8BlockLinear,
         act: Callable[[torch.Tensor], torch.Tensor],
         norm: RMSNorm | None,
     ):
@@ -293,14 +307,17 @@ class Fp8GatedMLP(nn.Module):
         self.down_proj = down
         self.act = act
         # SiLU * up in the kernel that quantizes its rows
-        self.fused_silu = gate_up.kernels and act is F.silu
+        self.fused_silu = down.kernels and act is F.silu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if self.fused_silu:
-            return self.down_proj(QuantizedRows(*torch.ops.vecpool.fp8_silu_mul(gate_up)))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+            out = self.down_proj.silu_mul_forward(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            out = self.down_proj(self.act(gate) * up)
+        assert isinstance(out, torch.Tensor)  # down_proj has no output split
+        return out
 
 
 class Int8Linear(nn.Module):
@@ -383,6 +400,7 @@ def finish_fp8(model: nn.Module, device: torch.device) -> None:
     for module in model.modules():
         if isinstance(module, Fp8BlockLinear):
             module.choose_backend(device)
+            module.kernels = kernels
         if isinstance(module, Fp8Linear):
             module.finish_scales()
             module.kernels = kernels
@@ -396,18 +414,24 @@ def finish_fp8(model: nn.Module, device: torch.device) -> None:
 def _fold_decoder_norms(layer: DecoderLayer) -> None:
     """In a pre-norm layer (`x + attn(norm1(x))`, `x + mlp(norm2(x))`) each norm's output
     feeds one projection only: compute it there, emitting FP8 rows, and leave an identity."""
+    from vecpool.models.fp8_block import Fp8BlockLinear
+
     attn, mlp = layer.self_attn, layer.mlp
     norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
-    if isinstance(attn.qkv_proj, Fp8Linear) and isinstance(norm1, RMSNorm):
+    if isinstance(attn.qkv_proj, (Fp8Linear, Fp8BlockLinear)) and isinstance(norm1, RMSNorm):
         setattr(attn, "qkv_proj", Fp8NormLinear(norm1, attn.qkv_proj))  # noqa: B010
         setattr(layer, "input_layernorm", nn.Identity())  # noqa: B010
-    if (
-        isinstance(mlp, GatedMLP)
-        and isinstance(mlp.gate_up_proj, Fp8Linear)
-        and isinstance(mlp.down_proj, Fp8Linear)
+    if isinstance(mlp, GatedMLP) and any(
+        isinstance(mlp.gate_up_proj, kind) and isinstance(mlp.down_proj, kind)
+        for kind in (Fp8Linear, Fp8BlockLinear)
     ):
         folded = isinstance(norm2, RMSNorm)
-        fp8_mlp = Fp8GatedMLP(mlp.gate_up_proj, mlp.down_proj, mlp.act, norm2 if folded else None)
+        fp8_mlp = Fp8GatedMLP(
+            mlp.gate_up_proj,  # type: ignore[arg-type]  # checked just above
+            mlp.down_proj,  # type: ignore[arg-type]
+            mlp.act,
+            norm2 if folded else None,
+        )
         setattr(layer, "mlp", fp8_mlp)  # noqa: B010
         if folded:
             setattr(layer, "post_attention_layernorm", nn.Identity())  # noqa: B010
