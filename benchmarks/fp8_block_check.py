@@ -69,7 +69,7 @@ def block_layer(weight: torch.Tensor) -> Any:
         layer = Fp8BlockLinear(k, n, block=BLOCK, bias=False, out_dtype=weight.dtype)
     data, scale = quantize_blocks(weight, BLOCK)
     layer.weight = torch.nn.Parameter(data, requires_grad=False)
-    layer.weight_scale_inv = torch.nn.Parameter(scale, requires_grad=False)
+    layer.set_block_scale(scale)
     return layer
 
 

@@ -1,6 +1,7 @@
-"""Block-wise FP8 checkpoints (Hugging Face's fine-grained FP8, `weight_scale_inv`): the group
-and block quantization, the layer against the exact product of its operands, fused parts, and
-a checkpoint written in that form against transformers on the dequantized weights.
+"""Block-wise FP8 checkpoints (Hugging Face's fine-grained FP8, `weight_scale_inv`, and
+compressed-tensors' "block" strategy): the group and block quantization, the layer against the
+exact product of its operands, fused parts, and checkpoints written in those forms against
+transformers on the dequantized weights.
 
 The CPU runs the dequantized float32 arithmetic; the cuBLAS block-scaled product that replaces
 it on Hopper is checked on the GPU by benchmarks/fp8_block_check.py.
@@ -71,7 +72,7 @@ def _layer(n: int, k: int, block: tuple[int, int], seed: int) -> tuple[Fp8BlockL
         layer = Fp8BlockLinear(k, n, block=block, bias=True, out_dtype=torch.float32)
     data, scale = quantize_blocks(w, block)
     layer.weight = torch.nn.Parameter(data, requires_grad=False)
-    layer.weight_scale_inv = torch.nn.Parameter(scale, requires_grad=False)
+    layer.set_block_scale(scale)
     layer.bias = torch.nn.Parameter(b, requires_grad=False)
     return layer, w
 
@@ -84,7 +85,7 @@ def test_layer_is_the_product_of_its_quantized_operands() -> None:
     out = layer(x)
     assert isinstance(out, torch.Tensor) and out.shape == (2, 7, 48)
     a = dequantize_groups(quantize_groups(x.reshape(-1, 40), 16), 16).double()
-    wq = dequantize_blocks(layer.weight, layer.weight_scale_inv, (16, 16)).double()
+    wq = dequantize_blocks(layer.weight, layer.block_scale, (16, 16)).double()
     exact = a @ wq.t() + layer.bias.double()
     # float32 accumulation of 40 products (and each value times its scale in float32).
     torch.testing.assert_close(out.reshape(-1, 48).double(), exact, rtol=1e-5, atol=1e-4)
@@ -96,7 +97,7 @@ def test_layer_is_the_product_of_its_quantized_operands() -> None:
 def test_fused_parts_give_each_part_its_own_output() -> None:
     parts = [_layer(n, 32, (16, 16), seed=s)[0] for s, n in enumerate((32, 16, 24))]
     fused = Fp8BlockLinear.fuse_parts(list(parts))
-    assert fused.sizes == [32, 16, 24] and fused.weight_scale_inv.shape == (5, 2)
+    assert fused.sizes == [32, 16, 24] and fused.block_scale.shape == (5, 2)
     x = torch.randn(6, 32, generator=torch.Generator().manual_seed(9))
     for got, part in zip(fused(x), parts, strict=True):
         assert torch.equal(got, part(x))
@@ -114,17 +115,20 @@ def test_emulated_layer_traces_as_one_graph() -> None:
 
 
 def _block_checkpoint(
-    folder: Path, dest: Path, block: list[int], drop: str | None = None, **config: Any
+    folder: Path, dest: Path, block: list[int], drop: str | None = None, form: str = "fp8"
 ) -> dict[str, torch.Tensor]:
-    """Rewrite `folder` as a fine-grained FP8 checkpoint: every layer linear's weight in FP8
-    with a `weight_scale_inv` per block; returns the state with those weights dequantized."""
+    """Rewrite `folder` as a block-wise FP8 checkpoint of `form` ("fp8": Hugging Face's
+    fine-grained, `weight_scale_inv`; "compressed-tensors": the "block" strategy,
+    `weight_scale`): every layer linear's weight in FP8 with a factor per block; returns the
+    state with those weights dequantized."""
     dest.mkdir()
+    scale_name = "weight_scale_inv" if form == "fp8" else "weight_scale"
     state = load_file(str(folder / "model.safetensors"))
     stored, dequantized = {}, dict(state)
     for key, tensor in state.items():
         if "layers." in key and key.endswith("proj.weight") and tensor.ndim == 2:
             data, scale = quantize_blocks(tensor, (block[0], block[1]))
-            stored[key], stored[key[: -len("weight")] + "weight_scale_inv"] = data, scale
+            stored[key], stored[key[: -len("weight")] + scale_name] = data, scale
             dequantized[key] = dequantize_blocks(data, scale, (block[0], block[1]))
         else:
             stored[key] = tensor
@@ -132,12 +136,27 @@ def _block_checkpoint(
         del stored[drop]
     save_file(stored, str(dest / "model.safetensors"))
     cfg = json.loads((folder / "config.json").read_text())
-    cfg["quantization_config"] = {
-        "quant_method": "fp8",
-        "activation_scheme": "dynamic",
-        "weight_block_size": block,
-        **config,
-    }
+    if form == "fp8":
+        cfg["quantization_config"] = {
+            "quant_method": "fp8",
+            "activation_scheme": "dynamic",
+            "weight_block_size": block,
+        }
+    else:
+        weights = {"num_bits": 8, "type": "float", "strategy": "block", "dynamic": False}
+        activations = {"num_bits": 8, "type": "float", "strategy": "group", "dynamic": True}
+        cfg["quantization_config"] = {
+            "quant_method": "compressed-tensors",
+            "format": "float-quantized",
+            "config_groups": {
+                "group_0": {
+                    "targets": ["Linear"],
+                    "weights": {**weights, "block_structure": block},
+                    "input_activations": {**activations, "group_size": block[1]},
+                }
+            },
+            "ignore": ["lm_head"],
+        }
     (dest / "config.json").write_text(json.dumps(cfg))
     return dequantized
 
@@ -148,12 +167,15 @@ def qwen3(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
 
 
 # [16, 16]: whole blocks everywhere; [16, 32]: down_proj's 48 inputs end in a half group.
-@pytest.mark.parametrize("block", [[16, 16], [16, 32]])
+@pytest.mark.parametrize(
+    ("block", "form"),
+    [([16, 16], "fp8"), ([16, 32], "fp8"), ([16, 32], "compressed-tensors")],
+)
 def test_block_checkpoint_loads_as_stored(
-    qwen3: tuple[Path, Any], tmp_path: Path, block: list[int]
+    qwen3: tuple[Path, Any], tmp_path: Path, block: list[int], form: str
 ) -> None:
     folder, hf = qwen3
-    dequantized = _block_checkpoint(folder, tmp_path / "fp8", block)
+    dequantized = _block_checkpoint(folder, tmp_path / "fp8", block, form=form)
     engine = vecpool.Engine(tmp_path / "fp8", device="cpu")
     layer = engine.model.layers[0]
     # The pre-norm decoder's norms moved into the projections they feed, as per channel.
@@ -164,9 +186,10 @@ def test_block_checkpoint_loads_as_stored(
     assert isinstance(layer.mlp, Fp8GatedMLP)
     assert isinstance(layer.mlp.down_proj, Fp8BlockLinear)
     stored = load_file(str(tmp_path / "fp8" / "model.safetensors"))
-    q, q_scale = (stored[f"layers.0.self_attn.q_proj.{n}"] for n in ("weight", "weight_scale_inv"))
+    scale_name = "weight_scale_inv" if form == "fp8" else "weight_scale"
+    q, q_scale = (stored[f"layers.0.self_attn.q_proj.{n}"] for n in ("weight", scale_name))
     assert torch.equal(qkv.weight[: q.shape[0]].view(torch.uint8), q.view(torch.uint8))
-    assert torch.equal(qkv.weight_scale_inv[: q_scale.shape[0]], q_scale)
+    assert torch.equal(qkv.block_scale[: q_scale.shape[0]], q_scale)
     # transformers on the dequantized weights; the rest of the difference is the activations'
     # FP8 rounding per token and group (2^-4 relative per value).
     hf.load_state_dict({k: v.to(torch.float32) for k, v in dequantized.items()})
@@ -200,6 +223,15 @@ def test_block_checkpoint_errors_name_the_tensor_or_field(
     cfg_path.write_text(json.dumps(cfg))
     with pytest.raises(ModelLoadError, match="weight_block_size 128; expected two positive"):
         vecpool.Engine(tmp_path / "no_block", device="cpu")
+    _block_checkpoint(qwen3[0], tmp_path / "mixed", [16, 16], form="compressed-tensors")
+    cfg_path = tmp_path / "mixed" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    groups = cfg["quantization_config"]["config_groups"]
+    groups["group_1"] = json.loads(json.dumps(groups["group_0"]))
+    groups["group_1"]["weights"]["strategy"] = "channel"
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="mixes block-wise FP8 weights with per-channel"):
+        vecpool.Engine(tmp_path / "mixed", device="cpu")
     # Blocks that the stored factors do not fit: the strict match names the tensor and shapes.
     _block_checkpoint(qwen3[0], tmp_path / "other_block", [16, 16])
     cfg_path = tmp_path / "other_block" / "config.json"

@@ -3,22 +3,23 @@
 Hugging Face's fine-grained FP8 form (`quantization_config`: `quant_method` "fp8",
 `weight_block_size` [bn, bk]) keeps each linear's `[N, K]` weight in float8 e4m3 with one
 float32 factor per bn x bk block, `weight_scale_inv` (`[ceil(N / bn), ceil(K / bk)]`; despite
-its name, what the stored values are multiplied by). Activations are quantized as they come:
-one scale per token and group of bk inputs (`[M, ceil(K / bk)]`), so a row's result never
-depends on the other rows of its step, and prompt embeds still give the bits of ids.
+its name, what the stored values are multiplied by); compressed-tensors' "block" strategy
+(llm-compressor's FP8_BLOCK) stores the same factors as `weight_scale`. Activations are
+quantized as they come: one scale per token and group of bk inputs (`[M, ceil(K / bk)]`), so a
+row's result never depends on the other rows of its step, and prompt embeds still give the
+bits of ids.
 
 On Hopper (compute capability 9.0), with 128 x 128 blocks and both dimensions multiples of 128,
 the product runs through cuBLAS's block-scaled FP8 matmul (`torch._scaled_mm` recognizes the
 scales by their shapes; it takes row counts that are multiples of 4, so a step's rows are padded
 to 16). On CUDA the rows are quantized by the Triton kernels of `fp8_kernels`, fused into the
-RMSNorm or SiLU * up that produces them in a pre-norm decoder, as the per-channel FP8 path does. Elsewhere the same arithmetic runs dequantized in float32: exact up to the float32
+RMSNorm or SiLU * up that produces them in a pre-norm decoder, as the per-channel FP8 path
+does. Elsewhere the same arithmetic runs dequantized in float32: exact up to the float32
 rounding of each value times its scale and the order of the sums, and slow, which is what the
 tests check on the CPU.
 """
 
 from __future__ import annotations
-
-from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +29,9 @@ from vecpool.errors import ConfigError
 from vecpool.models.layers import RMSNorm
 from vecpool.models.quant import FP8_DTYPE, FP8_MAX, MIN_AMAX, QuantizedRows
 
-BLOCK_SCALE = "weight_scale_inv"
+# The block factors' name in each form: Hugging Face's fine-grained FP8, compressed-tensors'
+# "block" strategy (llm-compressor's FP8_BLOCK).
+BLOCK_SCALE_NAMES = {"fp8": "weight_scale_inv", "compressed-tensors": "weight_scale"}
 # What cuBLAS's block-scaled FP8 matmul takes: 128 x 128 weight blocks on compute capability 9.0.
 CUBLAS_BLOCK = (128, 128)
 CUBLAS_CAPABILITY = (9, 0)
@@ -111,18 +114,11 @@ def _(
 
 
 class Fp8BlockLinear(nn.Module):
-    """A linear layer as a block-wise FP8 checkpoint stores it: `weight` `[N, K]` FP8 and
-    `weight_scale_inv`, one float32 factor per `block` (bn x bk) of it; inputs quantized per
-    token and group of bk. `sizes` splits the output as `FusedProjections` does (q/k/v); a
-    static `input_scale` of the checkpoint is loaded and not used (the rows are scaled per
-    token and group, which is at least as fine)."""
-
-    # The dtypes of the parameters as loaded (`quant.restore_fp8_dtypes`).
-    PARAM_DTYPES: ClassVar[dict[str, torch.dtype]] = {
-        "weight": FP8_DTYPE,
-        BLOCK_SCALE: torch.float32,
-        "input_scale": torch.float32,
-    }
+    """A linear layer as a block-wise FP8 checkpoint stores it: `weight` `[N, K]` FP8 and one
+    float32 factor per `block` (bn x bk) of it, named `scale_name` as the checkpoint names it
+    (`block_scale`); inputs quantized per token and group of bk. `sizes` splits the output as
+    `FusedProjections` does (q/k/v); a static `input_scale` of the checkpoint is loaded and not
+    used (the rows are scaled per token and group, which is at least as fine)."""
 
     def __init__(
         self,
@@ -134,10 +130,18 @@ class Fp8BlockLinear(nn.Module):
         out_dtype: torch.dtype,
         sizes: list[int] | None = None,
         input_scale_shape: tuple[int, ...] | None = None,
+        scale_name: str = BLOCK_SCALE_NAMES["fp8"],
     ):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.block = block
+        self.scale_name = scale_name
+        # The dtypes of the parameters as loaded (`quant.restore_fp8_dtypes`).
+        self.PARAM_DTYPES = {
+            "weight": FP8_DTYPE,
+            scale_name: torch.float32,
+            "input_scale": torch.float32,
+        }
         self.sizes = sizes
         self.out_dtype = out_dtype
         # [N, K] float8_e4m3fn
@@ -145,11 +149,16 @@ class Fp8BlockLinear(nn.Module):
             torch.empty(out_features, in_features, dtype=FP8_DTYPE), requires_grad=False
         )
         # [ceil(N / bn), ceil(K / bk)] float32
-        self.weight_scale_inv = nn.Parameter(
-            torch.empty(
-                _cdiv(out_features, block[0]), _cdiv(in_features, block[1]), dtype=torch.float32
+        self.register_parameter(
+            scale_name,
+            nn.Parameter(
+                torch.empty(
+                    _cdiv(out_features, block[0]),
+                    _cdiv(in_features, block[1]),
+                    dtype=torch.float32,
+                ),
+                requires_grad=False,
             ),
-            requires_grad=False,
         )
         self.bias = (
             nn.Parameter(torch.empty(out_features, dtype=out_dtype), requires_grad=False)
@@ -164,6 +173,14 @@ class Fp8BlockLinear(nn.Module):
         self.cublas = False  # set by `choose_backend`
         # Set by `quant.finish_fp8`: rows quantized by the `fp8_ops` group ops (Triton on CUDA)
         self.kernels = False
+
+    @property
+    def block_scale(self) -> torch.Tensor:  # [ceil(N / bn), ceil(K / bk)] float32
+        scale: torch.Tensor = getattr(self, self.scale_name)
+        return scale
+
+    def set_block_scale(self, scale: torch.Tensor) -> None:
+        setattr(self, self.scale_name, nn.Parameter(scale, requires_grad=False))
 
     def choose_backend(self, device: torch.device) -> None:
         """Multiply through cuBLAS where `device` and this layer's shapes allow it."""
@@ -201,11 +218,10 @@ class Fp8BlockLinear(nn.Module):
                 bias=False,
                 out_dtype=layers[0].out_dtype,
                 sizes=[p.out_features for p in layers],
+                scale_name=layers[0].scale_name,
             )
         fused.weight = nn.Parameter(torch.cat([p.weight for p in layers]), requires_grad=False)
-        fused.weight_scale_inv = nn.Parameter(
-            torch.cat([p.weight_scale_inv.float() for p in layers]), requires_grad=False
-        )
+        fused.set_block_scale(torch.cat([p.block_scale.float() for p in layers]))
         biases = [p.bias for p in layers]
         if all(b is not None for b in biases):
             fused.bias = nn.Parameter(torch.cat(biases), requires_grad=False)  # type: ignore[arg-type]
@@ -249,9 +265,9 @@ class Fp8BlockLinear(nn.Module):
         """The first `m` rows (of `rows`, padded or not) times the weight: `[m, N]`."""
         if self.cublas:
             out = torch.ops.vecpool.fp8_block_mm(
-                rows.data, rows.scale, self.weight, self.weight_scale_inv
+                rows.data, rows.scale, self.weight, self.block_scale
             )
             return out[:m].to(self.out_dtype)
         inputs = dequantize_groups(QuantizedRows(rows.data[:m], rows.scale[:m]), self.block[1])
-        weight = dequantize_blocks(self.weight, self.weight_scale_inv, self.block)
+        weight = dequantize_blocks(self.weight, self.block_scale, self.block)
         return (inputs @ weight.t()).to(self.out_dtype)

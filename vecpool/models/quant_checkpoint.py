@@ -1,11 +1,11 @@
 """Checkpoints stored in FP8: which linears they quantized, and FP8 layers to load them into.
 
-Two forms are read. compressed-tensors (llm-compressor's `FP8_DYNAMIC` and `FP8` schemes)
-stores a quantized linear as `weight` in float8_e4m3fn plus `weight_scale`, one float per
-output channel (`[N, 1]`) or per tensor (`[]` / `[1]`): an `Fp8Linear`. Hugging Face's
-fine-grained FP8 (`quant_method` "fp8", as DeepSeek-V3 and the Qwen3 FP8 releases ship) stores
-`weight` plus `weight_scale_inv`, one factor per `weight_block_size` block: an
-`Fp8BlockLinear`. With static activations either may add an `input_scale`. The loader asks
+Two forms are read. compressed-tensors (llm-compressor's `FP8_DYNAMIC`, `FP8` and `FP8_BLOCK`
+schemes) stores a quantized linear as `weight` in float8_e4m3fn plus `weight_scale`, one float
+per output channel (`[N, 1]`) or per tensor (`[]` / `[1]`): an `Fp8Linear`; or one per
+`block_structure` block: an `Fp8BlockLinear`. Hugging Face's fine-grained FP8 (`quant_method`
+"fp8", as DeepSeek-V3 and the Qwen3 FP8 releases ship) stores `weight` plus
+`weight_scale_inv`, one factor per `weight_block_size` block: an `Fp8BlockLinear`. With static activations either may add an `input_scale`. The loader asks
 `fp8_checkpoint_layers` for the FP8 layer in place of each linear the checkpoint stores a
 scale for, then matches every tensor strictly as usual.
 """
@@ -95,6 +95,7 @@ def fp8_checkpoint_layers(
                 bias=linear.bias is not None,
                 out_dtype=dtype,
                 input_scale_shape=input_scale_shape,
+                scale_name=suffix.removeprefix("."),
             )
         setattr(parent, attr, layer)
         swapped += 1
@@ -102,20 +103,11 @@ def fp8_checkpoint_layers(
 
 
 def _check_schemes(config: dict[str, Any]) -> tuple[int, int] | None:
-    """The weight block (rows, columns) of a block-wise FP8 config, None for compressed-tensors;
-    raise naming a scheme other than FP8 weights per channel, per tensor or in blocks."""
+    """The weight block (rows, columns) of a block-wise FP8 config, None for weights per
+    channel or tensor; raise naming any other scheme."""
     if config.get("quant_method") == "fp8":
-        block = config.get("weight_block_size")
-        if not (
-            isinstance(block, list)
-            and len(block) == 2
-            and all(isinstance(b, int) and b > 0 for b in block)
-        ):
-            raise ModelLoadError(
-                f"quantization_config (quant_method 'fp8'): weight_block_size {block!r}; "
-                "expected two positive integers (rows, columns of a block), e.g. [128, 128]"
-            )
-        return block[0], block[1]
+        return _block(config.get("weight_block_size"), "weight_block_size")
+    blocks = set()
     for name, group in (config.get("config_groups") or {}).items():
         weights = group.get("weights") or {}
         if weights.get("num_bits") != 8 or weights.get("type") != "float":
@@ -123,12 +115,36 @@ def _check_schemes(config: dict[str, Any]) -> tuple[int, int] | None:
                 f"quantization_config group {name!r}: weights of {weights.get('num_bits')} bits "
                 f"of type {weights.get('type')!r}; only FP8 (8-bit float) is read"
             )
-        if weights.get("strategy") not in ("channel", "tensor"):
+        strategy = weights.get("strategy")
+        if strategy not in ("channel", "tensor", "block"):
             raise ModelLoadError(
-                f"quantization_config group {name!r}: weight strategy "
-                f"{weights.get('strategy')!r}; only 'channel' and 'tensor' are read"
+                f"quantization_config group {name!r}: weight strategy {strategy!r}; only "
+                "'channel', 'tensor' and 'block' are read"
             )
-    return None
+        blocks.add(
+            _block(weights.get("block_structure"), f"group {name!r} block_structure")
+            if strategy == "block"
+            else None
+        )
+    if len(blocks) > 1:
+        raise ModelLoadError(
+            "quantization_config mixes block-wise FP8 weights with per-channel or per-tensor "
+            "ones (or blocks of several shapes); vecpool reads one form per checkpoint"
+        )
+    return blocks.pop() if blocks else None
+
+
+def _block(value: Any, what: str) -> tuple[int, int]:
+    if not (
+        isinstance(value, list)
+        and len(value) == 2
+        and all(isinstance(b, int) and b > 0 for b in value)
+    ):
+        raise ModelLoadError(
+            f"quantization_config {what} {value!r}; expected two positive integers (rows, "
+            "columns of a block), e.g. [128, 128]"
+        )
+    return value[0], value[1]
 
 
 def _fp8_weights(stored: dict[str, tuple[Path, list[int]]]) -> dict[str, Path]:
