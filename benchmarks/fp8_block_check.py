@@ -31,7 +31,7 @@ import statistics
 import sys
 import tempfile
 import time
-import traceback
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks import record
-from benchmarks.fp8_check import MODELS, exactness, min_median_cosine, rounds
+from benchmarks.fp8_check import MODELS, exactness, min_median_cosine, rounds, run_steps
 from benchmarks.workloads import SHAPES, make_inputs, workload_lengths, write_folder
 
 BLOCK = (128, 128)
@@ -323,25 +323,12 @@ def main(argv: list[str]) -> int:
         record.write(args.output, report)
 
     started = time.perf_counter()
-    for name, step in (
+    steps: list[tuple[str, Callable[[], None]]] = [
         ("layer", lambda: check_layers(report, args.models)),
         ("matmul", lambda: bench_matmuls(report, args.models, max(3, args.rounds))),
         ("engine", lambda: bench_engines(report, args, tokenizer_dir, save)),
-    ):
-        try:
-            step()
-        except Exception:  # recorded, and the script fails at the end
-            report["errors"].append({"step": name, "traceback": traceback.format_exc()})
-            print(f"ERROR in {name}:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-        report["seconds"] = time.perf_counter() - started
-        save()
-    print(f"done in {report['seconds']:.0f} s; report in {args.output}", flush=True)
-    if report["failures"] or report["errors"]:
-        print(
-            f"FAILED: {report['failures']} {[e['step'] for e in report['errors']]}", file=sys.stderr
-        )
-        return 1
-    return 0
+    ]
+    return run_steps(steps, report, save, started, args.output)
 
 
 if __name__ == "__main__":

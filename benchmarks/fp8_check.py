@@ -407,6 +407,18 @@ def main(argv: list[str]) -> int:
         ("matmul", lambda: bench_matmuls(report, args)),
         ("engine", lambda: bench_engines(report, args, tokenizer_dir, save)),
     ]
+    return run_steps(steps, report, save, started, args.output)
+
+
+def run_steps(
+    steps: list[tuple[str, Callable[[], None]]],
+    report: dict[str, Any],
+    save: Callable[[], None],
+    started: float,
+    output: Path,
+) -> int:
+    """Run each step, recording its traceback if it raises, saving the report after each;
+    the exit status: 1 if any check failed or anything raised."""
     for name, step in steps:
         try:
             step()
@@ -415,7 +427,7 @@ def main(argv: list[str]) -> int:
             print(f"ERROR in {name}:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         report["seconds"] = time.perf_counter() - started
         save()
-    print(f"done in {report['seconds']:.0f} s; report in {args.output}", flush=True)
+    print(f"done in {report['seconds']:.0f} s; report in {output}", flush=True)
     if report["failures"] or report["errors"]:
         print(
             f"FAILED: {report['failures']} {[e['step'] for e in report['errors']]}", file=sys.stderr
