@@ -16,10 +16,11 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import transformers
 from safetensors.torch import load_file, save_file
 
 import vecpool
-from tests.helpers import engine_hidden, hf_last_hidden, random_prompts
+from tests.helpers import engine_hidden, hf_last_hidden, random_prompts, save_hf_model
 from tests.models.test_quant import FP8_REL_ERR, LENGTHS, VOCAB, _cosines, _qwen3
 from vecpool.errors import ConfigError, ModelLoadError
 from vecpool.models import quant
@@ -114,6 +115,12 @@ def test_emulated_layer_traces_as_one_graph() -> None:
         assert torch.equal(compiled(x), layer(x))
 
 
+def _is_layer_linear(key: str, tensor: torch.Tensor) -> bool:
+    """A linear weight inside the layer stack (a decoder's `layers.`, BERT's `encoder.layer.`)."""
+    inside = "layers." in key or "encoder.layer." in key
+    return inside and key.endswith(".weight") and tensor.ndim == 2 and "LayerNorm" not in key
+
+
 def _block_checkpoint(
     folder: Path, dest: Path, block: list[int], drop: str | None = None, form: str = "fp8"
 ) -> dict[str, torch.Tensor]:
@@ -126,7 +133,7 @@ def _block_checkpoint(
     state = load_file(str(folder / "model.safetensors"))
     stored, dequantized = {}, dict(state)
     for key, tensor in state.items():
-        if "layers." in key and key.endswith("proj.weight") and tensor.ndim == 2:
+        if _is_layer_linear(key, tensor):
             data, scale = quantize_blocks(tensor, (block[0], block[1]))
             stored[key], stored[key[: -len("weight")] + scale_name] = data, scale
             dequantized[key] = dequantize_blocks(data, scale, (block[0], block[1]))
@@ -272,3 +279,30 @@ def test_group_ops_path_equals_the_reference_and_compiles_whole(
                 strict=True,
             ):
                 assert a.shape[0] == n and torch.equal(a, b)
+
+
+def test_block_checkpoint_of_an_encoder(tmp_path: Path) -> None:
+    """BERT's q/k/v (`query`, `key`, `value`) join as one block-wise layer; the post-norm
+    layers keep their norms; the outputs follow transformers on the dequantized weights."""
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        max_position_embeddings=64,
+    )
+    hf = transformers.BertModel(cfg, add_pooling_layer=False).eval()
+    folder = save_hf_model(hf, tmp_path / "bert")
+    dequantized = _block_checkpoint(folder, tmp_path / "fp8", [16, 16])
+    engine = vecpool.Engine(tmp_path / "fp8", device="cpu")
+    blocks = [m for m in engine.model.modules() if isinstance(m, Fp8BlockLinear)]
+    assert len(blocks) == 2 * 4  # q/k/v joined, attention output, intermediate, output
+    assert any(b.sizes == [32, 32, 32] for b in blocks)
+    hf.load_state_dict(dequantized)
+    prompts = random_prompts(VOCAB, LENGTHS)
+    want = [hf_last_hidden(hf, p) for p in prompts]
+    # Per-token hidden states; the activations' FP8 rounding per token and group, which the
+    # unquantized residual path and the post-norms dilute (measured 0.9999998).
+    assert _cosines(engine_hidden(engine, prompts), want) > 0.9999
