@@ -46,6 +46,7 @@ from benchmarks.fp8_check import MODELS, exactness, min_median_cosine, rounds, r
 from benchmarks.workloads import SHAPES, make_inputs, workload_lengths, write_folder
 
 BLOCK = (128, 128)
+SECTIONS = ("layer", "matmul", "engine")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -55,7 +56,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--output", type=Path, default=Path("benchmarks/results/fp8_block_h200.json")
     )
     parser.add_argument("--rounds", type=int, default=record.MIN_ROUNDS, help="at least 3")
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        default=list(MODELS),
+        choices=[*MODELS, "bert-base"],
+        help="bert-base: the engine section only (an encoder's layers, not fused with norms)",
+    )
+    parser.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=list(SECTIONS))
     parser.add_argument("--inputs", type=int, default=2048, help="inputs per workload")
     record.add_args(parser)
     return parser.parse_args(argv)
@@ -188,6 +196,12 @@ def bench_matmuls(report: dict[str, Any], models: list[str], n_rounds: int) -> N
             )
 
 
+def is_layer_linear(key: str, tensor: torch.Tensor) -> bool:
+    """A linear weight inside the layer stack (a decoder's `layers.`, BERT's `encoder.layer.`)."""
+    inside = "layers." in key or "encoder.layer." in key
+    return inside and key.endswith(".weight") and tensor.ndim == 2 and "LayerNorm" not in key
+
+
 def write_block_checkpoint(folder: Path, dest: Path) -> None:
     """`folder` (one safetensors file or shards) rewritten with every layer projection in
     block-wise FP8 and the config's `quantization_config` saying so."""
@@ -196,12 +210,14 @@ def write_block_checkpoint(folder: Path, dest: Path) -> None:
     from vecpool.models.fp8_block import quantize_blocks
 
     shutil.copytree(folder, dest, ignore=shutil.ignore_patterns("*.safetensors"))
+    scales: set[str] = set()
     for path in sorted(folder.glob("*.safetensors")):
         stored = {}
         for key, tensor in load_file(str(path), device="cuda").items():
-            if "layers." in key and key.endswith("proj.weight") and tensor.ndim == 2:
+            if is_layer_linear(key, tensor):
                 data, scale = quantize_blocks(tensor, BLOCK)
                 stored[key], stored[key[: -len("weight")] + "weight_scale_inv"] = data, scale
+                scales.add(key[: -len("weight")] + "weight_scale_inv")
             else:
                 stored[key] = tensor
         save_file({k: v.cpu() for k, v in stored.items()}, str(dest / path.name))
@@ -211,7 +227,7 @@ def write_block_checkpoint(folder: Path, dest: Path) -> None:
         data = json.loads(index.read_text())
         weight_map = data["weight_map"]
         for key in list(weight_map):
-            if "layers." in key and key.endswith("proj.weight"):
+            if key.endswith(".weight") and key[: -len("weight")] + "weight_scale_inv" in scales:
                 weight_map[key[: -len("weight")] + "weight_scale_inv"] = weight_map[key]
         index.write_text(json.dumps(data))
     cfg = json.loads((dest / "config.json").read_text())
@@ -323,11 +339,13 @@ def main(argv: list[str]) -> int:
         record.write(args.output, report)
 
     started = time.perf_counter()
+    shapes = [m for m in args.models if m in MODELS]
     steps: list[tuple[str, Callable[[], None]]] = [
-        ("layer", lambda: check_layers(report, args.models)),
-        ("matmul", lambda: bench_matmuls(report, args.models, max(3, args.rounds))),
+        ("layer", lambda: check_layers(report, shapes)),
+        ("matmul", lambda: bench_matmuls(report, shapes, max(3, args.rounds))),
         ("engine", lambda: bench_engines(report, args, tokenizer_dir, save)),
     ]
+    steps = [(name, step) for name, step in steps if name in args.sections]
     return run_steps(steps, report, save, started, args.output)
 
 
