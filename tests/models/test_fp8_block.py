@@ -23,7 +23,7 @@ import vecpool
 from tests.helpers import engine_hidden, hf_last_hidden, random_prompts, save_hf_model
 from tests.models.test_quant import FP8_REL_ERR, LENGTHS, VOCAB, _cosines, _qwen3
 from vecpool.errors import ConfigError, ModelLoadError
-from vecpool.models import quant
+from vecpool.models import fp8_block, quant
 from vecpool.models.fp8_block import (
     Fp8BlockLinear,
     dequantize_blocks,
@@ -93,6 +93,28 @@ def test_layer_is_the_product_of_its_quantized_operands() -> None:
     ref = torch.nn.functional.linear(x, w, layer.bias).reshape(-1, 48)
     cos = torch.nn.functional.cosine_similarity(out.reshape(-1, 48), ref, dim=-1)
     assert float(cos.min()) > 0.99  # two FP8 roundings of up to 2^-4 each
+
+
+def test_backend_on_cuda_by_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a Hopper device (stubbed here: the choice asks nothing else of CUDA), cuBLAS takes
+    128 x 128 blocks of weights whose dimensions are multiples of 512; any other layer runs
+    in the model's dtype on its weight dequantized once, inputs unquantized."""
+    monkeypatch.setattr(fp8_block, "cublas_block_fp8", lambda device: True)
+    cuda = torch.device("cuda")
+    aligned, _ = _layer(1024, 512, (128, 128), seed=5)
+    aligned.choose_backend(cuda, kernels=True)
+    assert aligned.cublas and aligned.kernels and aligned.dense_weight is None
+    for n, k, block in [(768, 768, (128, 128)), (1024, 512, (64, 64)), (48, 40, (16, 16))]:
+        layer, _ = _layer(n, k, block, seed=6)
+        layer.choose_backend(cuda, kernels=True)
+        assert not layer.cublas and not layer.kernels, (n, k, block)
+        x = torch.randn(3, k, generator=torch.Generator().manual_seed(7))
+        weight = dequantize_blocks(layer.weight, layer.block_scale, block)
+        assert torch.equal(layer(x), torch.nn.functional.linear(x, weight, layer.bias))
+    # On the CPU: the FP8 arithmetic itself (the reference), never the dense weight.
+    cpu_layer, _ = _layer(48, 40, (16, 16), seed=6)
+    cpu_layer.choose_backend(torch.device("cpu"), kernels=True)
+    assert cpu_layer.dense_weight is None and cpu_layer.kernels and not cpu_layer.cublas
 
 
 def test_fused_parts_give_each_part_its_own_output() -> None:

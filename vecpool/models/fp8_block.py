@@ -9,14 +9,15 @@ quantized as they come: one scale per token and group of bk inputs (`[M, ceil(K 
 row's result never depends on the other rows of its step, and prompt embeds still give the
 bits of ids.
 
-On Hopper (compute capability 9.0), with 128 x 128 blocks and both dimensions multiples of 128,
+On Hopper (compute capability 9.0), with 128 x 128 blocks and both dimensions multiples of 512,
 the product runs through cuBLAS's block-scaled FP8 matmul (`torch._scaled_mm` recognizes the
 scales by their shapes; it takes row counts that are multiples of 4, so a step's rows are padded
 to 16). On CUDA the rows are quantized by the Triton kernels of `fp8_kernels`, fused into the
 RMSNorm or SiLU * up that produces them in a pre-norm decoder, as the per-channel FP8 path
-does. Elsewhere the same arithmetic runs dequantized in float32: exact up to the float32
-rounding of each value times its scale and the order of the sums, and slow, which is what the
-tests check on the CPU.
+does. Other CUDA layers (other devices, blocks or widths) multiply in the model's dtype by the
+weight dequantized once at load, their inputs unquantized. On the CPU the FP8 arithmetic runs
+dequantized in float32: exact up to the float32 rounding of each value times its scale and
+the order of the sums, and slow, which is what the tests check.
 """
 
 from __future__ import annotations
@@ -35,6 +36,11 @@ BLOCK_SCALE_NAMES = {"fp8": "weight_scale_inv", "compressed-tensors": "weight_sc
 # What cuBLAS's block-scaled FP8 matmul takes: 128 x 128 weight blocks on compute capability 9.0.
 CUBLAS_BLOCK = (128, 128)
 CUBLAS_CAPABILITY = (9, 0)
+# cuBLAS gets both dimensions of a weight only in multiples of this: the layers measured right
+# on the H200 had them; BERT-base's (768 inputs: 6 factors a row, 24 bytes, where the rows of
+# its other operand's factors are padded to 16 bytes) came out wrong (cosine 0.55 to bf16,
+# `benchmarks/results/fp8_block_bert-base_h200.json`).
+CUBLAS_ALIGN = 512
 # The row count of a cuBLAS block-scaled product is padded to a multiple of this (it needs 4).
 ROW_ALIGN = 16
 
@@ -170,9 +176,11 @@ class Fp8BlockLinear(nn.Module):
             if input_scale_shape is not None
             else None
         )
-        self.cublas = False  # set by `choose_backend`
-        # Set by `quant.finish_fp8`: rows quantized by the `fp8_ops` group ops (Triton on CUDA)
+        # Set by `choose_backend`: the product through cuBLAS; rows quantized by the `fp8_ops`
+        # group ops (Triton on CUDA); or the dequantized `[N, K]` weight in the model's dtype.
+        self.cublas = False
         self.kernels = False
+        self.dense_weight: torch.Tensor | None = None
 
     @property
     def block_scale(self) -> torch.Tensor:  # [ceil(N / bn), ceil(K / bk)] float32
@@ -182,14 +190,23 @@ class Fp8BlockLinear(nn.Module):
     def set_block_scale(self, scale: torch.Tensor) -> None:
         setattr(self, self.scale_name, nn.Parameter(scale, requires_grad=False))
 
-    def choose_backend(self, device: torch.device) -> None:
-        """Multiply through cuBLAS where `device` and this layer's shapes allow it."""
+    def choose_backend(self, device: torch.device, kernels: bool = False) -> None:
+        """How this layer multiplies on `device`: through cuBLAS where the device and the
+        layer's shapes allow it (rows quantized by the `fp8_ops` group ops when `kernels`);
+        elsewhere on CUDA in the model's dtype, on the weight dequantized once; on the CPU in
+        float32, quantized and dequantized as it goes (the reference the tests check)."""
         self.cublas = (
             cublas_block_fp8(device)
             and self.block == CUBLAS_BLOCK
-            and self.in_features % CUBLAS_BLOCK[1] == 0
-            and self.out_features % CUBLAS_BLOCK[0] == 0
+            and self.in_features % CUBLAS_ALIGN == 0
+            and self.out_features % CUBLAS_ALIGN == 0
         )
+        self.dense_weight = None
+        if device.type == "cuda" and not self.cublas:
+            self.dense_weight = dequantize_blocks(self.weight, self.block_scale, self.block).to(
+                self.out_dtype
+            )
+        self.kernels = kernels and self.dense_weight is None
 
     @classmethod
     def fuse_parts(cls, parts: list[nn.Module]) -> Fp8BlockLinear:
@@ -228,6 +245,8 @@ class Fp8BlockLinear(nn.Module):
         return fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        if self.dense_weight is not None:
+            return self._finish(F.linear(x, self.dense_weight))
         lead = x.shape[:-1]
         rows = x.reshape(-1, self.in_features)
         if self.kernels:

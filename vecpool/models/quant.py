@@ -399,8 +399,7 @@ def finish_fp8(model: nn.Module, device: torch.device) -> None:
 
     for module in model.modules():
         if isinstance(module, Fp8BlockLinear):
-            module.choose_backend(device)
-            module.kernels = kernels
+            module.choose_backend(device, kernels)
         if isinstance(module, Fp8Linear):
             module.finish_scales()
             module.kernels = kernels
