@@ -36,10 +36,10 @@ BLOCK_SCALE_NAMES = {"fp8": "weight_scale_inv", "compressed-tensors": "weight_sc
 # What cuBLAS's block-scaled FP8 matmul takes: 128 x 128 weight blocks on compute capability 9.0.
 CUBLAS_BLOCK = (128, 128)
 CUBLAS_CAPABILITY = (9, 0)
-# cuBLAS gets both dimensions of a weight only in multiples of this: the layers measured right
-# on the H200 had them; BERT-base's (768 inputs: 6 factors a row, 24 bytes, where the rows of
-# its other operand's factors are padded to 16 bytes) came out wrong (cosine 0.55 to bf16,
-# `benchmarks/results/fp8_block_bert-base_h200.json`).
+# cuBLAS gets both dimensions of a weight only in multiples of this: every layer measured right
+# on the H200 had them, and BERT-base's came out wrong (cosine 0.55 to bf16,
+# `benchmarks/results/fp8_block_bert-base_h200.json`; not diagnosed further: the suspect is its
+# 768-wide layers' rows of 6 factors, 24 bytes, which no layer measured right had).
 CUBLAS_ALIGN = 512
 # The row count of a cuBLAS block-scaled product is padded to a multiple of this (it needs 4).
 ROW_ALIGN = 16

@@ -10,7 +10,8 @@ scales; on CUDA the rows are quantized by the Triton kernels of `fp8_kernels`, f
 RMSNorm or SiLU * up that produces them where a pre-norm decoder layer allows. Off CUDA the same
 math runs in torch (`quantize_rows`, and the product of the FP8 values accumulated in float32,
 then scaled), which is what the tests check. Int8 multiplies through `torch._int_mm` (int32
-accumulation), then scales.
+accumulation), then scales. Checkpoints stored with one FP8 scale per block of the weight load
+into `fp8_block.Fp8BlockLinear`, which takes the same norm folding.
 """
 
 from __future__ import annotations
@@ -387,8 +388,8 @@ def _stack_linears(
 
 def finish_fp8(model: nn.Module, device: torch.device) -> None:
     """Once FP8 linears are in place (quantized here or loaded, per channel or in blocks):
-    scales per channel, the kernels and the FP8 matmul chosen for `device`, and each pre-norm decoder layer's norms
-    folded into the projections they feed."""
+    scales per channel, the kernels and the FP8 matmul chosen for `device`, and each pre-norm
+    decoder layer's norms folded into the projections they feed."""
     capable = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (
         FP8_MIN_CAPABILITY
     )
