@@ -28,7 +28,13 @@ from torch import nn
 
 from vecpool.errors import ConfigError
 from vecpool.models.layers import RMSNorm
-from vecpool.models.quant import FP8_DTYPE, FP8_MAX, MIN_AMAX, QuantizedRows
+from vecpool.models.quant import (
+    FP8_DTYPE,
+    FP8_MAX,
+    MIN_AMAX,
+    QuantizedRows,
+    bias_and_input_scale,
+)
 
 # The block factors' name in each form: Hugging Face's fine-grained FP8, compressed-tensors'
 # "block" strategy (llm-compressor's FP8_BLOCK).
@@ -166,15 +172,9 @@ class Fp8BlockLinear(nn.Module):
                 requires_grad=False,
             ),
         )
-        self.bias = (
-            nn.Parameter(torch.empty(out_features, dtype=out_dtype), requires_grad=False)
-            if bias
-            else None
-        )  # [N]
-        self.input_scale = (
-            nn.Parameter(torch.empty(input_scale_shape, dtype=torch.float32), requires_grad=False)
-            if input_scale_shape is not None
-            else None
+        # [N] in out_dtype; a checkpoint's static input scale (loaded, not used)
+        self.bias, self.input_scale = bias_and_input_scale(
+            out_features, bias, out_dtype, input_scale_shape
         )
         # Set by `choose_backend`: the product through cuBLAS; rows quantized by the `fp8_ops`
         # group ops (Triton on CUDA); or the dequantized `[N, K]` weight in the model's dtype.

@@ -120,6 +120,21 @@ def _fp8_rows(x: torch.Tensor, kernels: bool) -> QuantizedRows:
     return quantize_rows(x, FP8_DTYPE)
 
 
+def bias_and_input_scale(
+    out_features: int, bias: bool, out_dtype: torch.dtype, input_scale_shape: tuple[int, ...] | None
+) -> tuple[nn.Parameter | None, nn.Parameter | None]:
+    """An FP8 linear's optional parameters, unfilled: its bias (`[N]` in `out_dtype`) and a
+    checkpoint's static input scale (float32, of the stored shape)."""
+    return (
+        nn.Parameter(torch.empty(out_features, dtype=out_dtype), requires_grad=False)
+        if bias
+        else None,
+        nn.Parameter(torch.empty(input_scale_shape, dtype=torch.float32), requires_grad=False)
+        if input_scale_shape is not None
+        else None,
+    )
+
+
 class Fp8Linear(nn.Module):
     """A linear layer whose weight is FP8 with one float32 scale per output channel; inputs
     are quantized per row as they come (or come quantized, as `QuantizedRows`).
@@ -163,15 +178,9 @@ class Fp8Linear(nn.Module):
             ),
             requires_grad=False,
         )
-        self.bias = (
-            nn.Parameter(torch.empty(out_features, dtype=out_dtype), requires_grad=False)
-            if bias
-            else None
-        )  # [N]
-        self.input_scale = (
-            nn.Parameter(torch.empty(input_scale_shape, dtype=torch.float32), requires_grad=False)
-            if input_scale_shape is not None
-            else None
+        # [N] in out_dtype; a checkpoint's static input scale (loaded, not used)
+        self.bias, self.input_scale = bias_and_input_scale(
+            out_features, bias, out_dtype, input_scale_shape
         )
         # Set by `set_fp8_backend`: rows quantized by the Triton kernels; products through
         # torch._scaled_mm (else the FP8 values are multiplied in float32 and scaled).
