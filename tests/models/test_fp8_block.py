@@ -111,10 +111,18 @@ def test_backend_on_cuda_by_shape(monkeypatch: pytest.MonkeyPatch) -> None:
         x = torch.randn(3, k, generator=torch.Generator().manual_seed(7))
         weight = dequantize_blocks(layer.weight, layer.block_scale, block)
         assert torch.equal(layer(x), torch.nn.functional.linear(x, weight, layer.bias))
-    # On the CPU: the FP8 arithmetic itself (the reference), never the dense weight.
+    # On the CPU: the FP8 arithmetic itself (the reference), its inputs quantized (here by
+    # the ops' CPU kernels), on the float32 weight dequantized once.
+    import vecpool.models.fp8_ops  # noqa: F401 - the group ops
+
     cpu_layer, _ = _layer(48, 40, (16, 16), seed=6)
+    x = torch.randn(3, 40, generator=torch.Generator().manual_seed(8))
+    per_call = cpu_layer(x)  # no backend chosen: dequantized at the call
     cpu_layer.choose_backend(torch.device("cpu"), kernels=True)
-    assert cpu_layer.dense_weight is None and cpu_layer.kernels and not cpu_layer.cublas
+    assert cpu_layer.fp8_inputs and cpu_layer.kernels and not cpu_layer.cublas
+    weight = dequantize_blocks(cpu_layer.weight, cpu_layer.block_scale, (16, 16))
+    assert cpu_layer.dense_weight is not None and torch.equal(cpu_layer.dense_weight, weight)
+    assert torch.equal(cpu_layer(x), per_call)
 
 
 def test_fused_parts_give_each_part_its_own_output() -> None:

@@ -16,8 +16,9 @@ to 16). On CUDA the rows are quantized by the Triton kernels of `fp8_kernels`, f
 RMSNorm or SiLU * up that produces them in a pre-norm decoder, as the per-channel FP8 path
 does. Other CUDA layers (other devices, blocks or widths) multiply in the model's dtype by the
 weight dequantized once at load, their inputs unquantized. On the CPU the FP8 arithmetic runs
-dequantized in float32: exact up to the float32 rounding of each value times its scale and
-the order of the sums, and slow, which is what the tests check.
+dequantized in float32 (the weight once, the inputs as they come): exact up to the float32
+rounding of each value times its scale and the order of the sums, which is what the tests
+check.
 """
 
 from __future__ import annotations
@@ -177,10 +178,12 @@ class Fp8BlockLinear(nn.Module):
             out_features, bias, out_dtype, input_scale_shape
         )
         # Set by `choose_backend`: the product through cuBLAS; rows quantized by the `fp8_ops`
-        # group ops (Triton on CUDA); or the dequantized `[N, K]` weight in the model's dtype.
+        # group ops (Triton on CUDA); or the `[N, K]` weight dequantized once (float32 on the
+        # CPU, whose inputs are still quantized: `fp8_inputs`; the model's dtype on CUDA).
         self.cublas = False
         self.kernels = False
         self.dense_weight: torch.Tensor | None = None
+        self.fp8_inputs = True
 
     @property
     def block_scale(self) -> torch.Tensor:  # [ceil(N / bn), ceil(K / bk)] float32
@@ -194,7 +197,8 @@ class Fp8BlockLinear(nn.Module):
         """How this layer multiplies on `device`: through cuBLAS where the device and the
         layer's shapes allow it (rows quantized by the `fp8_ops` group ops when `kernels`);
         elsewhere on CUDA in the model's dtype, on the weight dequantized once; on the CPU in
-        float32, quantized and dequantized as it goes (the reference the tests check)."""
+        float32 on the weight dequantized once, its inputs quantized and dequantized as they
+        come (the FP8 arithmetic the tests check)."""
         self.cublas = (
             cublas_block_fp8(device)
             and self.block == CUBLAS_BLOCK
@@ -202,11 +206,11 @@ class Fp8BlockLinear(nn.Module):
             and self.out_features % CUBLAS_ALIGN == 0
         )
         self.dense_weight = None
-        if device.type == "cuda" and not self.cublas:
-            self.dense_weight = dequantize_blocks(self.weight, self.block_scale, self.block).to(
-                self.out_dtype
-            )
-        self.kernels = kernels and self.dense_weight is None
+        if not self.cublas:  # dequantized once, not at every call
+            dense = dequantize_blocks(self.weight, self.block_scale, self.block)
+            self.dense_weight = dense.to(self.out_dtype) if device.type == "cuda" else dense
+        self.fp8_inputs = device.type != "cuda"
+        self.kernels = kernels and (self.cublas or self.fp8_inputs)
 
     @classmethod
     def fuse_parts(cls, parts: list[nn.Module]) -> Fp8BlockLinear:
@@ -245,7 +249,7 @@ class Fp8BlockLinear(nn.Module):
         return fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        if self.dense_weight is not None:
+        if self.dense_weight is not None and not self.fp8_inputs:
             return self._finish(F.linear(x, self.dense_weight))
         lead = x.shape[:-1]
         rows = x.reshape(-1, self.in_features)
@@ -288,5 +292,7 @@ class Fp8BlockLinear(nn.Module):
             )
             return out[:m].to(self.out_dtype)
         inputs = dequantize_groups(QuantizedRows(rows.data[:m], rows.scale[:m]), self.block[1])
-        weight = dequantize_blocks(self.weight, self.block_scale, self.block)
+        weight = self.dense_weight
+        if weight is None:  # a layer no backend was chosen for (built by hand)
+            weight = dequantize_blocks(self.weight, self.block_scale, self.block)
         return (inputs @ weight.t()).to(self.out_dtype)
