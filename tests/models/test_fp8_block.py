@@ -110,7 +110,8 @@ def test_backend_on_cuda_by_shape(monkeypatch: pytest.MonkeyPatch) -> None:
         assert not layer.cublas and not layer.kernels, (n, k, block)
         x = torch.randn(3, k, generator=torch.Generator().manual_seed(7))
         weight = dequantize_blocks(layer.weight, layer.block_scale, block)
-        assert torch.equal(layer(x), torch.nn.functional.linear(x, weight, layer.bias))
+        # The same two steps (product, then bias), on the same values: the same bits.
+        assert torch.equal(layer(x), torch.nn.functional.linear(x, weight) + layer.bias)
     # On the CPU: the FP8 arithmetic itself (the reference), its inputs quantized (here by
     # the ops' CPU kernels), on the float32 weight dequantized once.
     import vecpool.models.fp8_ops  # noqa: F401 - the group ops
@@ -131,7 +132,9 @@ def test_fused_parts_give_each_part_its_own_output() -> None:
     assert fused.sizes == [32, 16, 24] and fused.block_scale.shape == (5, 2)
     x = torch.randn(6, 32, generator=torch.Generator().manual_seed(9))
     for got, part in zip(fused(x), parts, strict=True):
-        assert torch.equal(got, part(x))
+        # One product of the stacked weights against one per part: the BLAS may block the
+        # sums differently for another output width, so float32 rounding apart.
+        torch.testing.assert_close(got, part(x), rtol=1e-5, atol=1e-5)
     uneven = [_layer(24, 32, (16, 16), seed=1)[0], _layer(16, 32, (16, 16), seed=2)[0]]
     with pytest.raises(ConfigError, match=r"\[24, 16\] outputs in blocks of 16"):
         Fp8BlockLinear.fuse_parts(list(uneven))
