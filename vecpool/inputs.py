@@ -16,7 +16,6 @@ from __future__ import annotations
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -32,7 +31,7 @@ from vecpool.arrays import (
     truncate,
 )
 from vecpool.errors import InputError, InputTooLongError
-from vecpool.tokenizer import TextTokenizer
+from vecpool.tokenizer import TextTokenizer, id_arrays
 
 __all__ = ["TextTokenizer", "TruncationSide", "is_tensor"]  # re-exported: their old home
 
@@ -324,15 +323,15 @@ class InputProcessor:
                 f"{self.tokenizer.num_pair_special_tokens} special tokens",
                 index=indices[pairs[0]],
             )
+        side, specials = options.truncation_side, options.add_special_tokens
         try:
-            encodings = self.tokenizer.encode_batch(
-                texts, limit, options.truncation_side, options.add_special_tokens, offsets=False
-            )
+            if pairs:
+                encodings = self.tokenizer.encode_batch(texts, limit, side, specials, offsets=False)
+                arrays = id_arrays(encodings)
+            else:
+                arrays = self.tokenizer.encode_ids(texts, limit, side, specials)  # type: ignore[arg-type]
         except InputError as exc:  # indexed within `texts`, or about the whole call
             raise exc.at(indices[exc.index or 0]) from None
-        # Each list of ids made into an array at once (the lists are freed while still in
-        # the cache): the ids' Python ints are most of what the GIL is held for here.
-        arrays = [np.fromiter(x, np.int64, len(x)) for x in map(attrgetter("ids"), encodings)]
         lengths = np.fromiter(map(len, arrays), dtype=np.int64, count=len(arrays))
         bad = np.flatnonzero((lengths == 0) | (lengths > self.limits.max_model_len))
         if bad.size:

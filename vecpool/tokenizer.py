@@ -10,6 +10,9 @@ normalized string, so the same tokens. Tabs and line breaks count as plain where
 pre-tokenizer is BERT's, which splits on them as on the space the BERT normalizer makes of
 them (and no added token matched on normalized text holds whitespace). Any other text takes
 the tokenizer as it is.
+
+Batches of such texts whose tokenizer is BERT's WordPiece, when only their ids are wanted, skip
+the library altogether (`encode_ids`, `vecpool.wordpiece`).
 """
 
 from __future__ import annotations
@@ -21,10 +24,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from tokenizers import Encoding, Tokenizer
 
 from vecpool.arrays import TruncationSide
 from vecpool.errors import InputError
+from vecpool.wordpiece import PlainWordPiece
+
+# A batch of fewer characters is left to the library: array arithmetic's fixed cost per call
+# (a few dozen NumPy operations) is more than the library's time for a few short texts.
+WORDPIECE_MIN_CHARS = 1024
 
 
 class TextTokenizer:
@@ -57,6 +66,29 @@ class TextTokenizer:
             (i for i, special in enumerate(mask) if not special), len(mask)
         )
         self.num_trailing_special_tokens = len(mask) - 1 - self.num_leading_special_tokens
+        self._wordpiece = PlainWordPiece.build(self._json)
+
+    def encode_ids(
+        self,
+        texts: Sequence[str],
+        max_tokens: int | None = None,
+        side: TruncationSide = "right",
+        add_special_tokens: bool = True,
+    ) -> list[np.ndarray]:
+        """Each single text's ids as an int64 array, as `encode_batch` gives them: for a
+        batch of plain texts of BERT's WordPiece, by `PlainWordPiece` (the same ids, exactly,
+        at a tenth of the CPU), else by the library."""
+        if (
+            self._wordpiece is not None
+            and (max_tokens is None or max_tokens - self.num_special_tokens >= 1)
+            and sum(map(len, texts)) >= WORDPIECE_MIN_CHARS
+        ):
+            ids = self._wordpiece.encode(texts, max_tokens, side, add_special_tokens)
+            if ids is not None:
+                return ids
+        return id_arrays(
+            self.encode_batch(texts, max_tokens, side, add_special_tokens, offsets=False)
+        )
 
     def encode_batch(
         self,
@@ -164,6 +196,13 @@ class TextTokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+
+def id_arrays(encodings: Sequence[Encoding]) -> list[np.ndarray]:
+    """The encodings' ids as int64 arrays. Each list of ids is made into an array at once (the
+    lists are freed while still in the cache): the ids' Python ints are most of what the GIL
+    is held for in a batch's tokenizing."""
+    return [np.fromiter(x, np.int64, len(x)) for x in (e.ids for e in encodings)]
 
 
 def check_unicode(text: str | tuple[str, str], index: int | None) -> None:

@@ -1,0 +1,224 @@
+"""`PlainWordPiece` (`vecpool/wordpiece.py`) gives exactly the ids of the `tokenizers` library
+on the real MiniLM tokenizer and on changed copies of it (cased, an added token holding a
+space, another template), for random texts of vocabulary words, unknown words, words past the
+table's 24 bytes and WordPiece's 100 characters, punctuation and whitespace of every kind, with
+and without special tokens and truncation from either side; it declines what it does not
+serve; and `TextTokenizer.encode_ids` takes it for large batches only."""
+
+from __future__ import annotations
+
+import json
+import random
+import string
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer
+
+from vecpool import tokenizer as tokenizer_module
+from vecpool.tokenizer import TextTokenizer
+from vecpool.wordpiece import PlainWordPiece
+
+PUNCTUATION = string.punctuation
+SPACES = (" ", "  ", "\t", "\n", " \r\n ", "")
+
+
+def _config(default_model_dir: Path) -> dict[str, Any]:
+    return json.loads((default_model_dir / "tokenizer.json").read_text())
+
+
+def _ascii_vocab(config: dict[str, Any]) -> list[str]:
+    return [w for w in config["model"]["vocab"] if w.isascii()]
+
+
+def _no_added(texts: list[str], config: dict[str, Any]) -> list[str]:
+    """The texts that hold no added token's text (which the fast path leaves alone)."""
+    added = [t["content"].lower() for t in config["added_tokens"]]
+    return [t for t in texts if not any(a in t.lower() for a in added)]
+
+
+def _texts(rng: random.Random, vocab: list[str], n: int) -> list[str]:
+    """Texts of whole vocabulary entries (some upper-cased), their pieces glued into unknown
+    words, random letters and digits, punctuation runs, long words, and whitespace."""
+    out = []
+    for _ in range(n):
+        parts = []
+        for _ in range(rng.randint(0, 40)):
+            r = rng.random()
+            if r < 0.45:
+                parts.append(rng.choice(vocab))
+            elif r < 0.6:
+                parts.append("".join(rng.choice(vocab).lstrip("#") for _ in range(3)))
+            elif r < 0.72:
+                alnum = string.ascii_letters + string.digits
+                parts.append("".join(rng.choice(alnum) for _ in range(rng.randint(1, 30))))
+            elif r < 0.82:
+                parts.append("".join(rng.choice(PUNCTUATION) for _ in range(rng.randint(1, 5))))
+            elif r < 0.86:
+                parts.append(rng.choice("ab") * rng.randint(20, 110))
+            else:
+                parts.append(rng.choice(vocab).upper() + rng.choice(PUNCTUATION))
+        out.append(rng.choice(SPACES).join(parts) or rng.choice(("a", " ", "\t\n")))
+    return out
+
+
+def _reference(path: Path, max_tokens: int | None, side: str) -> Tokenizer:
+    tok = Tokenizer.from_file(str(path))
+    tok.no_padding()
+    if max_tokens is None:
+        tok.no_truncation()
+    else:
+        tok.enable_truncation(max_tokens, direction=side)
+    return tok
+
+
+def _check_exact(path: Path, texts: list[str]) -> int:
+    """Every batch equal to the library's ids; the number of texts compared."""
+    fast = PlainWordPiece.build(path.read_text())
+    assert fast is not None
+    compared = 0
+    for max_tokens, side, specials in (
+        (None, "right", True),
+        (None, "right", False),
+        (24, "right", True),
+        (24, "left", True),
+        (7, "left", False),
+        (3, "right", True),
+    ):
+        reference = _reference(path, max_tokens, side)
+        for start in range(0, len(texts), 61):
+            batch = texts[start : start + 61]
+            ours = fast.encode(batch, max_tokens, side, specials)  # type: ignore[arg-type]
+            if ours is None:
+                continue
+            expected = reference.encode_batch(batch, add_special_tokens=specials)
+            assert [a.tolist() for a in ours] == [e.ids for e in expected]
+            assert all(a.dtype == np.int64 for a in ours)
+            compared += len(batch)
+    return compared
+
+
+def _write(tmp_path: Path, config: dict[str, Any], name: str) -> Path:
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def test_the_real_tokenizer_gives_the_same_ids(tmp_path: Path, default_model_dir: Path) -> None:
+    config = _config(default_model_dir)
+    texts = _no_added(_texts(random.Random(0), _ascii_vocab(config), 1200), config)
+    compared = _check_exact(default_model_dir / "tokenizer.json", texts)
+    assert compared == 6 * len(texts)  # no batch declined
+    fast = PlainWordPiece.build((default_model_dir / "tokenizer.json").read_text())
+    assert fast is not None and fast._probes > 1  # the table's probing was exercised
+
+
+@pytest.mark.parametrize("change", ["cased", "added_with_space", "prefix_only"])
+def test_changed_tokenizers_give_the_same_ids(
+    tmp_path: Path, default_model_dir: Path, change: str
+) -> None:
+    config = _config(default_model_dir)
+    if change == "cased":
+        config["normalizer"]["lowercase"] = False
+    elif change == "added_with_space":
+        config["added_tokens"].append(
+            {
+                "id": len(config["model"]["vocab"]),
+                "content": "new york",
+                "single_word": False,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": True,
+                "special": False,
+            }
+        )
+    else:  # a template of one leading special token
+        config["post_processor"] = {
+            "type": "TemplateProcessing",
+            "single": [
+                {"SpecialToken": {"id": "[CLS]", "type_id": 0}},
+                {"Sequence": {"id": "A", "type_id": 0}},
+            ],
+            "pair": [
+                {"Sequence": {"id": "A", "type_id": 0}},
+                {"Sequence": {"id": "B", "type_id": 1}},
+            ],
+            "special_tokens": {"[CLS]": {"id": "[CLS]", "ids": [101], "tokens": ["[CLS]"]}},
+        }
+    path = _write(tmp_path, config, change)
+    texts = _no_added(_texts(random.Random(1), _ascii_vocab(config), 300), config)
+    compared = _check_exact(path, texts)
+    assert compared == 6 * len(texts)
+    if change == "added_with_space":  # the token (in any case, across a break) is declined
+        compared = _check_exact(path, ["in new york today", "in New\tYork", "new  york"])
+        assert compared == 0
+
+
+def test_what_it_does_not_serve_is_declined(tmp_path: Path, default_model_dir: Path) -> None:
+    fast = PlainWordPiece.build((default_model_dir / "tokenizer.json").read_text())
+    assert fast is not None
+    assert fast.encode(["hello world"]) is not None
+    for text in (
+        "caf\u00e9",  # not ASCII
+        "a\x00b",  # the separator within a text
+        "a\x0bb",  # a control character
+        "a [CLS] b",  # an added token's text
+        "a [mask] b",  # in any case
+    ):
+        assert fast.encode(["hello world", text]) is None, text
+    assert fast.encode([]) is None
+    assert fast.encode([""]) is None
+    assert fast.encode(["a", ("b", "c")]) is None  # type: ignore[list-item]
+    assert fast.encode(["a"], max_tokens=2) is None  # no room besides the special tokens
+
+
+@pytest.mark.parametrize("part", ["normalizer", "pre_tokenizer", "model"])
+def test_other_tokenizers_are_not_served(
+    tmp_path: Path, default_model_dir: Path, part: str
+) -> None:
+    config = _config(default_model_dir)
+    config[part] = {
+        "normalizer": {"type": "Lowercase"},
+        "pre_tokenizer": {"type": "Whitespace"},
+        "model": {"type": "WordLevel", "vocab": config["model"]["vocab"], "unk_token": "[UNK]"},
+    }[part]
+    assert PlainWordPiece.build(json.dumps(config)) is None
+
+
+def test_every_vocabulary_word_is_found(default_model_dir: Path) -> None:
+    """Each whole word of the table, alone, is its own id (found, not taken apart)."""
+    config = _config(default_model_dir)
+    fast = PlainWordPiece.build(json.dumps(config))
+    assert fast is not None
+    vocab = config["model"]["vocab"]
+    words = [w for w in vocab if w.isascii() and w.isalnum() and w == w.lower() and len(w) <= 24]
+    ids = fast.encode(words, add_special_tokens=False)
+    assert ids is not None
+    assert [a.tolist() for a in ids] == [[vocab[w]] for w in words]
+
+
+def test_encode_ids_takes_the_fast_path_for_large_batches_only(
+    default_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ours = TextTokenizer(default_model_dir / "tokenizer.json")
+    calls: list[int] = []
+    encode = PlainWordPiece.encode
+
+    def counted(self: PlainWordPiece, texts: Any, *args: Any) -> Any:
+        calls.append(len(texts))
+        return encode(self, texts, *args)
+
+    monkeypatch.setattr(PlainWordPiece, "encode", counted)
+    config = _config(default_model_dir)
+    texts = _no_added(_texts(random.Random(2), _ascii_vocab(config), 64), config)
+    small = texts[:2]
+    assert sum(map(len, small)) < tokenizer_module.WORDPIECE_MIN_CHARS
+    assert sum(map(len, texts)) >= tokenizer_module.WORDPIECE_MIN_CHARS
+    for batch, taken in ((small, []), (texts, [len(texts)])):
+        calls.clear()
+        ids = ours.encode_ids(batch, 20, "left")
+        assert calls == taken
+        expected = ours.encode_batch(batch, 20, "left", offsets=False)
+        assert [a.tolist() for a in ids] == [e.ids for e in expected]

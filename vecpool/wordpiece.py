@@ -1,0 +1,379 @@
+"""`PlainWordPiece`: BERT's WordPiece tokenizing of printable ASCII texts as array arithmetic over
+a whole batch, giving exactly the ids that the `tokenizers` library gives, at a small part of
+its cost.
+
+The `tokenizers` library spends about 2.5 µs of a core per token on BERT's tokenizer (most of it
+in the string bookkeeping of its normalizer, pre-tokenizer and encodings), so that on a GPU
+small encoders embed token ids faster than their host can tokenize texts. On printable ASCII the
+tokenizer's steps are simple enough to run on the batch's bytes at once:
+
+- BERT's normalizer lowercases (the module `vecpool.tokenizer` says why that is all it does
+  there), which `str.lower` does the same way for ASCII;
+- BERT's pre-tokenizer makes words of the maximal runs of letters and digits and of each other
+  printable character (every one of them is punctuation to it), dropping whitespace;
+- WordPiece gives a word that is in the vocabulary its own id, a word longer than
+  `max_input_chars_per_word` characters the unknown token, and any other word its greedy
+  longest-prefix pieces (the unknown token if some part matches nothing).
+
+Words are found by comparing neighbouring bytes' classes. A word's vocabulary id comes from a
+table of the vocabulary's whole words keyed by their bytes themselves (three 64-bit integers,
+zero past the word's end: no hash that two strings could share), so a word found there is that
+entry. A word not there (longer than 24 bytes, or not in the vocabulary as a whole) takes
+WordPiece's own loop in Python on the vocabulary's dictionary, its result cached: a text's rare
+words are few, and repeat. The template's special tokens, and the truncation, are index
+arithmetic on the flat result. The batch is one `str`, so the work holds the interpreter lock
+for a few dozen array operations (NumPy releases it inside most of them) and the loop over the
+rare words.
+
+What it serves is narrow, and checked when it is built and per call: a `tokenizer.json` of
+BERT's normalizer, pre-tokenizer and WordPiece model whose post-processor wraps a single text in
+fixed special tokens of segment 0; single texts of printable ASCII (with tabs and line breaks)
+in which no added token's text occurs (in any case, tabs and line breaks read as spaces).
+Anything else is `None`, and the caller tokenizes with the library.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+from collections.abc import Sequence
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from vecpool.arrays import TruncationSide
+
+# Byte classes: 0 whitespace, 1 letter or digit, 2 punctuation (any other printable ASCII),
+# 3 the separator between texts, 4 anything else (never in a plain text).
+_CLASS = np.full(256, 4, dtype=np.uint8)
+_CLASS[[0x09, 0x0A, 0x0D, 0x20]] = 0
+_CLASS[0x21:0x7F] = 2
+for _lo, _hi in ((0x30, 0x39), (0x41, 0x5A), (0x61, 0x7A)):
+    _CLASS[_lo : _hi + 1] = 1
+_CLASS[0] = 3
+_SEPARATOR = "\x00"
+_BREAKS_AS_SPACES = str.maketrans("\t\n\r", "   ")
+
+# A whole word of the vocabulary is looked up by its bytes themselves, as `_LIMBS` little-endian
+# 64-bit integers zero-filled past its end (words hold no zero byte, so that is exact); longer
+# entries are left to the exact path. The limbs, mixed, pick the word's first slot.
+_LIMBS = 3
+_MIX = np.array([0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9], dtype=np.uint64)
+_CACHE_WORDS = 1 << 16  # rare words' pieces kept between calls
+
+
+def _limbs(data: bytes, starts: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
+    """`_LIMBS` `[W]` uint64 arrays: the bytes of each word (`data[start : start + length]`),
+    zero past its length or past `_LIMBS * 8` bytes. `data` must have `_LIMBS * 8` bytes of
+    room after its last word."""
+    # The 8 bytes from each offset of `data`, as one unaligned array.
+    words = np.ndarray((len(data) - 7,), dtype="<u8", buffer=data, strides=(1,))
+    keep = _KEEP[np.minimum(lengths, _LIMBS * 8)]
+    return [words[starts + 8 * j] & keep[:, j] for j in range(_LIMBS)]
+
+
+def _slots(limbs: list[np.ndarray], bits: int) -> np.ndarray:
+    """Each word's first slot in a table of `2**bits` slots."""
+    with np.errstate(over="ignore"):
+        mixed = limbs[0] * _MIX[0]
+        for j in range(1, _LIMBS):
+            mixed ^= limbs[j] * _MIX[j]
+    return (mixed >> np.uint64(64 - bits)).astype(np.int64)
+
+
+# `_KEEP[n]`: the limbs' masks of a word of n bytes.
+_KEEP = np.array(
+    [
+        [(1 << (8 * min(max(n - 8 * j, 0), 8))) - 1 for j in range(_LIMBS)]
+        for n in range(_LIMBS * 8 + 1)
+    ],
+    dtype=np.uint64,
+)
+
+
+class PlainWordPiece:
+    """Exact WordPiece ids of plain ASCII single texts, for one `tokenizer.json` (see the
+    module's docstring). Build with `build`; `encode` gives None where it does not apply."""
+
+    def __init__(
+        self,
+        vocab: dict[str, int],
+        *,
+        lowercase: bool,
+        unk_id: int,
+        prefix: str,
+        max_word_chars: int,
+        leading: list[int],
+        trailing: list[int],
+        added: list[str],
+    ):
+        self._vocab = vocab
+        self._lowercase = lowercase
+        self._unk_id = unk_id
+        self._prefix = prefix
+        self._max_word_chars = max_word_chars
+        self._leading = np.asarray(leading, dtype=np.int64)
+        self._trailing = np.asarray(trailing, dtype=np.int64)
+        # Added tokens are matched before anything else, some on the normalized text (where
+        # tabs and line breaks are spaces): a text that holds one's text in any case, with
+        # breaks read as spaces where one holds whitespace, is left to the library.
+        self._added = (
+            re.compile("|".join(re.escape(a.lower()) for a in sorted(added, key=len)[::-1]))
+            if added
+            else None
+        )
+        self._added_spaces = any(c.isspace() for a in added for c in a)
+        # Whole words of the vocabulary (those a pre-tokenized ASCII word can be, and no
+        # longer than the limbs) in an open-addressing table probed linearly; -1 is empty.
+        words = sorted(w for w in vocab if w.isascii() and len(w) <= _LIMBS * 8 and _is_word(w))
+        self._bits = max(4, (4 * len(words)).bit_length())
+        size = 1 << self._bits
+        self._slots = np.full(size, -1, dtype=np.int64)
+        raw = "".join(words).encode("ascii") + bytes(_LIMBS * 8)
+        lengths = np.array([len(w) for w in words], dtype=np.int64)
+        self._entries = _limbs(raw, np.cumsum(lengths) - lengths, lengths)
+        self._ids = np.array([vocab[w] for w in words], dtype=np.int64)
+        self._probes = 1  # the longest run of probes a vocabulary word needs
+        for index, slot in enumerate(_slots(self._entries, self._bits).tolist()):
+            probes = 1
+            while self._slots[slot] >= 0:
+                slot, probes = (slot + 1) % size, probes + 1
+            self._slots[slot] = index
+            self._probes = max(self._probes, probes)
+        self._pieces: dict[str, tuple[int, ...]] = {}
+
+    @classmethod
+    def build(cls, tokenizer_json: str) -> PlainWordPiece | None:
+        """The fast path for this tokenizer file, or None where it does not apply."""
+        config = json.loads(tokenizer_json)
+        normalizer = config.get("normalizer")
+        model = config.get("model") or {}
+        if (
+            not isinstance(normalizer, dict)
+            or normalizer.get("type") != "BertNormalizer"
+            or (config.get("pre_tokenizer") or {}).get("type") != "BertPreTokenizer"
+            or model.get("type") != "WordPiece"
+            or not isinstance(model.get("vocab"), dict)
+            or model.get("unk_token") not in model["vocab"]
+        ):
+            return None
+        tok = Tokenizer.from_str(tokenizer_json)
+        tok.no_padding()
+        tok.no_truncation()
+        # The post-processor's special tokens around one text, read off two probes; they must
+        # wrap any text the same way, all in segment 0.
+        templates = []
+        for probe in ("a", "the end"):
+            full = tok.encode(probe)
+            own = tok.encode(probe, add_special_tokens=False).ids
+            ids = full.ids
+            at = next((i for i in range(len(ids)) if ids[i : i + len(own)] == own), None)
+            if at is None or any(full.type_ids):
+                return None
+            templates.append((ids[:at], ids[at + len(own) :]))
+        if templates[0] != templates[1]:
+            return None
+        leading, trailing = templates[0]
+        added = [t["content"] for t in config.get("added_tokens") or () if t.get("content")]
+        return cls(
+            model["vocab"],
+            lowercase=bool(normalizer.get("lowercase", True)),
+            unk_id=int(model["vocab"][model["unk_token"]]),
+            prefix=str(model.get("continuing_subword_prefix", "##")),
+            max_word_chars=int(model.get("max_input_chars_per_word", 100)),
+            leading=leading,
+            trailing=trailing,
+            added=added,
+        )
+
+    def encode(
+        self,
+        texts: Sequence[str],
+        max_tokens: int | None = None,
+        side: TruncationSide = "right",
+        add_special_tokens: bool = True,
+    ) -> list[np.ndarray] | None:
+        """Each text's ids (int64), as the library encodes it, truncated to `max_tokens`
+        tokens in all (the special tokens kept) from `side`; None where a text is not plain
+        ASCII, holds an added token's text, or is not a `str`."""
+        if not texts or not all(isinstance(t, str) for t in texts):
+            return None
+        joined = _SEPARATOR.join(texts)
+        if not joined or not joined.isascii():
+            return None
+        lowered = joined.lower()
+        if self._added is not None:
+            seen = lowered.translate(_BREAKS_AS_SPACES) if self._added_spaces else lowered
+            if self._added.search(seen):
+                return None
+        if self._lowercase:
+            joined = lowered
+        raw = joined.encode("ascii")
+        kind = _CLASS[np.frombuffer(raw, dtype=np.uint8)]
+        # Not plain, or a separator within a text.
+        if (kind == 4).any() or np.count_nonzero(kind == 3) != len(texts) - 1:
+            return None
+        words, text_of_word = self._words(kind, len(texts))
+        ids, counts, rare = self._lookup(raw + bytes(_LIMBS * 8), joined, words)
+        flat = self._flatten(ids, counts, rare)
+        return self._assemble(
+            flat, counts, text_of_word, len(texts), max_tokens, side, add_special_tokens
+        )
+
+    def _words(self, kind: np.ndarray, num_texts: int) -> tuple[np.ndarray, np.ndarray]:
+        """The words' `[2, W]` byte bounds (start, end) and each word's text."""
+        alnum = kind == 1
+        punct = kind == 2
+        starts = punct.copy()
+        starts[0] |= alnum[0]
+        starts[1:] |= alnum[1:] & ~alnum[:-1]
+        ends = punct.copy()
+        ends[-1] |= alnum[-1]
+        ends[:-1] |= alnum[:-1] & ~alnum[1:]
+        bounds = np.empty((2, int(np.count_nonzero(starts))), dtype=np.int64)
+        bounds[0] = np.flatnonzero(starts)
+        bounds[1] = np.flatnonzero(ends)
+        bounds[1] += 1
+        if num_texts == 1:
+            return bounds, np.zeros(bounds.shape[1], dtype=np.int64)
+        return bounds, np.searchsorted(np.flatnonzero(kind == 3), bounds[0])
+
+    def _find(self, data: bytes, bounds: np.ndarray) -> np.ndarray:
+        """Each word's index among the table's words, -1 where it is none of them."""
+        lengths = bounds[1] - bounds[0]
+        limbs = _limbs(data, bounds[0], lengths)
+        slot = _slots(limbs, self._bits)
+        entry = self._slots[slot]
+        hit = self._matches(entry, limbs)
+        # Words of a filled slot holding another entry probe on; a slot left empty ends the
+        # probing of its word (and a word longer than the limbs matches no entry).
+        todo = np.flatnonzero(~hit & (entry >= 0))
+        entry[~hit] = -1
+        slot = slot[todo]
+        for _ in range(self._probes - 1):
+            if not todo.size:
+                break
+            slot = (slot + 1) & (self._slots.size - 1)
+            at = self._slots[slot]
+            found = self._matches(at, [limb[todo] for limb in limbs])
+            entry[todo[found]] = at[found]
+            more = ~found & (at >= 0)
+            todo, slot = todo[more], slot[more]
+        return entry
+
+    def _matches(self, at: np.ndarray, limbs: list[np.ndarray]) -> np.ndarray:
+        """Whether each word equals the entry `at` (-1: none)."""
+        same = at >= 0
+        for entries, limb in zip(self._entries, limbs, strict=True):
+            same &= entries[at] == limb
+        return same
+
+    def _lookup(
+        self, data: bytes, joined: str, bounds: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, list[tuple[int, ...]]]]:
+        """Each word's id (`[W]`; a rare word's entry unused), each word's token count, and
+        the rare words: their indices and pieces."""
+        entry = self._find(data, bounds)
+        found = entry >= 0
+        ids = self._ids[entry]
+        lengths = bounds[1] - bounds[0]
+        too_long = lengths > self._max_word_chars
+        ids[too_long] = self._unk_id
+        rare = np.flatnonzero(~found & ~too_long)
+        counts = np.ones(bounds.shape[1], dtype=np.int64)
+        starts, ends = bounds[0, rare].tolist(), bounds[1, rare].tolist()
+        pieces = [self._wordpiece(joined[s:e]) for s, e in zip(starts, ends, strict=True)]
+        if pieces:
+            counts[rare] = [len(p) for p in pieces]
+        return ids, counts, (rare, pieces)
+
+    def _wordpiece(self, word: str) -> tuple[int, ...]:
+        """WordPiece's greedy longest-prefix pieces of a word of at most `max_word_chars`
+        characters, or the unknown token alone if some part matches no entry; cached."""
+        cached = self._pieces.get(word)
+        if cached is not None:
+            return cached
+        vocab, out, start = self._vocab, [], 0
+        while start < len(word):
+            end = len(word)
+            while end > start:
+                piece = word[start:end] if start == 0 else self._prefix + word[start:end]
+                token = vocab.get(piece)
+                if token is not None:
+                    out.append(token)
+                    break
+                end -= 1
+            else:
+                out = [self._unk_id]
+                break
+            start = end
+        if len(self._pieces) >= _CACHE_WORDS:
+            self._pieces.clear()
+        result = self._pieces[word] = tuple(out)
+        return result
+
+    @staticmethod
+    def _flatten(
+        ids: np.ndarray, counts: np.ndarray, rare: tuple[np.ndarray, list[tuple[int, ...]]]
+    ) -> np.ndarray:
+        """The words' tokens, flat: a rare word's pieces where its one id would be."""
+        offsets = np.cumsum(counts) - counts
+        flat = np.empty(int(counts.sum()), dtype=np.int64)
+        where, pieces = rare
+        single = np.ones(counts.size, dtype=bool)
+        if where.size:
+            single[where] = False
+            sizes = counts[where]
+            at = np.repeat(offsets[where] - np.cumsum(sizes) + sizes, sizes)
+            at += np.arange(at.size)
+            flat[at] = np.fromiter(
+                (t for p in pieces for t in p), dtype=np.int64, count=int(sizes.sum())
+            )
+        flat[offsets[single]] = ids[single]
+        return flat
+
+    def _assemble(
+        self,
+        flat: np.ndarray,
+        counts: np.ndarray,
+        text_of_word: np.ndarray,
+        num_texts: int,
+        max_tokens: int | None,
+        side: TruncationSide,
+        add_special_tokens: bool,
+    ) -> list[np.ndarray] | None:
+        own = np.bincount(text_of_word, weights=counts, minlength=num_texts).astype(np.int64)
+        own_start = np.cumsum(own) - own
+        lead = self._leading if add_special_tokens else self._leading[:0]
+        trail = self._trailing if add_special_tokens else self._trailing[:0]
+        extra = lead.size + trail.size
+        kept = own
+        if max_tokens is not None:
+            if max_tokens - extra < 1:
+                return None
+            kept = np.minimum(own, max_tokens - extra)
+        skip = own - kept if side == "left" else np.zeros_like(own)
+        sizes = kept + extra
+        out_start = np.cumsum(sizes) - sizes
+        out = np.empty(int(sizes.sum()), dtype=np.int64)
+        # Each kept token's place in `flat`: its text's first kept token, then the next ones.
+        source = np.repeat(own_start + skip - (np.cumsum(kept) - kept), kept)
+        source += np.arange(source.size)
+        body = np.repeat(out_start + lead.size - (np.cumsum(kept) - kept), kept)
+        body += np.arange(body.size)
+        out[body] = flat[source]
+        for j, token in enumerate(lead.tolist()):
+            out[out_start + j] = token
+        for j, token in enumerate(trail.tolist()):
+            out[out_start + sizes - trail.size + j] = token
+        bounds = [*out_start.tolist(), out.size]
+        return [out[a:b] for a, b in itertools.pairwise(bounds)]
+
+
+def _is_word(entry: str) -> bool:
+    """Whether a vocabulary entry can be a whole pre-tokenized word of a plain text: a run of
+    letters and digits, or one punctuation character."""
+    if len(entry) == 1:
+        return 0x21 <= ord(entry) <= 0x7E
+    return entry.isalnum()
