@@ -1,8 +1,10 @@
 """A large call's two host threads, in one process on the same engine and inputs, rounds
 interleaved: how far the input worker runs ahead of the steps (`--vary ahead`, the engine's
 `PIPELINE_AHEAD`), whether it waits for the first step's forward before preparing the second
-chunk (`--vary first-alone`, 1 or 0: `PIPELINE_FIRST_ALONE`) or the interpreter's thread
-switch interval (`--vary switch-interval`, `sys.setswitchinterval`).
+chunk (`--vary first-alone`, 1 or 0: `PIPELINE_FIRST_ALONE`), whether plain texts of BERT's
+WordPiece are tokenized by `vecpool.wordpiece`'s array path or by the `tokenizers` library
+(`--vary wordpiece`, 1 or 0: `tokenizer.WORDPIECE_MIN_CHARS` as set, or past any batch) or the
+interpreter's thread switch interval (`--vary switch-interval`, `sys.setswitchinterval`).
 
     PYTHONPATH=. python benchmarks/ab_host_threads.py --models bert-base --tokenizer DIR \
         --vary ahead --values 1 2
@@ -43,11 +45,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import vecpool
 import vecpool.api.engine
+import vecpool.tokenizer
 from benchmarks import record
 from benchmarks.ab_run_ahead import _timed
 from benchmarks.bench_gpu import flop_model, matmul_ceiling
 from benchmarks.bench_host import stub_engine
 from benchmarks.workloads import SHAPES, WORKLOADS, make_inputs, workload_lengths, write_folder
+
+_WORDPIECE_MIN_CHARS = vecpool.tokenizer.WORDPIECE_MIN_CHARS
 
 
 def _set(vary: str, value: float) -> None:
@@ -55,6 +60,8 @@ def _set(vary: str, value: float) -> None:
         vecpool.api.engine.PIPELINE_AHEAD = int(value)
     elif vary == "first-alone":
         vecpool.api.engine.PIPELINE_FIRST_ALONE = bool(value)
+    elif vary == "wordpiece":
+        vecpool.tokenizer.WORDPIECE_MIN_CHARS = _WORDPIECE_MIN_CHARS if value else sys.maxsize
     else:
         sys.setswitchinterval(value)
 
@@ -89,7 +96,9 @@ def main(argv: list[str]) -> dict[str, Any]:
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     parser.add_argument("--forms", nargs="+", default=["text", "ids"], choices=["text", "ids"])
     parser.add_argument(
-        "--vary", choices=["ahead", "first-alone", "switch-interval"], required=True
+        "--vary",
+        choices=["ahead", "first-alone", "wordpiece", "switch-interval"],
+        required=True,
     )
     parser.add_argument(
         "--values", nargs="+", type=float, required=True, help="the first is the baseline"
@@ -113,6 +122,7 @@ def main(argv: list[str]) -> dict[str, Any]:
     default = {
         "ahead": vecpool.api.engine.PIPELINE_AHEAD,
         "first-alone": int(vecpool.api.engine.PIPELINE_FIRST_ALONE),
+        "wordpiece": 1,
     }.get(args.vary, sys.getswitchinterval())
     simulated = args.simulate_device is not None
     if simulated:

@@ -14,6 +14,8 @@ tokenizer files of `--tokenizer`); an engine on the CPU is built only for its `C
 
 Timed per round, each over the whole workload (per input, microseconds):
 - `text`: `calls.prepare_encode` of the texts (tokenize, truncate, validate, requests);
+- `text_library`: the same with `vecpool.wordpiece`'s array path switched off (every batch to
+  the `tokenizers` library, as before that path): the baseline of `text`, in the same rounds;
 - `ids`: the same of the token ids;
 - `submit`: `Engine.submit` of the text path's prepared requests (engine `Request`s);
 - `tokenizer`: the `tokenizers` library's `encode_batch` alone, on a tokenizer truncating as
@@ -57,12 +59,15 @@ import vecpool
 from benchmarks import record
 from benchmarks.workloads import SHAPES, WORKLOADS, make_inputs, workload_lengths, write_folder
 from vecpool import calls
+from vecpool import tokenizer as tokenizer_module
 from vecpool.api import default_model_path
 from vecpool.api.engine import PIPELINE_CHUNK
 
 FIGURES = (
     "text",
     "text_thread_cpu",
+    "text_library",
+    "text_library_thread_cpu",
     "ids",
     "ids_thread_cpu",
     "submit",
@@ -72,7 +77,7 @@ FIGURES = (
     "tokenizer_fast_thread_cpu",
     "text_python",
 )
-LOSSES = ("text_engine_loss", "ids_engine_loss")
+LOSSES = ("text_engine_loss", "text_library_engine_loss", "ids_engine_loss")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -152,23 +157,33 @@ def measure(
     def prepare(items: list[Any]) -> list[Any]:
         return [calls.prepare_encode(ctx, items[s : s + PIPELINE_CHUNK], options) for s in starts]
 
+    def prepare_library(items: list[Any]) -> list[Any]:
+        """`prepare` with every batch tokenized by the library."""
+        threshold = tokenizer_module.WORDPIECE_MIN_CHARS
+        tokenizer_module.WORDPIECE_MIN_CHARS = sys.maxsize
+        try:
+            return prepare(items)
+        finally:
+            tokenizer_module.WORDPIECE_MIN_CHARS = threshold
+
     def tokenize(fast: bool) -> Callable[[], object]:
         encode = getattr(floor, "encode_batch_fast", None) if fast else None
         encode = encode or floor.encode_batch
         return lambda: [encode(texts[s : s + PIPELINE_CHUNK]) for s in starts]
 
     prepared = prepare(texts)
-    prepared_ids = prepare(ids)
-    # The two paths make the same prompts (the workload's texts are their ids).
-    for a, b in zip(prepared, prepared_ids, strict=True):
-        for x, y in zip(a.requests, b.requests, strict=True):
-            if not np.array_equal(x.prompt.token_ids, y.prompt.token_ids):
-                raise SystemExit("FAILED: text and ids prepared different prompts")
+    # The three paths make the same prompts (the workload's texts are their ids).
+    for other in (prepare(ids), prepare_library(texts)):
+        for a, b in zip(prepared, other, strict=True):
+            for x, y in zip(a.requests, b.requests, strict=True):
+                if not np.array_equal(x.prompt.token_ids, y.prompt.token_ids):
+                    raise SystemExit("FAILED: the paths prepared different prompts")
     num_tokens = sum(r.prompt.num_tokens for call in prepared for r in call.requests)
     out: dict[str, list[float]] = {name: [] for name in FIGURES + LOSSES}
     for _ in range(rounds):
         gc.collect()
         text, text_cpu = _timed(lambda: prepare(texts))
+        library, library_cpu = _timed(lambda: prepare_library(texts))
         ids_wall, ids_cpu = _timed(lambda: prepare(ids))
         submit, _ = _timed(lambda: [engine.submit(call.requests) for call in prepared])
         tok, tok_cpu = _timed(tokenize(fast=False))
@@ -176,6 +191,8 @@ def measure(
         figures = dict(
             text=text,
             text_thread_cpu=text_cpu,
+            text_library=library,
+            text_library_thread_cpu=library_cpu,
             ids=ids_wall,
             ids_thread_cpu=ids_cpu,
             submit=submit,
@@ -187,14 +204,15 @@ def measure(
         )
         for name, seconds in figures.items():
             out[name].append(seconds / n * 1e6)
-        paths: tuple[tuple[str, list[Any]], ...] = (
-            ("text_engine_loss", texts),
-            ("ids_engine_loss", ids),
+        paths: tuple[tuple[str, Callable[[list[Any]], object], list[Any]], ...] = (
+            ("text_engine_loss", prepare, texts),
+            ("text_library_engine_loss", prepare_library, texts),
+            ("ids_engine_loss", prepare, ids),
         )
-        for name, items in paths:
+        for name, run, items in paths:
             # The pace alone, just before and just after: a shared host's pace drifts.
             before = _spin_beside(None, spin_alone)
-            loops, seconds = _spin_beside(partial(prepare, items))
+            loops, seconds = _spin_beside(partial(run, items))
             after = _spin_beside(None, spin_alone)
             pace = (before[0] + after[0]) / (before[1] + after[1])
             out[name].append((seconds - loops / pace) / n * 1e6)
