@@ -54,6 +54,7 @@ for _lo, _hi in ((0x30, 0x39), (0x41, 0x5A), (0x61, 0x7A)):
 _CLASS[0] = 3
 _SEPARATOR = "\x00"
 _BREAKS_AS_SPACES = str.maketrans("\t\n\r", "   ")
+_PLAIN = re.compile(r"[\t\n\r\x20-\x7e]*")  # the texts served: class 0, 1 or 2 throughout
 
 # A whole word of the vocabulary is looked up by its bytes themselves, as `_LIMBS` little-endian
 # 64-bit integers zero-filled past its end (words hold no zero byte, so that is exact); longer
@@ -193,12 +194,45 @@ class PlainWordPiece:
         max_tokens: int | None = None,
         side: TruncationSide = "right",
         add_special_tokens: bool = True,
-    ) -> list[np.ndarray] | None:
+    ) -> list[np.ndarray | None] | None:
         """Each text's ids (int64), as the library encodes it, truncated to `max_tokens`
-        tokens in all (the special tokens kept) from `side`; None where a text is not plain
-        ASCII, holds an added token's text, or is not a `str`."""
+        tokens in all (the special tokens kept) from `side`; None in place of a text that is
+        not plain ASCII or holds an added token's text. None for the whole batch where one
+        of them is not a `str`, or `max_tokens` leaves no room besides the special tokens."""
+        extra = (self._leading.size + self._trailing.size) if add_special_tokens else 0
+        if max_tokens is not None and max_tokens - extra < 1:
+            return None
         if not texts or not all(isinstance(t, str) for t in texts):
             return None
+        out = self._encode_plain(texts, max_tokens, side, add_special_tokens)
+        if out is not None:
+            return list(out)
+        # Some text is not served: the others alone (tested one by one).
+        served = [i for i, text in enumerate(texts) if self._serves(text)]
+        part = self._encode_plain([texts[i] for i in served], max_tokens, side, add_special_tokens)
+        every: list[np.ndarray | None] = [None] * len(texts)
+        for i, ids in zip(served, part or (), strict=False):
+            every[i] = ids
+        return every
+
+    def _serves(self, text: str) -> bool:
+        """Whether a text is plain, with no added token's text (see `_encode_plain`)."""
+        if not text or not text.isascii() or not _PLAIN.fullmatch(text):
+            return False
+        if self._added is None:
+            return True
+        lowered = text.lower()
+        seen = lowered.translate(_BREAKS_AS_SPACES) if self._added_spaces else lowered
+        return self._added.search(seen) is None
+
+    def _encode_plain(
+        self,
+        texts: Sequence[str],
+        max_tokens: int | None,
+        side: TruncationSide,
+        add_special_tokens: bool,
+    ) -> list[np.ndarray] | None:
+        """`encode` of a batch every text of which is served; None if one is not."""
         joined = _SEPARATOR.join(texts)
         if not joined or not joined.isascii():
             return None
@@ -282,18 +316,18 @@ class PlainWordPiece:
         ids[too_long] = self._unk_id
         rare = np.flatnonzero(~found & ~too_long)
         counts = np.ones(bounds.shape[1], dtype=np.int64)
-        starts, ends = bounds[0, rare].tolist(), bounds[1, rare].tolist()
-        pieces = [self._wordpiece(joined[s:e]) for s, e in zip(starts, ends, strict=True)]
+        words = map(
+            joined.__getitem__, map(slice, bounds[0, rare].tolist(), bounds[1, rare].tolist())
+        )
+        cached, split = self._pieces.get, self._wordpiece
+        pieces = [cached(word) or split(word) for word in words]
         if pieces:
-            counts[rare] = [len(p) for p in pieces]
+            counts[rare] = list(map(len, pieces))
         return ids, counts, (rare, pieces)
 
     def _wordpiece(self, word: str) -> tuple[int, ...]:
         """WordPiece's greedy longest-prefix pieces of a word of at most `max_word_chars`
         characters, or the unknown token alone if some part matches no entry; cached."""
-        cached = self._pieces.get(word)
-        if cached is not None:
-            return cached
         vocab, out, start = self._vocab, [], 0
         while start < len(word):
             end = len(word)
@@ -328,7 +362,7 @@ class PlainWordPiece:
             at = np.repeat(offsets[where] - np.cumsum(sizes) + sizes, sizes)
             at += np.arange(at.size)
             flat[at] = np.fromiter(
-                (t for p in pieces for t in p), dtype=np.int64, count=int(sizes.sum())
+                itertools.chain.from_iterable(pieces), dtype=np.int64, count=at.size
             )
         flat[offsets[single]] = ids[single]
         return flat
@@ -342,17 +376,13 @@ class PlainWordPiece:
         max_tokens: int | None,
         side: TruncationSide,
         add_special_tokens: bool,
-    ) -> list[np.ndarray] | None:
+    ) -> list[np.ndarray]:
         own = np.bincount(text_of_word, weights=counts, minlength=num_texts).astype(np.int64)
         own_start = np.cumsum(own) - own
         lead = self._leading if add_special_tokens else self._leading[:0]
         trail = self._trailing if add_special_tokens else self._trailing[:0]
         extra = lead.size + trail.size
-        kept = own
-        if max_tokens is not None:
-            if max_tokens - extra < 1:
-                return None
-            kept = np.minimum(own, max_tokens - extra)
+        kept = own if max_tokens is None else np.minimum(own, max_tokens - extra)
         skip = own - kept if side == "left" else np.zeros_like(own)
         sizes = kept + extra
         out_start = np.cumsum(sizes) - sizes
