@@ -12,6 +12,12 @@ chunks of `PIPELINE_CHUNK` inputs. The model folder is the packaged MiniLM (`--m
 another, or `--shape` for a random-weight folder of a `workloads.SHAPES` shape with the
 tokenizer files of `--tokenizer`); an engine on the CPU is built only for its `CallContext`.
 
+`--corpus FILE...` adds a workload "prose": the files' paragraphs (split at blank lines, each
+one line, those of at least 200 characters), cycled to `--n` inputs; its ids are the
+`tokenizers` library's of those texts, cut to the model's limit. The other workloads' texts are
+runs of whole vocabulary words; prose has words that WordPiece takes apart, and characters
+outside ASCII.
+
 Timed per round, each over the whole workload (per input, microseconds):
 - `text`: `calls.prepare_encode` of the texts (tokenize, truncate, validate, requests);
 - `text_library`: the same with `vecpool.wordpiece`'s array path switched off (every batch to
@@ -42,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import re
 import sys
 import tempfile
 import threading
@@ -88,6 +95,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--tokenizer", type=Path, help="the --shape folder's tokenizer files")
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    parser.add_argument("--corpus", nargs="+", type=Path, help="text files: the prose workload")
     parser.add_argument("--n", type=int, default=4096, help="inputs per workload")
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds (at least 3)")
     parser.add_argument(
@@ -224,14 +232,34 @@ def run(args: argparse.Namespace, folder: Path, report: dict[str, Any]) -> None:
     engine = vecpool.Engine(folder, device="cpu")
     report["max_model_len"] = engine.info().max_model_len
     tokenizer = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+    inputs: dict[str, tuple[list[str], list[list[int]]]] = {}
     for w in args.workloads:
         # Clipped to the model's limit: the same tokens from text as from ids.
         lengths = np.minimum(workload_lengths(w, args.n), engine.info().max_model_len)
-        texts, ids = make_inputs(tokenizer, lengths)
+        inputs[w] = make_inputs(tokenizer, lengths)
+    if args.corpus:
+        tokenizer.no_padding()
+        tokenizer.enable_truncation(engine.info().max_model_len)
+        texts = prose(args.corpus, args.n)
+        inputs["prose"] = texts, [e.ids for e in tokenizer.encode_batch(texts)]
+    for w, (texts, ids) in inputs.items():
         result = measure(engine, texts, ids, args.rounds, args.spin_alone)
         report["workloads"][w] = result
         medians = "  ".join(f"{k} {result[k]['median']:.2f}" for k in FIGURES + LOSSES)
         print(f"{w:8} us/input: {medians}", flush=True)
+
+
+def prose(files: list[Path], n: int) -> list[str]:
+    """The paragraphs of `files` of at least 200 characters, each on one line, cycled to `n`."""
+    paragraphs = [
+        " ".join(block.split())
+        for path in files
+        for block in re.split(r"\n\s*\n", path.read_text(encoding="utf-8"))
+    ]
+    paragraphs = [p for p in paragraphs if len(p) >= 200]
+    if not paragraphs:
+        raise SystemExit("--corpus: no paragraph of 200 characters or more")
+    return [paragraphs[i % len(paragraphs)] for i in range(n)]
 
 
 def main(argv: list[str]) -> dict[str, Any]:

@@ -17,16 +17,20 @@ from benchmarks.workloads import workload_lengths
 
 def test_bench_prepare_reports_rounds_per_figure(tmp_path: Path) -> None:
     out = tmp_path / "prepare.json"
+    readme = Path(__file__).resolve().parents[2] / "README.md"
     argv = ["--n", "40", "--rounds", "3", "--spin-alone", "0.02", "--output", str(out)]
+    argv += ["--corpus", str(readme)]
     report = main(argv)
     assert json.loads(out.read_text())["workloads"] == report["workloads"]
     assert report["unit"] == "microseconds per input"
     limit = report["max_model_len"]
     assert limit == 256  # the packaged all-MiniLM-L6-v2's
-    for w in ("queries", "passages"):
+    assert list(report["workloads"]) == ["queries", "passages", "prose"]
+    for w in ("queries", "passages", "prose"):
         result = report["workloads"][w]
         assert result["num_inputs"] == 40
-        assert result["num_tokens"] == int(np.minimum(workload_lengths(w, 40), limit).sum())
+        if w != "prose":
+            assert result["num_tokens"] == int(np.minimum(workload_lengths(w, 40), limit).sum())
         for name in FIGURES + LOSSES:
             rounds = result[name]["rounds"]
             assert len(rounds) == 3
