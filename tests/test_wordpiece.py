@@ -1,4 +1,4 @@
-"""`PlainWordPiece` (`vecpool/wordpiece.py`) gives exactly the ids of the `tokenizers` library
+"""`ArrayWordPiece` (`vecpool/wordpiece.py`) gives exactly the ids of the `tokenizers` library
 on the real MiniLM tokenizer and on changed copies of it (cased, an added token holding a
 space, another template), for random texts of vocabulary words, unknown words, words past the
 table's 24 bytes and WordPiece's 100 characters, punctuation and whitespace of every kind, with
@@ -19,7 +19,7 @@ from tokenizers import Tokenizer
 
 from vecpool import tokenizer as tokenizer_module
 from vecpool.tokenizer import TextTokenizer
-from vecpool.wordpiece import PlainWordPiece
+from vecpool.wordpiece import ArrayWordPiece
 
 PUNCTUATION = string.punctuation
 SPACES = (" ", "  ", "\t", "\n", " \r\n ", "")
@@ -76,7 +76,7 @@ def _reference(path: Path, max_tokens: int | None, side: str) -> Tokenizer:
 
 def _check_exact(path: Path, texts: list[str]) -> int:
     """Every batch equal to the library's ids; the number of texts compared."""
-    fast = PlainWordPiece.build(path.read_text())
+    fast = ArrayWordPiece.build(path.read_text())
     assert fast is not None
     compared = 0
     for max_tokens, side, specials in (
@@ -112,7 +112,7 @@ def test_the_real_tokenizer_gives_the_same_ids(tmp_path: Path, default_model_dir
     texts = _no_added(_texts(random.Random(0), _ascii_vocab(config), 1200), config)
     compared = _check_exact(default_model_dir / "tokenizer.json", texts)
     assert compared == 6 * len(texts)  # no batch declined
-    fast = PlainWordPiece.build((default_model_dir / "tokenizer.json").read_text())
+    fast = ArrayWordPiece.build((default_model_dir / "tokenizer.json").read_text())
     assert fast is not None and fast._probes > 1  # the table's probing was exercised
 
 
@@ -154,34 +154,70 @@ def test_changed_tokenizers_give_the_same_ids(
     assert compared == 6 * len(texts)
     if change == "added_with_space":  # the token (in any case, across a break) is declined
         texts = ["in new york today", "in New\tYork", "new  york"]
-        fast = PlainWordPiece.build(path.read_text())
+        fast = ArrayWordPiece.build(path.read_text())
         assert fast is not None
         assert [x is None for x in fast.encode(texts) or ()] == [True, True, False]
         assert _check_exact(path, texts) == 6  # the third, under each of the six settings
 
 
+# Characters outside ASCII of many kinds: accented and other Latin letters, Greek, Cyrillic,
+# typographic punctuation, symbols and box drawing, CJK (which the normalizer spaces out),
+# other whitespace, zero-width and format characters (removed), emoji, fullwidth forms.
+OTHER = (
+    "\u00e9\u00c9\u00fc\u00df\u00e6\u00f8\u00e5\u00f1\u00e7\u0131\u0130\u0141\u00b5"
+    "\u03a3\u03c3\u03c2\u03b1\u0416\u0436"
+    "\u2019\u2018\u201c\u201d\u2014\u2013\u2026\u2022\u00b7\u00a1\u00bf\u00ab\u00bb"
+    "\u00d7\u2192\u2265\u00b1\u20ac\u00a9\u2500\u2502\u2588\u00b2\u2076"
+    "\u4e2d\u6587\u3001\u3002\u00a0\u2009\u3000\u200b\u200d\ufeff\u00ad"
+    "\U0001f600\u2705\uff21\uff41\ufb01"
+)
+
+
+def _mixed(rng: random.Random, vocab: list[str], n: int) -> list[str]:
+    """`_texts`' texts with characters of `OTHER` put in, alone and inside words."""
+    out = []
+    for text in _texts(rng, vocab, n):
+        chars = list(text)
+        for _ in range(rng.randint(1, 6)):
+            chars.insert(rng.randint(0, len(chars)), rng.choice(OTHER) * rng.randint(1, 2))
+        out.append("".join(chars))
+    return out
+
+
+@pytest.mark.parametrize("lowercase", [True, False])
+def test_characters_outside_ascii_give_the_same_ids(
+    tmp_path: Path, default_model_dir: Path, lowercase: bool
+) -> None:
+    config = _config(default_model_dir)
+    config["normalizer"]["lowercase"] = lowercase
+    path = _write(tmp_path, config, f"lowercase_{lowercase}")
+    texts = _no_added(_mixed(random.Random(3), _ascii_vocab(config), 400), config)
+    assert _check_exact(path, texts) == 6 * len(texts)  # every text served
+    fast = ArrayWordPiece.build(path.read_text())
+    assert fast is not None
+    fast.encode(["".join(OTHER)])
+    assert len(fast._normalize) > 40  # the characters were described, not declined
+
+
 def test_what_it_does_not_serve_is_declined(tmp_path: Path, default_model_dir: Path) -> None:
-    fast = PlainWordPiece.build((default_model_dir / "tokenizer.json").read_text())
+    fast = ArrayWordPiece.build((default_model_dir / "tokenizer.json").read_text())
     assert fast is not None
     reference = _reference(default_model_dir / "tokenizer.json", None, "right")
     expected = reference.encode("hello world").ids
     for text in (
-        "caf\u00e9",  # not ASCII
         "a\x00b",  # the separator within a text
-        "a\x0bb",  # a control character
+        "a\x0bb",  # an ASCII control character
+        "e\u0301",  # a combining mark
+        "a\ud800b",  # a lone surrogate
         "a [CLS] b",  # an added token's text
         "a [mask] b",  # in any case
+        "",
     ):
         # That text alone is declined; the others of its batch are served.
         out = fast.encode(["hello world", text, "hello world"])
         assert out is not None and out[1] is None, text
         assert [x.tolist() for x in (out[0], out[2])] == [expected, expected]  # type: ignore[union-attr]
         assert fast.encode([text]) == [None]
-    # An empty text alone is declined (nothing to join), in a batch it is its special tokens.
-    assert fast.encode([""]) == [None]
-    out = fast.encode(["a", ""])
-    assert out is not None and out[1] is not None
-    assert out[1].tolist() == reference.encode("").ids
     assert fast.encode([]) is None
     assert fast.encode(["a", ("b", "c")]) is None  # type: ignore[list-item]
     assert fast.encode(["a"], max_tokens=2) is None  # no room besides the special tokens
@@ -197,13 +233,13 @@ def test_other_tokenizers_are_not_served(
         "pre_tokenizer": {"type": "Whitespace"},
         "model": {"type": "WordLevel", "vocab": config["model"]["vocab"], "unk_token": "[UNK]"},
     }[part]
-    assert PlainWordPiece.build(json.dumps(config)) is None
+    assert ArrayWordPiece.build(json.dumps(config)) is None
 
 
 def test_every_vocabulary_word_is_found(default_model_dir: Path) -> None:
     """Each whole word of the table, alone, is its own id (found, not taken apart)."""
     config = _config(default_model_dir)
-    fast = PlainWordPiece.build(json.dumps(config))
+    fast = ArrayWordPiece.build(json.dumps(config))
     assert fast is not None
     vocab = config["model"]["vocab"]
     words = [w for w in vocab if w.isascii() and w.isalnum() and w == w.lower() and len(w) <= 24]
@@ -217,13 +253,13 @@ def test_encode_ids_takes_the_fast_path_for_large_batches_only(
 ) -> None:
     ours = TextTokenizer(default_model_dir / "tokenizer.json")
     calls: list[int] = []
-    encode = PlainWordPiece.encode
+    encode = ArrayWordPiece.encode
 
-    def counted(self: PlainWordPiece, texts: Any, *args: Any) -> Any:
+    def counted(self: ArrayWordPiece, texts: Any, *args: Any) -> Any:
         calls.append(len(texts))
         return encode(self, texts, *args)
 
-    monkeypatch.setattr(PlainWordPiece, "encode", counted)
+    monkeypatch.setattr(ArrayWordPiece, "encode", counted)
     config = _config(default_model_dir)
     texts = _no_added(_texts(random.Random(2), _ascii_vocab(config), 64), config)
     small = texts[:2]

@@ -11,8 +11,8 @@ pre-tokenizer is BERT's, which splits on them as on the space the BERT normalize
 them (and no added token matched on normalized text holds whitespace). Any other text takes
 the tokenizer as it is.
 
-Batches of such texts whose tokenizer is BERT's WordPiece, when only their ids are wanted, skip
-the library altogether (`encode_ids`, `vecpool.wordpiece`).
+Large batches of single texts whose tokenizer is BERT's WordPiece, when only their ids are
+wanted, mostly skip the library altogether (`encode_ids`, `vecpool.wordpiece`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from tokenizers import Encoding, Tokenizer
 
 from vecpool.arrays import TruncationSide
 from vecpool.errors import InputError
-from vecpool.wordpiece import PlainWordPiece
+from vecpool.wordpiece import ArrayWordPiece
 
 # A batch of fewer characters is left to the library: array arithmetic's fixed cost per call
 # (a few dozen NumPy operations) is more than the library's time for a few short texts.
@@ -66,7 +66,7 @@ class TextTokenizer:
             (i for i, special in enumerate(mask) if not special), len(mask)
         )
         self.num_trailing_special_tokens = len(mask) - 1 - self.num_leading_special_tokens
-        self._wordpiece = PlainWordPiece.build(self._json)
+        self._wordpiece = ArrayWordPiece.build(self._json)
 
     def encode_ids(
         self,
@@ -75,9 +75,9 @@ class TextTokenizer:
         side: TruncationSide = "right",
         add_special_tokens: bool = True,
     ) -> list[np.ndarray]:
-        """Each single text's ids as an int64 array, as `encode_batch` gives them: the plain
-        texts of a large batch of BERT's WordPiece by `PlainWordPiece` (the same ids, exactly,
-        for a tenth of the CPU), the rest by the library."""
+        """Each single text's ids as an int64 array, as `encode_batch` gives them: the texts
+        of a large batch of BERT's WordPiece that `ArrayWordPiece` serves by it (the same ids,
+        exactly, for a fraction of the CPU), the rest by the library."""
         out: list[np.ndarray | None] | None = None
         if self._wordpiece is not None and sum(map(len, texts)) >= WORDPIECE_MIN_CHARS:
             out = self._wordpiece.encode(texts, max_tokens, side, add_special_tokens)

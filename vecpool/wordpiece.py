@@ -1,35 +1,43 @@
-"""`PlainWordPiece`: BERT's WordPiece tokenizing of printable ASCII texts as array arithmetic over
-a whole batch, giving exactly the ids that the `tokenizers` library gives, at a small part of
-its cost.
+"""`ArrayWordPiece`: BERT's WordPiece tokenizing as array arithmetic over a whole batch, giving
+exactly the ids that the `tokenizers` library gives, at a small part of its cost.
 
 The `tokenizers` library spends about 2.5 µs of a core per token on BERT's tokenizer (most of it
 in the string bookkeeping of its normalizer, pre-tokenizer and encodings), so that on a GPU
-small encoders embed token ids faster than their host can tokenize texts. On printable ASCII the
-tokenizer's steps are simple enough to run on the batch's bytes at once:
+small encoders embed token ids faster than their host can tokenize texts. Its steps are simple
+enough to run on a batch's bytes at once:
 
-- BERT's normalizer lowercases (the module `vecpool.tokenizer` says why that is all it does
-  there), which `str.lower` does the same way for ASCII;
+- BERT's normalizer lowercases ASCII (the module `vecpool.tokenizer` says why that is all it
+  does there), which `str.lower` does the same way;
 - BERT's pre-tokenizer makes words of the maximal runs of letters and digits and of each other
   printable character (every one of them is punctuation to it), dropping whitespace;
 - WordPiece gives a word that is in the vocabulary its own id, a word longer than
   `max_input_chars_per_word` characters the unknown token, and any other word its greedy
   longest-prefix pieces (the unknown token if some part matches nothing).
 
+A character outside ASCII is asked of the library itself the first time it is met
+(`_describe`): what its normalizer makes of it (an accent stripped, a letter lowercased, a
+CJK character spaced out, a format character removed), checked to be the same beside other
+characters, and what its pre-tokenizer makes of each resulting character (part of a word,
+isolated as punctuation, or whitespace). A text is then translated into its normalized form,
+and into bytes with one stand-in byte per character outside ASCII, of the class it has.
+
 Words are found by comparing neighbouring bytes' classes. A word's vocabulary id comes from a
 table of the vocabulary's whole words keyed by their bytes themselves (three 64-bit integers,
 zero past the word's end: no hash that two strings could share), so a word found there is that
-entry. A word not there (longer than 24 bytes, or not in the vocabulary as a whole) takes
-WordPiece's own loop in Python on the vocabulary's dictionary, its result cached: a text's rare
-words are few, and repeat. The template's special tokens, and the truncation, are index
-arithmetic on the flat result. The batch is one `str`, so the work holds the interpreter lock
-for a few dozen array operations (NumPy releases it inside most of them) and the loop over the
-rare words.
+entry. A word not there (longer than 24 bytes, holding a stand-in, or not in the vocabulary as
+a whole) takes WordPiece's own loop in Python on the vocabulary's dictionary and the normalized
+text, its result cached: a text's rare words are few, and repeat. The template's special
+tokens, and the truncation, are index arithmetic on the flat result. The batch is one `str`,
+so the work holds the interpreter lock for a few dozen array operations (NumPy releases it
+inside most of them), the translation of texts outside ASCII and the loop over rare words.
 
-What it serves is narrow, and checked when it is built and per call: a `tokenizer.json` of
-BERT's normalizer, pre-tokenizer and WordPiece model whose post-processor wraps a single text in
-fixed special tokens of segment 0; single texts of printable ASCII (with tabs and line breaks)
-in which no added token's text occurs (in any case, tabs and line breaks read as spaces).
-Anything else is `None`, and the caller tokenizes with the library.
+What it serves is checked when it is built and per text: a `tokenizer.json` of BERT's
+normalizer, pre-tokenizer and WordPiece model whose post-processor wraps a single text in fixed
+special tokens of segment 0; single texts with no ASCII control character but tabs and line
+breaks, no character that the library normalizes differently by its neighbours (combining
+marks) or that it cannot take (a lone surrogate), and no added token's text (in any case,
+before or after normalizing, tabs and line breaks read as spaces). Any other text is `None`,
+and the caller tokenizes it with the library.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ from __future__ import annotations
 import itertools
 import json
 import re
+import unicodedata
 from collections.abc import Sequence
 
 import numpy as np
@@ -44,17 +53,24 @@ from tokenizers import Tokenizer
 
 from vecpool.arrays import TruncationSide
 
-# Byte classes: 0 whitespace, 1 letter or digit, 2 punctuation (any other printable ASCII),
-# 3 the separator between texts, 4 anything else (never in a plain text).
+# Byte classes: 0 whitespace, 1 part of a word (a letter or digit, or the stand-in of a
+# character outside ASCII that is), 2 punctuation (any other printable ASCII, or the stand-in
+# of a character outside ASCII that the pre-tokenizer isolates), 3 the separator between texts,
+# 4 anything else (never there: texts holding ASCII control characters are not served).
 _CLASS = np.full(256, 4, dtype=np.uint8)
 _CLASS[[0x09, 0x0A, 0x0D, 0x20]] = 0
 _CLASS[0x21:0x7F] = 2
 for _lo, _hi in ((0x30, 0x39), (0x41, 0x5A), (0x61, 0x7A)):
     _CLASS[_lo : _hi + 1] = 1
 _CLASS[0] = 3
+_WORD, _ISOLATED = "\x01", "\x02"  # the stand-ins
+_CLASS[1], _CLASS[2] = 1, 2
 _SEPARATOR = "\x00"
 _BREAKS_AS_SPACES = str.maketrans("\t\n\r", "   ")
-_PLAIN = re.compile(r"[\t\n\r\x20-\x7e]*")  # the texts served: class 0, 1 or 2 throughout
+_CONTROL = re.compile(r"[\x01-\x08\x0b\x0c\x0e-\x1f\x7f]")  # besides the separator
+_NON_ASCII = re.compile(r"[^\x00-\x7f]")
+_LOWER_ASCII = {ord(c): c.lower() for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZ"}
+_CHARS = 1 << 16  # characters outside ASCII described at most (then such texts are not served)
 
 # A whole word of the vocabulary is looked up by its bytes themselves, as `_LIMBS` little-endian
 # 64-bit integers zero-filled past its end (words hold no zero byte, so that is exact); longer
@@ -93,7 +109,7 @@ _KEEP = np.array(
 )
 
 
-class PlainWordPiece:
+class ArrayWordPiece:
     """Exact WordPiece ids of plain ASCII single texts, for one `tokenizer.json` (see the
     module's docstring). Build with `build`; `encode` gives None where it does not apply."""
 
@@ -108,8 +124,15 @@ class PlainWordPiece:
         leading: list[int],
         trailing: list[int],
         added: list[str],
+        library: Tokenizer,
     ):
         self._vocab = vocab
+        # Characters outside ASCII, described as the library normalizes and splits them
+        # (`_describe`), as they are first met.
+        self._library = library
+        self._normalize: dict[int, str] = dict(_LOWER_ASCII) if lowercase else {}
+        self._stand_in: dict[int, str] = {}
+        self._unserved: set[str] = set()
         self._lowercase = lowercase
         self._unk_id = unk_id
         self._prefix = prefix
@@ -145,7 +168,7 @@ class PlainWordPiece:
         self._pieces: dict[str, tuple[int, ...]] = {}
 
     @classmethod
-    def build(cls, tokenizer_json: str) -> PlainWordPiece | None:
+    def build(cls, tokenizer_json: str) -> ArrayWordPiece | None:
         """The fast path for this tokenizer file, or None where it does not apply."""
         config = json.loads(tokenizer_json)
         normalizer = config.get("normalizer")
@@ -186,6 +209,7 @@ class PlainWordPiece:
             leading=leading,
             trailing=trailing,
             added=added,
+            library=tok,
         )
 
     def encode(
@@ -197,66 +221,148 @@ class PlainWordPiece:
     ) -> list[np.ndarray | None] | None:
         """Each text's ids (int64), as the library encodes it, truncated to `max_tokens`
         tokens in all (the special tokens kept) from `side`; None in place of a text that is
-        not plain ASCII or holds an added token's text. None for the whole batch where one
-        of them is not a `str`, or `max_tokens` leaves no room besides the special tokens."""
+        not served (`_normalize_one`). None for the whole batch where one of them is not a
+        `str`, or `max_tokens` leaves no room besides the special tokens."""
         extra = (self._leading.size + self._trailing.size) if add_special_tokens else 0
         if max_tokens is not None and max_tokens - extra < 1:
             return None
         if not texts or not all(isinstance(t, str) for t in texts):
             return None
-        out = self._encode_plain(texts, max_tokens, side, add_special_tokens)
-        if out is not None:
-            return list(out)
-        # Some text is not served: the others alone (tested one by one).
-        served = [i for i, text in enumerate(texts) if self._serves(text)]
-        part = self._encode_plain([texts[i] for i in served], max_tokens, side, add_special_tokens)
+        joined = self._plain_batch(texts)
+        served: list[int] | None = None
+        if joined is None:  # text by text
+            parts = [self._normalize_one(text) for text in texts]
+            served = [i for i, part in enumerate(parts) if part is not None]
+            if not served:
+                return [None] * len(texts)
+            ready = [parts[i] for i in served]
+            normalized = _SEPARATOR.join(n for n, _ in ready)  # type: ignore[misc]
+            stand_ins = _SEPARATOR.join(s for _, s in ready)  # type: ignore[misc]
+            joined = normalized, stand_ins
+        ids = self._encode_normalized(
+            *joined, len(served or texts), max_tokens, side, add_special_tokens
+        )
+        if served is None:
+            return list(ids)
         every: list[np.ndarray | None] = [None] * len(texts)
-        for i, ids in zip(served, part or (), strict=False):
-            every[i] = ids
+        for i, row in zip(served, ids, strict=True):
+            every[i] = row
         return every
 
-    def _serves(self, text: str) -> bool:
-        """Whether a text is plain, with no added token's text (see `_encode_plain`)."""
-        if not text or not text.isascii() or not _PLAIN.fullmatch(text):
-            return False
-        if self._added is None:
-            return True
-        lowered = text.lower()
-        seen = lowered.translate(_BREAKS_AS_SPACES) if self._added_spaces else lowered
-        return self._added.search(seen) is None
+    def _plain_batch(self, texts: Sequence[str]) -> tuple[str, str] | None:
+        """For a batch of ASCII texts every one of which is served, the texts joined,
+        normalized (twice: as text and as stand-ins, the same here); else None."""
+        joined = _SEPARATOR.join(texts)
+        if (
+            not joined.isascii()
+            or _CONTROL.search(joined)
+            or joined.count(_SEPARATOR) != len(texts) - 1
+            or not all(texts)
+        ):
+            return None
+        normalized = joined.lower() if self._lowercase else joined
+        if self._has_added(normalized if self._lowercase else joined.lower()):
+            return None
+        return normalized, normalized
 
-    def _encode_plain(
+    def _has_added(self, lowered: str) -> bool:
+        """Whether a lowercased text holds an added token's text (breaks read as spaces where
+        an added token holds whitespace)."""
+        if self._added is None:
+            return False
+        seen = lowered.translate(_BREAKS_AS_SPACES) if self._added_spaces else lowered
+        return self._added.search(seen) is not None
+
+    def _normalize_one(self, text: str) -> tuple[str, str] | None:
+        """A text normalized as the library normalizes it, and the same with each character
+        outside ASCII as its stand-in (`_describe`); None where the text is not served: empty,
+        holding the separator, an ASCII control character, a character not served, or an added
+        token's text (in any case, before or after normalizing)."""
+        if not text or _SEPARATOR in text or _CONTROL.search(text):
+            return None
+        if text.isascii():
+            normalized = text.lower() if self._lowercase else text
+            lowered = normalized if self._lowercase else text.lower()
+            return None if self._has_added(lowered) else (normalized, normalized)
+        for char in set(_NON_ASCII.findall(text)):
+            if ord(char) not in self._normalize and not self._describe(char):
+                return None
+        normalized = text.translate(self._normalize)
+        if self._has_added(text.lower()) or self._has_added(normalized.lower()):
+            return None
+        return normalized, normalized.translate(self._stand_in)
+
+    def _describe(self, char: str) -> bool:
+        """Learn what the library's normalizer makes of a character outside ASCII, and what
+        its pre-tokenizer makes of each character of that: whether it is served. It is when it
+        normalizes alike in any neighbourhood (two probes; never a combining mark) and each
+        character it becomes is ASCII, or a part of a word, or isolated, or whitespace."""
+        if char in self._unserved:
+            return False
+        served = False
+        try:
+            normalizer = self._library.normalizer
+            pre_tokenizer = self._library.pre_tokenizer
+            assert normalizer is not None and pre_tokenizer is not None
+            into = normalizer.normalize_str(char)
+            stand_in = []
+            if (
+                not unicodedata.category(char).startswith("M")
+                and normalizer.normalize_str(f"a{char}b") == f"a{into}b"
+                and normalizer.normalize_str(char + char) == into + into
+                and len(self._normalize) < _CHARS
+            ):
+                for c in into:
+                    if c.isascii():
+                        stand_in.append(c)
+                        continue
+                    words = [w for w, _ in pre_tokenizer.pre_tokenize_str(f"a{c}a")]
+                    if unicodedata.category(c).startswith("M"):
+                        break
+                    if words == [f"a{c}a"]:
+                        stand_in.append(_WORD)
+                    elif words == ["a", c, "a"]:
+                        stand_in.append(_ISOLATED)
+                    elif words == ["a", "a"]:
+                        stand_in.append(" ")
+                    else:
+                        break
+                else:
+                    served = True
+        except (TypeError, ValueError, UnicodeError):  # a lone surrogate, say
+            served = False
+        if not served:
+            self._unserved.add(char)
+            return False
+        for c, s in zip(into, stand_in, strict=True):
+            if not c.isascii():
+                self._stand_in[ord(c)] = s
+        self._normalize[ord(char)] = into
+        return True
+
+    def _encode_normalized(
         self,
-        texts: Sequence[str],
+        normalized: str,
+        stand_ins: str,
+        num_texts: int,
         max_tokens: int | None,
         side: TruncationSide,
         add_special_tokens: bool,
-    ) -> list[np.ndarray] | None:
-        """`encode` of a batch every text of which is served; None if one is not."""
-        joined = _SEPARATOR.join(texts)
-        if not joined or not joined.isascii():
-            return None
-        lowered = joined.lower()
-        if self._added is not None:
-            seen = lowered.translate(_BREAKS_AS_SPACES) if self._added_spaces else lowered
-            if self._added.search(seen):
-                return None
-        if self._lowercase:
-            joined = lowered
-        raw = joined.encode("ascii")
+    ) -> list[np.ndarray]:
+        """`encode` of served texts, joined and normalized (`_plain_batch`, `_normalize_one`)."""
+        raw = stand_ins.encode("ascii")
         kind = _CLASS[np.frombuffer(raw, dtype=np.uint8)]
-        # Not plain, or a separator within a text.
-        if (kind == 4).any() or np.count_nonzero(kind == 3) != len(texts) - 1:
-            return None
-        words, text_of_word = self._words(kind, len(texts))
-        ids, counts, rare = self._lookup(raw + bytes(_LIMBS * 8), joined, words)
+        words, text_of_word = self._words(kind, num_texts)
+        ids, counts, rare = self._lookup(raw + bytes(_LIMBS * 8), normalized, words)
         flat = self._flatten(ids, counts, rare)
         return self._assemble(
-            flat, counts, text_of_word, len(texts), max_tokens, side, add_special_tokens
+            flat, counts, text_of_word, num_texts, max_tokens, side, add_special_tokens
         )
 
     def _words(self, kind: np.ndarray, num_texts: int) -> tuple[np.ndarray, np.ndarray]:
         """The words' `[2, W]` byte bounds (start, end) and each word's text."""
+        if not kind.size:  # one text, all of it removed by the normalizer
+            return np.zeros((2, 0), dtype=np.int64), np.zeros(0, dtype=np.int64)
         alnum = kind == 1
         punct = kind == 2
         starts = punct.copy()
