@@ -49,7 +49,8 @@ class TextTokenizer:
         self._tok.no_padding()
         self._tok.no_truncation()
         # The cheaper copy for plain texts (see the module's docstring); None: no BERT normalizer.
-        twin = _plain_twin(json.loads(self._json))
+        config = json.loads(self._json)
+        twin = _plain_twin(config)
         self._plain_json: str | None = None
         self._plain_text: re.Pattern[str] = _PRINTABLE
         if twin is not None:
@@ -66,7 +67,7 @@ class TextTokenizer:
             (i for i, special in enumerate(mask) if not special), len(mask)
         )
         self.num_trailing_special_tokens = len(mask) - 1 - self.num_leading_special_tokens
-        self._wordpiece = ArrayWordPiece.build(self._json)
+        self._wordpiece = ArrayWordPiece.build(self._json, config=config, library=self._tok)
 
     def encode_ids(
         self,

@@ -47,6 +47,7 @@ import json
 import re
 import unicodedata
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -158,19 +159,33 @@ class ArrayWordPiece:
         lengths = np.array([len(w) for w in words], dtype=np.int64)
         self._entries = _limbs(raw, np.cumsum(lengths) - lengths, lengths)
         self._ids = np.array([vocab[w] for w in words], dtype=np.int64)
+        # Placed in rounds: of the words whose next slot is empty, the first takes it, and
+        # the rest move one slot on (so every slot a word passes is filled).
+        slot = _slots(self._entries, self._bits)
+        pending = np.arange(len(words))
         self._probes = 1  # the longest run of probes a vocabulary word needs
-        for index, slot in enumerate(_slots(self._entries, self._bits).tolist()):
-            probes = 1
-            while self._slots[slot] >= 0:
-                slot, probes = (slot + 1) % size, probes + 1
-            self._slots[slot] = index
-            self._probes = max(self._probes, probes)
+        while pending.size:
+            at = slot[pending]
+            empty = self._slots[at] < 0
+            taken, first = np.unique(at[empty], return_index=True)
+            self._slots[taken] = pending[empty][first]
+            pending = pending[self._slots[at] != pending]
+            slot[pending] = (slot[pending] + 1) & (size - 1)
+            self._probes += bool(pending.size)
         self._pieces: dict[str, tuple[int, ...]] = {}
 
     @classmethod
-    def build(cls, tokenizer_json: str) -> ArrayWordPiece | None:
-        """The fast path for this tokenizer file, or None where it does not apply."""
-        config = json.loads(tokenizer_json)
+    def build(
+        cls,
+        tokenizer_json: str,
+        *,
+        config: dict[str, Any] | None = None,
+        library: Tokenizer | None = None,
+    ) -> ArrayWordPiece | None:
+        """The fast path for this tokenizer file, or None where it does not apply. `config`:
+        the file parsed, and `library`: the library's tokenizer of it, without padding or
+        truncation, where the caller has them already."""
+        config = json.loads(tokenizer_json) if config is None else config
         normalizer = config.get("normalizer")
         model = config.get("model") or {}
         if (
@@ -182,9 +197,11 @@ class ArrayWordPiece:
             or model.get("unk_token") not in model["vocab"]
         ):
             return None
-        tok = Tokenizer.from_str(tokenizer_json)
-        tok.no_padding()
-        tok.no_truncation()
+        tok = library
+        if tok is None:
+            tok = Tokenizer.from_str(tokenizer_json)
+            tok.no_padding()
+            tok.no_truncation()
         # The post-processor's special tokens around one text, read off two probes; they must
         # wrap any text the same way, all in segment 0.
         templates = []
