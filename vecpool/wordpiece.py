@@ -70,7 +70,6 @@ _SEPARATOR = "\x00"
 _BREAKS_AS_SPACES = str.maketrans("\t\n\r", "   ")
 _CONTROL = re.compile(r"[\x01-\x08\x0b\x0c\x0e-\x1f\x7f]")  # besides the separator
 _NON_ASCII = re.compile(r"[^\x00-\x7f]")
-_LOWER_ASCII = {ord(c): c.lower() for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZ"}
 _CHARS = 1 << 16  # characters outside ASCII described at most (then such texts are not served)
 
 # A whole word of the vocabulary is looked up by its bytes themselves, as `_LIMBS` little-endian
@@ -87,8 +86,17 @@ def _limbs(data: bytes, starts: np.ndarray, lengths: np.ndarray) -> list[np.ndar
     room after its last word."""
     # The 8 bytes from each offset of `data`, as one unaligned array.
     words = np.ndarray((len(data) - 7,), dtype="<u8", buffer=data, strides=(1,))
-    keep = _KEEP[np.minimum(lengths, _LIMBS * 8)]
-    return [words[starts + 8 * j] & keep[:, j] for j in range(_LIMBS)]
+    first = words[starts]
+    first &= _KEEP[np.minimum(lengths, 8), 0]
+    out = [first]
+    for j in range(1, _LIMBS):  # only the words that reach this far (few)
+        limb = np.zeros_like(first)
+        longer = np.flatnonzero(lengths > 8 * j)
+        limb[longer] = (
+            words[starts[longer] + 8 * j] & _KEEP[np.minimum(lengths[longer], _LIMBS * 8), j]
+        )
+        out.append(limb)
+    return out
 
 
 def _slots(limbs: list[np.ndarray], bits: int) -> np.ndarray:
@@ -131,8 +139,8 @@ class ArrayWordPiece:
         # Characters outside ASCII, described as the library normalizes and splits them
         # (`_describe`), as they are first met.
         self._library = library
-        self._normalize: dict[int, str] = dict(_LOWER_ASCII) if lowercase else {}
-        self._stand_in: dict[int, str] = {}
+        self._normalize: dict[str, str] = {}
+        self._stand_in: dict[str, str] = {}
         self._unserved: set[str] = set()
         self._lowercase = lowercase
         self._unk_id = unk_id
@@ -302,12 +310,22 @@ class ArrayWordPiece:
             lowered = normalized if self._lowercase else text.lower()
             return None if self._has_added(lowered) else (normalized, normalized)
         for char in set(_NON_ASCII.findall(text)):
-            if ord(char) not in self._normalize and not self._describe(char):
+            if char not in self._normalize and not self._describe(char):
                 return None
-        normalized = text.translate(self._normalize)
+        # Character by character outside ASCII (`str.translate` takes far longer on such a
+        # text); then ASCII lowercased, which leaves the library's lowercase alone.
+        normalized = _NON_ASCII.sub(self._normalized_char, text)
+        if self._lowercase:
+            normalized = normalized.lower()
         if self._has_added(text.lower()) or self._has_added(normalized.lower()):
             return None
-        return normalized, normalized.translate(self._stand_in)
+        return normalized, _NON_ASCII.sub(self._stand_in_char, normalized)
+
+    def _normalized_char(self, match: re.Match[str]) -> str:
+        return self._normalize[match.group()]
+
+    def _stand_in_char(self, match: re.Match[str]) -> str:
+        return self._stand_in[match.group()]
 
     def _describe(self, char: str) -> bool:
         """Learn what the library's normalizer makes of a character outside ASCII, and what
@@ -325,6 +343,7 @@ class ArrayWordPiece:
             stand_in = []
             if (
                 not unicodedata.category(char).startswith("M")
+                and (into.lower() == into or not self._lowercase)
                 and normalizer.normalize_str(f"a{char}b") == f"a{into}b"
                 and normalizer.normalize_str(char + char) == into + into
                 and len(self._normalize) < _CHARS
@@ -353,8 +372,8 @@ class ArrayWordPiece:
             return False
         for c, s in zip(into, stand_in, strict=True):
             if not c.isascii():
-                self._stand_in[ord(c)] = s
-        self._normalize[ord(char)] = into
+                self._stand_in[c] = s
+        self._normalize[char] = into
         return True
 
     def _encode_normalized(
