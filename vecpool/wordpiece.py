@@ -119,7 +119,7 @@ _KEEP = np.array(
 
 
 class ArrayWordPiece:
-    """Exact WordPiece ids of plain ASCII single texts, for one `tokenizer.json` (see the
+    """Exact WordPiece ids of single texts, for one `tokenizer.json` of BERT's kind (see the
     module's docstring). Build with `build`; `encode` gives None where it does not apply."""
 
     def __init__(
