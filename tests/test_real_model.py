@@ -94,3 +94,38 @@ def test_dimensions_truncate_then_renormalize(minilm: vecpool.Engine) -> None:
     raw = minilm.embed(SENTENCES[:3], dimensions=64, normalize=False)
     # The same batch, and truncation only zeroes the columns past 64: the same bits.
     assert np.abs(raw - full[:, :64]).max() == 0.0
+
+
+def test_a_large_batch_of_texts_is_bit_exact_with_its_ids(
+    minilm: vecpool.Engine, default_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch large enough for `vecpool.wordpiece`'s array path (texts outside ASCII and
+    one with an added token's text among them, which goes to the library) embeds as its ids
+    from the `tokenizers` library do."""
+    from tokenizers import Tokenizer
+
+    from vecpool import tokenizer as tokenizer_module
+    from vecpool.wordpiece import ArrayWordPiece
+
+    texts = [
+        f"{s} Caf\u00e9 \u201cnumber\u201d {i}: r\u00e9sum\u00e9s \u2014 \u4e2d\u6587 {s.upper()}"
+        for i, s in enumerate(SENTENCES * 3)
+    ] + ["a [SEP] inside", *SENTENCES]
+    assert sum(map(len, texts)) >= tokenizer_module.WORDPIECE_MIN_CHARS
+    served: list[int] = []
+    encode = ArrayWordPiece.encode
+
+    def counted(self: ArrayWordPiece, batch: list[str], *args: object) -> object:
+        out = encode(self, batch, *args)  # type: ignore[arg-type]
+        served.append(sum(x is not None for x in out or ()))
+        return out
+
+    monkeypatch.setattr(ArrayWordPiece, "encode", counted)
+    library = Tokenizer.from_file(str(default_model_dir / "tokenizer.json"))
+    library.no_padding()
+    library.no_truncation()
+    ids = [e.ids for e in library.encode_batch(texts)]
+    as_text = minilm.embed(texts)
+    assert served == [len(texts) - 1]  # all but the one with "[SEP]"
+    # The same tokens in the same order, so the same computation (as above).
+    assert np.array_equal(as_text, minilm.embed(ids))
