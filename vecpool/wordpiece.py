@@ -157,6 +157,9 @@ class ArrayWordPiece:
             else None
         )
         self._added_spaces = any(c.isspace() for a in added for c in a)
+        # Their first characters: a text holding none of them (BERT's all begin with "[")
+        # needs no search.
+        self._added_firsts = {a.lower()[0] for a in added}
         # Whole words of the vocabulary (those a pre-tokenized ASCII word can be, and no
         # longer than the limbs) in an open-addressing table probed linearly; -1 is empty.
         words = sorted(w for w in vocab if w.isascii() and len(w) <= _LIMBS * 8 and _is_word(w))
@@ -296,6 +299,8 @@ class ArrayWordPiece:
         if self._added is None:
             return False
         seen = lowered.translate(_BREAKS_AS_SPACES) if self._added_spaces else lowered
+        if not any(first in seen for first in self._added_firsts):
+            return False
         return self._added.search(seen) is not None
 
     def _normalize_one(self, text: str) -> tuple[str, str] | None:
