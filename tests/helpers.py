@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -80,3 +83,18 @@ def assert_rel_close(actual: np.ndarray, expected: np.ndarray, rtol: float = 1e-
     scale = float(np.abs(expected).max())
     diff = float(np.abs(actual - expected).max())
     assert diff <= rtol * scale, f"max abs diff {diff:.3e} > {rtol:g} * {scale:.3e}"
+
+
+def run_interpreted(script: str, *args: str) -> Any:
+    """`script`'s last printed line, as JSON, from a process of its own under Triton's
+    interpreter (chosen when Triton is imported, which torch may have done here already)."""
+    done = subprocess.run(
+        [sys.executable, script, *args],
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])

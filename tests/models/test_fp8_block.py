@@ -21,7 +21,14 @@ from safetensors.torch import load_file, save_file
 
 import vecpool
 from tests.helpers import engine_hidden, hf_last_hidden, random_prompts, save_hf_model
-from tests.models.test_quant import FP8_REL_ERR, LENGTHS, VOCAB, _cosines, _qwen3
+from tests.models.test_quant import (
+    FP8_REL_ERR,
+    LENGTHS,
+    VOCAB,
+    _cosines,
+    _qwen3,
+    assert_ops_path_equal,
+)
 from vecpool.errors import ConfigError, ModelLoadError
 from vecpool.models import fp8_block, quant
 from vecpool.models.fp8_block import (
@@ -295,23 +302,7 @@ def test_group_ops_path_equals_the_reference_and_compiles_whole(
     plain = vecpool.Engine(tmp_path / "fp8", device="cpu")
     monkeypatch.setattr(quant, "fused_fp8_ops", lambda device: True)
     ops = vecpool.Engine(tmp_path / "fp8", device="cpu")
-    layer = ops.model.layers[0]
-    assert layer.mlp.fused_silu and layer.self_attn.qkv_proj.linear.kernels
-    assert not plain.model.layers[0].mlp.fused_silu
-    for got, want in zip(engine_hidden(ops, prompts), engine_hidden(plain, prompts), strict=True):
-        assert np.array_equal(got, want)
-    for module in (layer.mlp, layer.self_attn.qkv_proj, layer.self_attn.o_proj):
-        compiled = torch.compile(module, backend="aot_eager", dynamic=True, fullgraph=True)
-        width = next(m for m in module.modules() if isinstance(m, Fp8BlockLinear)).in_features
-        for n in (5, 19):
-            x = torch.randn(n, width)
-            eager, traced = module(x), compiled(x)
-            for a, b in zip(
-                eager if isinstance(eager, tuple) else (eager,),
-                traced if isinstance(traced, tuple) else (traced,),
-                strict=True,
-            ):
-                assert a.shape[0] == n and torch.equal(a, b)
+    assert_ops_path_equal(ops, plain, prompts, (5, 19))
 
 
 def test_block_checkpoint_of_an_encoder(tmp_path: Path) -> None:

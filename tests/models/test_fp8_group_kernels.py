@@ -9,9 +9,6 @@ value), so the FP8 values themselves are checked on the GPU (benchmarks/fp8_bloc
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -64,16 +61,9 @@ def run_cases() -> list[dict[str, object]]:
 def test_group_scales_layout_and_padding_match_the_reference() -> None:
     """In a process of its own: the interpreter is chosen when Triton is imported."""
     pytest.importorskip("triton", reason="the test extras install Triton")
-    done = subprocess.run(
-        [sys.executable, __file__],
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads(done.stdout.splitlines()[-1])
+    from tests.helpers import run_interpreted  # here: this file also runs as that script
+
+    results = run_interpreted(__file__)
     assert len(results) == 4 * len(SHAPES)
     for result in results:
         case = result["case"]

@@ -5,8 +5,6 @@ engine sends a step's attention to it."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 
 import numpy as np
@@ -82,16 +80,9 @@ def test_each_sequence_attends_to_itself_alone(tile: tuple[int, int, int] | None
     """The kernel under Triton's interpreter, in a process of its own: the interpreter is
     chosen when Triton is imported, and torch imports it here first."""
     pytest.importorskip("triton", reason="the test extras install Triton")
-    done = subprocess.run(
-        [sys.executable, __file__, json.dumps(tile)],
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads(done.stdout.splitlines()[-1])
+    from tests.helpers import run_interpreted  # here: this file also runs as that script
+
+    results = run_interpreted(__file__, json.dumps(tile))
     assert len(results) == len(CASES)
     for case, result in zip(CASES, results, strict=True):
         # float32 throughout; the kernel sums keys in blocks with a running maximum, the

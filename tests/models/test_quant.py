@@ -298,6 +298,14 @@ def test_fp8_ops_path_equals_the_reference_and_compiles_whole(
     plain = vecpool.Engine(qwen3[0], device="cpu", quantization="fp8")
     monkeypatch.setattr(quant, "fused_fp8_ops", lambda device: True)
     ops = vecpool.Engine(qwen3[0], device="cpu", quantization="fp8")
+    assert_ops_path_equal(ops, plain, prompts, (5, 11))
+
+
+def assert_ops_path_equal(
+    ops: vecpool.Engine, plain: vecpool.Engine, prompts: list[Any], counts: tuple[int, ...]
+) -> None:
+    """`ops` (the fused FP8 modules) gives `plain`'s bits on `prompts`, and its first layer's
+    fused modules each trace as one graph giving their eager bits for `counts` tokens."""
     layer = ops.model.layers[0]
     assert layer.mlp.fused_silu and layer.self_attn.qkv_proj.linear.kernels
     assert not plain.model.layers[0].mlp.fused_silu
@@ -305,7 +313,7 @@ def test_fp8_ops_path_equals_the_reference_and_compiles_whole(
         assert np.array_equal(got, want)
     for module in (layer.mlp, layer.self_attn.qkv_proj, layer.self_attn.o_proj):
         compiled = torch.compile(module, backend="aot_eager", dynamic=True, fullgraph=True)
-        for n in (5, 11):
+        for n in counts:
             x = torch.randn(n, module_in(module))
             eager, traced = module(x), compiled(x)
             for a, b in zip(
@@ -313,8 +321,11 @@ def test_fp8_ops_path_equals_the_reference_and_compiles_whole(
                 traced if isinstance(traced, tuple) else (traced,),
                 strict=True,
             ):
-                assert torch.equal(a, b)
+                assert a.shape[0] == n and torch.equal(a, b)
 
 
 def module_in(module: torch.nn.Module) -> int:
-    return next(m for m in module.modules() if isinstance(m, Fp8Linear)).in_features
+    from vecpool.models.fp8_block import Fp8BlockLinear
+
+    kinds = (Fp8Linear, Fp8BlockLinear)
+    return next(m for m in module.modules() if isinstance(m, kinds)).in_features
