@@ -10,8 +10,10 @@ are (quarter steps from 128 tokens) with powers of two up to 1,024 (as they were
 `--max-num-seqs` (e.g. 16 or 32) the steps are as small as a server's under single-query
 clients. `--against flash-attention` compares the engine as it is (steps of short sequences
 attend through `packed_attention`'s kernel) with FlashAttention's varlen kernel for every step
-(each variant with CUDA graphs of its own). Each variant of these two runs the whole workload
-once before the rounds, recording its graphs.
+(each variant with CUDA graphs of its own). `--against unfused-rotary` compares a decoder's
+query / key norms and rotary positions through `qk_rotary`'s one kernel with the modules it
+replaces (compiled as the engine compiles them; CUDA graphs of its own too). Each variant of
+these three runs the whole workload once before the rounds, recording its graphs.
 
 For each `bench_gpu.py` shape and workload (from token ids, the engine's defaults): a warm-up,
 then `--rounds` pairs of `Engine.embed` calls, the order inside each pair alternating; tokens
@@ -41,6 +43,7 @@ import vecpool
 from benchmarks import record
 from benchmarks.workloads import SHAPES, WORKLOADS, make_inputs, workload_lengths, write_folder
 from vecpool.models import packed_attention
+from vecpool.models.decoder import DecoderAttention
 from vecpool.runner import batch, graphs
 
 UPLOAD = batch.upload
@@ -51,9 +54,10 @@ LABELS = {
     "pageable-copies": ("packed", "pageable copies"),
     "pow2-buckets": ("quarter buckets", "pow2 buckets"),
     "flash-attention": ("packed attention", "flash attention"),
+    "unfused-rotary": ("one-kernel rotary", "unfused rotary"),
 }
 # Variants that record CUDA graphs of their own before the clock.
-OWN_GRAPHS = ("pow2-buckets", "flash-attention")
+OWN_GRAPHS = ("pow2-buckets", "flash-attention", "unfused-rotary")
 
 # The graphs' token buckets before quarter steps from 128: powers of two up to 1,024.
 POW2_UP_TO = 1024
@@ -63,9 +67,17 @@ def _pageable_upload(arrays: list[np.ndarray], device: torch.device) -> list[tor
     return [torch.from_numpy(a).to(device, non_blocking=True) for a in arrays]
 
 
-# Per `StepGraphs` (by id), its recorded graphs by the packed-attention limit they were recorded
-# with.
-_GRAPH_SETS: dict[int, dict[int, dict[Any, Any]]] = {}
+# Per `StepGraphs` (by id), its recorded graphs by the variant they were recorded with.
+_GRAPH_SETS: dict[int, dict[Any, dict[Any, Any]]] = {}
+
+
+def _use_graph_set(engine: vecpool.Engine, variant: Any, current: Any) -> None:
+    """Keep the engine's recorded graphs as `current`'s, and replay `variant`'s from now on (a
+    graph keeps the kernels it recorded)."""
+    if (step_graphs := engine.model_runner.graphs) is not None:
+        sets = _GRAPH_SETS.setdefault(id(step_graphs), {})
+        sets.setdefault(current, step_graphs.graphs)
+        step_graphs.graphs = sets.setdefault(variant, {})
 
 
 def _set_variant(engine: vecpool.Engine, baseline: str, new: bool) -> None:
@@ -76,11 +88,16 @@ def _set_variant(engine: vecpool.Engine, baseline: str, new: bool) -> None:
         runner = engine.model_runner
         limit = packed_attention.max_len(runner.model.is_causal) if new else 0
         runner.packed_max_len = limit  # read when a step's batch is built
-        if (step_graphs := runner.graphs) is not None:  # a graph keeps the kernel it recorded
-            sets = _GRAPH_SETS.setdefault(id(step_graphs), {})
-            sets.setdefault(step_graphs.packed_max_len, step_graphs.graphs)
+        if (step_graphs := runner.graphs) is not None:
+            _use_graph_set(engine, limit, step_graphs.packed_max_len)
             step_graphs.packed_max_len = limit
-            step_graphs.graphs = sets.setdefault(limit, {})
+    elif baseline == "unfused-rotary":
+        layers = [m for m in engine.model_runner.model.modules() if isinstance(m, DecoderAttention)]
+        if not layers:
+            raise SystemExit("--against unfused-rotary: the model has no decoder attention")
+        _use_graph_set(engine, ("rotary", new), ("rotary", layers[0].one_kernel_rotary))
+        for layer in layers:
+            layer.one_kernel_rotary = new
     elif baseline == "pageable-copies":
         batch.upload = UPLOAD if new else _pageable_upload  # type: ignore[assignment]
     elif (step_graphs := engine.model_runner.graphs) is not None:

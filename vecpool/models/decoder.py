@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vecpool.errors import ConfigError
+from vecpool.models import qk_rotary
 from vecpool.models.attention import AttentionMetadata, flat_attention
 from vecpool.models.base import Capability, PoolingModel, hf_num_labels
 from vecpool.models.hf import hf_get
@@ -180,6 +181,9 @@ class DecoderAttention(nn.Module):
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, c.norm_unit_offset)
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, c.norm_unit_offset)
         self.qkv_proj: FusedProjections | None = None
+        # The query / key norms and rotary positions through `qk_rotary`'s kernel where it
+        # serves (CUDA); False keeps the modules (a benchmark's baseline).
+        self.one_kernel_rotary = True
 
     def fuse_projections(self) -> None:
         fuse(self, "qkv_proj", ["q_proj", "k_proj", "v_proj"])
@@ -197,9 +201,22 @@ class DecoderAttention(nn.Module):
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.one_kernel_rotary and qk_rotary.serves(q, k, cos, sin):
+            q_norm, k_norm = self.q_norm, self.k_norm
+            q, k = qk_rotary.qk_norm_rotary(
+                q,
+                k,
+                cos,
+                sin,
+                None if q_norm is None else q_norm.weight,
+                None if k_norm is None else k_norm.weight,
+                1e-6 if q_norm is None else q_norm.eps,
+                q_norm is not None and q_norm.unit_offset,
+            )
+        else:
+            if self.q_norm is not None and self.k_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = flat_attention(
             q,
             k,
