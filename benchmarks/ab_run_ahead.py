@@ -10,10 +10,11 @@ are (quarter steps from 128 tokens) with powers of two up to 1,024 (as they were
 `--max-num-seqs` (e.g. 16 or 32) the steps are as small as a server's under single-query
 clients. `--against flash-attention` compares the engine as it is (steps of short sequences
 attend through `packed_attention`'s kernel) with FlashAttention's varlen kernel for every step
-(each variant with CUDA graphs of its own). `--against unfused-rotary` compares a decoder's
-query / key norms and rotary positions through `qk_rotary`'s one kernel with the modules it
-replaces (compiled as the engine compiles them; CUDA graphs of its own too). Each variant of
-these three runs the whole workload once before the rounds, recording its graphs.
+(each variant with CUDA graphs of its own). `--against unfused-rotary` compares the query /
+key norms and rotary positions of a decoder (or ModernBERT) through `qk_rotary`'s one kernel
+with the modules it replaces (compiled as the engine compiles them; CUDA graphs of its own
+too). Each variant of these three runs the whole workload once before the rounds, recording
+its graphs.
 
 For each `bench_gpu.py` shape and workload (from token ids, the engine's defaults): a warm-up,
 then `--rounds` pairs of `Engine.embed` calls, the order inside each pair alternating; tokens
@@ -43,7 +44,6 @@ import vecpool
 from benchmarks import record
 from benchmarks.workloads import SHAPES, WORKLOADS, make_inputs, workload_lengths, write_folder
 from vecpool.models import packed_attention
-from vecpool.models.decoder import DecoderAttention
 from vecpool.runner import batch, graphs
 
 UPLOAD = batch.upload
@@ -92,9 +92,10 @@ def _set_variant(engine: vecpool.Engine, baseline: str, new: bool) -> None:
             _use_graph_set(engine, limit, step_graphs.packed_max_len)
             step_graphs.packed_max_len = limit
     elif baseline == "unfused-rotary":
-        layers = [m for m in engine.model_runner.model.modules() if isinstance(m, DecoderAttention)]
+        model = engine.model_runner.model
+        layers = [m for m in model.modules() if hasattr(m, "one_kernel_rotary")]
         if not layers:
-            raise SystemExit("--against unfused-rotary: the model has no decoder attention")
+            raise SystemExit("--against unfused-rotary: the model has no rotary attention")
         _use_graph_set(engine, ("rotary", new), ("rotary", layers[0].one_kernel_rotary))
         for layer in layers:
             layer.one_kernel_rotary = new

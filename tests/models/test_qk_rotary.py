@@ -24,7 +24,7 @@ CASES = [
     (8, 1, 64, True, False, 1),
     (4, 2, 32, True, False, 0),
 ]
-TILES = [(4, 1, False), (32, 4, True)]  # programs of a few tokens; and the heads unrolled
+TILES = [(4, 1), None]  # programs of a few tokens; and the default
 
 
 def reference(
@@ -39,7 +39,7 @@ def reference(
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
-def run_cases(tile: tuple[int, int, bool]) -> list[float]:
+def run_cases(tile: tuple[int, int] | None) -> list[float]:
     """Every case through the kernel with `tile`: the largest difference from the modules."""
     results = []
     for i, (heads, kv_heads, head_dim, norm, unit_offset, tokens) in enumerate(CASES):
@@ -121,8 +121,23 @@ def attention_through_both() -> list[float]:
     return results
 
 
+def packed_rotation() -> float:
+    """`rotary` on q and k as the encoders' packed projection lays them out (`[n, 3, heads,
+    head_dim]`, unbound): the largest difference from `apply_rotary`."""
+    qk_rotary.serves = lambda *args: True
+    torch.manual_seed(5)
+    n, heads, head_dim = 19, 3, 32
+    q, k, _ = torch.randn(n, 3 * heads * head_dim).view(n, 3, heads, head_dim).unbind(dim=1)
+    cos, sin = Rotary(head_dim, {}).cos_sin(torch.arange(n), torch.float32)
+    got = qk_rotary.rotary(q, k, cos, sin)
+    want = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    return max(float((a - b).abs().max()) for a, b in zip(got, want, strict=True))
+
+
 @pytest.mark.parametrize("tile", TILES)
-def test_the_kernel_gives_the_norm_and_rotation_of_the_modules(tile: tuple[int, int, bool]) -> None:
+def test_the_kernel_gives_the_norm_and_rotation_of_the_modules(
+    tile: tuple[int, int] | None,
+) -> None:
     """The kernel under Triton's interpreter, in a process of its own: the interpreter is
     chosen when Triton is imported, and torch imports it here first."""
     pytest.importorskip("triton", reason="the test extras install Triton")
@@ -136,12 +151,13 @@ def test_the_kernel_gives_the_norm_and_rotation_of_the_modules(tile: tuple[int, 
         assert diff <= 2e-5, case
 
 
-def test_decoder_attention_is_the_same_through_the_kernel() -> None:
+def test_attention_is_the_same_through_the_kernel() -> None:
+    """A decoder's attention (three layouts), and the encoders' rotation of a packed q|k|v."""
     pytest.importorskip("triton", reason="the test extras install Triton")
     from tests.helpers import run_interpreted
 
     results = run_interpreted(__file__, "attention")
-    assert len(results) == 3
+    assert len(results) == 4
     for diff in results:
         assert diff <= 2e-5  # as above; the attention after it is the same code both ways
 
@@ -159,6 +175,7 @@ def test_the_kernel_serves_cuda_layouts_only() -> None:
 if __name__ == "__main__":  # the interpreted runs of the tests above
     torch.set_grad_enabled(False)
     if sys.argv[1] == "kernel":
-        print(json.dumps(run_cases(tuple(json.loads(sys.argv[2])))))
+        tile = json.loads(sys.argv[2])
+        print(json.dumps(run_cases(None if tile is None else tuple(tile))))
     else:
-        print(json.dumps(attention_through_both()))
+        print(json.dumps([*attention_through_both(), packed_rotation()]))

@@ -201,22 +201,15 @@ class DecoderAttention(nn.Module):
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        if self.one_kernel_rotary and qk_rotary.serves(q, k, cos, sin):
-            q_norm, k_norm = self.q_norm, self.k_norm
+        q_norm, k_norm = self.q_norm, self.k_norm
+        if q_norm is None or k_norm is None:
+            q, k = qk_rotary.rotary(q, k, cos, sin, self.one_kernel_rotary)
+        elif self.one_kernel_rotary and qk_rotary.serves(q, k, cos, sin):
             q, k = qk_rotary.qk_norm_rotary(
-                q,
-                k,
-                cos,
-                sin,
-                None if q_norm is None else q_norm.weight,
-                None if k_norm is None else k_norm.weight,
-                1e-6 if q_norm is None else q_norm.eps,
-                q_norm is not None and q_norm.unit_offset,
+                q, k, cos, sin, q_norm.weight, k_norm.weight, q_norm.eps, q_norm.unit_offset
             )
         else:
-            if self.q_norm is not None and self.k_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q, k = apply_rotary(q_norm(q), cos, sin), apply_rotary(k_norm(k), cos, sin)
         out = flat_attention(
             q,
             k,

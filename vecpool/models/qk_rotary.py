@@ -10,6 +10,8 @@ token and per head, nothing crosses tokens: a row's result does not depend on it
 batch-invariant mode keeps it).
 
 `qk_norm_rotary` returns new query and key tensors; the value heads stay the view they were.
+`rotary` is the rotation alone, for the encoders with rotary positions (ModernBERT, GTE,
+NomicBERT).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from typing import Any
 
 import torch
 
+from vecpool.models.layers import apply_rotary
+
 # Whether Triton is installed, known without importing it (compiled layers ask too, and the
 # compiler cannot trace Triton's import).
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -27,9 +31,9 @@ _HAS_TRITON = importlib.util.find_spec("triton") is not None
 # The widest head the kernel takes (Gemma's 256).
 _MAX_HEAD_DIM = 256
 
-# Tokens a program takes, its warps, and whether its loop over the heads is unrolled: of those
-# timed on the H200 (`qk_rotary_check.py`), the fastest at head sizes 64 to 256.
-_TILE = (32, 4, False)
+# Tokens a program takes, and its warps: of those timed on the H200 (`qk_rotary_check.py`,
+# Qwen3-0.6B's layout), within 2% of the fastest at 512 and at 32,768 tokens.
+_TILE = (32, 8)
 
 
 @functools.cache
@@ -62,6 +66,19 @@ def serves(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     )
 
 
+def rotary(
+    q: torch.Tensor,  # [num_tokens, heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, kv_heads, head_dim]
+    cos: torch.Tensor,  # [num_tokens, head_dim]
+    sin: torch.Tensor,  # [num_tokens, head_dim]
+    one_kernel: bool = True,  # False: the modules (a benchmark's baseline)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`apply_rotary` on `q` and on `k`, through the kernel where it serves."""
+    if one_kernel and serves(q, k, cos, sin):
+        return qk_norm_rotary(q, k, cos, sin, None, None, 0.0, False)
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
 def qk_norm_rotary(
     q: torch.Tensor,  # [num_tokens, heads, head_dim]
     k: torch.Tensor,  # [num_tokens, kv_heads, head_dim]
@@ -89,7 +106,7 @@ def _launch(
     k_weight: torch.Tensor | None,
     eps: float,
     unit_offset: bool,
-    tile: tuple[int, int, bool] | None = None,  # (tokens a program, warps, heads unrolled)
+    tile: tuple[int, int] | None = None,  # (tokens a program, warps); None: `_TILE`
 ) -> tuple[torch.Tensor, torch.Tensor]:
     kernel = _kernel()
     assert kernel is not None  # guarded by `serves`
@@ -99,7 +116,7 @@ def _launch(
     if n == 0:
         return q_out, k_out
     norm = q_weight is not None and k_weight is not None
-    block_t, warps, unroll = tile or _TILE
+    block_t, warps = tile or _TILE
     kernel[(-(-n // block_t),)](
         q,
         k,
@@ -121,7 +138,6 @@ def _launch(
         BLOCK_H=max(16, 1 << (head_dim // 2 - 1).bit_length()),
         NORM=norm,
         UNIT_OFFSET=unit_offset,
-        UNROLL=unroll,
         num_warps=warps,
     )
     return q_out, k_out

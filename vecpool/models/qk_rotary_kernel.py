@@ -63,7 +63,6 @@ def rotate_heads(  # type: ignore[no-untyped-def]
     BLOCK_H: tl.constexpr,
     NORM: tl.constexpr,
     UNIT_OFFSET: tl.constexpr,
-    UNROLL: tl.constexpr,
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
     w1 = tl.full((1, BLOCK_H), 1.0, tl.float32)
@@ -75,48 +74,11 @@ def rotate_heads(  # type: ignore[no-untyped-def]
         if UNIT_OFFSET:
             w1, w2 = w1 + 1.0, w2 + 1.0
     stride_out: tl.constexpr = NUM_HEADS * HEAD_DIM
-    if UNROLL:
-        for h in tl.static_range(NUM_HEADS):
-            rotate_head(
-                x_ptr + h * HEAD_DIM,
-                out_ptr + h * HEAD_DIM,
-                w1,
-                w2,
-                c1,
-                c2,
-                s1,
-                s2,
-                rows,
-                cols,
-                mask,
-                stride_x,
-                stride_out,
-                eps,
-                HEAD_DIM,
-                HALF,
-                NORM,
-            )
-    else:
-        for h in range(NUM_HEADS):
-            rotate_head(
-                x_ptr + h * HEAD_DIM,
-                out_ptr + h * HEAD_DIM,
-                w1,
-                w2,
-                c1,
-                c2,
-                s1,
-                s2,
-                rows,
-                cols,
-                mask,
-                stride_x,
-                stride_out,
-                eps,
-                HEAD_DIM,
-                HALF,
-                NORM,
-            )
+    for h in range(NUM_HEADS):
+        rotate_head(
+            x_ptr + h * HEAD_DIM, out_ptr + h * HEAD_DIM, w1, w2, c1, c2, s1, s2,
+            rows, cols, mask, stride_x, stride_out, eps, HEAD_DIM, HALF, NORM,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -141,7 +103,6 @@ def qk_rotary_kernel(  # type: ignore[no-untyped-def]
     BLOCK_H: tl.constexpr,
     NORM: tl.constexpr,
     UNIT_OFFSET: tl.constexpr,
-    UNROLL: tl.constexpr,
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -154,9 +115,9 @@ def qk_rotary_kernel(  # type: ignore[no-untyped-def]
     s2 = tl.load(sin_ptr + cs_at + HALF, mask=mask, other=0.0).to(tl.float32)
     rotate_heads(
         q_ptr, q_out_ptr, q_weight_ptr, c1, c2, s1, s2, rows, cols, mask, stride_q, eps,
-        HEADS, HEAD_DIM, BLOCK_H, NORM, UNIT_OFFSET, UNROLL,
+        HEADS, HEAD_DIM, BLOCK_H, NORM, UNIT_OFFSET,
     )  # fmt: skip
     rotate_heads(
         k_ptr, k_out_ptr, k_weight_ptr, c1, c2, s1, s2, rows, cols, mask, stride_k, eps,
-        KV_HEADS, HEAD_DIM, BLOCK_H, NORM, UNIT_OFFSET, UNROLL,
+        KV_HEADS, HEAD_DIM, BLOCK_H, NORM, UNIT_OFFSET,
     )  # fmt: skip
