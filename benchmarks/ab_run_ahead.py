@@ -11,8 +11,8 @@ are (quarter steps from 128 tokens) with powers of two up to 1,024 (as they were
 clients. `--against flash-attention` compares the engine as it is (steps of short sequences
 attend through `packed_attention`'s kernel) with FlashAttention's varlen kernel for every step
 (each variant with CUDA graphs of its own). `--against unfused-rotary` compares the query /
-key norms and rotary positions of a decoder (or ModernBERT) through `qk_rotary`'s one kernel
-with the modules it replaces (compiled as the engine compiles them; CUDA graphs of its own
+key norms and rotary positions of a decoder with those norms (Qwen3, Gemma3) through
+`qk_rotary`'s one kernel with the modules it replaces (compiled as the engine compiles them; CUDA graphs of its own
 too). Each variant of these three runs the whole workload once before the rounds, recording
 its graphs.
 

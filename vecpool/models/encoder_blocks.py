@@ -15,10 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vecpool.models import qk_rotary
 from vecpool.models.attention import AttentionMetadata, flat_attention
 from vecpool.models.base import PoolingModel
-from vecpool.models.layers import FusedProjections, fuse, linear_residual
+from vecpool.models.layers import FusedProjections, apply_rotary, fuse, linear_residual
 
 
 class NormSizes(Protocol):
@@ -182,5 +181,5 @@ def packed_rotary_attention(
     n = packed.shape[0]
     head_dim = packed.shape[1] // (3 * num_heads)
     q, k, v = packed.view(n, 3, num_heads, head_dim).unbind(dim=1)
-    q, k = qk_rotary.rotary(q, k, cos, sin)
+    q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
     return bidirectional_attention(q, k, v, attn)

@@ -18,10 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from vecpool.errors import ConfigError
-from vecpool.models import qk_rotary
 from vecpool.models.attention import AttentionMetadata, flat_attention
 from vecpool.models.base import Capability, PoolingModel, hf_num_labels
-from vecpool.models.layers import Rotary, activation
+from vecpool.models.layers import Rotary, activation, apply_rotary
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 # transformers' ModernBertConfig defaults, for keys a config.json leaves out.
@@ -130,7 +129,6 @@ class ModernBertAttention(nn.Module):
         self.num_heads, self.head_dim, self.window = c.num_heads, c.head_dim, window
         self.Wqkv = nn.Linear(c.hidden_size, 3 * c.hidden_size, bias=c.attention_bias)
         self.Wo = nn.Linear(c.hidden_size, c.hidden_size, bias=c.attention_bias)
-        self.one_kernel_rotary = True  # `qk_rotary.rotary`'s kernel where it serves
 
     def forward(
         self,
@@ -141,7 +139,7 @@ class ModernBertAttention(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, hidden]
         n = x.shape[0]
         q, k, v = self.Wqkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(dim=1)
-        q, k = qk_rotary.rotary(q, k, cos, sin, self.one_kernel_rotary)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = flat_attention(
             q, k, v, attn, causal=False, scale=self.head_dim**-0.5, window=self.window
         )
