@@ -79,6 +79,8 @@ def attention_through_both() -> list[float]:
     """A decoder's attention (fp32, random weights) with the kernel and with the modules: the
     largest difference of its output, per layout (Qwen3, Gemma3)."""
     qk_rotary.serves = lambda *args: True  # the CPU tensors go to the (interpreted) kernel
+    launch, calls = qk_rotary._launch, []
+    qk_rotary._launch = lambda *args: calls.append(1) or launch(*args)
     results = []
     for unit_offset in (False, True):
         config = DecoderConfig(
@@ -110,6 +112,7 @@ def attention_through_both() -> list[float]:
             torch.repeat_interleave(torch.arange(3), torch.tensor(lengths)),
             torch.cat([torch.arange(m) for m in lengths]),
             use_varlen=False,
+            packed=True,  # the steps the kernel serves (attention: the CPU's fallback)
         )
         cos, sin = Rotary(16, {}).cos_sin(meta.pos_in_seq, torch.float32)
         x = torch.randn(n, 64)
@@ -118,7 +121,7 @@ def attention_through_both() -> list[float]:
             layer.one_kernel_rotary = fused
             out[fused] = layer(x, cos, sin, meta)
         results.append(float((out[True] - out[False]).abs().max()))
-    return results
+    return [*results, len(calls)]
 
 
 @pytest.mark.parametrize("tile", TILES)
@@ -142,9 +145,10 @@ def test_decoder_attention_is_the_same_through_the_kernel() -> None:
     pytest.importorskip("triton", reason="the test extras install Triton")
     from tests.helpers import run_interpreted
 
-    results = run_interpreted(__file__, "attention")
-    assert len(results) == 2
-    for diff in results:
+    *diffs, kernel_calls = run_interpreted(__file__, "attention")
+    assert kernel_calls == 2  # one forward of each layout went through the kernel
+    assert len(diffs) == 2
+    for diff in diffs:
         assert diff <= 2e-5  # as above; the attention after it is the same code both ways
 
 

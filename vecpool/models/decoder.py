@@ -182,8 +182,8 @@ class DecoderAttention(nn.Module):
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, c.norm_unit_offset)
         self.qkv_proj: FusedProjections | None = None
         # The query / key norms and rotary positions through `qk_rotary`'s kernel where it
-        # serves (CUDA, models with those norms); False keeps the modules (a benchmark's
-        # baseline).
+        # serves (CUDA, models with those norms) in steps that attend through the packed
+        # kernel; False keeps the modules (a benchmark's baseline).
         self.one_kernel_rotary = True
 
     def fuse_projections(self) -> None:
@@ -205,7 +205,7 @@ class DecoderAttention(nn.Module):
         q_norm, k_norm = self.q_norm, self.k_norm
         if q_norm is None or k_norm is None:
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        elif self.one_kernel_rotary and qk_rotary.serves(q, k, cos, sin):
+        elif self.one_kernel_rotary and attn.packed and qk_rotary.serves(q, k, cos, sin):
             q, k = qk_rotary.qk_norm_rotary(
                 q, k, cos, sin, q_norm.weight, k_norm.weight, q_norm.eps, q_norm.unit_offset
             )
