@@ -24,6 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks import record
+from benchmarks.fp8_check import cuda_ms
 from vecpool.models import qk_rotary
 from vecpool.models.layers import RMSNorm, Rotary, apply_rotary
 
@@ -40,15 +41,7 @@ def timed(fn: Callable[[], Any], iters: int, repeats: int) -> float:
     """Median microseconds per call."""
     for _ in range(3):
         fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / iters)
+    times = [cuda_ms(fn, iters) * 1000 for _ in range(repeats)]
     return statistics.median(times)
 
 

@@ -10,10 +10,10 @@ token and per head, nothing crosses tokens: a row's result does not depend on it
 batch-invariant mode keeps it). End to end on the H200: Qwen3-0.6B 1.033x (queries) and 1.048x
 (passages) from ids (`ab_qk_rotary_packed_steps_h200.json`).
 
-The decoder takes it only in steps that attend through `packed_attention`'s kernel: in steps
-that go to FlashAttention, whose grouped-query path on torch 2.11 expands the keys right after,
-EmbeddingGemma-300m's passages ran 0.958x through it
-(`ab_qk_rotary_embeddinggemma-300m_all_steps_h200.json`); in packed steps 0.98-1.00x.
+The decoder takes it only in steps that attend through `packed_attention`'s kernel: through
+it in every step, EmbeddingGemma-300m's passages (steps that go to FlashAttention) ran 0.958x
+(`ab_qk_rotary_embeddinggemma-300m_all_steps_h200.json`; why is not measured: no profile of
+that model's steps); in packed steps only, 0.98-1.00x.
 
 `qk_norm_rotary` returns new query and key tensors; the value heads stay the view they were.
 Without the norms (`q_weight=None`) it rotates alone, but the models leave that to Inductor:
