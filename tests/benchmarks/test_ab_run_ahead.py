@@ -16,7 +16,8 @@ from vecpool.runner.graphs import token_buckets
 
 @pytest.mark.parametrize("against", sorted(LABELS))
 def test_ab_run_ahead_reports_both_variants(tmp_path: Path, against: str) -> None:
-    argv = ["--models", "tiny-bert", "--workloads", "queries", "--n", "24", "--rounds", "2"]
+    model = "tiny-qwen3" if against == "unfused-rotary" else "tiny-bert"  # its norms and rotary
+    argv = ["--models", model, "--workloads", "queries", "--n", "24", "--rounds", "2"]
     argv += ["--tokenizer", str(default_model_path()), "--device", "cpu", "--against", against]
     report = main([*argv, "--output", str(tmp_path / "ab.json")])
     (row,) = report["rows"]
