@@ -152,6 +152,27 @@ def test_decoder_attention_is_the_same_through_the_kernel() -> None:
         assert diff <= 2e-5  # as above; the attention after it is the same code both ways
 
 
+def op_checks() -> list[dict[str, str]]:
+    """torch's checks of the operator that compiled layers call (schema, fake tensors, the
+    compiler's tracing), with and without the norms."""
+    torch.manual_seed(0)
+    q, k = torch.randn(7, 4, 16), torch.randn(7, 2, 16)
+    cos, sin, weight = torch.randn(7, 16), torch.randn(7, 16), torch.randn(16)
+    op = torch.ops.vecpool.qk_norm_rotary.default
+    return [torch.library.opcheck(op, (q, k, cos, sin, w, w, 1e-6, False)) for w in (weight, None)]
+
+
+def test_the_compiled_layers_operator_passes_torchs_checks() -> None:
+    pytest.importorskip("triton", reason="the test extras install Triton")
+    from tests.helpers import run_interpreted
+
+    results = run_interpreted(__file__, "opcheck")
+    assert len(results) == 2
+    for checks in results:
+        assert len(checks) >= 3  # schema, fake tensors, tracing at least
+        assert set(checks.values()) == {"SUCCESS"}, checks
+
+
 def test_the_kernel_serves_cuda_layouts_only() -> None:
     q, k = torch.zeros(4, 2, 8), torch.zeros(4, 1, 8)
     cos = sin = torch.zeros(4, 8)
@@ -164,7 +185,9 @@ def test_the_kernel_serves_cuda_layouts_only() -> None:
 
 if __name__ == "__main__":  # the interpreted runs of the tests above
     torch.set_grad_enabled(False)
-    if sys.argv[1] == "kernel":
+    if sys.argv[1] == "opcheck":
+        print(json.dumps(op_checks()))
+    elif sys.argv[1] == "kernel":
         tile = json.loads(sys.argv[2])
         print(json.dumps(run_cases(None if tile is None else tuple(tile))))
     else:
