@@ -54,8 +54,8 @@ def _kernel() -> Any | None:
 
 def serves(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """Whether the kernel can take these heads (`[num_tokens, heads, head_dim]`, each row's
-    heads side by side) and these `cos` / `sin` (`[num_tokens, head_dim]`, one layout): on CUDA, an even head size
-    it takes, and Triton present."""
+    heads side by side) and these `cos` / `sin` (`[num_tokens, head_dim]`, one layout): on
+    CUDA, an even head size it takes, and Triton present."""
     n, _, head_dim = q.shape
     return (
         q.is_cuda
