@@ -12,6 +12,12 @@ chunks of `PIPELINE_CHUNK` inputs. The model folder is the packaged MiniLM (`--m
 another, or `--shape` for a random-weight folder of a `workloads.SHAPES` shape with the
 tokenizer files of `--tokenizer`); an engine on the CPU is built only for its `CallContext`.
 
+`--pairs` adds a workload "pairs": text pairs as a cross-encoder's rerank call sends them, the
+queries workload's texts each with the passages workload's text of the same index; timed
+through the input stage (`InputProcessor.process`, truncating to the model's limit, longest
+text first), as `text` and `text_library` below, with `tokenizer_fast` of the pairs beside them
+(pairs have no ids form).
+
 `--corpus FILE...` adds a workload "prose": the files' paragraphs (split at blank lines, each
 one line, those of at least 200 characters), cycled to `--n` inputs; its ids are the
 `tokenizers` library's of those texts, cut to the model's limit. The other workloads' texts are
@@ -69,6 +75,7 @@ from vecpool import calls
 from vecpool import tokenizer as tokenizer_module
 from vecpool.api import default_model_path
 from vecpool.api.engine import PIPELINE_CHUNK
+from vecpool.inputs import TextOptions
 
 FIGURES = (
     "text",
@@ -96,6 +103,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--tokenizer", type=Path, help="the --shape folder's tokenizer files")
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     parser.add_argument("--corpus", nargs="+", type=Path, help="text files: the prose workload")
+    parser.add_argument("--pairs", action="store_true", help="add the text pairs workload")
     parser.add_argument("--n", type=int, default=4096, help="inputs per workload")
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds (at least 3)")
     parser.add_argument(
@@ -228,10 +236,75 @@ def measure(
     return {"num_inputs": n, "num_tokens": num_tokens, **rounds_}
 
 
+PAIR_FIGURES = (
+    "text",
+    "text_thread_cpu",
+    "text_library",
+    "text_library_thread_cpu",
+    "tokenizer_fast",
+    "tokenizer_fast_thread_cpu",
+)
+
+
+def measure_pairs(engine: vecpool.Engine, pairs: list[tuple[str, str]], rounds: int) -> Any:
+    """The pairs workload's rounds (microseconds per pair): the input stage with and without
+    the array path, and the library's fastest call."""
+    ctx = engine.context
+    items = [{"text": a, "text_pair": b} for a, b in pairs]
+    starts = range(0, len(items), PIPELINE_CHUNK)
+    options = TextOptions(truncate_prompt_tokens=-1)
+    assert ctx.info.tokenizer_file is not None
+    floor = tokenizers.Tokenizer.from_file(ctx.info.tokenizer_file)
+    floor.no_padding()
+    floor.enable_truncation(ctx.info.max_model_len)
+    fast = getattr(floor, "encode_batch_fast", floor.encode_batch)
+
+    def prepare() -> list[Any]:
+        return [
+            p for s in starts for p in ctx.inputs.process(items[s : s + PIPELINE_CHUNK], options)
+        ]
+
+    def prepare_library() -> list[Any]:
+        threshold = tokenizer_module.WORDPIECE_MIN_CHARS
+        tokenizer_module.WORDPIECE_MIN_CHARS = sys.maxsize
+        try:
+            return prepare()
+        finally:
+            tokenizer_module.WORDPIECE_MIN_CHARS = threshold
+
+    # Both paths make the same prompts: ids and segment ids.
+    for a, b in zip(prepare(), prepare_library(), strict=True):
+        if not (
+            np.array_equal(a.token_ids, b.token_ids)
+            and np.array_equal(a.token_type_ids, b.token_type_ids)
+        ):
+            raise SystemExit("FAILED: the paths prepared different pairs")
+    out: dict[str, list[float]] = {name: [] for name in PAIR_FIGURES}
+    for _ in range(rounds):
+        gc.collect()
+        text, text_cpu = _timed(prepare)
+        library, library_cpu = _timed(prepare_library)
+        tok, tok_cpu = _timed(lambda: [fast(pairs[s : s + PIPELINE_CHUNK]) for s in starts])
+        figures = dict(
+            text=text,
+            text_thread_cpu=text_cpu,
+            text_library=library,
+            text_library_thread_cpu=library_cpu,
+            tokenizer_fast=tok,
+            tokenizer_fast_thread_cpu=tok_cpu,
+        )
+        for name, seconds in figures.items():
+            out[name].append(seconds / len(pairs) * 1e6)
+    num_tokens = sum(p.num_tokens for p in prepare())
+    rounds_ = {k: record.rounds(v) for k, v in out.items()}
+    return {"num_inputs": len(pairs), "num_tokens": num_tokens, **rounds_}
+
+
 def run(args: argparse.Namespace, folder: Path, report: dict[str, Any]) -> None:
     engine = vecpool.Engine(folder, device="cpu")
     report["max_model_len"] = engine.info().max_model_len
     tokenizer = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+    limit = engine.info().max_model_len
     inputs: dict[str, tuple[list[str], list[list[int]]]] = {}
     for w in args.workloads:
         # Clipped to the model's limit: the same tokens from text as from ids.
@@ -247,6 +320,15 @@ def run(args: argparse.Namespace, folder: Path, report: dict[str, Any]) -> None:
         report["workloads"][w] = result
         medians = "  ".join(f"{k} {result[k]['median']:.2f}" for k in FIGURES + LOSSES)
         print(f"{w:8} us/input: {medians}", flush=True)
+    if args.pairs:
+        queries, passages = (
+            make_inputs(tokenizer, np.minimum(workload_lengths(w, args.n), limit))[0]
+            for w in ("queries", "passages")
+        )
+        result = measure_pairs(engine, list(zip(queries, passages, strict=True)), args.rounds)
+        report["workloads"]["pairs"] = result
+        medians = "  ".join(f"{k} {result[k]['median']:.2f}" for k in PAIR_FIGURES)
+        print(f"pairs    us/input: {medians}", flush=True)
 
 
 def prose(files: list[Path], n: int) -> list[str]:

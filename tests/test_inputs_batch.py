@@ -4,6 +4,7 @@ when several inputs are bad, the error names the same one as a check of each in 
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 
 from vecpool.errors import InputError
 from vecpool.inputs import InputLimits, InputProcessor, TextOptions, TextTokenizer
+from vecpool.wordpiece import ArrayWordPiece
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -187,3 +189,38 @@ def test_the_first_text_over_the_character_limit_is_named(default_model_dir: Pat
     error = _error(processor, pairs, TextOptions())
     assert error.index == 1 and "11 characters" in str(error)
     assert processor.process(singles[:2], TextOptions())[1].num_tokens > 0  # at the limit: fine
+
+
+@pytest.mark.parametrize("limit, side", [(-1, "right"), (20, "left")])
+def test_a_large_batch_of_text_pairs_is_the_tokenizers_ids_and_segments(
+    default_model_dir: Path, monkeypatch: pytest.MonkeyPatch, limit: int, side: str
+) -> None:
+    """A rerank-sized batch of pairs goes through `ArrayWordPiece` (one that it declines, to
+    the library) and gives the library's ids and segment ids."""
+    tokenizer_file = default_model_dir / "tokenizer.json"
+    calls: list[int] = []
+    encode_pairs = ArrayWordPiece.encode_pairs
+
+    def counted(self: ArrayWordPiece, pairs: Any, *args: Any) -> Any:
+        calls.append(len(pairs))
+        return encode_pairs(self, pairs, *args)
+
+    monkeypatch.setattr(ArrayWordPiece, "encode_pairs", counted)
+    processor = InputProcessor(limits(), TextTokenizer(tokenizer_file))
+    rng = random.Random(0)
+    words = "the quick brown fox jumps over a lazy dog, café naïve 東京 🙂 unquestionably".split()
+    pairs = [
+        tuple(" ".join(rng.choice(words) for _ in range(rng.randint(1, 40))) for _ in "ab")
+        for _ in range(40)
+    ]
+    pairs[5] = ("a\x0bcontrol character", "left to the library")
+    options = TextOptions(truncate_prompt_tokens=limit, truncation_side=side)  # type: ignore[arg-type]
+    prompts = processor.process([{"text": a, "text_pair": b} for a, b in pairs], options)
+    assert calls == [len(pairs)]
+    reference = Tokenizer.from_file(str(tokenizer_file))
+    reference.no_padding()
+    reference.enable_truncation(64 if limit == -1 else limit, direction=side)
+    for prompt, expected in zip(prompts, reference.encode_batch(pairs), strict=True):
+        assert prompt.token_ids.tolist() == expected.ids
+        assert prompt.token_type_ids is not None
+        assert prompt.token_type_ids.tolist() == expected.type_ids

@@ -271,3 +271,105 @@ def test_encode_ids_takes_the_fast_path_for_large_batches_only(
         assert calls == taken
         expected = ours.encode_batch(batch, 20, "left", offsets=False)
         assert [a.tolist() for a in ids] == [e.ids for e in expected]
+
+
+def _check_pairs_exact(path: Path, pairs: list[tuple[str, str]]) -> int:
+    """Every batch of pairs equal to the library's ids and segment ids; the number of pairs
+    compared."""
+    fast = ArrayWordPiece.build(path.read_text())
+    assert fast is not None
+    compared = 0
+    # Room for both texts whole, one cut, or both cut to halves (odd and even), either side.
+    for max_tokens, side in (
+        (None, "right"),
+        (64, "right"),
+        (24, "left"),
+        (9, "left"),
+        (8, "right"),
+        (5, "right"),
+    ):
+        reference = _reference(path, max_tokens, side)
+        for start in range(0, len(pairs), 61):
+            batch = pairs[start : start + 61]
+            ours = fast.encode_pairs(batch, max_tokens, side)  # type: ignore[arg-type]
+            assert ours is not None
+            for a, e in zip(ours, reference.encode_batch(batch), strict=True):
+                if a is not None:
+                    assert a[0].tolist() == e.ids
+                    assert a[1].tolist() == e.type_ids
+                    assert a[0].dtype == a[1].dtype == np.int64
+                    compared += 1
+    return compared
+
+
+def _pairs(texts: list[str]) -> list[tuple[str, str]]:
+    return list(zip(texts[0::2], texts[1::2], strict=True))
+
+
+@pytest.mark.parametrize("change", [None, "cased", "prefix_only", "outside_ascii"])
+def test_text_pairs_give_the_same_ids_and_segments(
+    tmp_path: Path, default_model_dir: Path, change: str | None
+) -> None:
+    """Pairs of texts of 0 to 40 parts (some of no tokens at all), through the pair template
+    and the longest-first truncation."""
+    config = _config(default_model_dir)
+    if change == "cased":
+        config["normalizer"]["lowercase"] = False
+    elif change == "prefix_only":  # a pair template of no special tokens: A then B
+        config["post_processor"] = {
+            "type": "TemplateProcessing",
+            "single": [{"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [
+                {"Sequence": {"id": "A", "type_id": 0}},
+                {"Sequence": {"id": "B", "type_id": 1}},
+            ],
+            "special_tokens": {},
+        }
+    make = _mixed if change == "outside_ascii" else _texts
+    texts = _no_added(make(random.Random(4), _ascii_vocab(config), 100), config)
+    pairs = _pairs(texts[: len(texts) // 2 * 2])
+    path = _write(tmp_path, config, str(change))
+    assert _check_pairs_exact(path, pairs) == 6 * len(pairs)  # every pair served
+
+
+def test_pairs_it_does_not_serve_are_declined(default_model_dir: Path) -> None:
+    path = default_model_dir / "tokenizer.json"
+    fast = ArrayWordPiece.build(path.read_text())
+    assert fast is not None
+    expected = _reference(path, None, "right").encode("hello", "big world")
+    for bad in ("a\x0bb", "a [SEP] b", ""):
+        for pair in ((bad, "x"), ("x", bad)):
+            # That pair alone is declined; the others of its batch are served.
+            out = fast.encode_pairs([("hello", "big world"), pair, ("hello", "big world")])
+            assert out is not None and out[1] is None, pair
+            for row in (out[0], out[2]):
+                assert row is not None
+                assert (row[0].tolist(), row[1].tolist()) == (expected.ids, expected.type_ids)
+    assert fast.encode_pairs([]) is None
+    assert fast.encode_pairs(["a b"]) is None  # type: ignore[list-item]
+    assert fast.encode_pairs([("a", "b")], max_tokens=4) is None  # no room for both texts
+
+
+def test_encode_pair_ids_fills_in_what_the_fast_path_declines(
+    default_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ours = TextTokenizer(default_model_dir / "tokenizer.json")
+    calls: list[int] = []
+    encode_pairs = ArrayWordPiece.encode_pairs
+
+    def counted(self: ArrayWordPiece, pairs: Any, *args: Any) -> Any:
+        calls.append(len(pairs))
+        return encode_pairs(self, pairs, *args)
+
+    monkeypatch.setattr(ArrayWordPiece, "encode_pairs", counted)
+    config = _config(default_model_dir)
+    pairs = _pairs(_no_added(_texts(random.Random(5), _ascii_vocab(config), 80), config)[:64])
+    pairs[3] = ("a\x0bcontrol character", pairs[3][1])  # left to the library
+    small = pairs[:1]
+    for batch, taken in ((small, []), (pairs, [len(pairs)])):
+        calls.clear()
+        ids, type_ids = ours.encode_pair_ids(batch, 20, "left")
+        assert calls == taken
+        expected = ours.encode_batch(batch, 20, "left", offsets=False)
+        assert [a.tolist() for a in ids] == [e.ids for e in expected]
+        assert [a.tolist() for a in type_ids] == [e.type_ids for e in expected]

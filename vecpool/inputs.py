@@ -324,10 +324,15 @@ class InputProcessor:
                 index=indices[pairs[0]],
             )
         side, specials = options.truncation_side, options.add_special_tokens
+        type_ids: dict[int, np.ndarray] = {}  # of the pairs, by their place in `texts`
         try:
-            if pairs:
+            if pairs and specials and len(pairs) == len(texts):
+                arrays, pair_types = self.tokenizer.encode_pair_ids(texts, limit, side)  # type: ignore[arg-type]
+                type_ids = dict(enumerate(pair_types))
+            elif pairs:
                 encodings = self.tokenizer.encode_batch(texts, limit, side, specials, offsets=False)
                 arrays = id_arrays(encodings)
+                type_ids = {j: np.array(encodings[j].type_ids, dtype=np.int64) for j in pairs}
             else:
                 arrays = self.tokenizer.encode_ids(texts, limit, side, specials)  # type: ignore[arg-type]
         except InputError as exc:  # indexed within `texts`, or about the whole call
@@ -339,9 +344,8 @@ class InputProcessor:
             self._check_length(int(lengths[j]), indices[j])
         prompts = [Prompt(a, None) for a in arrays]
         # A single text is all segment 0, which the batch builder fills in itself.
-        for j in pairs:
-            type_ids = np.array(encodings[j].type_ids, dtype=np.int64)
-            prompts[j] = replace(prompts[j], token_type_ids=type_ids)
+        for j, segment_ids in type_ids.items():
+            prompts[j] = replace(prompts[j], token_type_ids=segment_ids)
         return prompts
 
     def _id_prompts(

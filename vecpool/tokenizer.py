@@ -98,6 +98,35 @@ class TextTokenizer:
                 out[i] = ids
         return out  # type: ignore[return-value]  # every entry filled
 
+    def encode_pair_ids(
+        self, pairs: Sequence[tuple[str, str]], max_tokens: int | None, side: TruncationSide
+    ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Each (text, text_pair)'s ids and segment ids as int64 arrays, as `encode_batch`
+        gives them with special tokens: the pairs of a large batch that `ArrayWordPiece`
+        serves by it, the rest by the library."""
+        out: list[tuple[np.ndarray, np.ndarray] | None] | None = None
+        if self._wordpiece is not None and sum(len(a) + len(b) for a, b in pairs) >= (
+            WORDPIECE_MIN_CHARS
+        ):
+            out = self._wordpiece.encode_pairs(pairs, max_tokens, side)
+        rest = (
+            list(range(len(pairs))) if out is None else [i for i, x in enumerate(out) if x is None]
+        )
+        if rest:
+            try:
+                encodings = self.encode_batch(
+                    [pairs[i] for i in rest], max_tokens, side, offsets=False
+                )
+            except InputError as exc:  # indexed within `rest`
+                raise (exc if exc.index is None else exc.at(rest[exc.index])) from None
+            filled = zip(id_arrays(encodings), _type_arrays(encodings), strict=True)
+            if out is None:
+                out = [None] * len(pairs)
+            for i, row in zip(rest, filled, strict=True):
+                out[i] = row
+        assert out is not None
+        return [row[0] for row in out], [row[1] for row in out]  # type: ignore[index]
+
     def encode_batch(
         self,
         texts: Sequence[str | tuple[str, str]],
@@ -246,3 +275,8 @@ def _plain_twin(config: dict[str, Any]) -> tuple[dict[str, Any], bool] | None:
         if token.get("normalized") and any(c.isspace() for c in token.get("content", "")):
             breaks = False  # matched on the normalized text, where a break became a space
     return twin, breaks
+
+
+def _type_arrays(encodings: Sequence[Encoding]) -> list[np.ndarray]:
+    """The encodings' segment ids as int64 arrays."""
+    return [np.fromiter(x, np.int64, len(x)) for x in (e.type_ids for e in encodings)]

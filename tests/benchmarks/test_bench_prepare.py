@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks.bench_prepare import FIGURES, LOSSES, main
+from benchmarks.bench_prepare import FIGURES, LOSSES, PAIR_FIGURES, main
 from benchmarks.workloads import workload_lengths
 
 
@@ -19,13 +19,21 @@ def test_bench_prepare_reports_rounds_per_figure(tmp_path: Path) -> None:
     out = tmp_path / "prepare.json"
     readme = Path(__file__).resolve().parents[2] / "README.md"
     argv = ["--n", "40", "--rounds", "3", "--spin-alone", "0.02", "--output", str(out)]
-    argv += ["--corpus", str(readme)]
+    argv += ["--corpus", str(readme), "--pairs"]
     report = main(argv)
     assert json.loads(out.read_text())["workloads"] == report["workloads"]
     assert report["unit"] == "microseconds per input"
     limit = report["max_model_len"]
     assert limit == 256  # the packaged all-MiniLM-L6-v2's
-    assert list(report["workloads"]) == ["queries", "passages", "prose"]
+    assert list(report["workloads"]) == ["queries", "passages", "prose", "pairs"]
+    pairs = report["workloads"]["pairs"]
+    assert pairs["num_inputs"] == 40
+    # A query's and a passage's own tokens (a workload's lengths count two special tokens),
+    # with the pair's three, cut to the limit where over it.
+    own = workload_lengths("queries", 40) + np.minimum(workload_lengths("passages", 40), limit)
+    assert pairs["num_tokens"] == int(np.minimum(own - 4 + 3, limit).sum())
+    for name in PAIR_FIGURES:
+        assert len(pairs[name]["rounds"]) == 3 and pairs[name]["median"] > 0
     for w in ("queries", "passages", "prose"):
         result = report["workloads"][w]
         assert result["num_inputs"] == 40
