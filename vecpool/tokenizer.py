@@ -11,8 +11,9 @@ pre-tokenizer is BERT's, which splits on them as on the space the BERT normalize
 them (and no added token matched on normalized text holds whitespace). Any other text takes
 the tokenizer as it is.
 
-Large batches of single texts whose tokenizer is BERT's WordPiece, when only their ids are
-wanted, mostly skip the library altogether (`encode_ids`, `vecpool.wordpiece`).
+Large batches of single texts or of text pairs whose tokenizer is BERT's WordPiece, when only
+their ids (and a pair's segment ids) are wanted, mostly skip the library altogether
+(`encode_ids`, `encode_pair_ids`, `vecpool.wordpiece`).
 """
 
 from __future__ import annotations

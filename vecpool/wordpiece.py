@@ -27,17 +27,22 @@ zero past the word's end: no hash that two strings could share), so a word found
 entry. A word not there (longer than 24 bytes, holding a stand-in, or not in the vocabulary as
 a whole) takes WordPiece's own loop in Python on the vocabulary's dictionary and the normalized
 text, its result cached: a text's rare words are few, and repeat. The template's special
-tokens, and the truncation, are index arithmetic on the flat result. The batch is one `str`,
-so the work holds the interpreter lock for a few dozen array operations (NumPy releases it
-inside most of them), the translation of texts outside ASCII and the loop over rare words.
+tokens, and the truncation, are index arithmetic on the flat result. A text pair (a cross-
+encoder's query and document, `encode_pairs`) is its two texts tokenized so, then the pair
+template's special tokens and segment ids, and the library's longest-first truncation (the
+shorter text whole where the longer can give up the rest, else half each), in the same way. The
+batch is one `str`, so the work holds the interpreter lock for a few dozen array operations
+(NumPy releases it inside most of them), the translation of texts outside ASCII and the loop
+over rare words.
 
 What it serves is checked when it is built and per text: a `tokenizer.json` of BERT's
 normalizer, pre-tokenizer and WordPiece model whose post-processor wraps a single text in fixed
-special tokens of segment 0; single texts with no ASCII control character but tabs and line
-breaks, no character that the library normalizes differently by its neighbours (combining
-marks) or that it cannot take (a lone surrogate), and no added token's text (in any case,
-before or after normalizing, tabs and line breaks read as spaces). Any other text is `None`,
-and the caller tokenizes it with the library.
+special tokens of segment 0 (and pairs where it puts fixed special tokens before, between and
+after the two texts, each part of one segment); texts with no ASCII control character but tabs
+and line breaks, no character that the library normalizes differently by its neighbours
+(combining marks) or that it cannot take (a lone surrogate), and no added token's text (in any
+case, before or after normalizing, tabs and line breaks read as spaces). Any other text is
+`None`, and the caller tokenizes it with the library.
 """
 
 from __future__ import annotations
@@ -120,8 +125,9 @@ _KEEP = np.array(
 
 
 class ArrayWordPiece:
-    """Exact WordPiece ids of single texts, for one `tokenizer.json` of BERT's kind (see the
-    module's docstring). Build with `build`; `encode` gives None where it does not apply."""
+    """Exact WordPiece ids of single texts and of text pairs, for one `tokenizer.json` of
+    BERT's kind (see the module's docstring). Build with `build`; `encode` and `encode_pairs`
+    give None where they do not apply."""
 
     def __init__(
         self,
