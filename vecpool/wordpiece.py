@@ -27,8 +27,8 @@ zero past the word's end: no hash that two strings could share), so a word found
 entry. A word not there (longer than 24 bytes, holding a stand-in, or not in the vocabulary as
 a whole) takes WordPiece's own loop in Python on the vocabulary's dictionary and the normalized
 text, its result cached: a text's rare words are few, and repeat. The template's special
-tokens, and the truncation, are index arithmetic on the flat result. A text pair (a cross-
-encoder's query and document, `encode_pairs`) is its two texts tokenized so, then the pair
+tokens, and the truncation, are index arithmetic on the flat result. A text pair (a
+cross-encoder's query and document, `encode_pairs`) is its two texts tokenized so, then the pair
 template's special tokens and segment ids, and the library's longest-first truncation (the
 shorter text whole where the longer can give up the rest, else half each), in the same way. The
 batch is one `str`, so the work holds the interpreter lock for a few dozen array operations
