@@ -17,6 +17,8 @@ from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 import vecpool
 from tests.helpers import assert_rel_close, save_hf_model
 from tests.models.test_decoders import ARCHS, VOCAB
+from vecpool import tokenizer as tokenizer_module
+from vecpool.wordpiece import ArrayWordPiece
 
 QUERY = "what does a cat eat"
 DOCS = [
@@ -77,6 +79,32 @@ def test_pairs_tokenize_as_transformers(
     reference = CrossEncoder(str(cross_encoder[0]), device="cpu", max_length=16)
     ours = engine.score(QUERY, [long_doc, DOCS[0]], truncate_prompt_tokens=16)
     assert_rel_close(ours, reference.predict([(QUERY, long_doc), (QUERY, DOCS[0])]))
+
+
+def test_a_large_rerank_call_scores_as_sentence_transformers(
+    cross_encoder: tuple[Path, Any],
+    cross_encoder_engine: vecpool.Engine,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A call large enough for the array path of WordPiece pairs (`encode_pairs`, taken once)
+    scores as sentence-transformers does, and bit for bit as the same call through the
+    library: the same prompts, in the same steps."""
+    calls: list[int] = []
+    encode_pairs = ArrayWordPiece.encode_pairs
+
+    def counted(self: ArrayWordPiece, pairs: Any, *args: Any) -> Any:
+        calls.append(len(pairs))
+        return encode_pairs(self, pairs, *args)
+
+    monkeypatch.setattr(ArrayWordPiece, "encode_pairs", counted)
+    docs = [f"{d}, and {e}" for d in DOCS for e in DOCS]
+    scores = cross_encoder_engine.score(QUERY, docs)
+    assert calls == [len(docs)]
+    reference = CrossEncoder(str(cross_encoder[0]), device="cpu")
+    assert_rel_close(scores, reference.predict([(QUERY, d) for d in docs]))
+    monkeypatch.setattr(tokenizer_module, "WORDPIECE_MIN_CHARS", 1 << 62)
+    assert np.array_equal(cross_encoder_engine.score(QUERY, docs), scores)
+    assert calls == [len(docs)]  # the library's this time
 
 
 def test_score_rejects_mismatched_sides(cross_encoder_engine: vecpool.Engine) -> None:
