@@ -59,7 +59,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -119,6 +120,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+@contextmanager
+def library_only() -> Iterator[None]:
+    """Every batch to the `tokenizers` library while inside: `vecpool.wordpiece`'s array
+    path off (the baseline of `text`)."""
+    threshold = tokenizer_module.WORDPIECE_MIN_CHARS
+    tokenizer_module.WORDPIECE_MIN_CHARS = sys.maxsize
+    try:
+        yield
+    finally:
+        tokenizer_module.WORDPIECE_MIN_CHARS = threshold
+
+
 def _timed(fn: Callable[[], object]) -> tuple[float, float]:
     """Seconds of `fn()`: wall, and CPU of the calling thread (the tokenizer's own threads
     are not counted there: what is left is Python, holding the GIL, and the conversion of the
@@ -175,12 +188,8 @@ def measure(
 
     def prepare_library(items: list[Any]) -> list[Any]:
         """`prepare` with every batch tokenized by the library."""
-        threshold = tokenizer_module.WORDPIECE_MIN_CHARS
-        tokenizer_module.WORDPIECE_MIN_CHARS = sys.maxsize
-        try:
+        with library_only():
             return prepare(items)
-        finally:
-            tokenizer_module.WORDPIECE_MIN_CHARS = threshold
 
     def tokenize(fast: bool) -> Callable[[], object]:
         encode = getattr(floor, "encode_batch_fast", None) if fast else None
@@ -265,12 +274,8 @@ def measure_pairs(engine: vecpool.Engine, pairs: list[tuple[str, str]], rounds: 
         ]
 
     def prepare_library() -> list[Any]:
-        threshold = tokenizer_module.WORDPIECE_MIN_CHARS
-        tokenizer_module.WORDPIECE_MIN_CHARS = sys.maxsize
-        try:
+        with library_only():
             return prepare()
-        finally:
-            tokenizer_module.WORDPIECE_MIN_CHARS = threshold
 
     # Both paths make the same prompts: ids and segment ids.
     for a, b in zip(prepare(), prepare_library(), strict=True):

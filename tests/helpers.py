@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 
 import vecpool
@@ -98,3 +99,17 @@ def run_interpreted(script: str, *args: str) -> Any:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.splitlines()[-1])
+
+
+def batch_sizes_of(monkeypatch: pytest.MonkeyPatch, cls: type, method: str) -> list[int]:
+    """The sizes of the batches `cls.method` is called with from now on (its first argument
+    after `self`), in order; the method still runs."""
+    sizes: list[int] = []
+    original = getattr(cls, method)
+
+    def counted(self: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
+        sizes.append(len(batch))
+        return original(self, batch, *args, **kwargs)
+
+    monkeypatch.setattr(cls, method, counted)
+    return sizes

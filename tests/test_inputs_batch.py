@@ -13,6 +13,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from tests.helpers import batch_sizes_of
 from vecpool.errors import InputError
 from vecpool.inputs import InputLimits, InputProcessor, TextOptions, TextTokenizer
 from vecpool.wordpiece import ArrayWordPiece
@@ -198,14 +199,7 @@ def test_a_large_batch_of_text_pairs_is_the_tokenizers_ids_and_segments(
     """A rerank-sized batch of pairs goes through `ArrayWordPiece` (one that it declines, to
     the library) and gives the library's ids and segment ids."""
     tokenizer_file = default_model_dir / "tokenizer.json"
-    calls: list[int] = []
-    encode_pairs = ArrayWordPiece.encode_pairs
-
-    def counted(self: ArrayWordPiece, pairs: Any, *args: Any) -> Any:
-        calls.append(len(pairs))
-        return encode_pairs(self, pairs, *args)
-
-    monkeypatch.setattr(ArrayWordPiece, "encode_pairs", counted)
+    calls = batch_sizes_of(monkeypatch, ArrayWordPiece, "encode_pairs")
     processor = InputProcessor(limits(), TextTokenizer(tokenizer_file))
     rng = random.Random(0)
     words = "the quick brown fox jumps over a lazy dog, café naïve 東京 🙂 unquestionably".split()

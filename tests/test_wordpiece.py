@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
+from tests.helpers import batch_sizes_of
 from vecpool import tokenizer as tokenizer_module
 from vecpool.tokenizer import TextTokenizer
 from vecpool.wordpiece import ArrayWordPiece
@@ -252,14 +253,7 @@ def test_encode_ids_takes_the_fast_path_for_large_batches_only(
     default_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ours = TextTokenizer(default_model_dir / "tokenizer.json")
-    calls: list[int] = []
-    encode = ArrayWordPiece.encode
-
-    def counted(self: ArrayWordPiece, texts: Any, *args: Any) -> Any:
-        calls.append(len(texts))
-        return encode(self, texts, *args)
-
-    monkeypatch.setattr(ArrayWordPiece, "encode", counted)
+    calls = batch_sizes_of(monkeypatch, ArrayWordPiece, "encode")
     config = _config(default_model_dir)
     texts = _no_added(_texts(random.Random(2), _ascii_vocab(config), 64), config)
     small = texts[:2]
@@ -354,14 +348,7 @@ def test_encode_pair_ids_fills_in_what_the_fast_path_declines(
     default_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ours = TextTokenizer(default_model_dir / "tokenizer.json")
-    calls: list[int] = []
-    encode_pairs = ArrayWordPiece.encode_pairs
-
-    def counted(self: ArrayWordPiece, pairs: Any, *args: Any) -> Any:
-        calls.append(len(pairs))
-        return encode_pairs(self, pairs, *args)
-
-    monkeypatch.setattr(ArrayWordPiece, "encode_pairs", counted)
+    calls = batch_sizes_of(monkeypatch, ArrayWordPiece, "encode_pairs")
     config = _config(default_model_dir)
     pairs = _pairs(_no_added(_texts(random.Random(5), _ascii_vocab(config), 80), config)[:64])
     pairs[3] = ("a\x0bcontrol character", pairs[3][1])  # left to the library

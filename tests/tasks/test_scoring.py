@@ -15,7 +15,7 @@ from sentence_transformers import CrossEncoder
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
 import vecpool
-from tests.helpers import assert_rel_close, save_hf_model
+from tests.helpers import assert_rel_close, batch_sizes_of, save_hf_model
 from tests.models.test_decoders import ARCHS, VOCAB
 from vecpool import tokenizer as tokenizer_module
 from vecpool.wordpiece import ArrayWordPiece
@@ -89,14 +89,7 @@ def test_a_large_rerank_call_scores_as_sentence_transformers(
     """A call large enough for the array path of WordPiece pairs (`encode_pairs`, taken once)
     scores as sentence-transformers does, and bit for bit as the same call through the
     library: the same prompts, in the same steps."""
-    calls: list[int] = []
-    encode_pairs = ArrayWordPiece.encode_pairs
-
-    def counted(self: ArrayWordPiece, pairs: Any, *args: Any) -> Any:
-        calls.append(len(pairs))
-        return encode_pairs(self, pairs, *args)
-
-    monkeypatch.setattr(ArrayWordPiece, "encode_pairs", counted)
+    calls = batch_sizes_of(monkeypatch, ArrayWordPiece, "encode_pairs")
     docs = [f"{d}, and {e}" for d in DOCS for e in DOCS]
     scores = cross_encoder_engine.score(QUERY, docs)
     assert calls == [len(docs)]
