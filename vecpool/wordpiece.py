@@ -75,6 +75,9 @@ _CLASS[1], _CLASS[2] = 1, 2
 _SEPARATOR = "\x00"
 _BREAKS_AS_SPACES = str.maketrans("\t\n\r", "   ")
 _CONTROL = re.compile(r"[\x01-\x08\x0b\x0c\x0e-\x1f\x7f]")  # besides the separator
+# The same as bytes: deleting them from a batch's bytes (`bytes.translate`) finds one about six
+# times faster than the pattern's search of the batch's text.
+_CONTROL_BYTES = bytes([*range(0x01, 0x09), 0x0B, 0x0C, *range(0x0E, 0x20), 0x7F])
 _NON_ASCII = re.compile(r"[^\x00-\x7f]")
 _CHARS = 1 << 16  # characters outside ASCII described at most (then such texts are not served)
 
@@ -331,12 +334,10 @@ class ArrayWordPiece:
         """For a batch of ASCII texts every one of which is served, the texts joined,
         normalized (twice: as text and as stand-ins, the same here); else None."""
         joined = _SEPARATOR.join(texts)
-        if (
-            not joined.isascii()
-            or _CONTROL.search(joined)
-            or joined.count(_SEPARATOR) != len(texts) - 1
-            or not all(texts)
-        ):
+        if not joined.isascii() or joined.count(_SEPARATOR) != len(texts) - 1 or not all(texts):
+            return None
+        raw = joined.encode("ascii")
+        if len(raw.translate(None, _CONTROL_BYTES)) != len(raw):
             return None
         normalized = joined.lower() if self._lowercase else joined
         if self._has_added(normalized if self._lowercase else joined.lower()):
