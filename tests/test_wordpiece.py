@@ -360,3 +360,4 @@ def test_encode_pair_ids_fills_in_what_the_fast_path_declines(
         expected = ours.encode_batch(batch, 20, "left", offsets=False)
         assert [a.tolist() for a in ids] == [e.ids for e in expected]
         assert [a.tolist() for a in type_ids] == [e.type_ids for e in expected]
+    assert ours.encode_pair_ids([], 20, "left") == ([], [])

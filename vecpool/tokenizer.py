@@ -105,6 +105,8 @@ class TextTokenizer:
         """Each (text, text_pair)'s ids and segment ids as int64 arrays, as `encode_batch`
         gives them with special tokens: the pairs of a large batch that `ArrayWordPiece`
         serves by it, the rest by the library."""
+        if not pairs:
+            return [], []
         out: list[tuple[np.ndarray, np.ndarray] | None] | None = None
         if self._wordpiece is not None and sum(len(a) + len(b) for a, b in pairs) >= (
             WORDPIECE_MIN_CHARS
