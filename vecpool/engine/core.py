@@ -167,7 +167,7 @@ class EngineCore:
         scheduled: a server that takes its requests between steps adds those that arrived
         meanwhile, so that the next step can be prepared (and this one pooled behind it).
         """
-        with self._step_lock:
+        with self._step_lock, self.model_runner.on_device():
             current = self._prefetched or self._prepare_next()
             self._prefetched = None
             if current is not None and any(r.is_done for r in current[0].requests):

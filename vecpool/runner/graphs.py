@@ -410,11 +410,14 @@ class StepGraphs:
         only, when the step was one)."""
         if self.capture:
             try:
-                stream = torch.cuda.Stream()
-                stream.wait_stream(torch.cuda.current_stream())
+                # The capture runs on the current device: the engine makes the model's
+                # current around its steps and warm-up (`ModelRunner.on_device`).
+                device = self.x.device
+                stream = torch.cuda.Stream(device)
+                stream.wait_stream(torch.cuda.current_stream(device))
                 with torch.cuda.stream(stream):
                     self._forward(key, entry)  # a first run: library handles, workspaces
-                torch.cuda.current_stream().wait_stream(stream)
+                torch.cuda.current_stream(device).wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                     self._forward(key, entry)

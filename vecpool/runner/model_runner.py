@@ -90,7 +90,17 @@ class ModelRunner:
                 else None
             )
             if self.graphs is not None and self.graphs.capture:
-                self.graphs.warm_up()
+                with self.on_device():
+                    self.graphs.warm_up()
+
+    def on_device(self) -> contextlib.AbstractContextManager[object]:
+        """The model's device made the current one while inside: what torch and Triton put on
+        the current device (streams, events, graph captures, kernel launches) then lands on the
+        model's, wherever the calling thread's current device was (another engine's, or device
+        0 in a thread of its own). A no-op off CUDA."""
+        if self.device.type != "cuda":
+            return contextlib.nullcontext()
+        return torch.cuda.device(self.device)
 
     @torch.inference_mode()
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:

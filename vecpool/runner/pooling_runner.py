@@ -79,7 +79,7 @@ class PoolingRunner:
         if self._stream is None:
             return None
         event = torch.cuda.Event()
-        event.record()
+        event.record(torch.cuda.current_stream(self.device))
         return event
 
     def pool(

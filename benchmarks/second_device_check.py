@@ -1,0 +1,128 @@
+"""An engine on a second CUDA device answers as the same engine on the first: the check to run
+on a machine with two GPUs.
+
+    python benchmarks/second_device_check.py --output second_device.json
+
+Per architecture (random weights, head size 64, bf16, compiled and replayed from CUDA graphs,
+as `vecpool serve` runs them): one engine on cuda:0 and one on cuda:1 in this process, while
+the current device stays cuda:0, the same prompts through each (steps small enough for the
+graphs, packed steps of short prompts, and longer prompts). cuda:1's answers are taken three
+ways: `Engine` from this thread, `Engine` from a thread of its own (a thread's current device
+starts at 0) and `AsyncEngine` (its loop thread). Each must equal cuda:0's bit for bit: the
+same kernels on the same kind of device. Before the engine made its device the current one
+around its steps (`ModelRunner.on_device`), graph captures, events and Triton launches went
+to device 0 and an engine on cuda:1 failed with device-side asserts
+(`dp_qwen3-0.6b_h200x2_before_fix.json`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import vecpool
+from benchmarks import record
+from benchmarks.gpu_check import _models
+from tests.helpers import engine_hidden, random_prompts, save_hf_model
+
+# Short prompts (graphed and packed steps) and long ones (a step of its own), 101-token vocab.
+LENGTHS = [1, 3, 9, 17, 30, 64, 100, 257, 500, *[12] * 40, *[40] * 40]
+ARCHS = ("bert", "modernbert", "qwen3", "gemma3", "llama")
+
+
+def _max_abs(a: list[np.ndarray], b: list[np.ndarray]) -> float:
+    return max(float(np.abs(x - y).max()) for x, y in zip(a, b, strict=True))
+
+
+async def _async_pooled(engine: vecpool.Engine, prompts: list[list[int]]) -> list[np.ndarray]:
+    """Each prompt as a call of its own through `AsyncEngine` (its loop thread steps)."""
+    from vecpool.api.async_engine import AsyncEngine
+    from vecpool.tasks import PoolingParams
+
+    served = AsyncEngine(engine)
+    served.start()
+    try:
+        calls = [served.pool([p], PoolingParams(normalize=False)) for p in prompts]
+        out = await asyncio.gather(*calls)
+    finally:
+        served.shutdown()
+    return [np.asarray(o[0].data) for o in out]
+
+
+def check(
+    name: str, build: Any, tmp: Path, compile: bool, devices: tuple[str, str]
+) -> dict[str, Any]:
+    torch.manual_seed(0)
+    folder = save_hf_model(build().eval(), tmp / name)
+    prompts = random_prompts(101, LENGTHS, seed=1)
+    kw = dict(dtype=torch.bfloat16, compile=compile, cuda_graphs=True)
+    cuda = devices[0].startswith("cuda")
+    if cuda:
+        torch.cuda.set_device(0)
+    first = vecpool.Engine(folder, device=devices[0], **kw)
+    second = vecpool.Engine(folder, device=devices[1], **kw)
+    row: dict[str, Any] = {"arch": name, "compiled": compile}
+    truth = engine_hidden(first, prompts)
+    row["this_thread_max_abs"] = _max_abs(engine_hidden(second, prompts), truth)
+    with ThreadPoolExecutor(1) as pool:
+        other = pool.submit(engine_hidden, second, prompts).result()
+    row["other_thread_max_abs"] = _max_abs(other, truth)
+    # AsyncEngine's calls (one prompt each) against cuda:0's pooled vectors of the same calls.
+    pooled = [first.embed([p], normalize=False)[0] for p in prompts]
+    row["async_engine_max_abs"] = _max_abs(asyncio.run(_async_pooled(second, prompts)), pooled)
+    graphs = second.model_runner.graphs
+    row["cuda1_graph_replays"] = graphs.replays if graphs is not None else 0
+    row["current_device_after"] = torch.cuda.current_device() if cuda else 0
+    row["ok"] = bool(
+        row["this_thread_max_abs"] == 0.0
+        and row["other_thread_max_abs"] == 0.0
+        and row["async_engine_max_abs"] == 0.0
+        and row["current_device_after"] == 0
+    )
+    return row
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--output", type=Path)
+    parser.add_argument("--archs", nargs="*", default=list(ARCHS))
+    parser.add_argument("--no-compile", action="store_true", help="eager layers (graphs stay)")
+    parser.add_argument(
+        "--devices", nargs=2, default=["cuda:0", "cuda:1"], help="cpu cpu: a check of the script"
+    )
+    record.add_args(parser)
+    args = parser.parse_args(argv)
+    if args.devices[1].startswith("cuda") and torch.cuda.device_count() < 2:
+        print("this check needs two CUDA devices", file=sys.stderr)
+        return 2
+    report: dict[str, Any] = {
+        **record.header("second_device_check.py", argv, device=args.devices[1], commit=args.commit),
+        "rows": [],
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, build in _models():
+            if name not in args.archs:
+                continue
+            try:
+                row = check(name, build, Path(tmp), not args.no_compile, tuple(args.devices))
+            except Exception as exc:  # report and go on to the next architecture
+                row = {"arch": name, "ok": False, "error": f"{type(exc).__name__}: {exc}"}
+            print(json.dumps(row), flush=True)
+            report["rows"].append(row)
+    record.write(args.output, report)
+    return 0 if report["rows"] and all(r["ok"] for r in report["rows"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
