@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 STARTUP_SECONDS = 600
+_REFUSALS = 5  # non-200 bodies a round keeps, to say why the server refused
 
 
 @dataclass
@@ -110,6 +111,7 @@ class Round:
     tokens: int = 0
     connection_errors: Counter[str] = field(default_factory=Counter)
     statuses: Counter[int] = field(default_factory=Counter)
+    refusals: list[str] = field(default_factory=list)  # the first few non-200 bodies
     answers: dict[int, dict[str, Any]] = field(default_factory=dict)  # a sample, by body index
 
     def summary(self) -> dict[str, Any]:
@@ -134,7 +136,14 @@ class Round:
             "connection_errors": dict(self.connection_errors),
             "connection_error_count": sum(self.connection_errors.values()),
             "statuses": {str(k): v for k, v in sorted(self.statuses.items())},
+            "refusals": self.refusals,
         }
+
+    def refused(self, status: int, body: bytes) -> None:
+        """A non-200 answer: counted, and its body kept while fewer than `_REFUSALS` are."""
+        self.statuses[status] += 1
+        if len(self.refusals) < _REFUSALS:
+            self.refusals.append(f"{status} {body[:300].decode(errors='replace')}")
 
     def latency_split(self) -> dict[str, dict[str, float]] | None:
         """Mean and median milliseconds of a request's latency by where it went: `tokenize`
@@ -197,9 +206,10 @@ async def run_round(
             except httpx.TransportError as exc:  # a connection reset, refused, timed out...
                 result.connection_errors[type(exc).__name__] += 1
                 continue
-            result.statuses[response.status_code] += 1
             if response.status_code != 200:
+                result.refused(response.status_code, response.content)
                 continue
+            result.statuses[200] += 1
             result.latencies.append(time.perf_counter() - start)
             times = server_times(response.headers)
             if times is not None:
@@ -226,9 +236,13 @@ async def run_round(
                     conn.close()
                 conn = None
                 continue
-            result.statuses[status] += 1
             if status != 200:
+                result.refused(status, body)
+                if headers.get("connection", "").lower() == "close":
+                    conn.close()  # the server closes it: the next request on it would fail
+                    conn = None
                 continue
+            result.statuses[200] += 1
             result.latencies.append(time.perf_counter() - start)
             times = server_times(headers)
             if times is not None:
@@ -353,6 +367,7 @@ def load(
         total.tokens += r.tokens
         total.connection_errors.update(r.connection_errors)
         total.statuses.update(r.statuses)
+        total.refusals += r.refusals[: _REFUSALS - len(total.refusals)]
     return total
 
 
