@@ -8,8 +8,9 @@ as `vecpool serve` runs them): one engine on cuda:0 and one on cuda:1 in this pr
 the current device stays cuda:0, the same prompts through each (steps small enough for the
 graphs, packed steps of short prompts, and longer prompts). cuda:1's answers are taken three
 ways: `Engine` from this thread, `Engine` from a thread of its own (a thread's current device
-starts at 0) and `AsyncEngine` (its loop thread). Each must equal cuda:0's bit for bit: the
-same kernels on the same kind of device. Before the engine made its device the current one
+starts at 0) and `AsyncEngine` (its loop thread). With eager layers each must equal cuda:0's
+bit for bit (the same kernels on the same kind of device); compiled, within 2^-6 of the
+largest value (below). Both engines must replay steps from CUDA graphs. Before the engine made its device the current one
 around its steps (`ModelRunner.on_device`), graph captures, events and Triton launches went
 to device 0 and an engine on cuda:1 failed with device-side asserts
 (`dp_qwen3-0.6b_h200x2_before_fix.json`).
@@ -81,13 +82,21 @@ def check(
     # AsyncEngine's calls (one prompt each) against cuda:0's pooled vectors of the same calls.
     pooled = [first.embed([p], normalize=False)[0] for p in prompts]
     row["async_engine_max_abs"] = _max_abs(asyncio.run(_async_pooled(second, prompts)), pooled)
-    graphs = second.model_runner.graphs
-    row["cuda1_graph_replays"] = graphs.replays if graphs is not None else 0
+    for label, engine in (("first", first), ("second", second)):
+        graphs = engine.model_runner.graphs
+        row[f"{label}_graphs_enabled"] = bool(graphs is not None and graphs.enabled)
+        row[f"{label}_graph_replays"] = graphs.replays if graphs is not None else 0
+    row["largest_abs"] = max(float(np.abs(x).max()) for x in truth)
     row["current_device_after"] = torch.cuda.current_device() if cuda else 0
+    diffs = [row[f"{k}_max_abs"] for k in ("this_thread", "other_thread", "async_engine")]
+    # Eager layers run the same kernels on both devices: equal bit for bit. Compiled ones may
+    # not: Inductor picks among a kernel's configurations by timing each on its own device, and
+    # another pick sums in another order, a few bf16 ulps of the largest value (2^-8 of it).
+    bound = 0.0 if not compile else row["largest_abs"] * 2**-6
     row["ok"] = bool(
-        row["this_thread_max_abs"] == 0.0
-        and row["other_thread_max_abs"] == 0.0
-        and row["async_engine_max_abs"] == 0.0
+        all(d <= bound for d in diffs)
+        and row["second_graphs_enabled"] == row["first_graphs_enabled"]
+        and (row["second_graph_replays"] > 0 or not row["first_graphs_enabled"])
         and row["current_device_after"] == 0
     )
     return row

@@ -5,14 +5,22 @@ Counting inputs does not bound waiting (4,096 inputs of 500 tokens are minutes o
 CPU, of 5 tokens a fraction of a second); counting tokens at the engine's own speed does.
 Until the engine has measured itself, only the input cap (`max_queued`) applies. A call that
 finds the queue empty is always admitted, however large: nothing waits behind nothing.
+
+The speed is the best of the last `_SAMPLES` samples, not their mean: stepping stalls now and
+then (a step compiled or a CUDA graph recorded for a shape not seen before, a tail of small
+steps as a burst drains), and a mean that such samples pull down refuses calls the engine
+then serves in a fraction of the bound (Qwen3-0.6B on an H200, 64 clients of 32 passages each:
+"about 37.6 s of work" for a queue answered within 0.9 s, 1-2% of the calls refused). A
+slower workload shows in the estimate once the faster samples have aged out.
 """
 
 from __future__ import annotations
 
-# Busy seconds of stepping gathered into one throughput sample, and the weight of a new
-# sample against the running estimate.
+from collections import deque
+
+# Busy seconds of stepping gathered into one throughput sample, and the samples kept.
 _SAMPLE_SECONDS = 0.2
-_SAMPLE_WEIGHT = 0.5
+_SAMPLES = 16
 
 
 class Admission:
@@ -27,6 +35,7 @@ class Admission:
         self.tokens_per_second: float | None = None  # None until measured
         self._done_tokens = 0  # tokens finished since the last sample
         self._busy = 0.0  # seconds stepped since the last sample
+        self._samples: deque[float] = deque(maxlen=_SAMPLES)  # tokens/s, newest last
 
     def expected_wait(self, tokens: int = 0) -> float:
         """Seconds the queued work (plus `tokens`) takes at the measured speed; 0 unknown."""
@@ -63,9 +72,6 @@ class Admission:
         self._busy += seconds
         if self._busy < _SAMPLE_SECONDS or self._done_tokens == 0:
             return
-        sample = self._done_tokens / self._busy
-        old = self.tokens_per_second
-        self.tokens_per_second = (
-            sample if old is None else (1 - _SAMPLE_WEIGHT) * old + _SAMPLE_WEIGHT * sample
-        )
+        self._samples.append(self._done_tokens / self._busy)
+        self.tokens_per_second = max(self._samples)
         self._done_tokens, self._busy = 0, 0.0
