@@ -410,8 +410,10 @@ class StepGraphs:
         only, when the step was one)."""
         if self.capture:
             try:
-                # The capture runs on the current device: the engine makes the model's
-                # current around its steps and warm-up (`ModelRunner.on_device`).
+                # On a stream of the model's device: torch's default capture stream is made
+                # once per process, on whichever device was current then (another engine's).
+                # The engine makes the model's device current around its steps and warm-up
+                # (`ModelRunner.on_device`), as the kernels launched here need.
                 device = self.x.device
                 stream = torch.cuda.Stream(device)
                 stream.wait_stream(torch.cuda.current_stream(device))
@@ -419,7 +421,9 @@ class StepGraphs:
                     self._forward(key, entry)  # a first run: library handles, workspaces
                 torch.cuda.current_stream(device).wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                with torch.cuda.graph(
+                    graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"
+                ):
                     self._forward(key, entry)
             except Exception as exc:  # a forward that cannot be recorded still runs without
                 off = "CUDA graphs are off"
