@@ -33,7 +33,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks import record
 from benchmarks.bench_online import BATCH_INPUTS
-from benchmarks.serving import ServerProcess, Workload, add_server_and_client_args, load
+from benchmarks.serving import (
+    AdmissionWatch,
+    ServerProcess,
+    Workload,
+    add_server_and_client_args,
+    load,
+)
 from benchmarks.workloads import SHAPES, make_inputs, workload_lengths, write_folder
 
 MODES = ("serve", "embed")
@@ -89,8 +95,9 @@ def run_serve(model: Path, texts: list[str], size: int, args: argparse.Namespace
         before = answered_tokens(server.url)
         rounds = []
         for _ in range(args.repeats):
-            r = load(server.url, workload, args.clients, limit=n, args=args, pool=pool)
-            rounds.append(r.summary())
+            with AdmissionWatch(server.url) as watch:
+                r = load(server.url, workload, args.clients, limit=n, args=args, pool=pool)
+            rounds.append({**r.summary(), "admission": watch.summary()})
         after = answered_tokens(server.url)
     finally:
         if pool is not None:

@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -44,6 +45,59 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+class AdmissionWatch:
+    """Polls the server's /metrics on a thread while it runs (`with`): the engine's expected
+    wait and measured speed as admission saw them, to show why calls were refused."""
+
+    NAMES = ("vecpool_engine_expected_wait_seconds", "vecpool_engine_measured_tokens_per_second")
+
+    def __init__(self, url: str, interval: float = 0.05):
+        self.url, self.interval = url, interval
+        self.samples: list[tuple[float, float, float]] = []  # (seconds in, wait, speed)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def __enter__(self) -> AdmissionWatch:
+        self._start = time.perf_counter()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _poll(self) -> None:
+        import httpx
+        from prometheus_client.parser import text_string_to_metric_families
+
+        with httpx.Client(timeout=5) as http:
+            while not self._stop.wait(self.interval):
+                values = {}
+                for family in text_string_to_metric_families(http.get(f"{self.url}/metrics").text):
+                    for sample in family.samples:
+                        if sample.name in self.NAMES:
+                            values[sample.name] = sample.value
+                if len(values) == len(self.NAMES):
+                    wait, speed = (values[n] for n in self.NAMES)
+                    self.samples.append((time.perf_counter() - self._start, wait, speed))
+
+    def summary(self) -> dict[str, Any]:
+        """The largest wait and the speeds around it; every sample whose wait exceeded 1 s
+        (the first 40)."""
+        if not self.samples:
+            return {"samples": 0}
+        worst = max(self.samples, key=lambda x: x[1])
+        speeds = [x[2] for x in self.samples if x[2] > 0]
+        return {
+            "samples": len(self.samples),
+            "max_wait_s": worst[1],
+            "speed_at_max_wait": worst[2],
+            "min_speed": min(speeds) if speeds else 0.0,
+            "max_speed": max(speeds) if speeds else 0.0,
+            "over_1s": [list(x) for x in self.samples if x[1] > 1.0][:40],
+        }
 
 
 class ServerProcess:

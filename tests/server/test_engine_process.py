@@ -418,3 +418,31 @@ def test_messages_carry_prompts_and_outputs_exactly() -> None:
     for original, copy in zip(outputs[1:], got_out[1:], strict=True):
         assert type(copy.error) is type(original.error)
         assert str(copy.error) == str(original.error)
+
+
+def test_the_expected_wait_and_measured_speed_are_metrics() -> None:
+    """What admission compares, on /metrics: set at each reply by the engine process, read at
+    each scrape where the engine runs in the app's process."""
+    from prometheus_client import CollectorRegistry
+
+    from vecpool.api.admission import Admission
+    from vecpool.server.metrics import EngineMetrics
+
+    admission = Admission(max_queued=64, max_wait=1.0)
+    admission.add(4, 600)
+    for follow in (False, True):
+        registry = CollectorRegistry()
+        metrics = EngineMetrics(registry)
+        admission.tokens_per_second = 1_000.0
+        if follow:
+            metrics.follow_admission(admission)
+        else:
+            metrics.set_admission(admission)
+
+        def read(name: str) -> float | None:
+            return registry.get_sample_value(name)  # noqa: B023 (read at once, in this pass)
+
+        assert read("vecpool_engine_expected_wait_seconds") == 0.6
+        assert read("vecpool_engine_measured_tokens_per_second") == 1_000.0
+        admission.tokens_per_second = 2_000.0  # a scrape sees it; a set value waits for a reply
+        assert read("vecpool_engine_expected_wait_seconds") == (0.3 if follow else 0.6)

@@ -69,6 +69,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
             on_step=metrics.engine.on_step,
             on_request_done=metrics.engine.on_request_done,
         )
+        metrics.engine.follow_admission(front.admission)
         front.start()
         state.client = front
         async with _executor(state):

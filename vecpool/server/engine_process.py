@@ -226,6 +226,7 @@ class EngineLoop:
     def _flush(self) -> None:
         if self.metrics is not None:
             self.metrics.set_queue_size(self.admission.queued)
+            self.metrics.set_admission(self.admission)
         queued, wait = self.admission.queued, self.admission.expected_wait()
         for identity, calls in self.outbox.items():
             try:

@@ -26,6 +26,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.multiprocess import MultiProcessCollector
 
 if TYPE_CHECKING:  # types only: the API processes load nothing of the engine
+    from vecpool.api.admission import Admission
     from vecpool.engine.core import EngineCore
     from vecpool.engine.request import Request
 
@@ -182,6 +183,23 @@ class EngineMetrics:
         self.queue_size = _bound(queue, self._model)
         if queue_size is not None:
             self.queue_size.set_function(queue_size)
+        # What admission by expected wait compares (`Admission`), as of the engine's last reply.
+        wait = Gauge(
+            "vecpool_engine_expected_wait_seconds",
+            "Seconds of work queued in the engine at its measured speed",
+            by_model,
+            multiprocess_mode="livemax",
+            registry=r,
+        )
+        self.expected_wait = _bound(wait, self._model)
+        speed = Gauge(
+            "vecpool_engine_measured_tokens_per_second",
+            "The engine's prompt tokens per second of stepping, as admission measures it",
+            by_model,
+            multiprocess_mode="livemax",
+            registry=r,
+        )
+        self.measured_speed = _bound(speed, self._model)
         steps = Counter("vecpool_engine_steps", "Engine steps run", by_model, registry=r)
         self.engine_steps = _bound(steps, self._model)
         step_seconds = Histogram(
@@ -263,6 +281,17 @@ class EngineMetrics:
 
     def set_queue_size(self, n: int) -> None:
         self.queue_size.set(n)
+
+    def set_admission(self, admission: Admission) -> None:
+        """The queue's expected wait and the measured speed it is reckoned at (the engine
+        process, at each reply)."""
+        self.expected_wait.set(admission.expected_wait())
+        self.measured_speed.set(admission.tokens_per_second or 0.0)
+
+    def follow_admission(self, admission: Admission) -> None:
+        """The same, read at each scrape (an engine in the app's own process)."""
+        self.expected_wait.set_function(admission.expected_wait)
+        self.measured_speed.set_function(lambda: admission.tokens_per_second or 0.0)
 
 
 class EngineGroupMetrics:
