@@ -30,7 +30,7 @@ from vecpool.errors import (
     RequestFailedError,
 )
 from vecpool.inputs import Prompt
-from vecpool.server import engine_process, wire
+from vecpool.server import engine_client, engine_process, wire
 from vecpool.server.engine_client import EngineProcessClient
 from vecpool.server.engine_process import EngineLoop, EngineProcessConfig
 from vecpool.tasks import PoolingParams
@@ -196,13 +196,24 @@ def test_the_engine_admits_by_expected_wait_and_reports_it(
 
 
 def test_the_reported_wait_runs_down_with_time() -> None:
-    """A process whose calls are all answered hears from the engine no more: the wait it last
-    heard runs down as the engine works it off, so it cannot refuse everyone forever."""
+    """The wait an engine reported runs down as it works the queue off. A process whose calls
+    are all answered hears from the engine no more: past `STALE_WAIT` it stops acting on the
+    engine's word and lets the next call ask, so one misjudged word (77.6 s reported once, on
+    an engine whose queue held under a second of work) cannot refuse everyone for minutes."""
     client = EngineProcessClient("ipc:///nowhere", None, max_queued=8)
+    loop = asyncio.new_event_loop()
+    client._pending[1] = loop.create_future()  # a call of ours waits
     client._engine_wait, client._engine_wait_at = 5.0, time.monotonic() - 4.0
     assert 0.9 < client.expected_wait <= 1.0
     client._engine_wait_at -= 2.0
     assert client.expected_wait == 0.0
+    client._engine_wait, client._engine_wait_at = 80.0, time.monotonic() - 0.5
+    assert 79.4 < client.expected_wait <= 79.5  # fresh: refused before the body is read
+    del client._pending[1]
+    assert 79.4 < client.expected_wait <= 79.5  # within STALE_WAIT of the reply
+    client._engine_wait_at -= engine_client.STALE_WAIT
+    assert client.expected_wait == 0.0  # stale, and nothing of ours there: ask the engine
+    loop.close()
     client._engine_queued = 8  # stale: no call of ours is pending
     assert client.num_queued == 0
 

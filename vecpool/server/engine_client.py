@@ -28,6 +28,10 @@ from vecpool.server import wire
 
 logger = logging.getLogger(__name__)
 
+# Seconds after its last reply that an engine's word on its queue is acted on by a process
+# with no call of its own there (`EngineProcessClient.expected_wait`).
+STALE_WAIT = 1.0
+
 
 class EngineProcessClient:
     """Runs requests on the engine process at `address`. `start()` inside the event loop
@@ -105,8 +109,18 @@ class EngineProcessClient:
     @property
     def expected_wait(self) -> float:
         """Seconds of work the engine has queued, as of its last reply, less the time since:
-        the engine works it off meanwhile (an estimate; the engine decides exactly)."""
-        return max(0.0, self._engine_wait - (time.monotonic() - self._engine_wait_at))
+        the engine works it off meanwhile (an estimate; the engine decides exactly).
+
+        Only a call of ours brings a reply. With none pending and the last reply older than
+        `STALE_WAIT`, the word is not acted on (0): the next call goes to the engine, whose
+        admission decides and whose reply brings a fresh word. Otherwise a process could
+        keep refusing on a wait the engine misjudged once (its speed measured over a step
+        that compiled: an H200 refused calls as "about 77.6 s of work" while the engine's own
+        estimate stayed under 0.75 s), never asking the engine again."""
+        since = time.monotonic() - self._engine_wait_at
+        if not self._pending and since > STALE_WAIT:
+            return 0.0
+        return max(0.0, self._engine_wait - since)
 
     @property
     def is_running(self) -> bool:
