@@ -6,12 +6,11 @@ CPU, of 5 tokens a fraction of a second); counting tokens at the engine's own sp
 Until the engine has measured itself, only the input cap (`max_queued`) applies. A call that
 finds the queue empty is always admitted, however large: nothing waits behind nothing.
 
-The speed is the best of the last `_SAMPLES` samples, not their mean: stepping stalls now and
-then (a step compiled or a CUDA graph recorded for a shape not seen before, a tail of small
-steps as a burst drains), and a mean that such samples pull down refuses calls the engine
-then serves in a fraction of the bound (Qwen3-0.6B on an H200, 64 clients of 32 passages each:
-"about 37.6 s of work" for a queue answered within 0.9 s, 1-2% of the calls refused). A
-slower workload shows in the estimate once the faster samples have aged out.
+The speed is the best of the last `_SAMPLES` samples, not a running mean: stepping stalls now
+and then (a step that compiles, a CUDA graph recorded for a new shape, a tail of small steps
+as a burst drains), and a mean that such samples pull down misjudges the queue by as much as
+they are slow (the first sample after a compile, tens of times) until enough good samples
+follow. A slower workload shows in the estimate once the faster samples have aged out.
 """
 
 from __future__ import annotations
