@@ -114,9 +114,9 @@ class EngineProcessClient:
         Only a call of ours brings a reply. With none pending and the last reply older than
         `STALE_WAIT`, the word is not acted on (0): the next call goes to the engine, whose
         admission decides and whose reply brings a fresh word. Otherwise a process could
-        keep refusing on a wait the engine misjudged once (its speed measured over a step
-        that compiled: an H200 refused calls as "about 77.6 s of work" while the engine's own
-        estimate stayed under 0.75 s), never asking the engine again."""
+        keep refusing on a wait the engine misjudged once, never asking the engine again (an
+        H200 refused calls as "about 77.6 s of work" while the engine's own estimate, polled
+        every 50 ms, stayed under 0.75 s)."""
         since = time.monotonic() - self._engine_wait_at
         if not self._pending and since > STALE_WAIT:
             return 0.0
