@@ -14,6 +14,7 @@ def _step(admission: Admission, tokens: int, seconds: float) -> None:
 
 def test_stalls_do_not_lower_the_measured_speed() -> None:
     admission = Admission(max_queued=1 << 20, max_wait=10.0)
+    _step(admission, 32_000, 30.0)  # the first steps compile: a sample of ~1k tokens/s, dropped
     assert admission.tokens_per_second is None and admission.expected_wait(10**6) == 0.0
     for _ in range(4):  # steady stepping: 125,000 tokens in each 0.25 s
         _step(admission, 125_000, 0.25)
@@ -31,6 +32,7 @@ def test_stalls_do_not_lower_the_measured_speed() -> None:
 
 def test_a_slower_workload_shows_once_the_faster_samples_age_out() -> None:
     admission = Admission(max_queued=1 << 20, max_wait=1.0)
+    _step(admission, 100_000, 0.2)  # the first sample, dropped
     _step(admission, 100_000, 0.2)
     for i in range(_SAMPLES):
         _step(admission, 20_000, 0.2)  # long prompts: 100k tokens/s
@@ -43,6 +45,8 @@ def test_a_slower_workload_shows_once_the_faster_samples_age_out() -> None:
 
 def test_a_sample_gathers_a_fifth_of_a_second_of_stepping() -> None:
     admission = Admission(max_queued=16, max_wait=None)
+    _step(admission, 9_000, 0.2)  # the first sample, dropped
+    assert admission.tokens_per_second is None
     _step(admission, 1_000, 0.1)
     assert admission.tokens_per_second is None  # 0.1 s of stepping: not a sample yet
     _step(admission, 3_000, 0.1)

@@ -10,7 +10,9 @@ The speed is the best of the last `_SAMPLES` samples, not a running mean: steppi
 and then (a step that compiles, a CUDA graph recorded for a new shape, a tail of small steps
 as a burst drains), and a mean that such samples pull down misjudges the queue by as much as
 they are slow (the first sample after a compile, tens of times) until enough good samples
-follow. A slower workload shows in the estimate once the faster samples have aged out.
+follow. A slower workload shows in the estimate once the faster samples have aged out. The
+first sample is dropped: its steps carry the engine's one-off costs (compiling for the first
+shapes, the allocator's first requests), and alone it would be the estimate.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class Admission:
         self._done_tokens = 0  # tokens finished since the last sample
         self._busy = 0.0  # seconds stepped since the last sample
         self._samples: deque[float] = deque(maxlen=_SAMPLES)  # tokens/s, newest last
+        self._first_dropped = False
 
     def expected_wait(self, tokens: int = 0) -> float:
         """Seconds the queued work (plus `tokens`) takes at the measured speed; 0 unknown."""
@@ -71,6 +74,8 @@ class Admission:
         self._busy += seconds
         if self._busy < _SAMPLE_SECONDS or self._done_tokens == 0:
             return
-        self._samples.append(self._done_tokens / self._busy)
-        self.tokens_per_second = max(self._samples)
+        if self._first_dropped:
+            self._samples.append(self._done_tokens / self._busy)
+            self.tokens_per_second = max(self._samples)
+        self._first_dropped = True
         self._done_tokens, self._busy = 0, 0.0
