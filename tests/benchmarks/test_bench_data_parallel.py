@@ -34,3 +34,7 @@ def test_bench_data_parallel_runs_on_cpu(tmp_path: Path) -> None:
     assert set(by_engine) == {"0", "1"} and min(by_engine.values()) > 0
     assert abs(sum(by_engine.values()) - serve["tokens_per_s"] * serve["seconds"]) < 1e-3
     assert report["embed"]["1"]["tokens"] == report["embed"]["2"]["tokens"]
+    # Each serve round kept the engine's admission figures as polled, and no refusal.
+    for size in ("1", "2"):
+        assert "samples" in report["serve"][size]["admission"]
+        assert report["serve"][size]["refusals"] == []
