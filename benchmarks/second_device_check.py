@@ -10,10 +10,10 @@ graphs, packed steps of short prompts, and longer prompts). cuda:1's answers are
 ways: `Engine` from this thread, `Engine` from a thread of its own (a thread's current device
 starts at 0) and `AsyncEngine` (its loop thread). With eager layers each must equal cuda:0's
 bit for bit (the same kernels on the same kind of device); compiled, within 2^-6 of the
-largest value (below). Both engines must replay steps from CUDA graphs. Before the engine made its device the current one
-around its steps (`ModelRunner.on_device`), graph captures, events and Triton launches went
-to device 0 and an engine on cuda:1 failed with device-side asserts
-(`dp_qwen3-0.6b_h200x2_before_fix.json`).
+largest value (below). Both engines must replay steps from CUDA graphs. Before the engine
+made its device the current one around its steps (`ModelRunner.on_device`), graph captures,
+events and Triton launches went to device 0 and an engine on cuda:1 failed with device-side
+asserts (`dp_qwen3-0.6b_h200x2_before_fix.json`).
 """
 
 from __future__ import annotations
@@ -91,7 +91,8 @@ def check(
     diffs = [row[f"{k}_max_abs"] for k in ("this_thread", "other_thread", "async_engine")]
     # Eager layers run the same kernels on both devices: equal bit for bit. Compiled ones may
     # not: Inductor picks among a kernel's configurations by timing each on its own device, and
-    # another pick sums in another order, a few bf16 ulps of the largest value (2^-8 of it).
+    # another pick sums in another order: a few bf16 ulps of the largest value (an ulp is
+    # 2^-8 of it at most; the bound is four).
     bound = 0.0 if not compile else row["largest_abs"] * 2**-6
     row["ok"] = bool(
         all(d <= bound for d in diffs)

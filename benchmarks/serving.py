@@ -74,8 +74,12 @@ class AdmissionWatch:
 
         with httpx.Client(timeout=5) as http:
             while not self._stop.wait(self.interval):
+                try:
+                    text = http.get(f"{self.url}/metrics").text
+                except httpx.HTTPError:  # a scrape that timed out: the next one may not
+                    continue
                 values = {}
-                for family in text_string_to_metric_families(http.get(f"{self.url}/metrics").text):
+                for family in text_string_to_metric_families(text):
                     for sample in family.samples:
                         if sample.name in self.NAMES:
                             values[sample.name] = sample.value
