@@ -448,7 +448,7 @@ def test_the_expected_wait_and_measured_speed_are_metrics() -> None:
         if follow:
             metrics.follow_admission(admission)
         else:
-            metrics.set_admission(admission)
+            metrics.set_admission(admission.expected_wait(), admission.tokens_per_second)
 
         def read(name: str) -> float | None:
             return registry.get_sample_value(name)  # noqa: B023 (read at once, in this pass)

@@ -224,10 +224,10 @@ class EngineLoop:
         )
 
     def _flush(self) -> None:
-        if self.metrics is not None:
-            self.metrics.set_queue_size(self.admission.queued)
-            self.metrics.set_admission(self.admission)
         queued, wait = self.admission.queued, self.admission.expected_wait()
+        if self.metrics is not None:
+            self.metrics.set_queue_size(queued)
+            self.metrics.set_admission(wait, self.admission.tokens_per_second)
         for identity, calls in self.outbox.items():
             try:
                 self.socket.send_multipart(

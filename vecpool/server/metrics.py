@@ -282,11 +282,11 @@ class EngineMetrics:
     def set_queue_size(self, n: int) -> None:
         self.queue_size.set(n)
 
-    def set_admission(self, admission: Admission) -> None:
+    def set_admission(self, wait: float, tokens_per_second: float | None) -> None:
         """The queue's expected wait and the measured speed it is reckoned at (the engine
         process, at each reply)."""
-        self.expected_wait.set(admission.expected_wait())
-        self.measured_speed.set(admission.tokens_per_second or 0.0)
+        self.expected_wait.set(wait)
+        self.measured_speed.set(tokens_per_second or 0.0)
 
     def follow_admission(self, admission: Admission) -> None:
         """The same, read at each scrape (an engine in the app's own process)."""
