@@ -47,18 +47,18 @@ def _max_abs(a: list[np.ndarray], b: list[np.ndarray]) -> float:
 
 
 async def _async_pooled(engine: vecpool.Engine, prompts: list[list[int]]) -> list[np.ndarray]:
-    """Each prompt as a call of its own through `AsyncEngine` (its loop thread steps)."""
+    """The prompts as one call through `AsyncEngine` (its loop thread steps): the same steps
+    as `Engine.embed` of them, so that the answers may be compared bit for bit."""
     from vecpool.api.async_engine import AsyncEngine
     from vecpool.tasks import PoolingParams
 
     served = AsyncEngine(engine)
     served.start()
     try:
-        calls = [served.pool([p], PoolingParams(normalize=False)) for p in prompts]
-        out = await asyncio.gather(*calls)
+        out = await served.pool(prompts, PoolingParams(normalize=False))
     finally:
         served.shutdown()
-    return [np.asarray(o[0].data) for o in out]
+    return [np.asarray(o.data) for o in out]
 
 
 def check(
@@ -79,8 +79,8 @@ def check(
     with ThreadPoolExecutor(1) as pool:
         other = pool.submit(engine_hidden, second, prompts).result()
     row["other_thread_max_abs"] = _max_abs(other, truth)
-    # AsyncEngine's calls (one prompt each) against cuda:0's pooled vectors of the same calls.
-    pooled = [first.embed([p], normalize=False)[0] for p in prompts]
+    # AsyncEngine's call against cuda:0's pooled vectors of the same call.
+    pooled = list(first.embed(prompts, normalize=False))
     row["async_engine_max_abs"] = _max_abs(asyncio.run(_async_pooled(second, prompts)), pooled)
     for label, engine in (("first", first), ("second", second)):
         graphs = engine.model_runner.graphs
