@@ -13,15 +13,18 @@ attend through `packed_attention`'s kernel) with FlashAttention's varlen kernel 
 (each variant with CUDA graphs of its own). `--against unfused-rotary` compares the query /
 key norms and rotary positions of a decoder with those norms (Qwen3, Gemma3) through
 `qk_rotary`'s one kernel with the modules it replaces (compiled as the engine compiles them; CUDA graphs of its own
-too). Each variant of these three runs the whole workload once before the rounds, recording
-its graphs.
+too). `--against erf-gelu` compares compiled layers computing the exact GELU as
+`layers.fast_gelu` with the compiler's kernel for `F.gelu`; `--against graphs-8k` compares
+replaying steps up to the step budget (32,768 tokens at most, as narrow models do) with
+replaying them up to 8,192 (a model 1,024 wide or more, as the engine has it). Each variant of
+these five runs the whole workload once before the rounds, recording its graphs.
 
 For each `bench_gpu.py` shape and workload (from token ids, the engine's defaults): a warm-up,
 then `--rounds` pairs of `Engine.embed` calls, the order inside each pair alternating; tokens
 per second, the median of the rounds with every round kept, and the ratio of the medians. Both
 orders run the same steps through the same kernels: their outputs must be identical (checked;
-for the buckets, where a step's rows are padded to another count, the largest difference is
-kept too).
+for the buckets and graph sizes, where a step's rows are padded to another count, and the
+GELU's two formulas, the largest difference is kept too).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import vecpool
 from benchmarks import record
 from benchmarks.workloads import SHAPES, WORKLOADS, make_inputs, workload_lengths, write_folder
+from vecpool.models import layers as model_layers
 from vecpool.models import packed_attention
 from vecpool.runner import batch, graphs
 
@@ -55,9 +59,11 @@ LABELS = {
     "pow2-buckets": ("quarter buckets", "pow2 buckets"),
     "flash-attention": ("packed attention", "flash attention"),
     "unfused-rotary": ("one-kernel rotary", "unfused rotary"),
+    "erf-gelu": ("fast_gelu", "erf gelu"),
+    "graphs-8k": ("graphs to 32k", "graphs to 8k"),
 }
 # Variants that record CUDA graphs of their own before the clock.
-OWN_GRAPHS = ("pow2-buckets", "flash-attention", "unfused-rotary")
+OWN_GRAPHS = ("pow2-buckets", "flash-attention", "unfused-rotary", "erf-gelu", "graphs-8k")
 
 # The graphs' token buckets before quarter steps from 128: powers of two up to 1,024.
 POW2_UP_TO = 1024
@@ -99,6 +105,16 @@ def _set_variant(engine: vecpool.Engine, baseline: str, new: bool) -> None:
         _use_graph_set(engine, ("rotary", new), ("rotary", layers[0].one_kernel_rotary))
         for layer in layers:
             layer.one_kernel_rotary = new
+    elif baseline == "erf-gelu":
+        # Compiled layers guard on the switch: each value compiles (and records) its own.
+        _use_graph_set(engine, ("gelu", new), ("gelu", model_layers.COMPILED_FAST_GELU))
+        model_layers.COMPILED_FAST_GELU = new
+    elif baseline == "graphs-8k":
+        # Both share the graphs up to 8,192 tokens; the candidate replays steps up to 32,768.
+        if (step_graphs := engine.model_runner.graphs) is not None:
+            step_graphs.buckets = graphs.token_buckets(
+                graphs.NARROW_MAX_TOKENS if new else graphs.DEFAULT_MAX_TOKENS
+            )
     elif baseline == "pageable-copies":
         batch.upload = UPLOAD if new else _pageable_upload  # type: ignore[assignment]
     elif (step_graphs := engine.model_runner.graphs) is not None:
@@ -142,6 +158,8 @@ def main(argv: list[str]) -> dict[str, Any]:
     rows = report["rows"] = []
     for name in args.models:
         folder = write_folder(SHAPES[name], Path(tempfile.mkdtemp()), args.tokenizer, args.device)
+        if args.against == "graphs-8k":  # every width replays steps up to its step budget
+            graphs.NARROW_WIDTH = 1 << 30
         engine = vecpool.Engine(
             folder,
             device=args.device,
