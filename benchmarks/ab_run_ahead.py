@@ -13,8 +13,8 @@ attend through `packed_attention`'s kernel) with FlashAttention's varlen kernel 
 (each variant with CUDA graphs of its own). `--against unfused-rotary` compares the query /
 key norms and rotary positions of a decoder with those norms (Qwen3, Gemma3) through
 `qk_rotary`'s one kernel with the modules it replaces (compiled as the engine compiles them; CUDA graphs of its own
-too). `--against erf-gelu` compares compiled layers computing the exact GELU as
-`layers.fast_gelu` with the compiler's kernel for `F.gelu`; `--against graphs-8k` compares
+too). `--against inductor-gelu` compares compiled layers calling ATen's GELU kernel
+(`layers.gelu`) with the kernel the compiler generates for `F.gelu`; `--against graphs-8k` compares
 replaying steps up to the step budget (32,768 tokens at most, as narrow models do) with
 replaying them up to 8,192 (a model 1,024 wide or more, as the engine has it). Each variant of
 these five runs the whole workload once before the rounds, recording its graphs.
@@ -24,7 +24,7 @@ then `--rounds` pairs of `Engine.embed` calls, the order inside each pair altern
 per second, the median of the rounds with every round kept, and the ratio of the medians. Both
 orders run the same steps through the same kernels: their outputs must be identical (checked;
 for the buckets and graph sizes, where a step's rows are padded to another count, and the
-GELU's two formulas, the largest difference is kept too).
+GELU's two kernels, the largest difference is kept too).
 """
 
 from __future__ import annotations
@@ -59,11 +59,11 @@ LABELS = {
     "pow2-buckets": ("quarter buckets", "pow2 buckets"),
     "flash-attention": ("packed attention", "flash attention"),
     "unfused-rotary": ("one-kernel rotary", "unfused rotary"),
-    "erf-gelu": ("fast_gelu", "erf gelu"),
+    "inductor-gelu": ("ATen gelu", "inductor gelu"),
     "graphs-8k": ("graphs to 32k", "graphs to 8k"),
 }
 # Variants that record CUDA graphs of their own before the clock.
-OWN_GRAPHS = ("pow2-buckets", "flash-attention", "unfused-rotary", "erf-gelu", "graphs-8k")
+OWN_GRAPHS = ("pow2-buckets", "flash-attention", "unfused-rotary", "inductor-gelu", "graphs-8k")
 
 # The graphs' token buckets before quarter steps from 128: powers of two up to 1,024.
 POW2_UP_TO = 1024
@@ -105,10 +105,10 @@ def _set_variant(engine: vecpool.Engine, baseline: str, new: bool) -> None:
         _use_graph_set(engine, ("rotary", new), ("rotary", layers[0].one_kernel_rotary))
         for layer in layers:
             layer.one_kernel_rotary = new
-    elif baseline == "erf-gelu":
+    elif baseline == "inductor-gelu":
         # Compiled layers guard on the switch: each value compiles (and records) its own.
-        _use_graph_set(engine, ("gelu", new), ("gelu", model_layers.COMPILED_FAST_GELU))
-        model_layers.COMPILED_FAST_GELU = new
+        _use_graph_set(engine, ("gelu", new), ("gelu", model_layers.COMPILED_ATEN_GELU))
+        model_layers.COMPILED_ATEN_GELU = new
     elif baseline == "graphs-8k":
         # Both share the graphs up to 8,192 tokens; the candidate replays steps up to 32,768.
         if (step_graphs := engine.model_runner.graphs) is not None:

@@ -6,8 +6,9 @@ BERT's exact GELU (`0.5 x (1 + erf(x / sqrt 2))`) is one elementwise kernel that
 writes a `[tokens, intermediate]` tensor; if it ran at the memory's speed it would cost what a
 copy of that tensor costs. This script times, at BERT-base's shape (768 -> 3,072) and a step
 of `--tokens`, each way of computing it: the compiler's kernel for `F.gelu` (dynamic token
-dimension, as the engine compiles), eager `F.gelu`, the tanh approximation, vecpool's
-`fast_gelu`, and the compiled `x * 1.5` as the memory's floor; then the whole
+dimension, as the engine compiles), eager `F.gelu`, the tanh approximation, `layers.gelu`
+compiled (ATen's kernel through an op opaque to the compiler), and the compiled `x * 1.5` as
+the memory's floor; then the whole
 `linear -> activation` against cuBLASLt's GELU epilogue (`torch._addmm_activation`, the tanh
 approximation). Each figure: the median of `--rounds` rounds of `--iters` launches timed by
 CUDA events, every round kept. Errors: each bf16 output against the exact GELU of the same
@@ -32,7 +33,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks import record
-from vecpool.models.layers import fast_gelu
+from vecpool.models import layers
 
 
 def _time(fn: Callable[[], Any], device: str, iters: int) -> float:
@@ -71,7 +72,7 @@ def main(argv: list[str]) -> dict[str, Any]:
         "compiled gelu": torch.compile(F.gelu, **compile_kw),
         "eager gelu": F.gelu,
         "compiled tanh gelu": torch.compile(lambda x: F.gelu(x, approximate="tanh"), **compile_kw),
-        "compiled fast_gelu": torch.compile(fast_gelu, **compile_kw),
+        "compiled layers.gelu": torch.compile(layers.gelu, **compile_kw),
         "compiled x * 1.5 (memory floor)": torch.compile(lambda x: x * 1.5, **compile_kw),
     }
     gen = torch.Generator(device="cpu").manual_seed(0)
@@ -101,7 +102,7 @@ def main(argv: list[str]) -> dict[str, Any]:
 
         fused: dict[str, Callable[[], torch.Tensor]] = {
             "linear, compiled gelu": then(activations["compiled gelu"]),
-            "linear, compiled fast_gelu": then(activations["compiled fast_gelu"]),
+            "linear, compiled layers.gelu": then(activations["compiled layers.gelu"]),
             "linear alone": functools.partial(F.linear, x, w, b),
         }
         if args.device == "cuda":

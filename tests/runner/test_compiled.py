@@ -102,3 +102,20 @@ def test_compiled_blocks_run_chunked_prompts(qwen3_folder: Path) -> None:
     counters = torch._dynamo.utils.counters
     assert not counters["graph_break"]
     assert 1 <= counters["stats"]["unique_graphs"] <= 2
+
+
+def test_gelu_op_is_atens_gelu() -> None:
+    """`vecpool::gelu`, which compiled CUDA layers call instead of the compiler's own GELU
+    kernel, is ATen's `F.gelu` bit for bit, with a fake implementation the compiler can trace
+    at any token count; on the CPU a compiled `layers.gelu` stays `F.gelu`."""
+    from vecpool.models import layers
+
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (torch.randn(37, 64, generator=gen) * 4).to(dtype)
+        assert torch.equal(torch.ops.vecpool.gelu(x), torch.nn.functional.gelu(x))
+        torch.library.opcheck(torch.ops.vecpool.gelu.default, (x,))
+    compiled = torch.compile(lambda t: layers.gelu(t) * 2, backend="aot_eager", dynamic=True)
+    x = torch.randn(5, 8, generator=gen)
+    assert torch.equal(compiled(x), torch.nn.functional.gelu(x) * 2)
+    assert layers.activation("gelu")(x).equal(torch.nn.functional.gelu(x))

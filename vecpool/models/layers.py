@@ -13,55 +13,31 @@ from torch import nn
 from vecpool.errors import ConfigError
 from vecpool.models.hf import hf_get
 
-# erfc(z) for z >= 0 as t * exp(-z^2 + P(t)), t = 1 / (1 + z / 2): the Chebyshev fit of Press et
-# al., Numerical Recipes (2nd ed., 6.2, `erfcc`), relative error under 1.2e-7 for every z >= 0.
-_ERFC_COEFFS = (
-    -1.26551223,
-    1.00002368,
-    0.37409196,
-    0.09678418,
-    -0.18628806,
-    0.27886807,
-    -1.13520398,
-    1.48851587,
-    -0.82215223,
-    0.17087277,
-)
-
-
-def fast_gelu(x: torch.Tensor) -> torch.Tensor:
-    """The exact GELU, `x * Phi(x)`, with `Phi` through a closed-form erfc (`_ERFC_COEFFS`)
-    instead of the library's erf, in float32. Against `0.5 x erfc(-x / sqrt 2)` in float64:
-    relative error under 1.7e-6 for |x| < 4 and 1.8e-5 out to |x| = 12 (float32's rounding of
-    x^2 in the exponent), where torch's float32 `F.gelu`, whose `1 + erf` cancels for x < 0,
-    is off by up to 9.2e-4 in |x| < 4; a bfloat16 result's own rounding is 3.9e-3.
-
-    For compiled layers on CUDA, where the compiler's kernel for `F.gelu` evaluates erf with
-    more arithmetic than its memory traffic hides (`benchmarks/activation_check.py`). The same
-    formula on either side of zero keeps the tail's relative accuracy: `Phi(x) = erfc(-x / sqrt 2)
-    / 2` for x < 0, `1 - erfc(x / sqrt 2) / 2` for x >= 0."""
-    xf = x.float()
-    z = xf.abs() * 0.7071067811865476
-    t = 1.0 / (1.0 + 0.5 * z)
-    poly = torch.full_like(t, _ERFC_COEFFS[-1])
-    for c in reversed(_ERFC_COEFFS[:-1]):
-        poly = poly * t + c
-    half_erfc = 0.5 * t * torch.exp(poly - z * z)
-    phi = torch.where(xf < 0, half_erfc, 1.0 - half_erfc)
-    return (xf * phi).to(x.dtype)
-
-
-# Whether compiled layers on CUDA compute the exact GELU as `fast_gelu` (False: `F.gelu`, the
-# compiler's own kernel; a benchmark's baseline). Read when a layer is compiled.
-COMPILED_FAST_GELU = True
+# Whether compiled layers on CUDA call ATen's GELU kernel (`vecpool::gelu`) rather than the
+# compiler's own (False: a benchmark's baseline). Read when a layer is compiled.
+COMPILED_ATEN_GELU = True
 
 
 def gelu(x: torch.Tensor) -> torch.Tensor:
-    """The exact GELU: `F.gelu`, or `fast_gelu` inside a layer compiled for CUDA. Measured on
-    the H200 at BERT-base's width, a step of 32,768 tokens: see `activation_check.py`."""
-    if COMPILED_FAST_GELU and x.is_cuda and torch.compiler.is_compiling():
-        return fast_gelu(x)
+    """The exact GELU, `F.gelu`; inside a layer compiled for CUDA, through `vecpool::gelu`, an
+    op opaque to the compiler, so that ATen's kernel runs rather than the one the compiler
+    generates for it. The two compute the same float32 formula (erf, then one rounding); at
+    BERT-base's width and a step of 32,768 tokens ATen's took 130 us on the H200 and the
+    compiler's 203 us, a copy of the same tensor by the compiler 156 us
+    (`benchmarks/activation_check.py`, `activation_check_h200.json`)."""
+    if COMPILED_ATEN_GELU and x.is_cuda and torch.compiler.is_compiling():
+        return torch.ops.vecpool.gelu(x)
     return F.gelu(x)
+
+
+@torch.library.custom_op("vecpool::gelu", mutates_args=())
+def _gelu_op(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x)
+
+
+@_gelu_op.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
 
 
 # Every activation vecpool applies, by the names configs use: Hugging Face's `hidden_act`, and
