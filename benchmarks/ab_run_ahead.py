@@ -16,8 +16,12 @@ key norms and rotary positions of a decoder with those norms (Qwen3, Gemma3) thr
 too). `--against inductor-gelu` compares compiled layers calling ATen's GELU kernel
 (`layers.gelu`) with the kernel the compiler generates for `F.gelu`; `--against graphs-8k` compares
 replaying steps up to the step budget (32,768 tokens at most, as narrow models do) with
-replaying them up to 8,192 (a model 1,024 wide or more, as the engine has it). Each variant of
-these five runs the whole workload once before the rounds, recording its graphs.
+replaying them up to 8,192 (a model 1,024 wide or more, as the engine has it);
+`--against one-head-tiles` compares the packed attention kernel taking several query heads of
+one key/value head a program (`packed_attention.GQA_TILE`) with one head a program;
+`--against copied-residual` compares a decoder layer's feed-forward product accumulated into
+its residual in place (`layers.add_linear`) with the compiler's `addmm` into a new tensor. Each variant of
+these seven runs the whole workload once before the rounds, recording its graphs.
 
 For each `bench_gpu.py` shape and workload (from token ids, the engine's defaults): a warm-up,
 then `--rounds` pairs of `Engine.embed` calls, the order inside each pair alternating; tokens
@@ -61,9 +65,22 @@ LABELS = {
     "unfused-rotary": ("one-kernel rotary", "unfused rotary"),
     "inductor-gelu": ("ATen gelu", "inductor gelu"),
     "graphs-8k": ("graphs to 32k", "graphs to 8k"),
+    "one-head-tiles": ("GQA tiles", "one-head tiles"),
+    "copied-residual": ("residual in place", "residual copied"),
 }
 # Variants that record CUDA graphs of their own before the clock.
-OWN_GRAPHS = ("pow2-buckets", "flash-attention", "unfused-rotary", "inductor-gelu", "graphs-8k")
+OWN_GRAPHS = (
+    "pow2-buckets",
+    "flash-attention",
+    "unfused-rotary",
+    "inductor-gelu",
+    "graphs-8k",
+    "one-head-tiles",
+    "copied-residual",
+)
+
+# The packed kernel's grouped-query tile as this tree has it (`--against one-head-tiles`).
+GQA_TILE = packed_attention.GQA_TILE
 
 # The graphs' token buckets before quarter steps from 128: powers of two up to 1,024.
 POW2_UP_TO = 1024
@@ -115,6 +132,15 @@ def _set_variant(engine: vecpool.Engine, baseline: str, new: bool) -> None:
             step_graphs.buckets = graphs.token_buckets(
                 graphs.NARROW_MAX_TOKENS if new else graphs.DEFAULT_MAX_TOKENS
             )
+    elif baseline == "copied-residual":
+        flag = model_layers.COMPILED_RESIDUAL_IN_PLACE
+        _use_graph_set(engine, ("residual", new), ("residual", flag))
+        model_layers.COMPILED_RESIDUAL_IN_PLACE = new
+    elif baseline == "one-head-tiles":
+        # The kernel reads the tile when it launches: only the graphs need their own sets.
+        tile = GQA_TILE if new else None
+        _use_graph_set(engine, ("tile", tile), ("tile", packed_attention.GQA_TILE))
+        packed_attention.GQA_TILE = tile
     elif baseline == "pageable-copies":
         batch.upload = UPLOAD if new else _pageable_upload  # type: ignore[assignment]
     elif (step_graphs := engine.model_runner.graphs) is not None:

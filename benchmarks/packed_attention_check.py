@@ -9,8 +9,9 @@ over steps of query-, mid-, passage-length and long sequences (up to 4,096 token
 Each kernel's time is the median over 5 replays of a CUDA graph of 20 calls (no host launch
 cost in it), microseconds per call. The `online` step is 16 queries as a server's CUDA graph
 holds them: rows padded to a multiple of 128 and 128 sequence slots, the empty ones repeating
-the last boundary. `--tiles` adds tile shapes (BLOCK_M,BLOCK_N,warps) to time beside the
-default. Exits non-zero when a check fails: the packed kernel's largest difference from the
+the last boundary. `--tiles` adds tile shapes (BLOCK_M,BLOCK_N,warps[,query heads a
+program]) to time beside the default (`packed_attention.tile_for` the layout's group); a tile
+whose head count does not divide a layout's group is not timed there. Exits non-zero when a check fails: the packed kernel's largest difference from the
 reference above twice FlashAttention's (or 0.02, whichever is more).
 """
 
@@ -136,7 +137,8 @@ def check(
         own = cu[: len(lengths) + 1]
         us["flash, own slots"] = graph_time(lambda: flash(own))
     for t in tiles:
-        us["packed " + ",".join(map(str, t))] = graph_time(lambda t=t: packed(t))
+        if (heads // kv_heads) % (*t, 1)[3] == 0:  # heads a program must divide the group
+            us["packed " + ",".join(map(str, t))] = graph_time(lambda t=t: packed(t))
     return {
         "shape": shape,
         "step": step,
@@ -145,6 +147,7 @@ def check(
         "rows": rows,
         "slots": slots,
         "max_len": max(lengths),
+        "default_tile": packed_attention.tile_for(heads // kv_heads),
         "max_abs_err": {"flash": flash_err, "packed": packed_err},
         "ok": packed_err <= max(2 * flash_err, 0.02),
         "us_per_call": us,

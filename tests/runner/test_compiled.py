@@ -119,3 +119,29 @@ def test_gelu_op_is_atens_gelu() -> None:
     x = torch.randn(5, 8, generator=gen)
     assert torch.equal(compiled(x), torch.nn.functional.gelu(x) * 2)
     assert layers.activation("gelu")(x).equal(torch.nn.functional.gelu(x))
+
+
+def test_add_linear_accumulates_into_the_residual() -> None:
+    """`vecpool::add_linear_`, through which compiled CUDA layers add a projection to its
+    residual, leaves `residual + x @ w.T` in the residual, as `torch.addmm` computes it (the
+    compiler's own rewrite of that sum), eagerly and in a compiled graph, where the mutation
+    of an intermediate must survive functionalization; on the CPU `add_linear` is the sum."""
+    from vecpool.models import layers
+
+    gen = torch.Generator().manual_seed(1)
+    r, x, w = (torch.randn(*s, generator=gen) for s in ((9, 16), (9, 24), (16, 24)))
+    want = torch.addmm(r, x, w.t())
+    residual = r.clone()
+    torch.ops.vecpool.add_linear_(residual, x, w)
+    assert torch.equal(residual, want)
+    torch.library.opcheck(torch.ops.vecpool.add_linear_.default, (r.clone(), x, w))
+
+    def step(r: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        h = r * 1.0  # an intermediate of the graph, as a layer's residual is
+        torch.ops.vecpool.add_linear_(h, x, w)
+        return h * 2.0
+
+    compiled = torch.compile(step, backend="aot_eager", dynamic=True)
+    assert torch.equal(compiled(r, x, w), want * 2.0)
+    linear = torch.nn.Linear(24, 16, bias=False)
+    assert torch.equal(layers.add_linear(r, linear, x), r + linear(x))

@@ -238,7 +238,7 @@ class DecoderLayer(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return self.mlp.add_to(x, self.post_attention_layernorm(x))
 
 
 class DecoderModel(PoolingModel):

@@ -40,6 +40,35 @@ def _(x: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(x)
 
 
+# Whether layers compiled for CUDA accumulate a projection into its residual in place
+# (`add_linear`; False: a benchmark's baseline). Read when a layer is compiled.
+COMPILED_RESIDUAL_IN_PLACE = True
+
+
+def add_linear(residual: torch.Tensor, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`residual + linear(x)`, where the caller gives `residual` up: inside a layer compiled
+    for CUDA, for a plain linear without bias, one matrix product accumulated into `residual`
+    in place (`vecpool::add_linear_`). The compiler's own rewrite of the sum, `addmm(residual,
+    x, w)` into a new tensor, has ATen copy `residual` there first: a device-to-device copy of
+    `[tokens, hidden]` per layer, 3% of Qwen3-0.6B's device time on passages for the two of a
+    layer (`phases_kernels_qwen3_bert_h200.json`). The product is the same cuBLAS call."""
+    if (
+        COMPILED_RESIDUAL_IN_PLACE
+        and residual.is_cuda
+        and torch.compiler.is_compiling()
+        and type(linear) is nn.Linear
+        and linear.bias is None
+    ):
+        torch.ops.vecpool.add_linear_(residual, x, linear.weight)
+        return residual
+    return residual + linear(x)
+
+
+@torch.library.custom_op("vecpool::add_linear_", mutates_args=("residual",))
+def _add_linear_op(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
+    torch.addmm(residual, x, weight.t(), out=residual)
+
+
 # Every activation vecpool applies, by the names configs use: Hugging Face's `hidden_act`, and
 # (lower-cased, module path dropped) the torch classes sentence-transformers saves for Dense
 # modules and cross-encoder heads. Softmax is over the last axis.
@@ -140,6 +169,12 @@ class GatedMLP(nn.Module):
         assert self.gate_up_proj is not None, "projections are fused when the weights load"
         gate, up = self.gate_up_proj(x)
         return self.down_proj(self.act(gate) * up)
+
+    def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """`residual + self(x)`; `residual` may be overwritten (`add_linear`)."""
+        assert self.gate_up_proj is not None, "projections are fused when the weights load"
+        gate, up = self.gate_up_proj(x)
+        return add_linear(residual, self.down_proj, self.act(gate) * up)
 
 
 class Rotary:

@@ -20,7 +20,9 @@ the per-sequence kernel (`AttentionMetadata.batch_invariant`).
 
 Used where every sequence of the step is at most `max_len(causal)` tokens long: 128 for
 bidirectional models, 1,024 for causal ones, as measured against FlashAttention (`MAX_LEN`).
-Grouped-query attention reads each query head's key/value head directly. Compiled layers call
+Grouped-query attention reads each query head's key/value head directly, and a program takes
+as many query heads of one key/value head as `GQA_TILE` says, loading each key and value block
+once for all of them. Compiled layers call
 it through `vecpool::packed_attention`, an op opaque to the compiler.
 """
 
@@ -84,22 +86,26 @@ def _kernel() -> Any | None:
         qk_scale,  # the logits' scale times log2(e): softmax runs in base 2
         search_steps,  # enough halvings to find one of num_seqs sequences
         GROUP: tl.constexpr,  # query heads per key/value head
+        HEADS: tl.constexpr,  # query heads per program, of one key/value head (divides GROUP)
         CAUSAL: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr,
     ):
-        head = tl.program_id(1)
-        kv_head = head // GROUP
-        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        # The program's tile: its BLOCK_M rows once for each of its HEADS query heads, which
+        # share one key/value head, so that each key and value block is loaded once for all.
+        tile = tl.arange(0, HEADS * BLOCK_M)
+        head = tl.program_id(1) * HEADS + tile // BLOCK_M
+        kv_head = (tl.program_id(1) * HEADS) // GROUP
+        rows = tl.program_id(0) * BLOCK_M + tile % BLOCK_M
         row_ok = rows < num_rows
         # Each row's sequence: the last s < num_seqs with cu[s] <= row (cu[0] = 0 <= row holds
         # for lo throughout). Empty sequences repeat a boundary and are never the last such s
         # of a row they do not hold; rows past the last sequence (a graph's padding) land in
         # the last one, computing values nobody reads.
-        lo = tl.zeros([BLOCK_M], tl.int32)
-        hi = tl.zeros([BLOCK_M], tl.int32) + num_seqs
+        lo = tl.zeros([HEADS * BLOCK_M], tl.int32)
+        hi = tl.zeros([HEADS * BLOCK_M], tl.int32) + num_seqs
         for _ in range(search_steps):
             mid = (lo + hi) // 2
             right = tl.load(cu_ptr + mid) <= rows
@@ -115,13 +121,13 @@ def _kernel() -> Any | None:
         dim_ok = dims < HEAD_DIM
         cols = tl.arange(0, BLOCK_N)
         q = tl.load(
-            q_ptr + rows[:, None] * stride_qt + head * stride_qh + dims[None, :],
+            q_ptr + rows[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
             mask=row_ok[:, None] & dim_ok[None, :],
             other=0.0,
         )
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        m_i = tl.full([HEADS * BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([HEADS * BLOCK_M], tl.float32)
+        acc = tl.zeros([HEADS * BLOCK_M, BLOCK_D], tl.float32)
         for first in range(key_lo, key_hi, BLOCK_N):
             keys = first + cols
             kv_mask = (keys < key_hi)[:, None] & dim_ok[None, :]
@@ -148,7 +154,7 @@ def _kernel() -> Any | None:
             m_i = m_new
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(
-            out_ptr + rows[:, None] * stride_ot + head * stride_oh + dims[None, :],
+            out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
             out.to(out_ptr.dtype.element_ty),
             mask=row_ok[:, None] & dim_ok[None, :],
         )
@@ -195,6 +201,17 @@ def packed_attention(
 # sizes 32, 64 and 128 (`packed_attention_check.py --tiles`), the fastest or within 10% of it
 # on every step.
 _TILE = (64, 32, 4)
+# Grouped-query attention's tile, the fourth number the query heads one program takes (of one
+# key/value head): used where that count divides the model's group.
+GQA_TILE: tuple[int, int, int, int] | None = (32, 32, 4, 2)
+
+
+def tile_for(group: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, warps, heads per program) for a model of `group` query heads per
+    key/value head."""
+    if GQA_TILE is not None and group % GQA_TILE[3] == 0:
+        return GQA_TILE
+    return (*_TILE, 1)
 
 
 def _launch(
@@ -204,7 +221,8 @@ def _launch(
     cu_seqlens: torch.Tensor,
     causal: bool,
     scale: float,
-    tiles: tuple[int, int, int] | None = None,  # (BLOCK_M, BLOCK_N, warps); None: `_TILE`
+    # (BLOCK_M, BLOCK_N, warps[, heads per program]); None: `tile_for` the model's group
+    tiles: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
     kernel = _kernel()
     assert kernel is not None  # guarded by `serves`
@@ -214,8 +232,11 @@ def _launch(
     if q.shape[0] == 0 or num_seqs == 0:
         return out
     block_d = max(16, 1 << (head_dim - 1).bit_length())
-    block_m, block_n, warps = tiles or _TILE
-    grid = (math.ceil(q.shape[0] / block_m), heads)
+    group = heads // k.shape[1]
+    block_m, block_n, warps, per_program = (*tiles, 1)[:4] if tiles else tile_for(group)
+    if group % per_program:
+        raise ValueError(f"{per_program} query heads a program do not divide groups of {group}")
+    grid = (math.ceil(q.shape[0] / block_m), heads // per_program)
     kernel[grid](
         q,
         k,
@@ -234,7 +255,8 @@ def _launch(
         out.stride(1),
         scale * 1.4426950408889634,
         max(1, num_seqs.bit_length()),
-        GROUP=heads // k.shape[1],
+        GROUP=group,
+        HEADS=per_program,
         CAUSAL=causal,
         HEAD_DIM=head_dim,
         BLOCK_M=block_m,
