@@ -184,15 +184,19 @@ def main(argv: list[str]) -> dict[str, Any]:
     rows = report["rows"] = []
     for name in args.models:
         folder = write_folder(SHAPES[name], Path(tempfile.mkdtemp()), args.tokenizer, args.device)
+        narrow_width = graphs.NARROW_WIDTH
         if args.against == "graphs-8k":  # every width replays steps up to its step budget
             graphs.NARROW_WIDTH = 1 << 30
-        engine = vecpool.Engine(
-            folder,
-            device=args.device,
-            **({} if args.max_num_seqs is None else {"max_num_seqs": args.max_num_seqs}),
-            # on the CPU too: the same padding, as plain forwards
-            **({"cuda_graphs": True} if args.against in OWN_GRAPHS else {}),
-        )
+        try:
+            engine = vecpool.Engine(
+                folder,
+                device=args.device,
+                **({} if args.max_num_seqs is None else {"max_num_seqs": args.max_num_seqs}),
+                # on the CPU too: the same padding, as plain forwards
+                **({"cuda_graphs": True} if args.against in OWN_GRAPHS else {}),
+            )
+        finally:  # read when an engine is built
+            graphs.NARROW_WIDTH = narrow_width
         limit = engine.info().max_model_len
         for workload in args.workloads:
             lengths = workload_lengths(workload, args.n).clip(max=limit)

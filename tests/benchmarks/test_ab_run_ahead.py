@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.ab_run_ahead import LABELS, POW2_UP_TO, UPLOAD, main
+from benchmarks.ab_run_ahead import GQA_TILE, LABELS, POW2_UP_TO, UPLOAD, main
 from vecpool.api import default_model_path
-from vecpool.runner import batch
+from vecpool.models import layers, packed_attention
+from vecpool.runner import batch, graphs
 from vecpool.runner.graphs import token_buckets
 
 
@@ -32,7 +33,10 @@ def test_ab_run_ahead_reports_both_variants(tmp_path: Path, against: str) -> Non
         medians[label] = statistics.median(seconds)
         assert row[label]["tokens_per_s"] == row["num_tokens"] / medians[label]
     assert row["ratio"] == pytest.approx(medians[old] / medians[new], rel=1e-12)
+    # The switches the variants flip are left as the engine has them.
     assert batch.upload is UPLOAD
+    assert layers.COMPILED_ATEN_GELU and layers.COMPILED_RESIDUAL_IN_PLACE
+    assert packed_attention.GQA_TILE == GQA_TILE and graphs.NARROW_WIDTH == 1024
 
 
 def test_pow2_buckets_are_the_old_rule() -> None:
