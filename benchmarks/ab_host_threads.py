@@ -1,9 +1,7 @@
 """A large call's two host threads, in one process on the same engine and inputs, rounds
 interleaved: how far the input worker runs ahead of the steps (`--vary ahead`, the engine's
 `PIPELINE_AHEAD`), whether it waits for the first step's forward before preparing the second
-chunk (`--vary first-alone`, 1 or 0: `PIPELINE_FIRST_ALONE`), whether the chunks after the
-first are sized to a step's budget by the inputs' mean length (`--vary step-sized`, 1 or 0:
-`PIPELINE_STEP_SIZED`), whether plain texts of BERT's
+chunk (`--vary first-alone`, 1 or 0: `PIPELINE_FIRST_ALONE`), whether plain texts of BERT's
 WordPiece are tokenized by `vecpool.wordpiece`'s array path or by the `tokenizers` library
 (`--vary wordpiece`, 1 or 0: `tokenizer.WORDPIECE_MIN_CHARS` as set, or past any batch) or the
 interpreter's thread switch interval (`--vary switch-interval`, `sys.setswitchinterval`).
@@ -62,8 +60,6 @@ def _set(vary: str, value: float) -> None:
         vecpool.api.engine.PIPELINE_AHEAD = int(value)
     elif vary == "first-alone":
         vecpool.api.engine.PIPELINE_FIRST_ALONE = bool(value)
-    elif vary == "step-sized":
-        vecpool.api.engine.PIPELINE_STEP_SIZED = bool(value)
     elif vary == "wordpiece":
         vecpool.tokenizer.WORDPIECE_MIN_CHARS = _WORDPIECE_MIN_CHARS if value else sys.maxsize
     else:
@@ -101,7 +97,7 @@ def main(argv: list[str]) -> dict[str, Any]:
     parser.add_argument("--forms", nargs="+", default=["text", "ids"], choices=["text", "ids"])
     parser.add_argument(
         "--vary",
-        choices=["ahead", "first-alone", "step-sized", "wordpiece", "switch-interval"],
+        choices=["ahead", "first-alone", "wordpiece", "switch-interval"],
         required=True,
     )
     parser.add_argument(
@@ -126,7 +122,6 @@ def main(argv: list[str]) -> dict[str, Any]:
     default = {
         "ahead": vecpool.api.engine.PIPELINE_AHEAD,
         "first-alone": int(vecpool.api.engine.PIPELINE_FIRST_ALONE),
-        "step-sized": int(vecpool.api.engine.PIPELINE_STEP_SIZED),
         "wordpiece": 1,
     }.get(args.vary, sys.getswitchinterval())
     simulated = args.simulate_device is not None

@@ -213,7 +213,6 @@ def test_large_calls_are_pipelined_in_chunks(tiny_bert_engine, monkeypatch) -> N
     whole = engine.embed(prompts)
     monkeypatch.setattr(vecpool.api.engine, "PIPELINE_CHUNK", 3)
     monkeypatch.setattr(vecpool.api.engine, "PIPELINE_FIRST_CHUNK", 2)
-    monkeypatch.setattr(vecpool.api.engine, "PIPELINE_STEP_SIZED", False)  # tested below
     sizes: list[int] = []
     prepare = vecpool.api.engine.calls.prepare_encode
 
@@ -241,40 +240,6 @@ def test_large_calls_are_pipelined_in_chunks(tiny_bert_engine, monkeypatch) -> N
         engine.embed(bad)
     assert not engine.core.has_work()
     assert np.abs(engine.embed(prompts) - whole).max() <= 1e-6
-
-
-@pytest.mark.parametrize(
-    ("length", "max_num_seqs", "sizes"),
-    [
-        (10, 256, [2, 9, 9, 9, 1]),  # 0.9 x 100 / 10: nine inputs of 10 tokens a chunk
-        (10, 4, [2, 4, 4, 4, 4, 4, 4, 4]),  # at most a step's sequence cap
-        (40, 256, [2, *[3] * 9, 1]),  # long inputs keep `PIPELINE_CHUNK`
-    ],
-)
-def test_short_inputs_come_a_steps_budget_to_a_chunk(
-    tiny_bert, monkeypatch, length: int, max_num_seqs: int, sizes: list[int]
-) -> None:
-    """After the first chunk, a large call of short inputs is prepared in chunks of 90% of a
-    step's token budget by the first chunk's mean length, so that each step holds a full
-    chunk rather than a `PIPELINE_CHUNK` of inputs far under the budget."""
-    engine = vecpool.Engine(
-        tiny_bert[0], device="cpu", max_num_batched_tokens=100, max_num_seqs=max_num_seqs
-    )
-    prompts = random_prompts(99, [length] * 30, seed=53)
-    whole = np.stack([engine.embed([p])[0] for p in prompts])
-    monkeypatch.setattr(vecpool.api.engine, "PIPELINE_CHUNK", 3)
-    monkeypatch.setattr(vecpool.api.engine, "PIPELINE_FIRST_CHUNK", 2)
-    assert vecpool.api.engine.PIPELINE_STEP_SIZED
-    asked: list[int] = []
-    prepare = vecpool.api.engine.calls.prepare_encode
-
-    def counted(ctx, items, options):  # type: ignore[no-untyped-def]
-        asked.append(len(items))
-        return prepare(ctx, items, options)
-
-    monkeypatch.setattr(vecpool.api.engine.calls, "prepare_encode", counted)
-    assert np.abs(engine.embed(prompts, show_progress=False) - whole).max() <= 1e-6
-    assert asked == sizes
 
 
 class _LaterFuture(Future):  # type: ignore[type-arg]
@@ -325,7 +290,6 @@ def test_a_chunk_prepared_during_a_step_joins_it_the_step_pools_behind_the_next_
     whole = engine.embed(prompts)
     monkeypatch.setattr(vecpool.api.engine, "PIPELINE_CHUNK", 3)
     monkeypatch.setattr(vecpool.api.engine, "PIPELINE_FIRST_CHUNK", 2)
-    monkeypatch.setattr(vecpool.api.engine, "PIPELINE_STEP_SIZED", False)  # tested below
     monkeypatch.setattr(vecpool.api.engine, "ThreadPoolExecutor", _GatedWorker)
     monkeypatch.setattr(vecpool.api.engine, "PIPELINE_FIRST_ALONE", first_alone)
     events: list[tuple[str, int]] = []
@@ -407,7 +371,6 @@ def test_the_worker_prepares_two_chunks_ahead_once_the_engine_ran_dry_behind_one
     whole = engine.embed(prompts)
     monkeypatch.setattr(vecpool.api.engine, "PIPELINE_CHUNK", 3)
     monkeypatch.setattr(vecpool.api.engine, "PIPELINE_FIRST_CHUNK", 2)
-    monkeypatch.setattr(vecpool.api.engine, "PIPELINE_STEP_SIZED", False)  # tested below
     monkeypatch.setattr(vecpool.api.engine, "ThreadPoolExecutor", _LateWorker)
     got = engine.embed(prompts, show_progress=False)
     assert np.abs(got - whole).max() <= 1e-6

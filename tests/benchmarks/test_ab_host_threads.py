@@ -21,7 +21,6 @@ from vecpool.api import default_model_path
     [
         ("ahead", ["1", "2"], ["--simulate-device", "400000"]),
         ("first-alone", ["1", "0"], ["--simulate-device", "400000"]),
-        ("step-sized", ["0", "1"], ["--simulate-device", "400000"]),
         ("wordpiece", ["0", "1"], ["--simulate-device", "400000"]),
         ("switch-interval", ["0.005", "0.001"], ["--models", "tiny-bert", "--device", "cpu"]),
     ],
@@ -31,7 +30,6 @@ def test_ab_host_threads_times_each_value_and_puts_the_setting_back(
 ) -> None:
     ahead, interval = vecpool.api.engine.PIPELINE_AHEAD, sys.getswitchinterval()
     first_alone = vecpool.api.engine.PIPELINE_FIRST_ALONE
-    step_sized = vecpool.api.engine.PIPELINE_STEP_SIZED
     wordpiece = vecpool.tokenizer.WORDPIECE_MIN_CHARS
     argv = ["--vary", vary, "--values", *values, "--tokenizer", str(default_model_path())]
     argv += ["--workloads", "queries", "--n", "40", "--rounds", "2", *extra]
@@ -49,5 +47,4 @@ def test_ab_host_threads_times_each_value_and_puts_the_setting_back(
             assert figures["ratio"] == pytest.approx(statistics.median(base) / median)
     assert ahead == vecpool.api.engine.PIPELINE_AHEAD and sys.getswitchinterval() == interval
     assert first_alone == vecpool.api.engine.PIPELINE_FIRST_ALONE
-    assert step_sized == vecpool.api.engine.PIPELINE_STEP_SIZED
     assert wordpiece == vecpool.tokenizer.WORDPIECE_MIN_CHARS

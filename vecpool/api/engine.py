@@ -72,10 +72,6 @@ PIPELINE_AHEAD = 2
 # late for the steps after the first, which costs more: with True every workload ran 0-5%
 # slower (BERT-base and MiniLM, 5 interleaved rounds, `first_alone_h200.json`).
 PIPELINE_FIRST_ALONE = False
-# True: the chunks after the first hold a step's budget of tokens by the first chunk's mean
-# input length, where that is more inputs than `PIPELINE_CHUNK` (short queries: ~900 of ~36
-# tokens for a budget of 32,768, whose steps otherwise held one chunk of ~18k tokens each).
-PIPELINE_STEP_SIZED = True
 
 
 class Engine(EngineRunner):
@@ -497,22 +493,6 @@ class Engine(EngineRunner):
                     upcoming.append(worker.submit(prepare, starts[i], stops[i]))
                     i += 1
 
-            def resize_chunks(first: PreparedCall[list[np.ndarray]]) -> None:
-                """Size the chunks after `first` to nearly fill a step each: inputs shorter
-                on average than the step budget over `PIPELINE_CHUNK` come that many more to a
-                chunk (at most a step's sequence cap). A tenth of the budget is left for the
-                chunks' spread about the mean: a chunk over the budget leaves a few inputs to
-                a step of their own when the next chunk is not queued yet."""
-                if not first.requests:
-                    return
-                scheduler = self.core.scheduler.config
-                mean = sum(r.prompt.num_tokens for r in first.requests) / len(first.requests)
-                fill = 0.9 * scheduler.max_num_batched_tokens / max(mean, 1.0)
-                size = min(max(PIPELINE_CHUNK, int(fill)), scheduler.max_num_seqs)
-                if size > PIPELINE_CHUNK:
-                    starts[1:] = range(PIPELINE_FIRST_CHUNK, total, size)
-                    stops[:] = [*starts[1:], total]
-
             def queue_next(wait: bool = False) -> None:
                 """Queue the next chunk's requests if it is prepared (or once it is, with
                 `wait`), and start preparing the next ones (after the first chunk, with
@@ -525,8 +505,6 @@ class Engine(EngineRunner):
                     call = upcoming.popleft().result()
                 except InputError as exc:
                     raise _shifted(exc, start) from None
-                if not chunks and PIPELINE_STEP_SIZED and not upcoming:
-                    resize_chunks(call)
                 if chunks or not PIPELINE_FIRST_ALONE:
                     prepare_more(len(chunks) + 1)
                 requests = self.submit(call.requests)
