@@ -21,7 +21,15 @@ from vecpool.models import qk_rotary
 from vecpool.models.attention import AttentionMetadata, flat_attention
 from vecpool.models.base import Capability, PoolingModel, hf_num_labels
 from vecpool.models.hf import hf_get
-from vecpool.models.layers import FusedProjections, GatedMLP, RMSNorm, Rotary, apply_rotary, fuse
+from vecpool.models.layers import (
+    FusedProjections,
+    GatedMLP,
+    RMSNorm,
+    Rotary,
+    add_linear,
+    apply_rotary,
+    fuse,
+)
 from vecpool.models.quant_checkpoint import CHECKPOINT_QUANT_METHODS
 
 FULL_ATTENTION = "full_attention"
@@ -196,6 +204,22 @@ class DecoderAttention(nn.Module):
         sin: torch.Tensor,  # [num_tokens, head_dim]
         attn: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden]
+        return self.o_proj(self.attend(x, cos, sin, attn))
+
+    def add_to(
+        self,
+        residual: torch.Tensor,  # [num_tokens, hidden], may be overwritten (`add_linear`)
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn: AttentionMetadata,
+    ) -> torch.Tensor:
+        """`residual + self(x, ...)`."""
+        return add_linear(residual, self.o_proj, self.attend(x, cos, sin, attn))
+
+    def attend(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata
+    ) -> torch.Tensor:  # [num_tokens, heads * head_dim], before the output projection
         n = x.shape[0]
         assert self.qkv_proj is not None, "projections are fused when the weights load"
         q, k, v = self.qkv_proj(x)
@@ -221,7 +245,7 @@ class DecoderAttention(nn.Module):
             window=self.window,
             softcap=self.softcap,
         )
-        return self.o_proj(out.reshape(n, -1))
+        return out.reshape(n, -1)
 
 
 class DecoderLayer(nn.Module):
@@ -237,7 +261,9 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
+        # Both residual sums overwrite their residual on CUDA when compiled (`add_linear`): the
+        # layer's input is the layer before's output, or the step's fresh embedding lookup.
+        x = self.self_attn.add_to(x, self.input_layernorm(x), cos, sin, attn)
         return self.mlp.add_to(x, self.post_attention_layernorm(x))
 
 

@@ -312,6 +312,10 @@ class StepGraphs:
         """Copy a step into the static buffers, laid out for `key` (device copies only)."""
         n, s, rows = x.shape[0], attn.num_seqs, key.tokens
         self.x[:n].copy_(x)
+        # The padding rows zeroed: compiled decoder layers overwrite their input with the
+        # attention's residual sum (`layers.add_linear`), padding rows too, whose attention
+        # output no kernel defines; zeroed, no step sees what an earlier one left there.
+        self.x[n:rows].zero_()
         self.positions[:n].copy_(positions)
         if self.token_types is not None and token_types is not None:
             self.token_types[:n].copy_(token_types)
