@@ -20,7 +20,7 @@ from torch import nn
 from vecpool.errors import ConfigError
 from vecpool.models.attention import AttentionMetadata, flat_attention
 from vecpool.models.base import Capability, PoolingModel, hf_num_labels
-from vecpool.models.layers import Rotary, activation, add_linear, apply_rotary
+from vecpool.models.layers import Rotary, activation, apply_rotary
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 # transformers' ModernBertConfig defaults, for keys a config.json leaves out.
@@ -137,29 +137,13 @@ class ModernBertAttention(nn.Module):
         sin: torch.Tensor,  # [num_tokens, head_dim]
         attn: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden]
-        return self.Wo(self.attend(x, cos, sin, attn))
-
-    def add_to(
-        self,
-        residual: torch.Tensor,  # may be overwritten (`add_linear`)
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        attn: AttentionMetadata,
-    ) -> torch.Tensor:
-        """`residual + self(x, ...)`."""
-        return add_linear(residual, self.Wo, self.attend(x, cos, sin, attn))
-
-    def attend(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata
-    ) -> torch.Tensor:  # [num_tokens, hidden], before `Wo`
         n = x.shape[0]
         q, k, v = self.Wqkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(dim=1)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = flat_attention(
             q, k, v, attn, causal=False, scale=self.head_dim**-0.5, window=self.window
         )
-        return out.reshape(n, -1)
+        return self.Wo(out.reshape(n, -1))
 
 
 class ModernBertMLP(nn.Module):
@@ -175,11 +159,6 @@ class ModernBertMLP(nn.Module):
         inputs, gate = self.Wi(x).chunk(2, dim=-1)
         return self.Wo(self.act(inputs) * gate)
 
-    def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """`residual + self(x)`; `residual` may be overwritten (`add_linear`)."""
-        inputs, gate = self.Wi(x).chunk(2, dim=-1)
-        return add_linear(residual, self.Wo, self.act(inputs) * gate)
-
 
 class ModernBertEncoderLayer(nn.Module):
     """Pre-norm block; the first layer has no attention norm (the embeddings' norm serves)."""
@@ -194,10 +173,8 @@ class ModernBertEncoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata
     ) -> torch.Tensor:
-        # Both sums overwrite their residual on CUDA when compiled (`add_linear`): the layer's
-        # input is the layer before's output, or the embeddings' norm of this step.
-        x = self.attn.add_to(x, self.attn_norm(x), cos, sin, attn)
-        return self.mlp.add_to(x, self.mlp_norm(x))
+        x = x + self.attn(self.attn_norm(x), cos, sin, attn)
+        return x + self.mlp(self.mlp_norm(x))
 
 
 class ModernBertModel(PoolingModel):
