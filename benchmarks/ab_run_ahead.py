@@ -19,8 +19,9 @@ replaying steps up to the step budget (32,768 tokens at most, as narrow models d
 replaying them up to 8,192 (a model 1,024 wide or more, as the engine has it);
 `--against one-head-tiles` compares the packed attention kernel taking several query heads of
 one key/value head a program (`packed_attention.GQA_TILE`) with one head a program;
-`--against copied-residual` compares a decoder layer's feed-forward product accumulated into
-its residual in place (`layers.add_linear`) with the compiler's `addmm` into a new tensor. Each variant of
+`--against copied-residual` compares a layer's attention and feed-forward products
+accumulated into their residuals in place (`layers.add_linear`; decoders) with the compiler's
+`addmm` into new tensors. Each variant of
 these seven runs the whole workload once before the rounds, recording its graphs.
 
 For each `bench_gpu.py` shape and workload (from token ids, the engine's defaults): a warm-up,
