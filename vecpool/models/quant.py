@@ -329,6 +329,11 @@ class Fp8GatedMLP(nn.Module):
         assert isinstance(out, torch.Tensor)  # down_proj has no output split
         return out
 
+    def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """`residual + self(x)`, as `GatedMLP.add_to` (which a decoder layer calls); the FP8
+        product is not accumulated in place."""
+        return residual + self(x)
+
 
 class Int8Linear(nn.Module):
     """A linear layer whose weight is int8 with one float32 scale per output channel; inputs
