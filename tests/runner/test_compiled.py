@@ -8,13 +8,16 @@ backend, which runs the same wrapping and guards without generating code.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import pytest
 import torch
 
 import vecpool
-from tests.helpers import engine_hidden, random_prompts
+from tests.helpers import REORDERED_RTOL, assert_rel_close, engine_hidden, random_prompts
 from tests.runner.conftest import VOCAB
+from vecpool.runner import model_runner
 from vecpool.runner.compiled import compile_blocks, compile_by_default, repeated_blocks
 
 
@@ -145,3 +148,47 @@ def test_add_linear_accumulates_into_the_residual() -> None:
     assert torch.equal(compiled(r, x, w), want * 2.0)
     linear = torch.nn.Linear(24, 16, bias=False)
     assert torch.equal(layers.add_linear(r, linear, x), r + linear(x))
+
+
+@pytest.mark.parametrize("model", ["qwen3", "bert"])
+def test_compiled_cuda_ops_path_matches_eager_and_keeps_embeds_bit_exact(
+    qwen3_folder: Path, tiny_bert: tuple[Path, Any], monkeypatch, model: str
+) -> None:
+    """The path layers compiled for CUDA take, run on the CPU: decoder layers overwriting
+    their input with the attention's residual sum and that sum with the feed-forward's
+    (`vecpool::add_linear_`), BERT's GELU through `vecpool::gelu`. The compiled engine, over
+    steps of several sizes, stays within float32 reordering of the eager one (an addmm rounds
+    a sum once where `x + linear(h)` rounds twice), a prompt given as embeddings gives its
+    ids' bits, and a second call the first's (no step sees what an earlier one overwrote)."""
+    from vecpool.models import layers
+
+    folder = qwen3_folder if model == "qwen3" else tiny_bert[0]
+    vocab = VOCAB if model == "qwen3" else 99
+    # Plain linears, as on CUDA (on the CPU the engine packs them for oneDNN).
+    monkeypatch.setattr(model_runner, "can_pack", lambda *_: False)
+    eager = vecpool.Engine(folder, device="cpu", compile=False)
+    compiled = vecpool.Engine(folder, device="cpu", compile=False)
+    traced_ops: set[str] = set()
+    aot_eager = torch._dynamo.lookup_backend("aot_eager")
+
+    def spy(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        traced_ops.update(str(n.target) for n in gm.graph.nodes if "vecpool" in str(n.target))
+        return aot_eager(gm, example_inputs)
+
+    monkeypatch.setattr(layers, "compiled_for_cuda", lambda x: torch.compiler.is_compiling())
+    torch._dynamo.reset()
+    for block in repeated_blocks(compiled.model):
+        block.compile(backend=spy, dynamic=True)
+    for seed, lengths in enumerate([[5, 17, 3, 30], [7, 2], [40, 9, 9, 1, 12]]):
+        prompts = random_prompts(vocab, lengths, seed=seed)
+        expected = engine_hidden(eager, prompts)
+        as_ids = engine_hidden(compiled, prompts)
+        as_embeds = engine_hidden(
+            compiled, [{"prompt_embeds": compiled.embed_tokens(p)} for p in prompts]
+        )
+        again = engine_hidden(compiled, prompts)
+        for e, a, b, c in zip(expected, as_ids, as_embeds, again, strict=True):
+            assert_rel_close(a, e, REORDERED_RTOL)
+            assert np.array_equal(a, b) and np.array_equal(a, c)
+    op = "add_linear_" if model == "qwen3" else "gelu"
+    assert any(op in name for name in traced_ops), traced_ops

@@ -13,6 +13,13 @@ from torch import nn
 from vecpool.errors import ConfigError
 from vecpool.models.hf import hf_get
 
+
+def compiled_for_cuda(x: torch.Tensor) -> bool:
+    """Whether `x` is being traced into a layer compiled for CUDA: where `gelu` and
+    `add_linear` take their ops (the tests run those paths on the CPU by patching this)."""
+    return x.is_cuda and torch.compiler.is_compiling()
+
+
 # Whether compiled layers on CUDA call ATen's GELU kernel (`vecpool::gelu`) rather than the
 # compiler's own (False: a benchmark's baseline). Read when a layer is compiled.
 COMPILED_ATEN_GELU = True
@@ -25,7 +32,7 @@ def gelu(x: torch.Tensor) -> torch.Tensor:
     BERT-base's width and a step of 32,768 tokens ATen's took 130 us on the H200 and the
     compiler's 203 us, a copy of the same tensor by the compiler 156 us
     (`benchmarks/activation_check.py`, `activation_check_h200.json`)."""
-    if COMPILED_ATEN_GELU and x.is_cuda and torch.compiler.is_compiling():
+    if COMPILED_ATEN_GELU and compiled_for_cuda(x):
         return torch.ops.vecpool.gelu(x)
     return F.gelu(x)
 
@@ -57,8 +64,7 @@ def add_linear(residual: torch.Tensor, linear: nn.Module, x: torch.Tensor) -> to
     `ab_residuals_in_place_modernbert_h200.json`)."""
     if (
         COMPILED_RESIDUAL_IN_PLACE
-        and residual.is_cuda
-        and torch.compiler.is_compiling()
+        and compiled_for_cuda(residual)
         and type(linear) is nn.Linear
         and linear.bias is None
     ):
