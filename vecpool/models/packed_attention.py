@@ -22,8 +22,8 @@ Used where every sequence of the step is at most `max_len(causal)` tokens long: 
 bidirectional models, 1,024 for causal ones, as measured against FlashAttention (`MAX_LEN`).
 Grouped-query attention reads each query head's key/value head directly, and a program takes
 as many query heads of one key/value head as `GQA_TILE` says, loading each key and value block
-once for all of them. Compiled layers call
-it through `vecpool::packed_attention`, an op opaque to the compiler.
+once for all of them. Compiled layers call it through `vecpool::packed_attention`, an op opaque
+to the compiler.
 """
 
 from __future__ import annotations
