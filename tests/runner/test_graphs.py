@@ -107,6 +107,10 @@ def test_padded_steps_match_unpadded_and_keep_embeds_exact(
     engine_hidden(padded, random_prompts(vocab, [7]))
     assert graphs.cu_seqlens[:2].tolist() == [0, 7]
     assert (graphs.cu_seqlens[1:] == 7).all()
+    # Its padding rows (7-16) are zero, whatever the step before (143 tokens) left there:
+    # compiled decoder layers on CUDA write their residual sums into the static input,
+    # padding rows included (`layers.add_linear`).
+    assert graphs.x[:7].any() and not graphs.x[7:16].any()
 
 
 def test_steps_a_graph_cannot_serve_run_unpadded(qwen3_folder: Path) -> None:
