@@ -7,6 +7,7 @@ backend, which runs the same wrapping and guards without generating code.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,20 +38,29 @@ def test_compile_by_default_on_wide_cuda_models_only() -> None:
     assert not vecpool.Engine(device="cpu").model_runner.compiled
 
 
+def _steps_against_eager(
+    eager: vecpool.Engine, compiled: vecpool.Engine, vocab: int
+) -> Iterator[tuple[list[list[int]], list[np.ndarray], list[np.ndarray], list[np.ndarray]]]:
+    """Batches of different token and sequence counts (one dynamic graph serves them all):
+    each batch's prompts, the eager engine's hidden states, and the compiled engine's from the
+    ids and from the same prompts given as their embeddings."""
+    for seed, lengths in enumerate([[5, 17, 3, 30], [7, 2], [40, 9, 9, 1, 12]]):
+        prompts = random_prompts(vocab, lengths, seed=seed)
+        expected = engine_hidden(eager, prompts)
+        as_ids = engine_hidden(compiled, prompts)
+        as_embeds = engine_hidden(
+            compiled, [{"prompt_embeds": compiled.embed_tokens(p)} for p in prompts]
+        )
+        yield prompts, expected, as_ids, as_embeds
+
+
 def test_compiled_blocks_match_eager_and_keep_embeds_bit_exact(qwen3_folder: Path) -> None:
     eager = vecpool.Engine(qwen3_folder, device="cpu", compile=False)
     compiled = vecpool.Engine(qwen3_folder, device="cpu", compile=False)
     assert compile_blocks(compiled.model, backend="eager") == 3
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()  # graphs compiled by earlier tests count there too
-    # Batches of different token counts and sequence counts run through one dynamic graph.
-    for seed, lengths in enumerate([[5, 17, 3, 30], [7, 2], [40, 9, 9, 1, 12]]):
-        prompts = random_prompts(VOCAB, lengths, seed=seed)
-        expected = engine_hidden(eager, prompts)
-        as_ids = engine_hidden(compiled, prompts)
-        as_embeds = engine_hidden(
-            compiled, [{"prompt_embeds": compiled.embed_tokens(p)} for p in prompts]
-        )
+    for _, expected, as_ids, as_embeds in _steps_against_eager(eager, compiled, VOCAB):
         for e, a, b in zip(expected, as_ids, as_embeds, strict=True):
             assert np.array_equal(a, e)
             assert np.array_equal(a, b)
@@ -179,13 +189,7 @@ def test_compiled_cuda_ops_path_matches_eager_and_keeps_embeds_bit_exact(
     torch._dynamo.reset()
     for block in repeated_blocks(compiled.model):
         block.compile(backend=spy, dynamic=True)
-    for seed, lengths in enumerate([[5, 17, 3, 30], [7, 2], [40, 9, 9, 1, 12]]):
-        prompts = random_prompts(vocab, lengths, seed=seed)
-        expected = engine_hidden(eager, prompts)
-        as_ids = engine_hidden(compiled, prompts)
-        as_embeds = engine_hidden(
-            compiled, [{"prompt_embeds": compiled.embed_tokens(p)} for p in prompts]
-        )
+    for prompts, expected, as_ids, as_embeds in _steps_against_eager(eager, compiled, vocab):
         again = engine_hidden(compiled, prompts)
         for e, a, b, c in zip(expected, as_ids, as_embeds, again, strict=True):
             assert_rel_close(a, e, REORDERED_RTOL)

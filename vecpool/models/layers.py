@@ -82,7 +82,7 @@ def _add_linear_op(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
 # (lower-cased, module path dropped) the torch classes sentence-transformers saves for Dense
 # modules and cross-encoder heads. Softmax is over the last axis.
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "gelu": lambda x: gelu(x),
+    "gelu": gelu,
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "gelu_fast": lambda x: F.gelu(x, approximate="tanh"),
@@ -175,15 +175,17 @@ class GatedMLP(nn.Module):
         fuse(self, "gate_up_proj", ["gate_proj", "up_proj"])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        assert self.gate_up_proj is not None, "projections are fused when the weights load"
-        gate, up = self.gate_up_proj(x)
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(self.gated(x))
 
     def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """`residual + self(x)`; `residual` may be overwritten (`add_linear`)."""
+        return add_linear(residual, self.down_proj, self.gated(x))
+
+    def gated(self, x: torch.Tensor) -> torch.Tensor:
+        """`act(gate(x)) * up(x)`, the input of `down_proj`."""
         assert self.gate_up_proj is not None, "projections are fused when the weights load"
         gate, up = self.gate_up_proj(x)
-        return add_linear(residual, self.down_proj, self.act(gate) * up)
+        return self.act(gate) * up
 
 
 class Rotary:
