@@ -55,8 +55,10 @@ from benchmarks.workloads import SHAPES, WORKLOADS, make_inputs, workload_length
 _WORDPIECE_MIN_CHARS = vecpool.tokenizer.WORDPIECE_MIN_CHARS
 
 
-def _set(vary: str, value: float) -> None:
-    if vary == "ahead":
+def _set(vary: str, value: float, engine: vecpool.Engine, process: Any) -> None:
+    if vary == "tokenizer-process":
+        engine.inputs.tokenizer_process = process if value else None
+    elif vary == "ahead":
         vecpool.api.engine.PIPELINE_AHEAD = int(value)
     elif vary == "first-alone":
         vecpool.api.engine.PIPELINE_FIRST_ALONE = bool(value)
@@ -97,7 +99,7 @@ def main(argv: list[str]) -> dict[str, Any]:
     parser.add_argument("--forms", nargs="+", default=["text", "ids"], choices=["text", "ids"])
     parser.add_argument(
         "--vary",
-        choices=["ahead", "first-alone", "wordpiece", "switch-interval"],
+        choices=["ahead", "first-alone", "wordpiece", "switch-interval", "tokenizer-process"],
         required=True,
     )
     parser.add_argument(
@@ -123,6 +125,7 @@ def main(argv: list[str]) -> dict[str, Any]:
         "ahead": vecpool.api.engine.PIPELINE_AHEAD,
         "first-alone": int(vecpool.api.engine.PIPELINE_FIRST_ALONE),
         "wordpiece": 1,
+        "tokenizer-process": 1,
     }.get(args.vary, sys.getswitchinterval())
     simulated = args.simulate_device is not None
     if simulated:
@@ -141,6 +144,7 @@ def main(argv: list[str]) -> dict[str, Any]:
             flops = flop_model(folder)
             engine = vecpool.Engine(folder, device=args.device)
         limit = engine.info().max_model_len
+        process = engine.inputs.tokenizer_process
         for workload in args.workloads:
             lengths = workload_lengths(workload, args.n).clip(max=limit)
             texts, ids = make_inputs(tokenizer, lengths)
@@ -156,11 +160,11 @@ def main(argv: list[str]) -> dict[str, Any]:
                     for r in range(args.rounds):
                         k = r % len(args.values)
                         for value in args.values[k:] + args.values[:k]:
-                            _set(args.vary, value)
+                            _set(args.vary, value, engine, process)
                             took, outputs[value] = _timed(engine, inputs, args.device)
                             seconds[value].append(took)
                 finally:
-                    _set(args.vary, default)
+                    _set(args.vary, default, engine, process)
                     gc.unfreeze()
                 base = args.values[0]
                 per_value = {

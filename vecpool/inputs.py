@@ -32,6 +32,7 @@ from vecpool.arrays import (
 )
 from vecpool.errors import InputError, InputTooLongError
 from vecpool.tokenizer import TextTokenizer, id_arrays
+from vecpool.tokenizer_process import TokenizerProcess
 
 __all__ = ["TextTokenizer", "TruncationSide", "is_tensor"]  # re-exported: their old home
 
@@ -139,9 +140,12 @@ class InputProcessor:
         limits: InputLimits,
         tokenizer: TextTokenizer | None,
         sides: Mapping[str, SideFormat] | None = None,
+        tokenizer_process: TokenizerProcess | None = None,
     ):
         self.limits = limits
         self.tokenizer = tokenizer
+        # Large batches of single texts are tokenized there when it can take them (engine side).
+        self.tokenizer_process = tokenizer_process
         self.sides = dict(sides or {})  # by input type; empty unless a late-interaction model
 
     def process(
@@ -213,7 +217,11 @@ class InputProcessor:
                     field="truncate_prompt_tokens",
                 )
         # Lengths are checked below, once the marker is in.
-        unlimited = InputProcessor(replace(self.limits, max_model_len=sys.maxsize), self.tokenizer)
+        unlimited = InputProcessor(
+            replace(self.limits, max_model_len=sys.maxsize),
+            self.tokenizer,
+            tokenizer_process=self.tokenizer_process,
+        )
         inner_options = replace(
             options,
             truncate_prompt_tokens=None if limit is None else limit - reserve,
@@ -334,7 +342,11 @@ class InputProcessor:
                 arrays = id_arrays(encodings)
                 type_ids = {j: np.array(encodings[j].type_ids, dtype=np.int64) for j in pairs}
             else:
-                arrays = self.tokenizer.encode_ids(texts, limit, side, specials)  # type: ignore[arg-type]
+                arrays = (
+                    None
+                    if self.tokenizer_process is None
+                    else self.tokenizer_process.encode_ids(texts, limit, side, specials)  # type: ignore[arg-type]
+                ) or self.tokenizer.encode_ids(texts, limit, side, specials)  # type: ignore[arg-type]
         except InputError as exc:  # indexed within `texts`, or about the whole call
             raise exc.at(indices[exc.index or 0]) from None
         lengths = np.fromiter(map(len, arrays), dtype=np.int64, count=len(arrays))

@@ -36,6 +36,7 @@ from vecpool.runner.model_runner import ModelRunner
 from vecpool.runner.pooling_runner import PoolingRunner
 from vecpool.runner.step import ScheduledChunk
 from vecpool.tasks import TASKS, PoolingParams, get_task
+from vecpool.tokenizer_process import TokenizerProcess
 
 # The engine's probe: a short input any text model embeds (see `EngineParts._probe`).
 PROBE_TEXT = "The engine checks itself on this sentence."
@@ -208,6 +209,9 @@ class EngineParts:
                 max_input_chars=args.input_char_limit(self.max_model_len),
             ),
             self.tokenizer,
+            tokenizer_process=(
+                TokenizerProcess(self.folder.tokenizer_file) if self.folder.tokenizer_file else None
+            ),
             sides=side_formats(
                 late,
                 self.tokenizer,
