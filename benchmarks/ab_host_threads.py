@@ -3,7 +3,9 @@ interleaved: how far the input worker runs ahead of the steps (`--vary ahead`, t
 `PIPELINE_AHEAD`), whether it waits for the first step's forward before preparing the second
 chunk (`--vary first-alone`, 1 or 0: `PIPELINE_FIRST_ALONE`), whether plain texts of BERT's
 WordPiece are tokenized by `vecpool.wordpiece`'s array path or by the `tokenizers` library
-(`--vary wordpiece`, 1 or 0: `tokenizer.WORDPIECE_MIN_CHARS` as set, or past any batch) or the
+(`--vary wordpiece`, 1 or 0: `tokenizer.WORDPIECE_MIN_CHARS` as set, or past any batch), how
+many child processes tokenize large batches of texts (`--vary tokenizer-processes`, 0: none, the
+worker tokenizes; each `tokenizer_pool.TokenizerPool` started before the clock) or the
 interpreter's thread switch interval (`--vary switch-interval`, `sys.setswitchinterval`).
 
     PYTHONPATH=. python benchmarks/ab_host_threads.py --models bert-base --tokenizer DIR \
@@ -51,13 +53,14 @@ from benchmarks.ab_run_ahead import _timed
 from benchmarks.bench_gpu import flop_model, matmul_ceiling
 from benchmarks.bench_host import stub_engine
 from benchmarks.workloads import SHAPES, WORKLOADS, make_inputs, workload_lengths, write_folder
+from vecpool import tokenizer_pool
 
 _WORDPIECE_MIN_CHARS = vecpool.tokenizer.WORDPIECE_MIN_CHARS
 
 
-def _set(vary: str, value: float, engine: vecpool.Engine, process: Any) -> None:
-    if vary == "tokenizer-process":
-        engine.inputs.tokenizer_process = process if value else None
+def _set(vary: str, value: float, engine: vecpool.Engine, pools: dict[float, Any]) -> None:
+    if vary == "tokenizer-processes":
+        engine.inputs.tokenizer_pool = pools.get(value)
     elif vary == "ahead":
         vecpool.api.engine.PIPELINE_AHEAD = int(value)
     elif vary == "first-alone":
@@ -99,7 +102,7 @@ def main(argv: list[str]) -> dict[str, Any]:
     parser.add_argument("--forms", nargs="+", default=["text", "ids"], choices=["text", "ids"])
     parser.add_argument(
         "--vary",
-        choices=["ahead", "first-alone", "wordpiece", "switch-interval", "tokenizer-process"],
+        choices=["ahead", "first-alone", "wordpiece", "switch-interval", "tokenizer-processes"],
         required=True,
     )
     parser.add_argument(
@@ -125,7 +128,7 @@ def main(argv: list[str]) -> dict[str, Any]:
         "ahead": vecpool.api.engine.PIPELINE_AHEAD,
         "first-alone": int(vecpool.api.engine.PIPELINE_FIRST_ALONE),
         "wordpiece": 1,
-        "tokenizer-process": 1,
+        "tokenizer-processes": tokenizer_pool.default_size(),
     }.get(args.vary, sys.getswitchinterval())
     simulated = args.simulate_device is not None
     if simulated:
@@ -144,7 +147,15 @@ def main(argv: list[str]) -> dict[str, Any]:
             flops = flop_model(folder)
             engine = vecpool.Engine(folder, device=args.device)
         limit = engine.info().max_model_len
-        process = engine.inputs.tokenizer_process
+        pools: dict[float, Any] = {}  # by size (0: none), each started before the clock
+        if args.vary == "tokenizer-processes":
+            path = args.tokenizer / "tokenizer.json"
+            pools = {v: tokenizer_pool.TokenizerPool(path, int(v)) for v in args.values if v}
+            for pool in pools.values():
+                pool.start()
+                if not pool.wait_ready(60):
+                    raise SystemExit("the tokenizer processes did not start")
+            pools.setdefault(default, engine.inputs.tokenizer_pool)  # restored after the rounds
         for workload in args.workloads:
             lengths = workload_lengths(workload, args.n).clip(max=limit)
             texts, ids = make_inputs(tokenizer, lengths)
@@ -160,11 +171,11 @@ def main(argv: list[str]) -> dict[str, Any]:
                     for r in range(args.rounds):
                         k = r % len(args.values)
                         for value in args.values[k:] + args.values[:k]:
-                            _set(args.vary, value, engine, process)
+                            _set(args.vary, value, engine, pools)
                             took, outputs[value] = _timed(engine, inputs, args.device)
                             seconds[value].append(took)
                 finally:
-                    _set(args.vary, default, engine, process)
+                    _set(args.vary, default, engine, pools)
                     gc.unfreeze()
                 base = args.values[0]
                 per_value = {

@@ -32,7 +32,7 @@ from vecpool.arrays import (
 )
 from vecpool.errors import InputError, InputTooLongError
 from vecpool.tokenizer import TextTokenizer, id_arrays
-from vecpool.tokenizer_process import TokenizerProcess
+from vecpool.tokenizer_pool import TokenizerPool
 
 __all__ = ["TextTokenizer", "TruncationSide", "is_tensor"]  # re-exported: their old home
 
@@ -140,12 +140,12 @@ class InputProcessor:
         limits: InputLimits,
         tokenizer: TextTokenizer | None,
         sides: Mapping[str, SideFormat] | None = None,
-        tokenizer_process: TokenizerProcess | None = None,
+        tokenizer_pool: TokenizerPool | None = None,
     ):
         self.limits = limits
         self.tokenizer = tokenizer
         # Large batches of single texts are tokenized there when it can take them (engine side).
-        self.tokenizer_process = tokenizer_process
+        self.tokenizer_pool = tokenizer_pool
         self.sides = dict(sides or {})  # by input type; empty unless a late-interaction model
 
     def process(
@@ -220,7 +220,7 @@ class InputProcessor:
         unlimited = InputProcessor(
             replace(self.limits, max_model_len=sys.maxsize),
             self.tokenizer,
-            tokenizer_process=self.tokenizer_process,
+            tokenizer_pool=self.tokenizer_pool,
         )
         inner_options = replace(
             options,
@@ -344,8 +344,8 @@ class InputProcessor:
             else:
                 arrays = (
                     None
-                    if self.tokenizer_process is None
-                    else self.tokenizer_process.encode_ids(texts, limit, side, specials)  # type: ignore[arg-type]
+                    if self.tokenizer_pool is None
+                    else self.tokenizer_pool.encode_ids(texts, limit, side, specials)  # type: ignore[arg-type]
                 ) or self.tokenizer.encode_ids(texts, limit, side, specials)  # type: ignore[arg-type]
         except InputError as exc:  # indexed within `texts`, or about the whole call
             raise exc.at(indices[exc.index or 0]) from None

@@ -36,7 +36,7 @@ from vecpool.runner.model_runner import ModelRunner
 from vecpool.runner.pooling_runner import PoolingRunner
 from vecpool.runner.step import ScheduledChunk
 from vecpool.tasks import TASKS, PoolingParams, get_task
-from vecpool.tokenizer_process import TokenizerProcess
+from vecpool.tokenizer_pool import TokenizerPool, default_size
 
 # The engine's probe: a short input any text model embeds (see `EngineParts._probe`).
 PROBE_TEXT = "The engine checks itself on this sentence."
@@ -209,8 +209,10 @@ class EngineParts:
                 max_input_chars=args.input_char_limit(self.max_model_len),
             ),
             self.tokenizer,
-            tokenizer_process=(
-                TokenizerProcess(self.folder.tokenizer_file) if self.folder.tokenizer_file else None
+            tokenizer_pool=(
+                TokenizerPool(self.folder.tokenizer_file, default_size())
+                if self.folder.tokenizer_file
+                else None
             ),
             sides=side_formats(
                 late,
