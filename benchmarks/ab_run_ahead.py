@@ -21,10 +21,8 @@ replaying them up to 8,192 (a model 1,024 wide or more, as the engine has it);
 one key/value head a program (`packed_attention.GQA_TILE`) with one head a program;
 `--against copied-residual` compares a layer's attention and feed-forward products
 accumulated into their residuals in place (`layers.add_linear`; decoders) with the compiler's
-`addmm` into new tensors; `--against query-rotary-outside` compares the query heads normalized
-and rotated inside the packed attention kernel (`packed_attention.QueryRotary`, the keys alone
-through `qk_rotary`'s kernel) with both through `qk_rotary`'s kernel. Each variant of
-these eight runs the whole workload once before the rounds, recording its graphs.
+`addmm` into new tensors. Each variant of
+these seven runs the whole workload once before the rounds, recording its graphs.
 
 For each `bench_gpu.py` shape and workload (from token ids, the engine's defaults): a warm-up,
 then `--rounds` pairs of `Engine.embed` calls, the order inside each pair alternating; tokens
@@ -70,7 +68,6 @@ LABELS = {
     "graphs-8k": ("graphs to 32k", "graphs to 8k"),
     "one-head-tiles": ("GQA tiles", "one-head tiles"),
     "copied-residual": ("residual in place", "residual copied"),
-    "query-rotary-outside": ("query rotary in attention", "query rotary outside"),
 }
 # Variants that record CUDA graphs of their own before the clock.
 OWN_GRAPHS = (
@@ -81,7 +78,6 @@ OWN_GRAPHS = (
     "graphs-8k",
     "one-head-tiles",
     "copied-residual",
-    "query-rotary-outside",
 )
 
 # The packed kernel's grouped-query tile as this tree has it (`--against one-head-tiles`).
@@ -127,14 +123,6 @@ def _set_variant(engine: vecpool.Engine, baseline: str, new: bool) -> None:
         _use_graph_set(engine, ("rotary", new), ("rotary", layers[0].one_kernel_rotary))
         for layer in layers:
             layer.one_kernel_rotary = new
-    elif baseline == "query-rotary-outside":
-        model = engine.model_runner.model
-        layers = [m for m in model.modules() if hasattr(m, "query_rotary_in_attention")]
-        if not layers:
-            raise SystemExit("--against query-rotary-outside: the model has no rotary attention")
-        _use_graph_set(engine, ("inside", new), ("inside", layers[0].query_rotary_in_attention))
-        for layer in layers:
-            layer.query_rotary_in_attention = new
     elif baseline == "inductor-gelu":
         # Compiled layers guard on the switch: each value compiles (and records) its own.
         _use_graph_set(engine, ("gelu", new), ("gelu", model_layers.COMPILED_ATEN_GELU))

@@ -17,7 +17,7 @@ from vecpool.runner.graphs import token_buckets
 
 @pytest.mark.parametrize("against", sorted(LABELS))
 def test_ab_run_ahead_reports_both_variants(tmp_path: Path, against: str) -> None:
-    model = "tiny-qwen3" if "rotary" in against else "tiny-bert"  # its norms and rotary
+    model = "tiny-qwen3" if against == "unfused-rotary" else "tiny-bert"  # its norms and rotary
     argv = ["--models", model, "--workloads", "queries", "--n", "24", "--rounds", "2"]
     argv += ["--tokenizer", str(default_model_path()), "--device", "cpu", "--against", against]
     report = main([*argv, "--output", str(tmp_path / "ab.json")])

@@ -78,59 +78,6 @@ def run_cases(tile: tuple[int, ...] | None) -> list[dict[str, float | bool]]:
     return results
 
 
-def run_rotary_cases(tile: tuple[int, ...] | None) -> list[float]:
-    """The cases of a head size that is a power of two through the kernel with a
-    `QueryRotary` (the query heads normalized and rotated as they load; a norm with Gemma's
-    unit offset, and none, in turn): the largest difference from the modules' norm and
-    rotation followed by the per-sequence reference."""
-    from vecpool.models.layers import RMSNorm, Rotary, apply_rotary
-
-    results = []
-    for i, (heads, kv_heads, head_dim, causal, lengths, slots, padding) in enumerate(CASES):
-        if head_dim & (head_dim - 1):
-            continue
-        case_tile = tile if tile is None or (heads // kv_heads) % (*tile, 1)[3] == 0 else None
-        torch.manual_seed(i)
-        n = sum(lengths) + padding
-        q, k, v = (torch.randn(n, h, head_dim) for h in (heads, kv_heads, kv_heads))
-        q = q * 3  # the norm's input need not be of order 1
-        cos, sin = Rotary(head_dim, {"rope_theta": 10000.0}).cos_sin(
-            torch.randint(0, 4096, (n,)), torch.float32
-        )
-        norm = None if i % 3 == 2 else RMSNorm(head_dim, 1e-6, unit_offset=i % 3 == 1)
-        if norm is not None:
-            norm.weight.data = 0.3 * torch.randn(head_dim) + (0 if norm.unit_offset else 1)
-        rotary = packed_attention.QueryRotary(
-            cos,
-            sin,
-            None if norm is None else norm.weight.data,
-            1e-6,
-            norm is not None and norm.unit_offset,
-        )
-        out = packed_attention._launch(
-            q, k, v, boundaries(lengths, slots), causal, head_dim**-0.5, case_tile, rotary
-        )
-        want = per_sequence(
-            apply_rotary(q if norm is None else norm(q), cos, sin), k, v, lengths, causal
-        )
-        results.append(float((out[: sum(lengths)] - want[: sum(lengths)]).abs().max()))
-    return results
-
-
-@pytest.mark.parametrize("tile", [(16, 16, 4, 2), None])
-def test_the_kernel_normalizes_and_rotates_queries_as_the_modules_do(
-    tile: tuple[int, ...] | None,
-) -> None:
-    pytest.importorskip("triton", reason="the test extras install Triton")
-    from tests.helpers import run_interpreted
-
-    results = run_interpreted(__file__, "rotary", json.dumps(tile))
-    assert len(results) == sum(1 for case in CASES if not case[2] & (case[2] - 1))
-    for diff in results:
-        # As above, with the norm's sum of squares and rsqrt rounding apart from torch's.
-        assert diff <= 2e-5
-
-
 # Small tiles: sequences span several; (16, 16, 4, 2): two query heads a program.
 @pytest.mark.parametrize("tile", [(16, 16, 4), (16, 16, 4, 2), None])
 def test_each_sequence_attends_to_itself_alone(tile: tuple[int, ...] | None) -> None:
@@ -225,11 +172,6 @@ def test_plain_attention_of_a_packed_step_goes_to_the_kernel(
     assert spy.calls == int(sent)
 
 
-if __name__ == "__main__":  # the interpreted runs of the tests above
-    torch.set_grad_enabled(False)
-    if sys.argv[1] == "rotary":
-        tile = json.loads(sys.argv[2])
-        print(json.dumps(run_rotary_cases(None if tile is None else tuple(tile))))
-    else:
-        tile = json.loads(sys.argv[1])
-        print(json.dumps(run_cases(None if tile is None else tuple(tile))))
+if __name__ == "__main__":  # the interpreted run of `test_each_sequence_attends_to_itself_alone`
+    tile = json.loads(sys.argv[1])
+    print(json.dumps(run_cases(None if tile is None else tuple(tile))))

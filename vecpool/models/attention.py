@@ -174,29 +174,6 @@ class AttentionMetadata:
         return mask
 
 
-def takes_packed_kernel(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    meta: AttentionMetadata,
-    *,
-    window: int | None = None,
-    softcap: float | None = None,
-    bias: torch.Tensor | None = None,
-) -> bool:
-    """Whether `flat_attention` of these arguments runs `packed_attention`'s kernel."""
-    return (
-        meta.packed
-        and meta.use_varlen
-        and meta.kv is None
-        and meta.key_rows is None
-        and bias is None
-        and softcap is None
-        and (window is None or window >= meta.max_seqlen)  # no window within a sequence
-        and packed_attention.serves(q, k, v)
-    )
-
-
 def flat_attention(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
@@ -247,7 +224,13 @@ def flat_attention(
             q, k, v, meta.cu_seqlens, meta.max_seqlen, bias, scale
         )
     if meta.use_varlen and not padded_only:
-        if takes_packed_kernel(q, k, v, meta, window=window, softcap=softcap, bias=bias):
+        if (
+            meta.packed
+            and meta.key_rows is None
+            and bias is None
+            and (window is None or window >= meta.max_seqlen)  # no window within a sequence
+            and packed_attention.serves(q, k, v)
+        ):
             return packed_attention.packed_attention(q, k, v, meta.cu_seqlens, causal, scale)
         cu_k, max_k = meta.cu_seqlens, meta.max_seqlen
         if meta.key_rows is not None:

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from vecpool.errors import ConfigError
-from vecpool.models import packed_attention, qk_rotary
-from vecpool.models.attention import AttentionMetadata, flat_attention, takes_packed_kernel
+from vecpool.models import qk_rotary
+from vecpool.models.attention import AttentionMetadata, flat_attention
 from vecpool.models.base import Capability, PoolingModel, hf_num_labels
 from vecpool.models.hf import hf_get
 from vecpool.models.layers import (
@@ -30,7 +30,6 @@ from vecpool.models.layers import (
     apply_rotary,
     fuse,
 )
-from vecpool.models.packed_attention import QueryRotary
 from vecpool.models.quant_checkpoint import CHECKPOINT_QUANT_METHODS
 
 FULL_ATTENTION = "full_attention"
@@ -194,9 +193,6 @@ class DecoderAttention(nn.Module):
         # serves (CUDA, models with those norms) in steps that attend through the packed
         # kernel; False keeps the modules (a benchmark's baseline).
         self.one_kernel_rotary = True
-        # In those steps, the query heads normalized and rotated by the attention kernel as it
-        # loads them, the keys alone by `qk_rotary`'s; False: both there (a benchmark's baseline).
-        self.query_rotary_in_attention = True
 
     def fuse_projections(self) -> None:
         fuse(self, "qkv_proj", ["q_proj", "k_proj", "v_proj"])
@@ -234,18 +230,6 @@ class DecoderAttention(nn.Module):
         if q_norm is None or k_norm is None:
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         elif self.one_kernel_rotary and attn.packed and qk_rotary.serves(q, k, cos, sin):
-            rotary = QueryRotary(cos, sin, q_norm.weight, q_norm.eps, q_norm.unit_offset)
-            if (
-                self.query_rotary_in_attention
-                and packed_attention.serves_rotary(q, rotary)
-                and takes_packed_kernel(q, k, v, attn, window=self.window, softcap=self.softcap)
-            ):
-                k = qk_rotary.k_norm_rotary(
-                    k, cos, sin, k_norm.weight, k_norm.eps, k_norm.unit_offset
-                )
-                return packed_attention.packed_attention(
-                    q, k, v, attn.cu_seqlens, self.causal, self.scale, rotary
-                ).reshape(n, -1)
             q, k = qk_rotary.qk_norm_rotary(
                 q, k, cos, sin, q_norm.weight, k_norm.weight, q_norm.eps, q_norm.unit_offset
             )

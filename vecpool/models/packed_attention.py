@@ -31,7 +31,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -86,11 +85,6 @@ def _kernel() -> Any | None:
         stride_oh,
         qk_scale,  # the logits' scale times log2(e): softmax runs in base 2
         search_steps,  # enough halvings to find one of num_seqs sequences
-        cos_ptr,  # ROTARY: [num_rows, HEAD_DIM] each row's cos, then sin
-        sin_ptr,
-        q_weight_ptr,  # ROTARY and NORM: [HEAD_DIM] the query heads' RMSNorm weight
-        stride_cs,
-        eps,
         GROUP: tl.constexpr,  # query heads per key/value head
         HEADS: tl.constexpr,  # query heads per program, of one key/value head (divides GROUP)
         CAUSAL: tl.constexpr,
@@ -98,9 +92,6 @@ def _kernel() -> Any | None:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr,
-        ROTARY: tl.constexpr,  # queries normalized (NORM) and rotated as they load
-        NORM: tl.constexpr,
-        UNIT_OFFSET: tl.constexpr,  # the norm's weight is 1 + the stored one (Gemma)
     ):
         # The program's tile: its BLOCK_M rows once for each of its HEADS query heads, which
         # share one key/value head, so that each key and value block is loaded once for all.
@@ -129,37 +120,11 @@ def _kernel() -> Any | None:
         dims = tl.arange(0, BLOCK_D)
         dim_ok = dims < HEAD_DIM
         cols = tl.arange(0, BLOCK_N)
-        q_at = q_ptr + rows[:, None] * stride_qt + head[:, None] * stride_qh
-        if ROTARY:
-            # The query heads as `qk_rotary`'s kernel writes them, by the same operations in
-            # the same order (normalized in float32, rounded to the dtype, rotated, rounded
-            # again): each half in turn, then the two side by side as one tile.
-            HALF: tl.constexpr = HEAD_DIM // 2
-            half = tl.arange(0, HALF)
-            x1 = tl.load(q_at + half[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-            x2 = tl.load(q_at + HALF + half[None, :], mask=row_ok[:, None], other=0.0)
-            x2 = x2.to(tl.float32)
-            q_ty = q_ptr.dtype.element_ty
-            if NORM:
-                w1 = tl.load(q_weight_ptr + half).to(tl.float32)[None, :]
-                w2 = tl.load(q_weight_ptr + HALF + half).to(tl.float32)[None, :]
-                if UNIT_OFFSET:
-                    w1, w2 = w1 + 1.0, w2 + 1.0
-                mean_square = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM
-                r = tl.rsqrt(mean_square + eps)[:, None]
-                x1 = (x1 * r * w1).to(q_ty).to(tl.float32)
-                x2 = (x2 * r * w2).to(q_ty).to(tl.float32)
-            cs_at = rows[:, None] * stride_cs + half[None, :]
-            c1 = tl.load(cos_ptr + cs_at, mask=row_ok[:, None], other=0.0).to(tl.float32)
-            c2 = tl.load(cos_ptr + cs_at + HALF, mask=row_ok[:, None], other=0.0).to(tl.float32)
-            s1 = tl.load(sin_ptr + cs_at, mask=row_ok[:, None], other=0.0).to(tl.float32)
-            s2 = tl.load(sin_ptr + cs_at + HALF, mask=row_ok[:, None], other=0.0).to(tl.float32)
-            y1 = (x1 * c1 - x2 * s1).to(q_ty)
-            y2 = (x2 * c2 + x1 * s2).to(q_ty)
-            # [M, HALF, 2] -> [M, 2, HALF] -> [M, HEAD_DIM]: y1's columns, then y2's.
-            q = tl.reshape(tl.permute(tl.join(y1, y2), (0, 2, 1)), (HEADS * BLOCK_M, HEAD_DIM))
-        else:
-            q = tl.load(q_at + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+        q = tl.load(
+            q_ptr + rows[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+            mask=row_ok[:, None] & dim_ok[None, :],
+            other=0.0,
+        )
         m_i = tl.full([HEADS * BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([HEADS * BLOCK_M], tl.float32)
         acc = tl.zeros([HEADS * BLOCK_M, BLOCK_D], tl.float32)
@@ -218,35 +183,6 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     )
 
 
-@dataclass(frozen=True)
-class QueryRotary:
-    """The query heads' RMSNorm and rotary positions, done by the kernel as it loads them
-    (`qk_rotary`'s operations, in its order): each query head is read once, and never written
-    back between the two."""
-
-    cos: torch.Tensor  # [num_tokens, head_dim]
-    sin: torch.Tensor  # [num_tokens, head_dim]
-    weight: torch.Tensor | None  # [head_dim], the norm's; None: rotation alone
-    eps: float
-    unit_offset: bool  # the norm multiplies by 1 + weight (Gemma)
-
-
-def serves_rotary(q: torch.Tensor, rotary: QueryRotary) -> bool:
-    """Whether the kernel can also normalize and rotate these query heads: a head size that
-    is a power of two (the halves join into the tile) and `cos` / `sin` of one layout."""
-    n, _, head_dim = q.shape
-    cos, sin = rotary.cos, rotary.sin
-    return (
-        head_dim >= 16
-        and head_dim & (head_dim - 1) == 0
-        and q.stride(2) == 1
-        and cos.shape == sin.shape == (n, head_dim)
-        and cos.stride() == sin.stride()
-        and cos.stride(1) == 1
-        and n * cos.stride(0) < 2**31
-    )
-
-
 def packed_attention(
     q: torch.Tensor,  # [num_tokens, heads, head_dim], rows of head_dim values
     k: torch.Tensor,  # [num_tokens, kv_heads, head_dim]
@@ -254,17 +190,11 @@ def packed_attention(
     cu_seqlens: torch.Tensor,  # [num_seqs + 1] int32
     causal: bool,
     scale: float,
-    rotary: QueryRotary | None = None,  # `q` as it is before its norm and rotation
 ) -> torch.Tensor:  # [num_tokens, heads, head_dim]
     """Each sequence attending to itself (causal: each row to itself and the rows before)."""
     if torch.compiler.is_compiling():
-        if rotary is None:
-            return torch.ops.vecpool.packed_attention(q, k, v, cu_seqlens, causal, scale)
-        return torch.ops.vecpool.packed_attention_rotary(
-            q, k, v, cu_seqlens, causal, scale, rotary.cos, rotary.sin, rotary.weight,
-            rotary.eps, rotary.unit_offset,
-        )  # fmt: skip
-    return _launch(q, k, v, cu_seqlens, causal, scale, rotary=rotary)
+        return torch.ops.vecpool.packed_attention(q, k, v, cu_seqlens, causal, scale)
+    return _launch(q, k, v, cu_seqlens, causal, scale)
 
 
 # The tile: rows per program, keys per inner step, warps. Of those timed on the H200 at head
@@ -293,12 +223,10 @@ def _launch(
     scale: float,
     # (BLOCK_M, BLOCK_N, warps[, heads per program]); None: `tile_for` the model's group
     tiles: tuple[int, ...] | None = None,
-    rotary: QueryRotary | None = None,
 ) -> torch.Tensor:
     kernel = _kernel()
     assert kernel is not None  # guarded by `serves`
     q, k, v = (t if t.stride(2) == 1 else t.contiguous() for t in (q, k, v))
-    norm = rotary is not None and rotary.weight is not None
     num_seqs, heads, head_dim = cu_seqlens.shape[0] - 1, q.shape[1], q.shape[2]
     out = q.new_empty(q.shape)
     if q.shape[0] == 0 or num_seqs == 0:
@@ -327,11 +255,6 @@ def _launch(
         out.stride(1),
         scale * 1.4426950408889634,
         max(1, num_seqs.bit_length()),
-        q if rotary is None else rotary.cos,  # (not read without ROTARY, nor the weight
-        q if rotary is None else rotary.sin,  # without NORM)
-        rotary.weight if rotary is not None and rotary.weight is not None else q,
-        0 if rotary is None else rotary.cos.stride(0),
-        0.0 if rotary is None else rotary.eps,
         GROUP=group,
         HEADS=per_program,
         CAUSAL=causal,
@@ -339,9 +262,6 @@ def _launch(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_D=block_d,
-        ROTARY=rotary is not None,
-        NORM=norm,
-        UNIT_OFFSET=rotary is not None and rotary.unit_offset,
         num_warps=warps,
         num_stages=2,
     )
@@ -362,29 +282,5 @@ def _packed_attention_op(
 
 
 @_packed_attention_op.register_fake
-def _(q: torch.Tensor, *args: object) -> torch.Tensor:
-    return q.new_empty(q.shape)
-
-
-@torch.library.custom_op("vecpool::packed_attention_rotary", mutates_args=())
-def _packed_attention_rotary_op(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    causal: bool,
-    scale: float,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    weight: torch.Tensor | None,
-    eps: float,
-    unit_offset: bool,
-) -> torch.Tensor:
-    """`packed_attention` with a `QueryRotary`, for compiled layers."""
-    rotary = QueryRotary(cos, sin, weight, eps, unit_offset)
-    return _launch(q, k, v, cu_seqlens, causal, scale, rotary=rotary)
-
-
-@_packed_attention_rotary_op.register_fake
 def _(q: torch.Tensor, *args: object) -> torch.Tensor:
     return q.new_empty(q.shape)

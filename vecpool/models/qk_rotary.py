@@ -91,23 +91,8 @@ def qk_norm_rotary(
     return _launch(q, k, cos, sin, q_weight, k_weight, eps, unit_offset)
 
 
-def k_norm_rotary(
-    k: torch.Tensor,  # [num_tokens, kv_heads, head_dim]
-    cos: torch.Tensor,  # [num_tokens, head_dim]
-    sin: torch.Tensor,  # [num_tokens, head_dim]
-    k_weight: torch.Tensor | None,  # [head_dim]; None: no norm
-    eps: float,
-    unit_offset: bool,
-) -> torch.Tensor:
-    """The key heads alone, as `qk_norm_rotary` gives them: for attention that normalizes and
-    rotates its query heads itself (`packed_attention.QueryRotary`)."""
-    if torch.compiler.is_compiling():
-        return torch.ops.vecpool.k_norm_rotary(k, cos, sin, k_weight, eps, unit_offset)
-    return _launch(k[:, :0], k, cos, sin, k_weight, k_weight, eps, unit_offset)[1]
-
-
 def _launch(
-    q: torch.Tensor,  # no heads ([num_tokens, 0, head_dim]): the keys alone
+    q: torch.Tensor,
     k: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
@@ -170,21 +155,3 @@ def _qk_norm_rotary_op(
 @_qk_norm_rotary_op.register_fake
 def _(q: torch.Tensor, k: torch.Tensor, *args: object) -> tuple[torch.Tensor, torch.Tensor]:
     return q.new_empty(q.shape), k.new_empty(k.shape)
-
-
-@torch.library.custom_op("vecpool::k_norm_rotary", mutates_args=())
-def _k_norm_rotary_op(
-    k: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    k_weight: torch.Tensor | None,
-    eps: float,
-    unit_offset: bool,
-) -> torch.Tensor:
-    """`k_norm_rotary` for compiled layers."""
-    return _launch(k[:, :0], k, cos, sin, k_weight, k_weight, eps, unit_offset)[1]
-
-
-@_k_norm_rotary_op.register_fake
-def _(k: torch.Tensor, *args: object) -> torch.Tensor:
-    return k.new_empty(k.shape)
