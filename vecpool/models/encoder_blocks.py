@@ -17,14 +17,7 @@ from torch import nn
 
 from vecpool.models.attention import AttentionMetadata, flat_attention
 from vecpool.models.base import PoolingModel
-from vecpool.models.layers import (
-    FusedProjections,
-    add_linear,
-    apply_rotary,
-    fuse,
-    linear_residual,
-    residual_in_place,
-)
+from vecpool.models.layers import FusedProjections, apply_rotary, fuse, linear_residual
 
 
 class NormSizes(Protocol):
@@ -109,10 +102,6 @@ class DenseNorm(nn.Module):
         self.LayerNorm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """`residual` is given up: the families' layers read their input no more once it is
-        summed here, and compiled for CUDA the product is accumulated into it (`add_linear`)."""
-        if residual_in_place(residual, self.dense):
-            return self.LayerNorm(add_linear(residual, self.dense, x))
         return self.LayerNorm(linear_residual(self.dense, x, residual))
 
 

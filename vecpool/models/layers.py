@@ -54,27 +54,23 @@ COMPILED_RESIDUAL_IN_PLACE = True
 
 def add_linear(residual: torch.Tensor, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """`residual + linear(x)`, where the caller gives `residual` up: inside a layer compiled
-    for CUDA, for a plain linear, one matrix product accumulated into `residual` in place
-    (`vecpool::add_linear_`), its bias (if any) added after. The compiler's own rewrite of the
-    sum, `addmm(residual, x, w)` into a new tensor, has ATen copy `residual` there first: a
-    device-to-device copy of `[tokens, hidden]` per sum, 3% of Qwen3-0.6B's device time on
-    passages for the two of a layer (`phases_kernels_qwen3_bert_h200.json`). The product is the
-    same cuBLAS call. Decoder layers use it (Qwen3-0.6B 1.021x / 1.029x on queries / passages,
+    for CUDA, for a plain linear without bias, one matrix product accumulated into `residual`
+    in place (`vecpool::add_linear_`). The compiler's own rewrite of the sum, `addmm(residual,
+    x, w)` into a new tensor, has ATen copy `residual` there first: a device-to-device copy of
+    `[tokens, hidden]` per sum, 3% of Qwen3-0.6B's device time on passages for the two of a
+    layer (`phases_kernels_qwen3_bert_h200.json`). The product is the same cuBLAS call.
+    Decoder layers use it (Qwen3-0.6B 1.021x / 1.029x on queries / passages,
     `ab_residuals_in_place_qwen3-0.6b_h200.json`); ModernBERT's did not gain (0.94x / 1.00x,
     `ab_residuals_in_place_modernbert_h200.json`)."""
-    if residual_in_place(residual, linear):
+    if (
+        COMPILED_RESIDUAL_IN_PLACE
+        and compiled_for_cuda(residual)
+        and type(linear) is nn.Linear
+        and linear.bias is None
+    ):
         torch.ops.vecpool.add_linear_(residual, x, linear.weight)
-        # A bias after the sum: the kernel that reads the sum next adds it, where the
-        # compiler fuses it (BERT's post-norm: the norm reads one tensor, not two).
-        bias = linear.bias if isinstance(linear, nn.Linear) else None
-        return residual if bias is None else residual + bias
+        return residual
     return residual + linear(x)
-
-
-def residual_in_place(residual: torch.Tensor, linear: nn.Module) -> bool:
-    """Whether `add_linear` accumulates `linear`'s product into `residual` in place: inside a
-    layer compiled for CUDA, for a plain `nn.Linear`."""
-    return COMPILED_RESIDUAL_IN_PLACE and compiled_for_cuda(residual) and type(linear) is nn.Linear
 
 
 @torch.library.custom_op("vecpool::add_linear_", mutates_args=("residual",))
