@@ -5,6 +5,7 @@ raises the error that names the input."""
 
 from __future__ import annotations
 
+import argparse
 import random
 from pathlib import Path
 from typing import Any
@@ -14,9 +15,10 @@ import pytest
 
 import vecpool
 from tests.test_inputs_batch import limits
+from vecpool.api.args import EngineArgs
 from vecpool.errors import InputError
 from vecpool.inputs import InputProcessor, TextOptions, TextTokenizer
-from vecpool.tokenizer_pool import PROCESS_MIN_CHARS, TokenizerPool
+from vecpool.tokenizer_pool import PROCESS_MIN_CHARS, TokenizerPool, default_size
 
 WORDS = "the quick brown fox jumps over lazy dog Ünïcödé naïve café 東京 🙂 tab\there".split(" ")
 
@@ -143,3 +145,25 @@ def test_engine_tokenizes_large_calls_in_its_children(minilm: vecpool.Engine) ->
     assert any(sent), "no batch of the call went to the children"
     from_ids = minilm.embed([a.tolist() for a in ids], show_progress=False)
     np.testing.assert_allclose(from_text, from_ids, rtol=0, atol=1e-5)
+
+
+def test_the_engine_option_sets_the_pools_size(default_model_dir: Path) -> None:
+    assert (
+        vecpool.Engine(default_model_dir, device="cpu", tokenizer_processes=0).inputs.tokenizer_pool
+        is None
+    )
+    engine = vecpool.Engine(default_model_dir, device="cpu", tokenizer_processes=3)
+    pool = engine.inputs.tokenizer_pool
+    assert pool is not None and pool.size == 3 and not pool.children  # started by a large batch
+    default = vecpool.Engine(default_model_dir, device="cpu").inputs.tokenizer_pool
+    assert default is not None and default.size == default_size()
+    with pytest.raises(vecpool.ConfigError, match="tokenizer_processes must be 0 or positive"):
+        vecpool.Engine(default_model_dir, device="cpu", tokenizer_processes=-1)
+    args = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(args)
+    assert (
+        EngineArgs.from_cli_args(
+            args.parse_args(["--tokenizer-processes", "0"])
+        ).tokenizer_processes
+        == 0
+    )

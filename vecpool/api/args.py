@@ -98,6 +98,9 @@ class EngineArgs:
     # The share of its CUDA device's memory this engine's allocator may take (engines sharing a
     # device, e.g. several models behind one server, each keep theirs); None: no cap.
     gpu_memory_fraction: float | None = None
+    # Child processes that tokenize large batches of texts beside the engine (see
+    # `vecpool/tokenizer_pool.py`); None: a core in four, one to four; 0: none.
+    tokenizer_processes: int | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -111,7 +114,7 @@ class EngineArgs:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{name} must be positive, got {value}")
-        for name in ("max_cached_tokens", "embed_window_overlap"):
+        for name in ("max_cached_tokens", "embed_window_overlap", "tokenizer_processes"):
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ConfigError(f"{name} must be 0 or positive, got {value}")
@@ -322,6 +325,13 @@ class EngineArgs:
             metavar="N",
             help="refuse longer texts before tokenizing them (default: 100 per token of the "
             "model's length, at least 100000)",
+        )
+        eng.add_argument(
+            "--tokenizer-processes",
+            type=int,
+            metavar="N",
+            help="child processes that tokenize large batches of texts beside the engine "
+            "(default: a core in four, 1 to 4; 0: tokenize in the engine's process)",
         )
         eng.add_argument(
             "--compile",

@@ -209,11 +209,7 @@ class EngineParts:
                 max_input_chars=args.input_char_limit(self.max_model_len),
             ),
             self.tokenizer,
-            tokenizer_pool=(
-                TokenizerPool(self.folder.tokenizer_file, default_size())
-                if self.folder.tokenizer_file
-                else None
-            ),
+            tokenizer_pool=self._tokenizer_pool(args.tokenizer_processes),
             sides=side_formats(
                 late,
                 self.tokenizer,
@@ -401,6 +397,14 @@ class EngineParts:
             prompt = Prompt(token_ids=ids, prompt_embeds=None)
         params = PoolingParams(task="embed")
         return ScheduledChunk("probe", prompt, params, get_task("embed"), 0, prompt.num_tokens)
+
+    def _tokenizer_pool(self, size: int | None) -> TokenizerPool | None:
+        """The child processes that tokenize large batches of texts (`size` of them; None: a
+        core in four), or None for 0 or a folder without a tokenizer."""
+        size = default_size() if size is None else size
+        if not size or self.folder.tokenizer_file is None:
+            return None
+        return TokenizerPool(self.folder.tokenizer_file, size)
 
     def _special_token_ids(self) -> list[int]:
         """Token ids SPLADE's exclude_special_tokens leaves out: the tokenizer's special tokens,

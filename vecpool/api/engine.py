@@ -141,6 +141,7 @@ class Engine(EngineRunner):
         prefix_cache_tokens: int | None = None,
         batch_invariant: bool = False,
         gpu_memory_fraction: float | None = None,
+        tokenizer_processes: int | None = None,
     ):
         # The keywords are `EngineArgs`' fields, in its order and with its defaults (a test
         # holds them so): they become one, checked there.
