@@ -6,6 +6,7 @@ raises the error that names the input."""
 from __future__ import annotations
 
 import argparse
+import os
 import random
 from pathlib import Path
 from typing import Any
@@ -114,6 +115,8 @@ def test_a_dead_child_leaves_batches_to_the_caller(tokenizer_file: Path) -> None
 def test_close_stops_the_children(tokenizer_file: Path) -> None:
     pool = started(2, tokenizer_file)
     assert all(child.proc.poll() is None for child in pool.children)
+    # Out of the caller's session: a terminal's Ctrl-C does not reach them.
+    assert all(os.getsid(child.proc.pid) != os.getsid(0) for child in pool.children)
     pool.close()
     assert all(child.proc.poll() is not None for child in pool.children)
     assert pool.encode_ids(texts(300), None, "right", True) is None

@@ -178,6 +178,10 @@ class _Child:
                 pass_fds=(theirs.fileno(),),
                 stdin=subprocess.DEVNULL,
                 env=env,
+                # A session of its own: a terminal's Ctrl-C, sent to the foreground process
+                # group, stops the caller, not a child mid-batch (each exits when it reads the
+                # end of its input: the caller's process gone, or the pool closed).
+                start_new_session=True,
             )
         except BaseException:
             ours.close()
