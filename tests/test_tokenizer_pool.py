@@ -170,3 +170,13 @@ def test_the_engine_option_sets_the_pools_size(default_model_dir: Path) -> None:
         ).tokenizer_processes
         == 0
     )
+
+
+@pytest.mark.parametrize(("cores", "size"), [(1, 1), (2, 1), (7, 1), (8, 2), (16, 4), (64, 4)])
+def test_the_default_size_is_a_core_in_four(
+    monkeypatch: pytest.MonkeyPatch, cores: int, size: int
+) -> None:
+    """Counted over the cores this process may run on, not the host's."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 128)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    assert default_size() == size

@@ -58,8 +58,10 @@ def default_size() -> int:
     """Children for an engine: a core in four, one to four. On an H200's 16-core host, against
     none (the worker thread tokenizing), MiniLM passages from text ran 1.58x with four, 1.43x
     with two and 0.98x with one (one core tokenizes them slower than the device embeds them),
-    MiniLM queries 1.13-1.25x with any (`ab_tokenizer_processes_h200.json`)."""
-    return max(1, min(4, (os.cpu_count() or 1) // 4))
+    MiniLM queries 1.13-1.25x with any (`ab_tokenizer_processes_h200.json`). The cores are
+    those this process may run on (a container's or a pinned worker's share, not the host's)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(4, (cores or 1) // 4))
 
 
 class TokenizerPool:
