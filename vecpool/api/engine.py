@@ -463,8 +463,9 @@ class Engine(EngineRunner):
         show_progress: bool | None,
         desc: str,
     ) -> None:
-        """Run a large call chunk by chunk, tokenizing the next chunk on a worker thread
-        while the device runs the ones already queued. A chunk that is ready joins the queue
+        """Run a large call chunk by chunk, preparing the next chunk on a worker thread (its
+        texts tokenized by the engine's tokenizer processes, `TokenizerPool`, where it has
+        them) while the device runs the ones already queued. A chunk that is ready joins the queue
         as soon as a step's forward is queued (`EngineCore.step`'s `receive`), so that the next
         step is prepared, and this one pooled, while the device computes: short inputs fill a
         step with one chunk. Each chunk's results go to `take`, in order, as soon as the chunk
