@@ -180,3 +180,22 @@ def test_the_default_size_is_a_core_in_four(
     monkeypatch.setattr(os, "cpu_count", lambda: 128)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
     assert default_size() == size
+
+
+def test_a_fork_neither_uses_nor_stops_its_parents_children(tokenizer_file: Path) -> None:
+    """A forked process (a `multiprocessing` worker of the fork start) shares the children's
+    sockets: it tokenizes itself, and closing its copy of the pool leaves them to the parent."""
+    pool = started(1, tokenizer_file)
+    try:
+        batch = texts(300, seed=8)
+        pid = os.fork()
+        if pid == 0:  # the fork: exit status 0 when all held
+            declined = pool.encode_ids(batch, None, "right", True) is None
+            pool.close()
+            os._exit(0 if declined else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert all(child.proc.poll() is None for child in pool.children)
+        assert pool.encode_ids(batch, None, "right", True) is not None
+    finally:
+        pool.close()

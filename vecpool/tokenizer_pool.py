@@ -80,6 +80,9 @@ class TokenizerPool:
         self._lock = threading.Lock()
         self._stop: weakref.finalize | None = None
         self._broken = False
+        # The process the children belong to: a fork of it (a worker of `multiprocessing`'s
+        # fork start) shares their sockets, and never uses or stops them.
+        self._pid = os.getpid()
 
     def start(self) -> None:
         """Start the children, not waiting for them (done by the first large batch)."""
@@ -92,7 +95,7 @@ class TokenizerPool:
             while len(self.children) < self.size:
                 self.children.append(_Child(self.path))
         finally:
-            self._stop = weakref.finalize(self, _close, list(self.children))
+            self._stop = weakref.finalize(self, _close, list(self.children), os.getpid())
 
     def wait_ready(self, timeout: float) -> bool:
         """Whether every child has started within `timeout` seconds (benchmarks, tests)."""
@@ -115,7 +118,7 @@ class TokenizerPool:
         caller must tokenize them itself: the children busy with another thread's batch, still
         starting, failed, or the batch one they could not tokenize (a bad text: the caller's
         own tokenizing then raises the error that names it)."""
-        if self._broken:
+        if self._broken or os.getpid() != self._pid:
             return None
         ends = list(accumulate(map(len, texts)))
         chars = ends[-1] if ends else 0
@@ -202,7 +205,9 @@ class _Child:
         return self._ready
 
 
-def _close(children: list[_Child]) -> None:
+def _close(children: list[_Child], pid: int) -> None:
+    if os.getpid() != pid:  # a fork's copy: the sockets and children are its parent's
+        return
     for child in children:
         child.conn.close()  # the child reads the end of its input and exits
     for child in children:
