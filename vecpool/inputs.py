@@ -342,11 +342,11 @@ class InputProcessor:
                 arrays = id_arrays(encodings)
                 type_ids = {j: np.array(encodings[j].type_ids, dtype=np.int64) for j in pairs}
             else:
-                arrays = (
-                    None
-                    if self.tokenizer_pool is None
-                    else self.tokenizer_pool.encode_ids(texts, limit, side, specials)  # type: ignore[arg-type]
-                ) or self.tokenizer.encode_ids(texts, limit, side, specials)  # type: ignore[arg-type]
+                single: list[str] = texts  # type: ignore[assignment]  # no pairs among them
+                pool = self.tokenizer_pool
+                pooled = None if pool is None else pool.encode_ids(single, limit, side, specials)
+                # No pool, or one that left this batch to us.
+                arrays = pooled or self.tokenizer.encode_ids(single, limit, side, specials)
         except InputError as exc:  # indexed within `texts`, or about the whole call
             raise exc.at(indices[exc.index or 0]) from None
         lengths = np.fromiter(map(len, arrays), dtype=np.int64, count=len(arrays))

@@ -464,13 +464,12 @@ class Engine(EngineRunner):
         desc: str,
     ) -> None:
         """Run a large call chunk by chunk, preparing the next chunk on a worker thread (its
-        texts tokenized by the engine's tokenizer processes, `TokenizerPool`, where it has
-        them) while the device runs the ones already queued. A chunk that is ready joins the queue
-        as soon as a step's forward is queued (`EngineCore.step`'s `receive`), so that the next
-        step is prepared, and this one pooled, while the device computes: short inputs fill a
-        step with one chunk. Each chunk's results go to `take`, in order, as soon as the chunk
-        is done. Errors name the input's index in the whole call; a failure cancels the call's
-        queued requests."""
+        texts tokenized by the `TokenizerPool`, if any) while the device runs the ones already
+        queued. A chunk that is ready joins the queue as soon as a step's forward is queued
+        (`EngineCore.step`'s `receive`), so that the next step is prepared, and this one
+        pooled, while the device computes: short inputs fill a step with one chunk. Each
+        chunk's results go to `take`, in order, as soon as the chunk is done. Errors name the
+        input's index in the whole call; a failure cancels the call's queued requests."""
         chunks: list[tuple[int, PreparedCall[list[np.ndarray]], list[Request]]] = []
         done = [0]
 
