@@ -8,6 +8,8 @@ a marked token id is looked up: the input's fault, whether it runs alone or in a
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -96,7 +98,17 @@ def test_a_loop_error_outside_the_model_backs_off_then_turns_unhealthy(
 ) -> None:
     core = engine.core
     delays: list[float] = []
-    monkeypatch.setattr(engine_core.time, "sleep", delays.append)
+    # `time.sleep` is the process's: other threads (left by earlier tests) sleep through it
+    # too, and only this thread's steps are counted (the others' sleeps stay real).
+    this_thread, real_sleep = threading.current_thread(), time.sleep
+
+    def sleep(seconds: float) -> None:
+        if threading.current_thread() is this_thread:
+            delays.append(seconds)
+        else:
+            real_sleep(seconds)
+
+    monkeypatch.setattr(engine_core.time, "sleep", sleep)
     with monkeypatch.context() as m:
 
         def schedule() -> Any:
