@@ -20,6 +20,7 @@ five, summed over the call's steps):
 `--cprofile N` adds, per row, one more call under `cProfile` (its N functions of most own
 time); `--torch-profile N` one more under `torch.profiler` (its N operators and CUDA runtime
 calls of most own host time, and its kernels' device time): what the phases are made of.
+`--quantization fp8` runs the engines in FP8 (CUDA of compute capability 8.9 or higher).
 `--gaps N` one more under `torch.profiler` with the phases labelled and no wait added: how long
 the device sat idle within the call, that idle time by what the host was doing when each idle
 stretch began, and the N longest stretches.
@@ -98,6 +99,11 @@ def main(argv: list[str]) -> dict[str, Any]:
         help="inputs per step at most (e.g. 16: the steps of a server under single-query "
         "clients); default: the engine's",
     )
+    parser.add_argument(
+        "--quantization",
+        choices=["fp8"],
+        help="the engines' `quantization` (default: none, the model dtype)",
+    )
     parser.add_argument("--cprofile", type=int, default=0, metavar="N")
     parser.add_argument("--torch-profile", type=int, default=0, metavar="N")
     parser.add_argument("--gaps", type=int, default=0, metavar="N")
@@ -113,6 +119,7 @@ def main(argv: list[str]) -> dict[str, Any]:
         engine = vecpool.Engine(
             folder,
             device=args.device,
+            quantization=args.quantization,
             **({} if args.max_num_seqs is None else {"max_num_seqs": args.max_num_seqs}),
         )
         tokenizer = tokenizers.Tokenizer.from_file(str(args.tokenizer / "tokenizer.json"))
@@ -144,6 +151,7 @@ def main(argv: list[str]) -> dict[str, Any]:
             row: dict[str, Any] = {
                 "model": name,
                 "workload": workload,
+                "quantization": args.quantization,
                 "num_inputs": len(ids),
                 "num_tokens": sum(map(len, ids)),
                 "max_num_seqs": engine.info().max_num_seqs,
