@@ -176,11 +176,15 @@ def main(argv: list[str]) -> dict[str, Any]:
         default=None,
         help="inputs per step at most (default: the engine's)",
     )
+    parser.add_argument(
+        "--quantization", choices=["fp8"], help="the engine's `quantization` (default: none)"
+    )
     parser.add_argument("--output", type=Path)
     record.add_args(parser)
     args = parser.parse_args(argv)
     report = record.header("ab_run_ahead.py", argv, device=args.device, commit=args.commit)
     report["max_num_seqs"] = args.max_num_seqs
+    report["quantization"] = args.quantization
     tokenizer = tokenizers.Tokenizer.from_file(str(args.tokenizer / "tokenizer.json"))
     rows = report["rows"] = []
     for name in args.models:
@@ -192,6 +196,7 @@ def main(argv: list[str]) -> dict[str, Any]:
             engine = vecpool.Engine(
                 folder,
                 device=args.device,
+                quantization=args.quantization,
                 **({} if args.max_num_seqs is None else {"max_num_seqs": args.max_num_seqs}),
                 # on the CPU too: the same padding, as plain forwards
                 **({"cuda_graphs": True} if args.against in OWN_GRAPHS else {}),
