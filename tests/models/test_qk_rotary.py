@@ -152,23 +152,14 @@ def test_decoder_attention_is_the_same_through_the_kernel() -> None:
         assert diff <= 2e-5  # as above; the attention after it is the same code both ways
 
 
-# torch's checks that apply on the CPU: the compiler's tracing of the operator goes through
-# `torch.library.wrap_triton`, which cannot trace the interpreter's kernel; on CUDA the
-# compiled layers' outputs are checked by benchmarks/gpu_check.py.
-OP_CHECKS = ("test_schema", "test_autograd_registration", "test_faketensor")
-
-
 def op_checks() -> list[dict[str, str]]:
-    """torch's checks of the operator that compiled layers call (schema, autograd
-    registration, fake tensors), with and without the norms."""
+    """torch's checks of the operator that compiled layers call (schema, fake tensors, the
+    compiler's tracing), with and without the norms."""
     torch.manual_seed(0)
     q, k = torch.randn(7, 4, 16), torch.randn(7, 2, 16)
     cos, sin, weight = torch.randn(7, 16), torch.randn(7, 16), torch.randn(16)
     op = torch.ops.vecpool.qk_norm_rotary.default
-    return [
-        torch.library.opcheck(op, (q, k, cos, sin, w, w, 1e-6, False), test_utils=OP_CHECKS)
-        for w in (weight, None)
-    ]
+    return [torch.library.opcheck(op, (q, k, cos, sin, w, w, 1e-6, False)) for w in (weight, None)]
 
 
 def test_the_compiled_layers_operator_passes_torchs_checks() -> None:
@@ -178,7 +169,8 @@ def test_the_compiled_layers_operator_passes_torchs_checks() -> None:
     results = run_interpreted(__file__, "opcheck")
     assert len(results) == 2
     for checks in results:
-        assert checks == dict.fromkeys(OP_CHECKS, "SUCCESS")
+        assert len(checks) >= 3  # schema, fake tensors, tracing at least
+        assert set(checks.values()) == {"SUCCESS"}, checks
 
 
 def test_the_kernel_serves_cuda_layouts_only() -> None:

@@ -10,9 +10,8 @@ with one scale per group of inputs (block-wise FP8 weights): it writes the rows 
 multiple of 16 (zeros) and the scales of a group side by side for all rows.
 
 Imported only on CUDA, when the model runs FP8 (`vecpool.models.quant`): this module imports
-Triton at the top. Each function here is the CUDA body of one of `fp8_ops`'s operators,
-whose CPU body is the same math in torch; it launches its kernel through `triton_ops.launcher`
-(compiled layers launch it from their own code).
+Triton at the top. Each kernel is the CUDA kernel of one of `fp8_ops`'s custom ops, whose CPU
+kernel is the same math in torch.
 """
 
 from __future__ import annotations
@@ -23,7 +22,6 @@ import triton.language as tl
 
 from vecpool.models import fp8_ops
 from vecpool.models.quant import FP8_DTYPE, FP8_MAX, MIN_AMAX
-from vecpool.models.triton_ops import launcher
 
 # Kernels read module constants only as constexprs.
 _FP8_MAX = tl.constexpr(FP8_MAX)
@@ -69,7 +67,7 @@ def _rms_norm_quant_kernel(
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if UNIT_OFFSET:
         w = w + 1.0
-    inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + tl.cast(eps, tl.float32))
+    inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
     _store_fp8_row(x * inv_rms * w, mask, cols, q_ptr + row * stride_q, s_ptr + row)
 
 
@@ -94,18 +92,20 @@ def _outputs(rows: int, cols: int, like: torch.Tensor) -> tuple[torch.Tensor, to
     return q, scale
 
 
+@fp8_ops.quant_rows.register_kernel("cuda")
 def quant_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     x = x if x.stride(-1) == 1 else x.contiguous()
     rows, cols = x.shape
     q, scale = _outputs(rows, cols, x)
     if rows:
         block, warps = _launch_config(cols)
-        launcher(_quant_rows_kernel)[(rows,)](
+        _quant_rows_kernel[(rows,)](
             x, q, scale, cols, x.stride(0), q.stride(0), BLOCK=block, num_warps=warps
         )
     return q, scale
 
 
+@fp8_ops.rms_norm_rows.register_kernel("cuda")
 def rms_norm_rows(
     x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,7 +114,7 @@ def rms_norm_rows(
     q, scale = _outputs(rows, cols, x)
     if rows:
         block, warps = _launch_config(cols)
-        launcher(_rms_norm_quant_kernel)[(rows,)](
+        _rms_norm_quant_kernel[(rows,)](
             x,
             weight,
             q,
@@ -130,13 +130,14 @@ def rms_norm_rows(
     return q, scale
 
 
+@fp8_ops.silu_mul_rows.register_kernel("cuda")
 def silu_mul_rows(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     gate_up = gate_up if gate_up.stride(-1) == 1 else gate_up.contiguous()
     rows, cols = gate_up.shape[0], gate_up.shape[1] // 2
     q, scale = _outputs(rows, cols, gate_up)
     if rows:
         block, warps = _launch_config(cols)
-        launcher(_silu_mul_quant_kernel)[(rows,)](
+        _silu_mul_quant_kernel[(rows,)](
             gate_up, q, scale, cols, gate_up.stride(0), q.stride(0), BLOCK=block, num_warps=warps
         )
     return q, scale
@@ -211,7 +212,7 @@ def _rms_norm_groups_kernel(
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if UNIT_OFFSET:
         w = w + 1.0
-    inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + tl.cast(eps, tl.float32))
+    inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
     y = tl.where(mask, x * inv_rms * w, 0.0)
     _store_fp8_groups(y, cols, n_cols, q_ptr + row * stride_q, s_ptr + row, stride_s, BLOCK, GROUP)
 
@@ -250,18 +251,20 @@ def _group_outputs(
     return q, scale, max(block, triton.next_power_of_2(group)), warps
 
 
+@fp8_ops.quant_groups.register_kernel("cuda")
 def quant_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     x = x if x.stride(-1) == 1 else x.contiguous()
     rows, cols = x.shape
     q, scale, block, warps = _group_outputs(rows, cols, group, x)
     if q.shape[0]:
-        launcher(_quant_groups_kernel)[(q.shape[0],)](
+        _quant_groups_kernel[(q.shape[0],)](
             x, q, scale, rows, cols, x.stride(0), q.stride(0), scale.stride(1),
             BLOCK=block, GROUP=group, num_warps=warps,
         )  # fmt: skip
     return q, scale
 
 
+@fp8_ops.rms_norm_groups.register_kernel("cuda")
 def rms_norm_groups(
     x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool, group: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -269,19 +272,20 @@ def rms_norm_groups(
     rows, cols = x.shape
     q, scale, block, warps = _group_outputs(rows, cols, group, x)
     if q.shape[0]:
-        launcher(_rms_norm_groups_kernel)[(q.shape[0],)](
+        _rms_norm_groups_kernel[(q.shape[0],)](
             x, weight, q, scale, rows, cols, x.stride(0), q.stride(0), scale.stride(1), eps,
             UNIT_OFFSET=unit_offset, BLOCK=block, GROUP=group, num_warps=warps,
         )  # fmt: skip
     return q, scale
 
 
+@fp8_ops.silu_mul_groups.register_kernel("cuda")
 def silu_mul_groups(gate_up: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     gate_up = gate_up if gate_up.stride(-1) == 1 else gate_up.contiguous()
     rows, cols = gate_up.shape[0], gate_up.shape[1] // 2
     q, scale, block, warps = _group_outputs(rows, cols, group, gate_up)
     if q.shape[0]:
-        launcher(_silu_mul_groups_kernel)[(q.shape[0],)](
+        _silu_mul_groups_kernel[(q.shape[0],)](
             gate_up, q, scale, rows, cols, gate_up.stride(0), q.stride(0), scale.stride(1),
             BLOCK=block, GROUP=group, num_warps=warps,
         )  # fmt: skip

@@ -30,11 +30,10 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import math
 from typing import Any
 
 import torch
-
-from vecpool.models.triton_ops import launcher
 
 # The longest sequence (tokens) of a step for which the engine uses this kernel
 # (`max_len`), bidirectional and causal. Measured on the H200 (`packed_attention_check.py`,
@@ -67,7 +66,7 @@ def _kernel() -> Any | None:
     # step, where specializing it compiled a kernel per size class, each a compile that some
     # step waits for. Rows left unspecialized as well cost 14% on passages
     # (`packed_attention_check_unspecialized_h200.json`).
-    @triton.jit(do_not_specialize=["num_seqs"])
+    @triton.jit(do_not_specialize=["num_seqs", "search_steps"])
     def packed_attention_kernel(  # type: ignore[no-untyped-def]
         q_ptr,
         k_ptr,
@@ -85,6 +84,7 @@ def _kernel() -> Any | None:
         stride_ot,
         stride_oh,
         qk_scale,  # the logits' scale times log2(e): softmax runs in base 2
+        search_steps,  # enough halvings to find one of num_seqs sequences
         GROUP: tl.constexpr,  # query heads per key/value head
         HEADS: tl.constexpr,  # query heads per program, of one key/value head (divides GROUP)
         CAUSAL: tl.constexpr,
@@ -106,10 +106,6 @@ def _kernel() -> Any | None:
         # the last one, computing values nobody reads.
         lo = tl.zeros([HEADS * BLOCK_M], tl.int32)
         hi = tl.zeros([HEADS * BLOCK_M], tl.int32) + num_seqs
-        # Halvings enough to find one of num_seqs: its bit length, floor(log2) + 1, and one
-        # more against the float logarithm's rounding (a converged search stays put). Counted
-        # here, not by the caller: a compiled layer knows the count only symbolically.
-        search_steps = tl.floor(tl.log2(num_seqs.to(tl.float32))).to(tl.int32) + 2
         for _ in range(search_steps):
             mid = (lo + hi) // 2
             right = tl.load(cu_ptr + mid) <= rows
@@ -140,7 +136,7 @@ def _kernel() -> Any | None:
                 mask=kv_mask,
                 other=0.0,
             )
-            s = tl.dot(q, tl.trans(k)) * tl.cast(qk_scale, tl.float32)
+            s = tl.dot(q, tl.trans(k)) * qk_scale
             seen = (keys[None, :] >= seq_start[:, None]) & (keys[None, :] < seq_end[:, None])
             s = tl.where(seen, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -227,12 +223,9 @@ def _launch(
     scale: float,
     # (BLOCK_M, BLOCK_N, warps[, heads per program]); None: `tile_for` the model's group
     tiles: tuple[int, ...] | None = None,
-    traced: bool = False,  # the body of the compiled layers' op (`triton_ops.launcher`)
 ) -> torch.Tensor:
     kernel = _kernel()
     assert kernel is not None  # guarded by `serves`
-    if traced:
-        kernel = launcher(kernel)
     q, k, v = (t if t.stride(2) == 1 else t.contiguous() for t in (q, k, v))
     num_seqs, heads, head_dim = cu_seqlens.shape[0] - 1, q.shape[1], q.shape[2]
     out = q.new_empty(q.shape)
@@ -243,7 +236,7 @@ def _launch(
     block_m, block_n, warps, per_program = (*tiles, 1)[:4] if tiles else tile_for(group)
     if group % per_program:
         raise ValueError(f"{per_program} query heads a program do not divide groups of {group}")
-    grid = (-(-q.shape[0] // block_m), heads // per_program)
+    grid = (math.ceil(q.shape[0] / block_m), heads // per_program)
     kernel[grid](
         q,
         k,
@@ -261,6 +254,7 @@ def _launch(
         out.stride(0),
         out.stride(1),
         scale * 1.4426950408889634,
+        max(1, num_seqs.bit_length()),
         GROUP=group,
         HEADS=per_program,
         CAUSAL=causal,
@@ -274,7 +268,7 @@ def _launch(
     return out
 
 
-@torch.library.triton_op("vecpool::packed_attention", mutates_args=())
+@torch.library.custom_op("vecpool::packed_attention", mutates_args=())
 def _packed_attention_op(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -283,5 +277,10 @@ def _packed_attention_op(
     causal: bool,
     scale: float,
 ) -> torch.Tensor:
-    """`packed_attention` for compiled layers, which launch the kernel from their own code."""
-    return _launch(q, k, v, cu_seqlens, causal, scale, traced=True)
+    """`packed_attention` for compiled layers: the compiler calls the kernel as it is."""
+    return _launch(q, k, v, cu_seqlens, causal, scale)
+
+
+@_packed_attention_op.register_fake
+def _(q: torch.Tensor, *args: object) -> torch.Tensor:
+    return q.new_empty(q.shape)

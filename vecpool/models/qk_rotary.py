@@ -30,8 +30,6 @@ from typing import Any
 
 import torch
 
-from vecpool.models.triton_ops import launcher
-
 # Whether Triton is installed, known without importing it (compiled layers ask too, and the
 # compiler cannot trace Triton's import).
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -103,12 +101,9 @@ def _launch(
     eps: float,
     unit_offset: bool,
     tile: tuple[int, int] | None = None,  # (tokens a program, warps); None: `_TILE`
-    traced: bool = False,  # the body of the compiled layers' op (`triton_ops.launcher`)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     kernel = _kernel()
     assert kernel is not None  # guarded by `serves`
-    if traced:
-        kernel = launcher(kernel)
     n, heads, head_dim = q.shape
     q_out = q.new_empty(q.shape)
     k_out = k.new_empty(k.shape)
@@ -142,7 +137,7 @@ def _launch(
     return q_out, k_out
 
 
-@torch.library.triton_op("vecpool::qk_norm_rotary", mutates_args=())
+@torch.library.custom_op("vecpool::qk_norm_rotary", mutates_args=())
 def _qk_norm_rotary_op(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -153,5 +148,10 @@ def _qk_norm_rotary_op(
     eps: float,
     unit_offset: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`qk_norm_rotary` for compiled layers, which launch the kernel from their own code."""
-    return _launch(q, k, cos, sin, q_weight, k_weight, eps, unit_offset, traced=True)
+    """`qk_norm_rotary` for compiled layers: the compiler calls the kernel as it is."""
+    return _launch(q, k, cos, sin, q_weight, k_weight, eps, unit_offset)
+
+
+@_qk_norm_rotary_op.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, *args: object) -> tuple[torch.Tensor, torch.Tensor]:
+    return q.new_empty(q.shape), k.new_empty(k.shape)

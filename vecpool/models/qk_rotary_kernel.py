@@ -105,7 +105,6 @@ def qk_rotary_kernel(  # type: ignore[no-untyped-def]
     UNIT_OFFSET: tl.constexpr,
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
-    eps = tl.cast(eps, tl.float32)  # a compiled layer passes it as a 64-bit float
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_H)
     mask = (rows < num_tokens)[:, None] & (cols < HALF)[None, :]
