@@ -208,6 +208,16 @@ def test_single_inputs_and_empty_calls(engine: vecpool.Engine) -> None:
             {"prompt_embeds": torch.zeros(2, 32, device="meta")},
             r"input 1 \(prompt_embeds\): the tensor cannot be read",
         ),
+        (
+            torch.zeros(3, dtype=torch.int64, device="meta"),
+            r"input 1 \(prompt_token_ids\): the tensor cannot be read",
+        ),
+        # Cast to int64 it would wrap to a negative id: named as given.
+        (
+            np.array([3, 2**63 + 5], dtype=np.uint64),
+            r"input 1 \(prompt_token_ids\): token id 9223372036854775813 at position 1 is "
+            r"outside the vocabulary",
+        ),
     ],
 )
 def test_odd_inputs_are_input_errors(engine: vecpool.Engine, bad, message: str) -> None:
@@ -229,6 +239,18 @@ def test_odd_inputs_are_input_errors(engine: vecpool.Engine, bad, message: str) 
 def test_option_types_are_checked(engine: vecpool.Engine, options, message: str) -> None:
     with pytest.raises(vecpool.InputError, match=message):
         engine.embed([GOOD], **options)
+
+
+def test_tokenize_names_what_it_was_given(minilm: vecpool.Engine) -> None:
+    for value, got in ((None, "NoneType"), (5, "int"), (["a"], "list")):
+        with pytest.raises(vecpool.InputError, match=rf"^prompt: must be a string, got {got}$"):
+            minilm.tokenize(value)  # type: ignore[arg-type]
+    with pytest.raises(vecpool.InputError, match=r"^prompt: the input is an empty string$"):
+        minilm.tokenize("")
+    with pytest.raises(
+        vecpool.InputError, match=r"^input 0 \(prompt_token_ids\): the tensor cannot be read"
+    ):
+        minilm.embed_tokens(torch.zeros(2, dtype=torch.int64, device="meta"))
 
 
 def test_rerank_top_n_must_be_an_integer(minilm: vecpool.Engine) -> None:

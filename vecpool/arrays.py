@@ -83,11 +83,24 @@ def as_id_array(value: Any, index: int | None, field: str = "prompt_token_ids") 
         if arr is not None and arr.ndim == 1 and arr.dtype.kind in "iu":  # flat ints: all good
             return arr.astype(np.int64, copy=False)
     if is_tensor(value):
-        value = value.detach().cpu().numpy()
+        try:
+            value = value.detach().cpu().numpy()
+        except (RuntimeError, NotImplementedError, TypeError) as exc:  # e.g. no data (meta)
+            raise InputError(
+                f"the tensor cannot be read: {exc}", index=index, field=field
+            ) from None
     if isinstance(value, np.ndarray):
         if value.ndim != 1 or not np.issubdtype(value.dtype, np.integer):
             raise InputError(
                 f"token ids must be a 1-D integer array, got shape {list(value.shape)} dtype {value.dtype}",
+                index=index,
+                field=field,
+            )
+        if value.dtype.kind == "u" and value.size and value.max() > np.iinfo(np.int64).max:
+            # Cast, it would wrap to a negative id: named as given.
+            pos = int(np.argmax(value > np.iinfo(np.int64).max))
+            raise InputError(
+                f"token id {int(value[pos])} at position {pos} is outside the vocabulary",
                 index=index,
                 field=field,
             )

@@ -170,7 +170,9 @@ def tokenize_text(
     tokenizer = ctx.tokenizer
     if tokenizer is None:
         raise InputError("the model folder has no tokenizer.json", field="prompt")
-    if not isinstance(text, str) or not text:
+    if not isinstance(text, str):
+        raise InputError(f"must be a string, got {type(text).__name__}", field="prompt")
+    if not text:
         raise InputError("the input is an empty string", field="prompt")
     prefix = instruction(ctx, prompt_name, prompt) or ""
     full = prefix + text
