@@ -6,7 +6,9 @@ WordPiece are tokenized by `vecpool.wordpiece`'s array path or by the `tokenizer
 (`--vary wordpiece`, 1 or 0: `tokenizer.WORDPIECE_MIN_CHARS` as set, or past any batch), how
 many child processes tokenize large batches of texts (`--vary tokenizer-processes`, 0: none, the
 worker tokenizes; each `tokenizer_pool.TokenizerPool` started before the clock) or the
-interpreter's thread switch interval (`--vary switch-interval`, `sys.setswitchinterval`).
+interpreter's thread switch interval (`--vary switch-interval`, `sys.setswitchinterval`), or
+whether lists of token ids are packed straight into arrays or converted by numpy (`--vary
+pack-ids`, 1 or 0: `arrays.PACK_ID_LISTS`).
 
     PYTHONPATH=. python benchmarks/ab_host_threads.py --models bert-base --tokenizer DIR \
         --vary ahead --values 1 2
@@ -47,6 +49,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import vecpool
 import vecpool.api.engine
+import vecpool.arrays
 import vecpool.tokenizer
 from benchmarks import record
 from benchmarks.ab_run_ahead import _timed
@@ -67,6 +70,8 @@ def _set(vary: str, value: float, engine: vecpool.Engine, pools: dict[float, Any
         vecpool.api.engine.PIPELINE_FIRST_ALONE = bool(value)
     elif vary == "wordpiece":
         vecpool.tokenizer.WORDPIECE_MIN_CHARS = _WORDPIECE_MIN_CHARS if value else sys.maxsize
+    elif vary == "pack-ids":
+        vecpool.arrays.PACK_ID_LISTS = bool(value)
     else:
         sys.setswitchinterval(value)
 
@@ -102,7 +107,14 @@ def main(argv: list[str]) -> dict[str, Any]:
     parser.add_argument("--forms", nargs="+", default=["text", "ids"], choices=["text", "ids"])
     parser.add_argument(
         "--vary",
-        choices=["ahead", "first-alone", "wordpiece", "switch-interval", "tokenizer-processes"],
+        choices=[
+            "ahead",
+            "first-alone",
+            "wordpiece",
+            "switch-interval",
+            "tokenizer-processes",
+            "pack-ids",
+        ],
         required=True,
     )
     parser.add_argument(
@@ -128,6 +140,7 @@ def main(argv: list[str]) -> dict[str, Any]:
         "ahead": vecpool.api.engine.PIPELINE_AHEAD,
         "first-alone": int(vecpool.api.engine.PIPELINE_FIRST_ALONE),
         "wordpiece": 1,
+        "pack-ids": 1,
         "tokenizer-processes": tokenizer_pool.default_size(),
     }.get(args.vary, sys.getswitchinterval())
     simulated = args.simulate_device is not None

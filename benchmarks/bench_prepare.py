@@ -29,6 +29,8 @@ Timed per round, each over the whole workload (per input, microseconds):
 - `text_library`: the same with `vecpool.wordpiece`'s array path switched off (every batch to
   the `tokenizers` library, as before that path): the baseline of `text`, in the same rounds;
 - `ids`: the same of the token ids;
+- `ids_numpy`: the same with each id list converted by numpy (`arrays.PACK_ID_LISTS` off, as
+  before the lists were packed): the baseline of `ids`, in the same rounds;
 - `submit`: `Engine.submit` of the text path's prepared requests (engine `Request`s);
 - `tokenizer`: the `tokenizers` library's `encode_batch` alone, on a tokenizer truncating as
   the engine's does;
@@ -72,7 +74,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import vecpool
 from benchmarks import record
 from benchmarks.workloads import SHAPES, WORKLOADS, make_inputs, workload_lengths, write_folder
-from vecpool import calls
+from vecpool import arrays, calls
 from vecpool import tokenizer as tokenizer_module
 from vecpool.api import default_model_path
 from vecpool.api.engine import PIPELINE_CHUNK
@@ -85,6 +87,8 @@ FIGURES = (
     "text_library_thread_cpu",
     "ids",
     "ids_thread_cpu",
+    "ids_numpy",
+    "ids_numpy_thread_cpu",
     "submit",
     "tokenizer",
     "tokenizer_thread_cpu",
@@ -92,7 +96,12 @@ FIGURES = (
     "tokenizer_fast_thread_cpu",
     "text_python",
 )
-LOSSES = ("text_engine_loss", "text_library_engine_loss", "ids_engine_loss")
+LOSSES = (
+    "text_engine_loss",
+    "text_library_engine_loss",
+    "ids_engine_loss",
+    "ids_numpy_engine_loss",
+)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -130,6 +139,16 @@ def library_only() -> Iterator[None]:
         yield
     finally:
         tokenizer_module.WORDPIECE_MIN_CHARS = threshold
+
+
+@contextmanager
+def numpy_ids() -> Iterator[None]:
+    """Id lists converted by numpy while inside (the baseline of `ids`)."""
+    arrays.PACK_ID_LISTS = False
+    try:
+        yield
+    finally:
+        arrays.PACK_ID_LISTS = True
 
 
 def _timed(fn: Callable[[], object]) -> tuple[float, float]:
@@ -191,14 +210,19 @@ def measure(
         with library_only():
             return prepare(items)
 
+    def prepare_numpy(items: list[Any]) -> list[Any]:
+        """`prepare` with each id list converted by numpy."""
+        with numpy_ids():
+            return prepare(items)
+
     def tokenize(fast: bool) -> Callable[[], object]:
         encode = getattr(floor, "encode_batch_fast", None) if fast else None
         encode = encode or floor.encode_batch
         return lambda: [encode(texts[s : s + PIPELINE_CHUNK]) for s in starts]
 
     prepared = prepare(texts)
-    # The three paths make the same prompts (the workload's texts are their ids).
-    for other in (prepare(ids), prepare_library(texts)):
+    # The paths make the same prompts (the workload's texts are their ids).
+    for other in (prepare(ids), prepare_numpy(ids), prepare_library(texts)):
         for a, b in zip(prepared, other, strict=True):
             for x, y in zip(a.requests, b.requests, strict=True):
                 if not np.array_equal(x.prompt.token_ids, y.prompt.token_ids):
@@ -210,6 +234,7 @@ def measure(
         text, text_cpu = _timed(lambda: prepare(texts))
         library, library_cpu = _timed(lambda: prepare_library(texts))
         ids_wall, ids_cpu = _timed(lambda: prepare(ids))
+        numpy_wall, numpy_cpu = _timed(lambda: prepare_numpy(ids))
         submit, _ = _timed(lambda: [engine.submit(call.requests) for call in prepared])
         tok, tok_cpu = _timed(tokenize(fast=False))
         fast, fast_cpu = _timed(tokenize(fast=True))
@@ -220,6 +245,8 @@ def measure(
             text_library_thread_cpu=library_cpu,
             ids=ids_wall,
             ids_thread_cpu=ids_cpu,
+            ids_numpy=numpy_wall,
+            ids_numpy_thread_cpu=numpy_cpu,
             submit=submit,
             tokenizer=tok,
             tokenizer_thread_cpu=tok_cpu,
@@ -233,6 +260,7 @@ def measure(
             ("text_engine_loss", prepare, texts),
             ("text_library_engine_loss", prepare_library, texts),
             ("ids_engine_loss", prepare, ids),
+            ("ids_numpy_engine_loss", prepare_numpy, ids),
         )
         for name, run, items in paths:
             # The pace alone, just before and just after: a shared host's pace drifts.
