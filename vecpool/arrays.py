@@ -96,7 +96,7 @@ def as_id_array(value: Any, index: int | None, field: str = "prompt_token_ids") 
         if PACK_ID_LISTS and type(value[0]) is not bool:
             ids = np.empty(len(value), dtype=np.int64)
             try:
-                _int64s(len(value)).pack_into(ids, 0, *value)
+                _int64s(len(value)).pack_into(ids, 0, *value)  # type: ignore[arg-type]  # a buffer
                 return ids
             except struct.error:
                 pass
