@@ -301,3 +301,40 @@ def test_non_finite_output_fails_its_request_alone(engine: vecpool.Engine) -> No
     assert isinstance(outs[1].error, vecpool.RequestFailedError)
     assert "not finite" in str(outs[1].error) and outs[1].data is None
     assert np.isfinite(outs[0].data).all() and np.isfinite(outs[2].data).all()
+
+
+ID_LISTS = [
+    [101, 2023, 102],
+    [0],
+    [np.int32(7), np.int64(8), 9],  # numpy integers among Python ints
+    [5, True, 6],  # a bool after an int: numpy reads the list as ints too
+    [True, False],  # bools only: refused either way
+    [1, 2.5],
+    [1, "2"],
+    [1, None],
+    [1, [2]],
+    [2**63],  # past int64
+    [-(2**63)],  # int64's least: packed, then outside the vocabulary
+    [2**64 + 1],
+]
+
+
+@pytest.mark.parametrize("value", ID_LISTS, ids=range(len(ID_LISTS)))
+def test_packed_id_lists_equal_numpys_conversion(
+    value: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A list packed into its array (`arrays.PACK_ID_LISTS`) gives numpy's conversion, or the
+    same refusal."""
+    from vecpool import arrays
+
+    outcomes = []
+    for packed in (True, False):
+        monkeypatch.setattr(arrays, "PACK_ID_LISTS", packed)
+        try:
+            ids = arrays.as_id_array(value, 3)
+            outcomes.append((ids.dtype, ids.tolist()))
+        except vecpool.InputError as exc:
+            outcomes.append(str(exc))
+    assert outcomes[0] == outcomes[1]
+    if isinstance(outcomes[0], tuple):
+        assert outcomes[0] == (np.dtype(np.int64), [int(v) for v in value])

@@ -104,8 +104,10 @@ def as_id_array(value: Any, index: int | None, field: str = "prompt_token_ids") 
             arr = np.asarray(value)
         except (ValueError, OverflowError, TypeError):
             arr = None  # ragged or odd: the checks below say what is wrong
-        if arr is not None and arr.ndim == 1 and arr.dtype.kind in "iu":  # flat ints: all good
+        if arr is not None and arr.ndim == 1 and arr.dtype.kind == "i":  # flat ints: all good
             return arr.astype(np.int64, copy=False)
+        if arr is not None and arr.ndim == 1 and arr.dtype.kind == "u":  # ints past int64's
+            value = arr  # range read as unsigned: the array's checks below name them
     if is_tensor(value):
         try:
             value = value.detach().cpu().numpy()
