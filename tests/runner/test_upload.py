@@ -32,7 +32,8 @@ def test_upload_returns_each_array_as_a_view_of_one_buffer() -> None:
 def test_a_batch_carries_int32_boundaries_and_last_rows_without_kernels(num_seqs: int) -> None:
     """The attention's int32 boundaries are the int64 upload's bytes reread, and each
     sequence's last row comes with the batch: both equal what the int64 boundaries give, for
-    odd and even counts of boundaries (the int32 words are padded to whole int64 words)."""
+    odd and even counts of boundaries (the int32 words are padded to whole int64 words); the
+    boundaries sit at a 16-byte aligned address."""
     rng = np.random.default_rng(num_seqs)
     chunks = []
     for i in range(num_seqs):
@@ -48,3 +49,6 @@ def test_a_batch_carries_int32_boundaries_and_last_rows_without_kernels(num_seqs
     assert batch.attn.cu_seqlens.tolist() == cu.tolist()
     assert cu.tolist() == [0, *np.cumsum([c.num_tokens for c in chunks]).tolist()]
     assert batch.pooling.last_rows.tolist() == (cu[1:] - 1).tolist()
+    # 16-byte aligned, as a CUDA graph's own boundaries are: Triton compiles its kernels anew
+    # for a pointer that is not (the upload buffer's start is; the allocator aligns it).
+    assert batch.attn.cu_seqlens.data_ptr() % 16 == 0

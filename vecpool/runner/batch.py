@@ -95,10 +95,13 @@ def build_flat_batch(
 
     # The attention kernel's int32 boundaries travel as the bytes of int64 words (the copy
     # keeps bytes), and each sequence's last row as its own array: no kernels to make them.
+    # The boundaries go first, 16-byte aligned as a graph's own buffer is: Triton compiles a
+    # kernel anew for a pointer that is not (the packed attention's first eager step whose row
+    # count is a multiple of 16 took ~0.7 s on an H200, found in some later call).
     cu32 = np.zeros(len(cu) + len(cu) % 2, dtype=np.int32)
     cu32[: len(cu)] = cu
-    arrays = [np.concatenate(ids_parts), cu, seq_ids, starts, positions, pos_in_seq, lengths]
-    arrays += [cu[1:] - 1, cu32.view(np.int64)]
+    arrays = [cu32.view(np.int64), np.concatenate(ids_parts), cu, seq_ids, starts, positions]
+    arrays += [pos_in_seq, lengths, cu[1:] - 1]
     if with_token_types:  # zeros for the whole step unless some prompt has its own
         arrays.append(
             np.concatenate(type_parts) if own_types else np.zeros(num_tokens, dtype=np.int64)
@@ -106,8 +109,8 @@ def build_flat_batch(
     if embeds_parts:
         arrays.append(np.concatenate(embeds_rows_parts))
     on_device = upload(arrays, device)
-    input_ids, cu_device, seq_ids_device, starts_device, positions_device = on_device[:5]
-    pos_device, lengths_device, last_rows, cu32_words = on_device[5:9]
+    cu32_words, input_ids, cu_device, seq_ids_device, starts_device = on_device[:5]
+    positions_device, pos_device, lengths_device, last_rows = on_device[5:9]
     token_types = on_device[9] if with_token_types else None
     embeds_rows = on_device[-1] if embeds_parts else None
     key_rows: torch.Tensor | None = None
