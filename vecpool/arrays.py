@@ -98,8 +98,8 @@ def as_id_array(value: Any, index: int | None, field: str = "prompt_token_ids") 
             try:
                 _int64s(len(value)).pack_into(ids, 0, *value)  # type: ignore[arg-type]  # a buffer
                 return ids
-            except struct.error:
-                pass
+            except (struct.error, TypeError, ValueError, OverflowError):
+                pass  # (struct's own error for a float, a string, an int past int64)
         try:
             arr = np.asarray(value)
         except (ValueError, OverflowError, TypeError):
