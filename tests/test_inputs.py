@@ -204,7 +204,16 @@ def test_single_inputs_and_empty_calls(engine: vecpool.Engine) -> None:
     [
         ([[1, 2], [3]], r"input 1 \(prompt_token_ids\): token ids must be a flat list of ints"),
         ([1, [2]], r"input 1 \(prompt_token_ids\): token ids must be a flat list of ints"),
-        ([2**70], r"input 1 \(prompt_token_ids\): token ids must be a flat list of ints"),
+        (
+            [2**70],
+            r"input 1 \(prompt_token_ids\): token id 1180591620717411303424 at position 0 is "
+            r"outside the vocabulary",
+        ),
+        (
+            [3, 2**63],  # numpy reads it as floats
+            r"input 1 \(prompt_token_ids\): token id 9223372036854775808 at position 1 is "
+            r"outside the vocabulary",
+        ),
         (
             {"prompt_embeds": torch.zeros(2, 32, device="meta")},
             r"input 1 \(prompt_embeds\): the tensor cannot be read",

@@ -146,6 +146,15 @@ def as_id_array(value: Any, index: int | None, field: str = "prompt_token_ids") 
             f"token ids must be a flat list of ints ({exc})", index=index, field=field
         ) from None
     if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+        # Integers all, some past int64's range (which numpy reads as float or object): the
+        # first of those is the one to name.
+        if all(type(v) is int for v in value):
+            pos = next(i for i, v in enumerate(value) if not -(2**63) <= v < 2**63)
+            raise InputError(
+                f"token id {value[pos]} at position {pos} is outside the vocabulary",
+                index=index,
+                field=field,
+            )
         raise InputError(
             f"token ids must be a flat list of ints, got elements of type {arr.dtype}",
             index=index,
