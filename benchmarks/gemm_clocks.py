@@ -1,7 +1,7 @@
 """bf16 matrix products at a model's projection shapes, back to back, with the GPU's SM clock,
 power and temperature read after each: how fast the card multiplies once it has been busy
-for a while, against the first second (the ceiling `bench_gpu.py` measures for its MFU, also taken here before the
-passes and after them).
+for a while, against the first second (the ceiling `bench_gpu.py` measures for its MFU, also
+taken here before the passes and after them).
 
     python benchmarks/gemm_clocks.py --output benchmarks/results/gemm_clocks_h200.json
 
