@@ -35,7 +35,8 @@ from vecpool.models import packed_attention, qk_rotary
 def variants() -> dict[str, int]:
     """Compiled variants of each kernel, over every device."""
     out = {}
-    for name, kernel in (("packed_attention", packed_attention._kernel()), ("qk_rotary", qk_rotary._kernel())):  # fmt: skip
+    kernels = {"packed_attention": packed_attention._kernel(), "qk_rotary": qk_rotary._kernel()}
+    for name, kernel in kernels.items():
         caches = getattr(kernel, "device_caches", {})
         out[name] = sum(len(cache[0]) for cache in caches.values())
     return out
