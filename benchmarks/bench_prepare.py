@@ -144,11 +144,12 @@ def library_only() -> Iterator[None]:
 @contextmanager
 def numpy_ids() -> Iterator[None]:
     """Id lists converted by numpy while inside (the baseline of `ids`)."""
+    packed = arrays.PACK_ID_LISTS
     arrays.PACK_ID_LISTS = False
     try:
         yield
     finally:
-        arrays.PACK_ID_LISTS = True
+        arrays.PACK_ID_LISTS = packed
 
 
 def _timed(fn: Callable[[], object]) -> tuple[float, float]:
