@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from vecpool.api import heap
 from vecpool.api.args import DEFAULT_MODEL_PACKAGE, EngineArgs
 from vecpool.api.device import resolve_device, resolve_dtype
 from vecpool.api.late_interaction import side_formats, skiplist_ids
@@ -243,6 +244,7 @@ class EngineParts:
         # What the task calls prepare requests with (a front without the model builds the
         # same from `info()` alone).
         self.context = CallContext(self._info, self.inputs)
+        heap.freeze()  # start-up's objects (the model, graphs) out of full collections
 
     def _prefix_cache_tokens(self, args: EngineArgs) -> int:
         """Positions of the shared-prefix cache; 0 when off. Refused for a model whose prompts

@@ -14,6 +14,7 @@ import torch
 from tqdm.auto import tqdm
 
 from vecpool import calls
+from vecpool.api import heap
 from vecpool.api.args import DEFAULT_MODEL_PACKAGE, EngineArgs
 from vecpool.api.build import EngineParts, default_model_path
 from vecpool.api.outputs import PoolingOutput, PreparedCall, outcome
@@ -112,6 +113,8 @@ class Engine(EngineRunner):
     `gpu_memory_fraction` caps the share of its CUDA device's memory the process's allocator
     may take (`torch.cuda.set_per_process_memory_fraction`): past it, an allocation fails
     instead of taking memory another engine on the device counts on.
+    Once built, and after a call that compiled, an engine moves the process's live objects out
+    of the collector's full passes (`gc.freeze`; see `vecpool.api.heap` for what that costs).
     """
 
     def __init__(
@@ -276,6 +279,7 @@ class Engine(EngineRunner):
             take(0, self.run(call, show_progress=show_progress, desc=options.task))
         else:
             self._run_pipelined(len(items), prepare, take, show_progress, options.task)
+            heap.freeze_if_compiled()
 
     def prepare_encode(
         self,

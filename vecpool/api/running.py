@@ -12,6 +12,7 @@ import torch
 from tqdm.auto import tqdm
 
 from vecpool import calls
+from vecpool.api import heap
 from vecpool.api.build import EngineParts
 from vecpool.api.outputs import PoolingOutput, PreparedCall, PromptRequest, T, outcome
 from vecpool.engine.request import Request
@@ -82,4 +83,5 @@ class EngineRunner(EngineParts):
         show = show_progress if show_progress is not None else len(requests) >= PROGRESS_THRESHOLD
         with tqdm(total=len(requests), disable=not show, desc=desc, unit="input") as bar:
             self.core.run_until_done(requests, on_progress=bar.update)
+        heap.freeze_if_compiled()  # what compiling made lives as long as the engine
         return [outcome(r) for r in requests]

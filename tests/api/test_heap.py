@@ -1,0 +1,91 @@
+"""An engine keeps its objects out of the collector's full passes (`vecpool.api.heap`): frozen
+once built and after a call that compiled, and still freed with the engine when dropped."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import vecpool
+from vecpool.api import heap
+
+
+class _Marker:
+    """An object the collector tracks (a plain instance with a `__dict__`)."""
+
+
+def _frozen(obj: object) -> bool:
+    """Whether `obj` sits in the permanent generation: tracked, yet in no generation."""
+    assert gc.is_tracked(obj)
+    return not any(o is obj for o in gc.get_objects())
+
+
+@pytest.fixture
+def fresh_heap(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The module as in a process that never froze; everything unfrozen after the test."""
+    monkeypatch.setattr(heap, "_frames_at_freeze", None)
+    monkeypatch.setattr(heap, "FREEZE", True)
+    gc.unfreeze()
+    yield
+    gc.unfreeze()
+
+
+def test_engine_freezes_what_start_up_made(fresh_heap: None, tiny_bert: tuple[Path, Any]) -> None:
+    engine = vecpool.Engine(tiny_bert[0], device="cpu")
+    assert _frozen(engine.model)
+    assert _frozen(engine.core.scheduler)
+    later = _Marker()
+    engine.embed([[1, 2, 3]], show_progress=False)  # nothing compiled: nothing frozen
+    assert not _frozen(later)
+
+
+def test_switched_off_nothing_is_frozen(
+    fresh_heap: None, monkeypatch: pytest.MonkeyPatch, tiny_bert: tuple[Path, Any]
+) -> None:
+    monkeypatch.setattr(heap, "FREEZE", False)
+    engine = vecpool.Engine(tiny_bert[0], device="cpu")
+    assert gc.get_freeze_count() == 0
+    assert not _frozen(engine.model)
+
+
+def test_a_compile_since_the_last_freeze_freezes_again(fresh_heap: None) -> None:
+    heap.freeze()
+    before = _Marker()
+    heap.freeze_if_compiled()  # nothing compiled since
+    assert not _frozen(before)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: x * 2 + 1, backend="eager")
+    assert compiled(torch.ones(3)).tolist() == [3.0, 3.0, 3.0]
+    heap.freeze_if_compiled()
+    assert _frozen(before)
+    after = _Marker()
+    heap.freeze_if_compiled()  # that compile is counted: no freeze until the next one
+    assert not _frozen(after)
+
+
+def test_no_freeze_after_a_compile_before_the_first(fresh_heap: None) -> None:
+    compiled = torch.compile(lambda x: x - 1, backend="eager")
+    assert compiled(torch.ones(2)).tolist() == [0.0, 0.0]
+    heap.freeze_if_compiled()  # only engines freeze first; a call follows one
+    assert gc.get_freeze_count() == 0
+
+
+def test_a_dropped_frozen_engine_frees_its_tensors(
+    fresh_heap: None, tiny_bert: tuple[Path, Any]
+) -> None:
+    engine = vecpool.Engine(tiny_bert[0], device="cpu")
+    assert engine.embed([[1, 2, 3]], show_progress=False).shape == (1, 32)
+    weight = weakref.ref(next(engine.model.parameters()))
+    core = weakref.ref(engine.core)
+    assert weight() is not None and _frozen(weight())
+    del engine
+    gc.collect()  # walks no frozen object: what is freed here went by reference counts
+    assert weight() is None
+    assert core() is None
