@@ -8,7 +8,9 @@ many child processes tokenize large batches of texts (`--vary tokenizer-processe
 worker tokenizes; each `tokenizer_pool.TokenizerPool` started before the clock) or the
 interpreter's thread switch interval (`--vary switch-interval`, `sys.setswitchinterval`), or
 whether lists of token ids are packed straight into arrays or converted by numpy (`--vary
-pack-ids`, 1 or 0: `arrays.PACK_ID_LISTS`).
+pack-ids`, 1 or 0: `arrays.PACK_ID_LISTS`), or how many inputs the first chunk of a large call
+holds (`--vary first-chunk`: `PIPELINE_FIRST_CHUNK`; the device gets its first step once that
+chunk is prepared, and that step is all it has while the host launches the second).
 
     PYTHONPATH=. python benchmarks/ab_host_threads.py --models bert-base --tokenizer DIR \
         --vary ahead --values 1 2
@@ -28,7 +30,10 @@ makeup, and with it the last bits of a row, may differ from run to run).
 out, on the CPU) with a simulated device that runs RATE tokens per second, one step after the
 other: a forward returns at once and its step's pooling sleeps (the lock let go) until the
 simulated device would have finished it, as pooling waits for a GPU. It shows whether the
-host keeps such a device busy. `--models` is then ignored and MFU not given.
+host keeps such a device busy. `--simulate-launch MS` adds a forward's launch: the host busy
+for MS milliseconds a step, the interpreter lock held, as while a compiled model's kernels are
+queued (the device starts on the step as the launch begins). `--models` is then ignored and MFU
+not given.
 """
 
 from __future__ import annotations
@@ -72,20 +77,26 @@ def _set(vary: str, value: float, engine: vecpool.Engine, pools: dict[float, Any
         vecpool.tokenizer.WORDPIECE_MIN_CHARS = _WORDPIECE_MIN_CHARS if value else sys.maxsize
     elif vary == "pack-ids":
         vecpool.arrays.PACK_ID_LISTS = bool(value)
+    elif vary == "first-chunk":
+        vecpool.api.engine.PIPELINE_FIRST_CHUNK = int(value)
     else:
         sys.setswitchinterval(value)
 
 
-def _simulated_device(tokenizer_dir: Path, rate: float) -> vecpool.Engine:
-    """`bench_host.py`'s stub engine, its steps timed as a device of `rate` tokens/s runs them."""
+def _simulated_device(tokenizer_dir: Path, rate: float, launch: float = 0.0) -> vecpool.Engine:
+    """`bench_host.py`'s stub engine, its steps timed as a device of `rate` tokens/s runs them,
+    each forward's launch keeping the host busy `launch` seconds (the lock held)."""
     engine = stub_engine(tokenizer_dir)
     free_at = [0.0]  # when the simulated device is done with every step queued so far
     done_at: dict[int, float] = {}  # by id() of a step's output
     forward, pool = engine.model_runner.forward, engine.core.pooling_runner.pool
 
     def timed_forward(batch: Any) -> torch.Tensor:
+        started = time.perf_counter()
+        while time.perf_counter() - started < launch:  # queuing kernels: the lock is not let go
+            pass
         hidden = forward(batch)
-        free_at[0] = max(free_at[0], time.perf_counter()) + batch.num_tokens / rate
+        free_at[0] = max(free_at[0], started) + batch.num_tokens / rate
         done_at[id(hidden)] = free_at[0]
         return hidden
 
@@ -114,6 +125,7 @@ def main(argv: list[str]) -> dict[str, Any]:
             "switch-interval",
             "tokenizer-processes",
             "pack-ids",
+            "first-chunk",
         ],
         required=True,
     )
@@ -130,6 +142,13 @@ def main(argv: list[str]) -> dict[str, Any]:
         metavar="RATE",
         help="the stubbed model on the CPU, with a simulated device of RATE tokens/s",
     )
+    parser.add_argument(
+        "--simulate-launch",
+        type=float,
+        default=0.0,
+        metavar="MS",
+        help="with --simulate-device: the host's milliseconds a step to queue its forward",
+    )
     parser.add_argument("--output", type=Path)
     record.add_args(parser)
     args = parser.parse_args(argv)
@@ -141,17 +160,21 @@ def main(argv: list[str]) -> dict[str, Any]:
         "first-alone": int(vecpool.api.engine.PIPELINE_FIRST_ALONE),
         "wordpiece": 1,
         "pack-ids": 1,
+        "first-chunk": vecpool.api.engine.PIPELINE_FIRST_CHUNK,
         "tokenizer-processes": tokenizer_pool.default_size(),
     }.get(args.vary, sys.getswitchinterval())
     simulated = args.simulate_device is not None
     if simulated:
         args.device = "cpu"
         report["simulated_device_tokens_per_s"] = args.simulate_device
+        report["simulated_launch_ms"] = args.simulate_launch
     ceiling = None if simulated else matmul_ceiling(torch.device(args.device))
     report["ceiling_flops"] = ceiling
     for name in ["stub"] if simulated else args.models:
         if simulated:
-            engine = _simulated_device(args.tokenizer, args.simulate_device)
+            engine = _simulated_device(
+                args.tokenizer, args.simulate_device, args.simulate_launch / 1e3
+            )
             flops = None
         else:
             folder = write_folder(

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 import vecpool.api.engine
 import vecpool.tokenizer
-from benchmarks.ab_host_threads import main
+from benchmarks.ab_host_threads import _simulated_device, main
 from vecpool.api import default_model_path
 
 
@@ -22,6 +23,7 @@ from vecpool.api import default_model_path
         ("ahead", ["1", "2"], ["--simulate-device", "400000"]),
         ("first-alone", ["1", "0"], ["--simulate-device", "400000"]),
         ("wordpiece", ["0", "1"], ["--simulate-device", "400000"]),
+        ("first-chunk", ["128", "16"], ["--simulate-device", "400000", "--simulate-launch", "2"]),
         ("switch-interval", ["0.005", "0.001"], ["--models", "tiny-bert", "--device", "cpu"]),
     ],
 )
@@ -31,6 +33,7 @@ def test_ab_host_threads_times_each_value_and_puts_the_setting_back(
     ahead, interval = vecpool.api.engine.PIPELINE_AHEAD, sys.getswitchinterval()
     first_alone = vecpool.api.engine.PIPELINE_FIRST_ALONE
     wordpiece = vecpool.tokenizer.WORDPIECE_MIN_CHARS
+    first_chunk = vecpool.api.engine.PIPELINE_FIRST_CHUNK
     argv = ["--vary", vary, "--values", *values, "--tokenizer", str(default_model_path())]
     argv += ["--workloads", "queries", "--n", "40", "--rounds", "2", *extra]
     report = main([*argv, "--output", str(tmp_path / "ab.json")])
@@ -48,3 +51,12 @@ def test_ab_host_threads_times_each_value_and_puts_the_setting_back(
     assert ahead == vecpool.api.engine.PIPELINE_AHEAD and sys.getswitchinterval() == interval
     assert first_alone == vecpool.api.engine.PIPELINE_FIRST_ALONE
     assert wordpiece == vecpool.tokenizer.WORDPIECE_MIN_CHARS
+    assert first_chunk == vecpool.api.engine.PIPELINE_FIRST_CHUNK
+
+
+def test_a_simulated_launch_holds_the_host_for_its_time() -> None:
+    engine = _simulated_device(default_model_path(), rate=1e9, launch=0.05)
+    started = time.perf_counter()
+    out = engine.embed([[5, 6, 7], [8, 9]], show_progress=False)
+    assert time.perf_counter() - started >= 0.05  # one step, one launch
+    assert out.shape == (2, 32)
