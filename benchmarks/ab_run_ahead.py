@@ -21,8 +21,10 @@ replaying them up to 8,192 (a model 1,024 wide or more, as the engine has it);
 one key/value head a program (`packed_attention.GQA_TILE`) with one head a program;
 `--against copied-residual` compares a layer's attention and feed-forward products
 accumulated into their residuals in place (`layers.add_linear`; decoders) with the compiler's
-`addmm` into new tensors. Each variant of
-these seven runs the whole workload once before the rounds, recording its graphs.
+`addmm` into new tensors. `--against sum-outside-norm` (FP8 decoders, `--quantization fp8`)
+compares layers whose residual sums the next norm's kernel adds (`quant.Fp8SumInNormLayer`)
+with the same layers adding each sum on its own. Each variant of these eight runs the whole
+workload once before the rounds, recording its graphs.
 
 For each `bench_gpu.py` shape and workload (from token ids, the engine's defaults): a warm-up,
 then `--rounds` pairs of `Engine.embed` calls, the order inside each pair alternating; tokens
@@ -52,7 +54,8 @@ import vecpool
 from benchmarks import record
 from benchmarks.workloads import SHAPES, WORKLOADS, make_inputs, workload_lengths, write_folder
 from vecpool.models import layers as model_layers
-from vecpool.models import packed_attention
+from vecpool.models import packed_attention, quant
+from vecpool.models.decoder import DecoderLayer
 from vecpool.runner import batch, graphs
 
 UPLOAD = batch.upload
@@ -68,6 +71,7 @@ LABELS = {
     "graphs-8k": ("graphs to 32k", "graphs to 8k"),
     "one-head-tiles": ("GQA tiles", "one-head tiles"),
     "copied-residual": ("residual in place", "residual copied"),
+    "sum-outside-norm": ("sums in norms", "sums outside"),
 }
 # Variants that record CUDA graphs of their own before the clock.
 OWN_GRAPHS = (
@@ -78,6 +82,7 @@ OWN_GRAPHS = (
     "graphs-8k",
     "one-head-tiles",
     "copied-residual",
+    "sum-outside-norm",
 )
 
 # The packed kernel's grouped-query tile as this tree has it (`--against one-head-tiles`).
@@ -137,6 +142,15 @@ def _set_variant(engine: vecpool.Engine, baseline: str, new: bool) -> None:
         flag = model_layers.COMPILED_RESIDUAL_IN_PLACE
         _use_graph_set(engine, ("residual", new), ("residual", flag))
         model_layers.COMPILED_RESIDUAL_IN_PLACE = new
+    elif baseline == "sum-outside-norm":
+        # The folded modules serve both forwards: the layers' class picks one.
+        layers = [m for m in engine.model_runner.model.modules() if isinstance(m, DecoderLayer)]
+        if not layers or not hasattr(layers[-1], "hands_on_sum"):
+            raise SystemExit("--against sum-outside-norm: FP8 decoder layers (--quantization fp8)")
+        current = type(layers[0]) is quant.Fp8SumInNormLayer
+        _use_graph_set(engine, ("sum", new), ("sum", current))
+        for layer in layers:
+            layer.__class__ = quant.Fp8SumInNormLayer if new else DecoderLayer
     elif baseline == "one-head-tiles":
         # The kernel reads the tile when it launches: only the graphs need their own sets.
         tile = GQA_TILE if new else None

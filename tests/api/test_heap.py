@@ -3,17 +3,24 @@ once built and after a call that compiled, and still freed with the engine when 
 
 from __future__ import annotations
 
+import asyncio
 import gc
+import time
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 import vecpool
+from benchmarks.bench_engine_loop import one_round as serve_single_queries
 from vecpool.api import heap
+from vecpool.api.async_engine import AsyncEngine
+from vecpool.runner.compiled import compile_blocks
+from vecpool.tasks import PoolingParams
 
 
 class _Marker:
@@ -43,6 +50,46 @@ def test_engine_freezes_what_start_up_made(fresh_heap: None, tiny_bert: tuple[Pa
     later = _Marker()
     engine.embed([[1, 2, 3]], show_progress=False)  # nothing compiled: nothing frozen
     assert not _frozen(later)
+
+
+def test_a_call_that_compiled_freezes(fresh_heap: None, tiny_bert: tuple[Path, Any]) -> None:
+    engine = vecpool.Engine(tiny_bert[0], device="cpu")
+    compile_blocks(engine.model, backend="eager")  # compiled by the next forward
+    before = _Marker()
+    out = engine.embed([[1, 2, 3], [4, 5]], show_progress=False)
+    assert _frozen(before)
+    after = _Marker()
+    again = engine.embed([[1, 2, 3], [4, 5]], show_progress=False)  # the same graph
+    assert not _frozen(after)
+    assert np.array_equal(out, again)
+
+
+def test_an_async_engine_step_that_compiled_freezes(
+    fresh_heap: None, tiny_bert: tuple[Path, Any]
+) -> None:
+    engine = vecpool.Engine(tiny_bert[0], device="cpu")
+    compile_blocks(engine.model, backend="eager")
+    front = AsyncEngine(engine)
+    front.start()
+    try:
+        before = _Marker()
+        outs = asyncio.run(front.pool([[1, 2, 3]], PoolingParams()))
+        assert outs[0].error is None
+        deadline = time.monotonic() + 10  # the loop freezes after the step that pooled it
+        while not _frozen(before) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _frozen(before)
+    finally:
+        front.shutdown()
+
+
+def test_a_serving_loop_step_that_compiled_freezes(fresh_heap: None) -> None:
+    engine = vecpool.Engine(device="cpu")  # the clients send ids of a real vocabulary
+    compile_blocks(engine.model, backend="eager")
+    before = _Marker()
+    figures = serve_single_queries(engine, 4, 2)  # the server's engine loop, in this process
+    assert figures["inputs_per_step"] > 0
+    assert _frozen(before)
 
 
 def test_switched_off_nothing_is_frozen(

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+import vecpool.api.build
 from benchmarks.ab_run_ahead import GQA_TILE, LABELS, POW2_UP_TO, UPLOAD, main
 from vecpool.api import default_model_path
 from vecpool.models import layers, packed_attention
@@ -16,10 +17,16 @@ from vecpool.runner.graphs import token_buckets
 
 
 @pytest.mark.parametrize("against", sorted(LABELS))
-def test_ab_run_ahead_reports_both_variants(tmp_path: Path, against: str) -> None:
-    model = "tiny-qwen3" if against == "unfused-rotary" else "tiny-bert"  # its norms and rotary
+def test_ab_run_ahead_reports_both_variants(
+    tmp_path: Path, against: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    decoder = against in ("unfused-rotary", "sum-outside-norm")  # its norms, rotary, FP8 stack
+    model = "tiny-qwen3" if decoder else "tiny-bert"
     argv = ["--models", model, "--workloads", "queries", "--n", "24", "--rounds", "2"]
     argv += ["--tokenizer", str(default_model_path()), "--device", "cpu", "--against", against]
+    if against == "sum-outside-norm":  # FP8 as the CPU emulates it (`benchmarks/fp8_emulate.py`)
+        monkeypatch.setattr(vecpool.api.build, "check_quantization", lambda m, d: None)
+        argv += ["--quantization", "fp8"]
     report = main([*argv, "--output", str(tmp_path / "ab.json")])
     (row,) = report["rows"]
     assert row["num_inputs"] == 24

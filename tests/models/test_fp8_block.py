@@ -303,6 +303,14 @@ def test_group_ops_path_equals_the_reference_and_compiles_whole(
     monkeypatch.setattr(quant, "fused_fp8_ops", lambda device: True)
     ops = vecpool.Engine(tmp_path / "fp8", device="cpu")
     assert_ops_path_equal(ops, plain, prompts, (5, 19))
+    # Its residual sums added by the group norms' op (`Fp8SumInNormLayer`): the bits of the
+    # layers that add their own.
+    assert all(type(layer) is quant.Fp8SumInNormLayer for layer in ops.model.layers)
+    monkeypatch.setattr(quant, "SUM_IN_NORM", False)
+    own = vecpool.Engine(tmp_path / "fp8", device="cpu")
+    assert not any(type(layer) is quant.Fp8SumInNormLayer for layer in own.model.layers)
+    for got, want in zip(engine_hidden(ops, prompts), engine_hidden(own, prompts), strict=True):
+        assert np.array_equal(got, want)
 
 
 def test_block_checkpoint_of_an_encoder(tmp_path: Path) -> None:

@@ -39,6 +39,7 @@ from vecpool.models.quant import (
     quantize_model,
     quantize_rows,
 )
+from vecpool.runner.compiled import compile_blocks
 
 # e4m3 keeps 3 mantissa bits: rounding to nearest is off by at most 2^-4 of the value (a
 # relative bound for normal numbers; below 2^-6 of the scale, subnormals are spaced 2^-9).
@@ -299,6 +300,40 @@ def test_fp8_ops_path_equals_the_reference_and_compiles_whole(
     monkeypatch.setattr(quant, "fused_fp8_ops", lambda device: True)
     ops = vecpool.Engine(qwen3[0], device="cpu", quantization="fp8")
     assert_ops_path_equal(ops, plain, prompts, (5, 11))
+
+
+@pytest.mark.parametrize("ops_path", [False, True])
+def test_residual_sums_in_the_norms_give_the_same_bits(
+    qwen3: tuple[Path, Any], monkeypatch: pytest.MonkeyPatch, ops_path: bool
+) -> None:
+    """A stack of folded FP8 layers hands each residual sum on to the next norm, which adds it
+    (`Fp8SumInNormLayer`; on CUDA in the norm's kernel, here in the op's CPU kernel or in
+    torch): the same additions in the same order, so the bits of the layers that add their
+    own, eager and compiled with a dynamic token count, from ids and from prompt embeds."""
+    import vecpool.models.fp8_ops  # the ops, with their CPU kernels
+
+    monkeypatch.setattr(vecpool.api.build, "check_quantization", lambda m, d: None)
+    if ops_path:
+        monkeypatch.setattr(quant, "fused_fp8_ops", lambda device: True)
+    prompts = random_prompts(VOCAB, LENGTHS)
+    summed = vecpool.Engine(qwen3[0], device="cpu", quantization="fp8")
+    monkeypatch.setattr(quant, "SUM_IN_NORM", False)
+    own = vecpool.Engine(qwen3[0], device="cpu", quantization="fp8")
+    layers = list(summed.model.layers)
+    assert all(type(layer) is quant.Fp8SumInNormLayer for layer in layers)
+    assert [layer.hands_on_sum for layer in layers] == [True] * (len(layers) - 1) + [False]
+    assert not any(isinstance(layer, quant.Fp8SumInNormLayer) for layer in own.model.layers)
+    assert layers[0].self_attn.qkv_proj.linear.kernels == ops_path
+    want = engine_hidden(own, prompts)
+    for got, expected in zip(engine_hidden(summed, prompts), want, strict=True):
+        assert np.array_equal(got, expected)
+    embeds = [{"prompt_embeds": summed.embed_tokens(p)} for p in prompts]
+    for got, expected in zip(engine_hidden(summed, embeds[:2] + prompts[2:]), want, strict=True):
+        assert np.array_equal(got, expected)
+    torch._dynamo.reset()
+    compile_blocks(summed.model, backend="aot_eager")  # a pair in and out, a tensor out last
+    for got, expected in zip(engine_hidden(summed, prompts), want, strict=True):
+        assert np.array_equal(got, expected)
 
 
 def assert_ops_path_equal(

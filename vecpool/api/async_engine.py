@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from vecpool.api import heap
 from vecpool.api.admission import Admission
 from vecpool.api.engine import Engine
 from vecpool.api.outputs import PoolingOutput, PromptRequest, RunTimes, outcome
@@ -184,6 +185,7 @@ class AsyncEngine:
                     self.on_step(self.step_started_at, time.perf_counter())
                 except Exception:
                     logger.exception("on_step callback raised; continuing")
+            heap.freeze_if_compiled()  # a step's compiled code lives as long as the engine
 
 
 class _Timer:

@@ -7,8 +7,9 @@ their guards, Triton's kernels), and each call promotes its requests and results
 calls a full pass walks the engine's objects in the middle of a step (217 ms in one of ten
 calls of 2,048 queries, ~400 ms each, on 2 cores). `gc.freeze` moves every tracked object into a
 permanent generation that no pass walks. An engine freezes once it is built (model, graphs
-recorded at start-up) and again after a call in which torch.compile compiled (what it made
-lives as long as the engine); the server's processes freeze their start-up the same way.
+recorded at start-up) and again after a call, or a serving loop's step, in which torch.compile
+compiled (what it made lives as long as the engine); the server's processes freeze their
+start-up the same way.
 
 What this costs: garbage in reference cycles among objects alive at a freeze (the caller's
 too) is reclaimed only after `gc.unfreeze()`. Objects freed by their reference counts are not
@@ -19,7 +20,9 @@ objects are unfrozen at exit, so that the interpreter's last collection still fi
 from __future__ import annotations
 
 import atexit
+import functools
 import gc
+from collections.abc import Mapping
 
 # False: nothing is frozen (the baseline `benchmarks/gc_stalls.py` measures against).
 FREEZE = True
@@ -32,11 +35,18 @@ _frames_at_freeze: int | None = None
 def _compiled_frames() -> int:
     """How many frames torch.compile has compiled in this process (0 where torch does not
     count them)."""
+    counters = _dynamo_counters()
+    return 0 if counters is None else int(counters["frames"]["total"])
+
+
+@functools.cache
+def _dynamo_counters() -> Mapping[str, Mapping[str, int]] | None:
+    """torch.compile's counters (one mapping, updated and cleared in place), looked up once."""
     try:
         from torch._dynamo.utils import counters
     except ImportError:
-        return 0
-    return int(counters["frames"]["total"])
+        return None
+    return counters
 
 
 def freeze() -> None:
@@ -53,6 +63,7 @@ def freeze() -> None:
 
 def freeze_if_compiled() -> None:
     """`freeze` if torch.compile compiled anything since the last one (called after each of an
-    engine's calls: only the first call of a kind of step compiles)."""
+    engine's calls, and after each step of a serving loop: only the first step of a kind
+    compiles)."""
     if _frames_at_freeze is not None and _compiled_frames() != _frames_at_freeze:
         freeze()

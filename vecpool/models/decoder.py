@@ -220,9 +220,18 @@ class DecoderAttention(nn.Module):
     def attend(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata
     ) -> torch.Tensor:  # [num_tokens, heads * head_dim], before the output projection
-        n = x.shape[0]
         assert self.qkv_proj is not None, "projections are fused when the weights load"
-        q, k, v = self.qkv_proj(x)
+        return self.attend_projected(self.qkv_proj(x), cos, sin, attn)
+
+    def attend_projected(
+        self,
+        qkv: tuple[torch.Tensor, ...],  # q [n, heads * head_dim], k and v [n, kv_heads * head_dim]
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, heads * head_dim], before the output projection
+        q, k, v = qkv
+        n = q.shape[0]
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)

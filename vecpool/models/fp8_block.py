@@ -275,6 +275,20 @@ class Fp8BlockLinear(nn.Module):
         )
         return self._finish(self._product(QuantizedRows(*rows), x.shape[0]))
 
+    def add_norm_forward(
+        self, residual: torch.Tensor, delta: torch.Tensor, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor | tuple[torch.Tensor, ...]]:
+        """(`residual + delta`, this layer of its norm), on CUDA from one kernel that writes
+        the sum, the FP8 rows and their group scales."""
+        if not self.kernels:
+            total = residual + delta
+            return total, self.norm_forward(total, norm)
+        n = norm
+        total, *rows = torch.ops.vecpool.fp8_add_rms_norm_groups(
+            residual, delta, n.weight, n.eps, n.unit_offset, self.block[1]
+        )
+        return total, self._finish(self._product(QuantizedRows(*rows), total.shape[0]))
+
     def silu_mul_forward(self, gate_up: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """This layer of SiLU(gate) * up, which the `fp8_silu_mul_groups` op writes as FP8
         rows and group scales."""

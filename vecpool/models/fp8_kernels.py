@@ -5,9 +5,11 @@ A matmul through `torch._scaled_mm` takes FP8 rows and one float32 scale per row
 the rows in separate kernels (amax, divide, cast) costs as much as the FP8 matmul saves; here
 each row is read once, its amax reduced in registers, and the FP8 values and the scale written
 straight away. Two kernels also compute the row first: an RMSNorm (the input of q/k/v and of
-gate/up in a pre-norm decoder) and SiLU(gate) * up (the input of down). Each has a variant
-with one scale per group of inputs (block-wise FP8 weights): it writes the rows padded to a
-multiple of 16 (zeros) and the scales of a group side by side for all rows.
+gate/up in a pre-norm decoder) and SiLU(gate) * up (the input of down); the RMSNorm can add
+the layer's residual sum first, writing the sum too (`quant.Fp8SumInNormLayer`), so that no
+separate kernel writes the sum for the norm to read it back. Each has a variant with one
+scale per group of inputs (block-wise FP8 weights): it writes the rows padded to a multiple of
+16 (zeros) and the scales of a group side by side for all rows.
 
 Imported only on CUDA, when the model runs FP8 (`vecpool.models.quant`): this module imports
 Triton at the top. Each kernel is the CUDA kernel of one of `fp8_ops`'s custom ops, whose CPU
@@ -48,8 +50,22 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, n_cols, stride_x, stride_q, BLOCK: t
 
 
 @triton.jit
+def _load_sum(x_ptr, d_ptr, sum_ptr, row, cols, mask, stride, HAS_DELTA: tl.constexpr):
+    """Row `row` of x, or with HAS_DELTA of x + d, rounded to x's dtype (as torch's sum is)
+    and stored at `sum_ptr` (stride `stride` too); in float32."""
+    x = tl.load(x_ptr + row * stride + cols, mask=mask, other=0.0)
+    if HAS_DELTA:
+        d = tl.load(d_ptr + row * stride + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + d.to(tl.float32)).to(x.dtype)  # to nearest, even on ties
+        tl.store(sum_ptr + row * stride + cols, x, mask=mask)
+    return x.to(tl.float32)
+
+
+@triton.jit
 def _rms_norm_quant_kernel(
     x_ptr,
+    d_ptr,
+    sum_ptr,
     w_ptr,
     q_ptr,
     s_ptr,
@@ -58,12 +74,13 @@ def _rms_norm_quant_kernel(
     stride_q,
     eps,
     UNIT_OFFSET: tl.constexpr,
+    HAS_DELTA: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    x = _load_sum(x_ptr, d_ptr, sum_ptr, row, cols, mask, stride_x, HAS_DELTA)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if UNIT_OFFSET:
         w = w + 1.0
@@ -109,25 +126,42 @@ def quant_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def rms_norm_rows(
     x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    x = x if x.stride(-1) == 1 else x.contiguous()
+    return _rms_norm_rows(x, None, weight, eps, unit_offset)[1:]
+
+
+@fp8_ops.add_rms_norm_rows.register_kernel("cuda")
+def add_rms_norm_rows(
+    residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _rms_norm_rows(residual, delta, weight, eps, unit_offset)
+
+
+def _rms_norm_rows(
+    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, unit_offset: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x + delta, or x with no delta; FP8 rows of its RMSNorm; their scales)."""
+    x, delta, total = _with_delta(x, delta)
     rows, cols = x.shape
     q, scale = _outputs(rows, cols, x)
     if rows:
         block, warps = _launch_config(cols)
         _rms_norm_quant_kernel[(rows,)](
-            x,
-            weight,
-            q,
-            scale,
-            cols,
-            x.stride(0),
-            q.stride(0),
-            eps,
-            UNIT_OFFSET=unit_offset,
-            BLOCK=block,
-            num_warps=warps,
-        )
-    return q, scale
+            x, delta, total, weight, q, scale, cols, x.stride(0), q.stride(0), eps,
+            UNIT_OFFSET=unit_offset, HAS_DELTA=total is not x, BLOCK=block, num_warps=warps,
+        )  # fmt: skip
+    return total, q, scale
+
+
+def _with_delta(
+    x: torch.Tensor, delta: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x, delta, the sum's output) with rows of unit stride and, with a delta, one row stride
+    for the three; without one, x stands in for both (the kernel reads neither)."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    if delta is None:
+        return x, x, x
+    x = x.contiguous()
+    return x, delta.contiguous(), torch.empty_like(x)
 
 
 @fp8_ops.silu_mul_rows.register_kernel("cuda")
@@ -192,6 +226,8 @@ def _quant_groups_kernel(
 @triton.jit
 def _rms_norm_groups_kernel(
     x_ptr,
+    d_ptr,
+    sum_ptr,
     w_ptr,
     q_ptr,
     s_ptr,
@@ -202,13 +238,15 @@ def _rms_norm_groups_kernel(
     stride_s,
     eps,
     UNIT_OFFSET: tl.constexpr,
+    HAS_DELTA: tl.constexpr,
     BLOCK: tl.constexpr,
     GROUP: tl.constexpr,
 ):
     row, src, valid = _group_row(n_rows)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    x = tl.load(x_ptr + src * stride_x + cols, mask=mask, other=0.0).to(tl.float32) * valid
+    # A padded row reads (and writes) the last row's sum again: the same values.
+    x = _load_sum(x_ptr, d_ptr, sum_ptr, src, cols, mask, stride_x, HAS_DELTA) * valid
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if UNIT_OFFSET:
         w = w + 1.0
@@ -268,15 +306,41 @@ def quant_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tenso
 def rms_norm_groups(
     x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool, group: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    x = x if x.stride(-1) == 1 else x.contiguous()
+    return _rms_norm_groups(x, None, weight, eps, unit_offset, group)[1:]
+
+
+@fp8_ops.add_rms_norm_groups.register_kernel("cuda")
+def add_rms_norm_groups(
+    residual: torch.Tensor,
+    delta: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    unit_offset: bool,
+    group: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _rms_norm_groups(residual, delta, weight, eps, unit_offset, group)
+
+
+def _rms_norm_groups(
+    x: torch.Tensor,
+    delta: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    unit_offset: bool,
+    group: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x + delta, or x with no delta; padded FP8 rows of its RMSNorm; their group scales)."""
+    x, delta, total = _with_delta(x, delta)
     rows, cols = x.shape
     q, scale, block, warps = _group_outputs(rows, cols, group, x)
     if q.shape[0]:
         _rms_norm_groups_kernel[(q.shape[0],)](
-            x, weight, q, scale, rows, cols, x.stride(0), q.stride(0), scale.stride(1), eps,
-            UNIT_OFFSET=unit_offset, BLOCK=block, GROUP=group, num_warps=warps,
+            x, delta, total, weight, q, scale, rows, cols, x.stride(0), q.stride(0),
+            scale.stride(1), eps,
+            UNIT_OFFSET=unit_offset, HAS_DELTA=total is not x, BLOCK=block, GROUP=group,
+            num_warps=warps,
         )  # fmt: skip
-    return q, scale
+    return total, q, scale
 
 
 @fp8_ops.silu_mul_groups.register_kernel("cuda")

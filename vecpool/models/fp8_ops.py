@@ -126,3 +126,50 @@ def silu_mul_groups(gate_up: torch.Tensor, group: int) -> tuple[torch.Tensor, to
 @silu_mul_groups.register_fake
 def _(gate_up: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     return _fake_groups(gate_up, gate_up.shape[1] // 2, group)
+
+
+# ---- a residual sum, then the RMSNorm of it (a pre-norm layer's next input) -------------------
+
+
+@torch.library.custom_op("vecpool::fp8_add_rms_norm", mutates_args=(), device_types="cpu")
+def add_rms_norm_rows(
+    residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`residual + delta` (`[M, K]`, the residual's dtype), and its RMSNorm as `fp8_rms_norm`
+    emits it (FP8 rows, per-row scales): the sum that a pre-norm layer carries on and the
+    input of the projection after it, from one pass over both."""
+    total = residual + delta  # rounded once to the residual's dtype
+    return (total, *rms_norm_rows(total, weight, eps, unit_offset))
+
+
+@add_rms_norm_rows.register_fake
+def _(
+    residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return (torch.empty_like(residual), *_fake(residual, residual.shape[1]))
+
+
+@torch.library.custom_op("vecpool::fp8_add_rms_norm_groups", mutates_args=(), device_types="cpu")
+def add_rms_norm_groups(
+    residual: torch.Tensor,
+    delta: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    unit_offset: bool,
+    group: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`residual + delta`, and its RMSNorm as `fp8_rms_norm_groups` emits it."""
+    total = residual + delta  # rounded once to the residual's dtype
+    return (total, *rms_norm_groups(total, weight, eps, unit_offset, group))
+
+
+@add_rms_norm_groups.register_fake
+def _(
+    residual: torch.Tensor,
+    delta: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    unit_offset: bool,
+    group: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return (torch.empty_like(residual), *_fake_groups(residual, residual.shape[1], group))

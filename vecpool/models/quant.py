@@ -7,9 +7,10 @@ linears inside the repeated layers are swapped (`quantize_model`).
 
 FP8 (`float8_e4m3fn`, largest value 448) multiplies through `torch._scaled_mm` with row-wise
 scales; on CUDA the rows are quantized by the Triton kernels of `fp8_kernels`, fused into the
-RMSNorm or SiLU * up that produces them where a pre-norm decoder layer allows. Off CUDA the same
-math runs in torch (`quantize_rows`, and the product of the FP8 values accumulated in float32,
-then scaled), which is what the tests check. Int8 multiplies through `torch._int_mm` (int32
+RMSNorm or SiLU * up that produces them where a pre-norm decoder layer allows, and a stack of
+such layers adds each residual sum in the norm that reads it (`Fp8SumInNormLayer`). Off CUDA
+the same math runs in torch (`quantize_rows`, and the product of the FP8 values accumulated in
+float32, then scaled), which is what the tests check. Int8 multiplies through `torch._int_mm` (int32
 accumulation), then scales. Checkpoints stored with one FP8 scale per block of the weight load
 into `fp8_block.Fp8BlockLinear`, which takes the same norm folding.
 """
@@ -25,6 +26,7 @@ from torch import nn
 
 from vecpool.config import QUANTIZATIONS
 from vecpool.errors import ConfigError
+from vecpool.models.attention import AttentionMetadata
 from vecpool.models.decoder import DecoderLayer
 from vecpool.models.layers import FusedProjections, GatedMLP, RMSNorm
 
@@ -39,6 +41,10 @@ MIN_AMAX = 1e-12
 FP8_MIN_CAPABILITY = (8, 9)  # Ada and Hopper multiply FP8
 # torch._scaled_mm needs both dimensions of the weight to be multiples of 16.
 _FP8_ALIGN = 16
+# Whether decoder stacks whose norms all fold into FP8 projections add their residual sums in
+# the norms' kernels (`Fp8SumInNormLayer`); False keeps a sum per layer output (the baseline
+# of `benchmarks/ab_run_ahead.py --against sum-outside-norm`).
+SUM_IN_NORM = True
 
 
 def check_quantization(method: str | None, device: torch.device) -> None:
@@ -266,6 +272,20 @@ class Fp8Linear(nn.Module):
             rows = quantize_rows(norm(x), FP8_DTYPE)
         return self(rows)
 
+    def add_norm_forward(
+        self, residual: torch.Tensor, delta: torch.Tensor, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor | tuple[torch.Tensor, ...]]:
+        """(`residual + delta`, this layer of its norm), on CUDA from one kernel that writes
+        the sum, the FP8 rows and their scales."""
+        if not self.kernels:
+            total = residual + delta
+            return total, self.norm_forward(total, norm)
+        n = norm
+        total, *rows = torch.ops.vecpool.fp8_add_rms_norm(
+            residual, delta, n.weight, n.eps, n.unit_offset
+        )
+        return total, self(QuantizedRows(*rows))
+
     def silu_mul_forward(self, gate_up: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """This layer of SiLU(gate) * up, which the `fp8_silu_mul` op writes as FP8 rows."""
         return self(QuantizedRows(*torch.ops.vecpool.fp8_silu_mul(gate_up)))
@@ -299,6 +319,13 @@ class Fp8NormLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
         return self.linear.norm_forward(x, self.norm)
 
+    def add_forward(
+        self, residual: torch.Tensor, delta: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | tuple[torch.Tensor, ...]]:
+        """(`residual + delta`, this layer of the sum's norm): a pre-norm layer's residual sum
+        and the projection of it that follows, the sum added in the norm's kernel on CUDA."""
+        return self.linear.add_norm_forward(residual, delta, self.norm)
+
 
 class Fp8GatedMLP(nn.Module):
     """`GatedMLP` on FP8 linears, its norm folded in when it has one: with SiLU, the
@@ -320,7 +347,10 @@ class Fp8GatedMLP(nn.Module):
         self.fused_silu = down.kernels and act is F.silu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+        return self.down(self.gate_up_proj(x))
+
+    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The MLP's output from its gate | up projection (`[M, 2I]`)."""
         if self.fused_silu:
             out = self.down_proj.silu_mul_forward(gate_up)
         else:
@@ -333,6 +363,40 @@ class Fp8GatedMLP(nn.Module):
         """`residual + self(x)`, as `GatedMLP.add_to` (which a decoder layer calls); the FP8
         product is not accumulated in place."""
         return residual + self(x)
+
+
+class Fp8SumInNormLayer(DecoderLayer):
+    """A pre-norm decoder layer whose norms are folded into FP8 projections (`Fp8NormLinear`,
+    `Fp8GatedMLP`), each residual sum added by the kernel of the norm that reads it: the
+    residual stream goes from layer to layer as a pair (the sum so far, what to add to it),
+    so no layer writes a sum only for the next to read it back. The first layer takes the
+    embeddings as they are; the last adds its own sum (`hands_on_sum` False) for the final
+    norm. On CUDA this saves a kernel and a pass over the rows per sum; elsewhere the sums are
+    the same additions in another place."""
+
+    hands_on_sum = True  # False in the last layer
+
+    def forward(  # type: ignore[override]
+        self,
+        x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],  # [n, hidden], or two of them
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn: AttentionMetadata,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        self_attn, mlp = self.self_attn, self.mlp
+        qkv_proj = self_attn.qkv_proj
+        assert isinstance(qkv_proj, Fp8NormLinear) and isinstance(mlp, Fp8GatedMLP)
+        assert isinstance(mlp.gate_up_proj, Fp8NormLinear)
+        if isinstance(x, tuple):
+            residual, qkv = qkv_proj.add_forward(*x)
+        else:
+            residual, qkv = x, qkv_proj(x)
+        assert isinstance(qkv, tuple)  # q, k, v
+        out = self_attn.o_proj(self_attn.attend_projected(qkv, cos, sin, attn))
+        residual, gate_up = mlp.gate_up_proj.add_forward(residual, out)
+        assert isinstance(gate_up, torch.Tensor)  # gate | up, one tensor
+        delta = mlp.down(gate_up)
+        return (residual, delta) if self.hands_on_sum else residual + delta
 
 
 class Int8Linear(nn.Module):
@@ -420,14 +484,25 @@ def finish_fp8(model: nn.Module, device: torch.device) -> None:
             module.kernels = kernels
             aligned = not (module.in_features % _FP8_ALIGN or module.out_features % _FP8_ALIGN)
             module.scaled_mm = capable and aligned
-    for layer in list(model.modules()):
-        if isinstance(layer, DecoderLayer) and type(layer).forward is DecoderLayer.forward:
-            _fold_decoder_norms(layer)
+    for stack in [m for m in model.modules() if isinstance(m, nn.ModuleList)]:
+        layers = [
+            m
+            for m in stack
+            if isinstance(m, DecoderLayer) and type(m).forward is DecoderLayer.forward
+        ]
+        folded = [_fold_decoder_norms(layer) for layer in layers]
+        # A whole stack of plain pre-norm layers, both norms of each folded.
+        whole = layers and len(layers) == len(stack) and all(folded)
+        if SUM_IN_NORM and whole and all(type(layer) is DecoderLayer for layer in layers):
+            for layer in layers:
+                layer.__class__ = Fp8SumInNormLayer
+            setattr(layers[-1], "hands_on_sum", False)  # noqa: B010
 
 
-def _fold_decoder_norms(layer: DecoderLayer) -> None:
+def _fold_decoder_norms(layer: DecoderLayer) -> bool:
     """In a pre-norm layer (`x + attn(norm1(x))`, `x + mlp(norm2(x))`) each norm's output
-    feeds one projection only: compute it there, emitting FP8 rows, and leave an identity."""
+    feeds one projection only: compute it there, emitting FP8 rows, and leave an identity.
+    Whether both norms were folded."""
     from vecpool.models.fp8_block import Fp8BlockLinear
 
     attn, mlp = layer.self_attn, layer.mlp
@@ -449,6 +524,9 @@ def _fold_decoder_norms(layer: DecoderLayer) -> None:
         setattr(layer, "mlp", fp8_mlp)  # noqa: B010
         if folded:
             setattr(layer, "post_attention_layernorm", nn.Identity())  # noqa: B010
+    return isinstance(layer.self_attn.qkv_proj, Fp8NormLinear) and isinstance(
+        getattr(layer.mlp, "gate_up_proj", None), Fp8NormLinear
+    )
 
 
 def has_fp8_layers(model: nn.Module) -> bool:

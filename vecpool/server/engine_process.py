@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import gc
 import logging
 import math
 import signal
@@ -27,7 +26,7 @@ from multiprocessing.connection import Connection
 
 import zmq
 
-from vecpool.api import Engine, EngineArgs
+from vecpool.api import Engine, EngineArgs, heap
 from vecpool.api.admission import Admission
 from vecpool.api.outputs import outcome
 from vecpool.engine.request import Request, RequestStatus
@@ -189,6 +188,7 @@ class EngineLoop:
             self.admission.on_step(time.perf_counter() - self.step_started)
         if ran and self.metrics is not None:
             self.metrics.on_step(self.step_started, time.perf_counter())
+        heap.freeze_if_compiled()  # a step's compiled code lives as long as the process
 
     def _between_steps(self) -> None:
         """Once a step's forward is queued and the step before it has pooled: that step's
@@ -283,8 +283,7 @@ def run_engine_process(
     ready.close()
     # What start-up made (the model, compiled code, graphs) lives as long as the process: kept
     # out of the collector's full passes, which otherwise walk it all and stall a step.
-    gc.collect()
-    gc.freeze()
+    heap.freeze()
     try:
         served = loop.run(parent)
     finally:
