@@ -5,8 +5,9 @@ and prompt embeds == ids under FP8.
     python benchmarks/fp8_check.py --tokenizer TOKENIZER_DIR \
         --output benchmarks/results/fp8_h200.json          # about 6 minutes; --quick: 1
 
-(a) **kernels**: `fp8_kernels.quant_rows`, `rms_norm_rows`, `silu_mul_rows` against
-    `quant.quantize_rows` of the same rows computed in float32 (cosine per row, scales).
+(a) **kernels**: `fp8_kernels.quant_rows`, `rms_norm_rows`, `silu_mul_rows`,
+    `add_rms_norm_rows` against `quant.quantize_rows` of the same rows computed in float32
+    (cosine per row, scales; the residual sum against torch's, to the bit).
 (b) **matmul**: the q/k/v, o, gate/up and down projections of the Qwen3-0.6B and Mistral-7B
     shapes at M = 8192 and 16384 tokens: bf16 `F.linear`, `torch._scaled_mm` alone on rows
     quantized beforehand, the same with the rows quantized by the one-pass kernel, by torch
@@ -105,10 +106,18 @@ def check_kernels(report: dict[str, Any]) -> None:
         gu[0] = 0
         norm32 = F.rms_norm(x.float(), (cols,), w.float(), 1e-6)
         gate, up = gu.float().chunk(2, dim=-1)
+        delta = torch.randn(1000, cols, device="cuda", generator=gen, dtype=torch.bfloat16)
+        delta[0] = 0  # the sum's zero row too
+        total, *summed = torch.ops.vecpool.fp8_add_rms_norm(x, delta, w, 1e-6, False)
+        sums = {"add_rms_norm_rows": torch.equal(total, x + delta)}  # torch's bf16 sum, bits
         cases = {
             "quant_rows": (torch.ops.vecpool.fp8_quant_rows(x), x.float()),
             "rms_norm_rows": (torch.ops.vecpool.fp8_rms_norm(x, w, 1e-6, False), norm32),
             "silu_mul_rows": (torch.ops.vecpool.fp8_silu_mul(gu), F.silu(gate) * up),
+            "add_rms_norm_rows": (
+                tuple(summed),
+                F.rms_norm((x + delta).float(), (cols,), w.float(), 1e-6),
+            ),
         }
         for name, ((data, scale), ref32) in cases.items():
             ref = quantize_rows(ref32)
@@ -121,10 +130,13 @@ def check_kernels(report: dict[str, Any]) -> None:
                 "zero_row_ok": bool(torch.isfinite(scale[0]).all() and not got[0].any()),
                 "max_abs_vs_reference_fp8": float((got - dequantize_rows(ref)).abs().max()),
             }
+            if name in sums:
+                row["sum_equals_torch"] = sums[name]
             row["ok"] = (
                 row["min_row_cosine"] > 0.998
                 and row["max_scale_rel_diff"] < 1e-5
                 and row["zero_row_ok"]
+                and sums.get(name, True)
             )
             out[f"{name}@{cols}"] = row
             print(f"kernel {name}@{cols}: {row}", flush=True)
