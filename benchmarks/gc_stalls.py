@@ -14,7 +14,8 @@ then `gc.freeze()`), the engine built with `heap.FREEZE` off so that only the sc
 Per state: tokens/s over each round's calls (a stall every few calls shows in a round's total,
 not in a median call), the median of the rounds, every call's seconds, and the full passes
 inside each round with their milliseconds; the objects the collector tracks once the engine
-is warm. Bench shapes with random weights, token ids, the engine's defaults.
+is warm. Bench shapes with random weights, token ids, the engine's defaults (`--compile`
+compiles on the CPU too, which holds as many objects as a compiled CUDA engine).
 """
 
 from __future__ import annotations
@@ -96,6 +97,11 @@ def main(argv: list[str]) -> dict[str, Any]:
     parser.add_argument("--calls", type=int, default=12, help="calls per round")
     parser.add_argument("--rounds", type=int, default=record.MIN_ROUNDS, help="rounds per state")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile the engines' layers (default: the engine's choice, on CUDA)",
+    )
     parser.add_argument("--output", type=Path)
     record.add_args(parser)
     args = parser.parse_args(argv)
@@ -116,7 +122,7 @@ def main(argv: list[str]) -> dict[str, Any]:
 def _model_rows(name: str, args: argparse.Namespace, tokenizer: Any) -> list[dict[str, Any]]:
     rows = []
     folder = write_folder(SHAPES[name], Path(tempfile.mkdtemp()), args.tokenizer, args.device)
-    engine = vecpool.Engine(folder, device=args.device)
+    engine = vecpool.Engine(folder, device=args.device, compile=True if args.compile else None)
     for workload in args.workloads:
         _, ids = make_inputs(tokenizer, workload_lengths(workload, args.n))
         gc.unfreeze()
