@@ -5,8 +5,8 @@ objects promoted to its oldest generation since the last pass reach a quarter of
 survived it. A compiled engine holds half a million such objects (modules, compiled graphs and
 their guards, Triton's kernels), and each call promotes its requests and results: every few
 calls a full pass walks the engine's objects in the middle of a step (on 2 cores, 230-249 ms
-in one call of twelve of 2,048 queries, ~0.37 s each: `gc_stalls_tiny-qwen3_compiled_2core.json`
-in benchmarks/results). `gc.freeze` moves every tracked object into a
+in one call of twelve of 2,048 queries, ~0.37 s each; benchmarks/results/
+gc_stalls_tiny-qwen3_compiled_2core.json). `gc.freeze` moves every tracked object into a
 permanent generation that no pass walks. An engine freezes once it is built (model, graphs
 recorded at start-up) and again after a call, or a serving loop's step, in which torch.compile
 compiled (what it made lives as long as the engine); the server's processes freeze their
