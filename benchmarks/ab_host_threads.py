@@ -53,7 +53,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import vecpool
-import vecpool.api.engine
+import vecpool.api.running
 import vecpool.arrays
 import vecpool.tokenizer
 from benchmarks import record
@@ -70,15 +70,15 @@ def _set(vary: str, value: float, engine: vecpool.Engine, pools: dict[float, Any
     if vary == "tokenizer-processes":
         engine.inputs.tokenizer_pool = pools.get(value)
     elif vary == "ahead":
-        vecpool.api.engine.PIPELINE_AHEAD = int(value)
+        vecpool.api.running.PIPELINE_AHEAD = int(value)
     elif vary == "first-alone":
-        vecpool.api.engine.PIPELINE_FIRST_ALONE = bool(value)
+        vecpool.api.running.PIPELINE_FIRST_ALONE = bool(value)
     elif vary == "wordpiece":
         vecpool.tokenizer.WORDPIECE_MIN_CHARS = _WORDPIECE_MIN_CHARS if value else sys.maxsize
     elif vary == "pack-ids":
         vecpool.arrays.PACK_ID_LISTS = bool(value)
     elif vary == "first-chunk":
-        vecpool.api.engine.PIPELINE_FIRST_CHUNK = int(value)
+        vecpool.api.running.PIPELINE_FIRST_CHUNK = int(value)
     else:
         sys.setswitchinterval(value)
 
@@ -156,11 +156,11 @@ def main(argv: list[str]) -> dict[str, Any]:
     tokenizer = tokenizers.Tokenizer.from_file(str(args.tokenizer / "tokenizer.json"))
     rows = report["rows"] = []
     default = {
-        "ahead": vecpool.api.engine.PIPELINE_AHEAD,
-        "first-alone": int(vecpool.api.engine.PIPELINE_FIRST_ALONE),
+        "ahead": vecpool.api.running.PIPELINE_AHEAD,
+        "first-alone": int(vecpool.api.running.PIPELINE_FIRST_ALONE),
         "wordpiece": 1,
         "pack-ids": 1,
-        "first-chunk": vecpool.api.engine.PIPELINE_FIRST_CHUNK,
+        "first-chunk": vecpool.api.running.PIPELINE_FIRST_CHUNK,
         "tokenizer-processes": tokenizer_pool.default_size(),
     }.get(args.vary, sys.getswitchinterval())
     simulated = args.simulate_device is not None

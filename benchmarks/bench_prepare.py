@@ -77,7 +77,7 @@ from benchmarks.workloads import SHAPES, WORKLOADS, make_inputs, workload_length
 from vecpool import arrays, calls
 from vecpool import tokenizer as tokenizer_module
 from vecpool.api import default_model_path
-from vecpool.api.engine import PIPELINE_CHUNK
+from vecpool.api.running import PIPELINE_CHUNK
 from vecpool.inputs import TextOptions
 
 FIGURES = (

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 import vecpool
-import vecpool.api.engine
+import vecpool.api.running
 from benchmarks.bench_embed import SYNTHETIC, make_synthetic_folder
 from vecpool.cli.bench import make_texts
 
@@ -37,7 +37,7 @@ def main() -> None:
         else args.model
     )
     texts = make_texts(args.n)
-    pipeline_chunk = vecpool.api.engine.PIPELINE_CHUNK
+    pipeline_chunk = vecpool.api.running.PIPELINE_CHUNK
     rows = []
     for budget, cap in itertools.product(
         map(int, args.budgets.split(",")), map(int, args.seq_caps.split(","))
@@ -47,7 +47,7 @@ def main() -> None:
         )
         engine.embed(texts[:1000], truncate_prompt_tokens=-1)
         for pipelined in (True, False):
-            vecpool.api.engine.PIPELINE_CHUNK = pipeline_chunk if pipelined else 10**9
+            vecpool.api.running.PIPELINE_CHUNK = pipeline_chunk if pipelined else 10**9
             times = []
             for _ in range(args.repeats):
                 torch.cuda.synchronize()
@@ -64,7 +64,7 @@ def main() -> None:
             }
             print(json.dumps(row), flush=True)
             rows.append(row)
-        vecpool.api.engine.PIPELINE_CHUNK = pipeline_chunk
+        vecpool.api.running.PIPELINE_CHUNK = pipeline_chunk
 
 
 if __name__ == "__main__":

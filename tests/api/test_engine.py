@@ -211,16 +211,16 @@ def test_large_calls_are_pipelined_in_chunks(tiny_bert_engine, monkeypatch) -> N
     engine = tiny_bert_engine
     prompts = random_prompts(99, [3 + (i * 7) % 40 for i in range(11)], seed=50)
     whole = engine.embed(prompts)
-    monkeypatch.setattr(vecpool.api.engine, "PIPELINE_CHUNK", 3)
-    monkeypatch.setattr(vecpool.api.engine, "PIPELINE_FIRST_CHUNK", 2)
+    monkeypatch.setattr(vecpool.api.running, "PIPELINE_CHUNK", 3)
+    monkeypatch.setattr(vecpool.api.running, "PIPELINE_FIRST_CHUNK", 2)
     sizes: list[int] = []
-    prepare = vecpool.api.engine.calls.prepare_encode
+    prepare = vecpool.api.running.calls.prepare_encode
 
     def counted(ctx, items, options):  # type: ignore[no-untyped-def]
         sizes.append(len(items))
         return prepare(ctx, items, options)
 
-    monkeypatch.setattr(vecpool.api.engine.calls, "prepare_encode", counted)
+    monkeypatch.setattr(vecpool.api.running.calls, "prepare_encode", counted)
     assert np.abs(engine.embed(prompts) - whole).max() <= 1e-6
     assert sizes == [2, 3, 3, 3]  # a smaller first chunk: the device starts sooner
     # Matryoshka dimensions: each chunk's rows stacked into the call's result, cut alike.
@@ -288,10 +288,10 @@ def test_a_chunk_prepared_during_a_step_joins_it_the_step_pools_behind_the_next_
     engine = tiny_bert_engine
     prompts = random_prompts(99, [3 + (i * 7) % 40 for i in range(11)], seed=51)
     whole = engine.embed(prompts)
-    monkeypatch.setattr(vecpool.api.engine, "PIPELINE_CHUNK", 3)
-    monkeypatch.setattr(vecpool.api.engine, "PIPELINE_FIRST_CHUNK", 2)
-    monkeypatch.setattr(vecpool.api.engine, "ThreadPoolExecutor", _GatedWorker)
-    monkeypatch.setattr(vecpool.api.engine, "PIPELINE_FIRST_ALONE", first_alone)
+    monkeypatch.setattr(vecpool.api.running, "PIPELINE_CHUNK", 3)
+    monkeypatch.setattr(vecpool.api.running, "PIPELINE_FIRST_CHUNK", 2)
+    monkeypatch.setattr(vecpool.api.running, "ThreadPoolExecutor", _GatedWorker)
+    monkeypatch.setattr(vecpool.api.running, "PIPELINE_FIRST_ALONE", first_alone)
     events: list[tuple[str, int]] = []
     forward, pool = engine.model_runner.forward, engine.core.pooling_runner.pool
 
@@ -305,7 +305,7 @@ def test_a_chunk_prepared_during_a_step_joins_it_the_step_pools_behind_the_next_
         events.append(("pool", len(step.chunks)))
         return pool(hidden, batch, step, **kwargs)
 
-    outcome = vecpool.api.engine.outcome
+    outcome = vecpool.api.running.outcome
 
     def logged_outcome(request):  # type: ignore[no-untyped-def]
         if not events or events[-1][0] != "take":
@@ -315,7 +315,7 @@ def test_a_chunk_prepared_during_a_step_joins_it_the_step_pools_behind_the_next_
 
     monkeypatch.setattr(engine.model_runner, "forward", logged_forward)
     monkeypatch.setattr(engine.core.pooling_runner, "pool", logged_pool)
-    monkeypatch.setattr(vecpool.api.engine, "outcome", logged_outcome)
+    monkeypatch.setattr(vecpool.api.running, "outcome", logged_outcome)
     got = engine.embed(prompts, show_progress=False)
     assert np.abs(got - whole).max() <= 1e-6
     # Chunks of 2, 3, 3, 3 inputs: each step pools after the next step's forward is queued,
@@ -369,16 +369,16 @@ def test_the_worker_prepares_two_chunks_ahead_once_the_engine_ran_dry_behind_one
     engine = tiny_bert_engine
     prompts = random_prompts(99, [3 + (i * 7) % 40 for i in range(14)], seed=52)
     whole = engine.embed(prompts)
-    monkeypatch.setattr(vecpool.api.engine, "PIPELINE_CHUNK", 3)
-    monkeypatch.setattr(vecpool.api.engine, "PIPELINE_FIRST_CHUNK", 2)
-    monkeypatch.setattr(vecpool.api.engine, "ThreadPoolExecutor", _LateWorker)
+    monkeypatch.setattr(vecpool.api.running, "PIPELINE_CHUNK", 3)
+    monkeypatch.setattr(vecpool.api.running, "PIPELINE_FIRST_CHUNK", 2)
+    monkeypatch.setattr(vecpool.api.running, "ThreadPoolExecutor", _LateWorker)
     got = engine.embed(prompts, show_progress=False)
     assert np.abs(got - whole).max() <= 1e-6
     # Chunks of 2, 3, 3, 3, 3: each asked for once the one before it joined the queue, until
     # the engine has run dry behind a full chunk (the second): from then on two are asked for
     # ahead. (Chunks ready in time keep one at a time: the test above, whose worker reports
     # each chunk ready once a step's forward is queued, sees one forward per chunk.)
-    assert vecpool.api.engine.PIPELINE_AHEAD == 2
+    assert vecpool.api.running.PIPELINE_AHEAD == 2
     assert _LateWorker.asks == [1, 1, 1, 1, 2]
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-import vecpool.api.engine
+import vecpool.api.running
 import vecpool.tokenizer
 from benchmarks.ab_host_threads import _simulated_device, main
 from vecpool.api import default_model_path
@@ -30,10 +30,10 @@ from vecpool.api import default_model_path
 def test_ab_host_threads_times_each_value_and_puts_the_setting_back(
     tmp_path: Path, vary: str, values: list[str], extra: list[str]
 ) -> None:
-    ahead, interval = vecpool.api.engine.PIPELINE_AHEAD, sys.getswitchinterval()
-    first_alone = vecpool.api.engine.PIPELINE_FIRST_ALONE
+    ahead, interval = vecpool.api.running.PIPELINE_AHEAD, sys.getswitchinterval()
+    first_alone = vecpool.api.running.PIPELINE_FIRST_ALONE
     wordpiece = vecpool.tokenizer.WORDPIECE_MIN_CHARS
-    first_chunk = vecpool.api.engine.PIPELINE_FIRST_CHUNK
+    first_chunk = vecpool.api.running.PIPELINE_FIRST_CHUNK
     argv = ["--vary", vary, "--values", *values, "--tokenizer", str(default_model_path())]
     argv += ["--workloads", "queries", "--n", "40", "--rounds", "2", *extra]
     report = main([*argv, "--output", str(tmp_path / "ab.json")])
@@ -48,10 +48,10 @@ def test_ab_host_threads_times_each_value_and_puts_the_setting_back(
             median = statistics.median(figures["seconds"])
             assert figures["tokens_per_s"] == row["num_tokens"] / median
             assert figures["ratio"] == pytest.approx(statistics.median(base) / median)
-    assert ahead == vecpool.api.engine.PIPELINE_AHEAD and sys.getswitchinterval() == interval
-    assert first_alone == vecpool.api.engine.PIPELINE_FIRST_ALONE
+    assert ahead == vecpool.api.running.PIPELINE_AHEAD and sys.getswitchinterval() == interval
+    assert first_alone == vecpool.api.running.PIPELINE_FIRST_ALONE
     assert wordpiece == vecpool.tokenizer.WORDPIECE_MIN_CHARS
-    assert first_chunk == vecpool.api.engine.PIPELINE_FIRST_CHUNK
+    assert first_chunk == vecpool.api.running.PIPELINE_FIRST_CHUNK
 
 
 def test_a_simulated_launch_holds_the_host_for_its_time() -> None:
