@@ -136,3 +136,17 @@ def test_a_dropped_frozen_engine_frees_its_tensors(
     gc.collect()  # walks no frozen object: what is freed here went by reference counts
     assert weight() is None
     assert core() is None
+
+
+def test_a_dropped_frozen_engine_ends_its_tokenizer_processes(fresh_heap: None) -> None:
+    engine = vecpool.Engine(device="cpu", tokenizer_processes=1)
+    texts = ["a frozen engine still lets its children go " * 20] * 16  # a batch sent to them
+    assert engine.embed(texts, show_progress=False).shape == (16, 384)
+    pool = engine.inputs.tokenizer_pool
+    assert pool is not None and pool.wait_ready(60)
+    children = [child.proc for child in pool.children]
+    assert children and all(proc.poll() is None for proc in children)
+    assert _frozen(pool)
+    del engine, pool
+    gc.collect()  # walks no frozen object: the pool is closed by reference counts
+    assert all(proc.wait(30) is not None for proc in children)
