@@ -127,29 +127,18 @@ class EngineRunner(EngineParts):
         show_progress: bool | None,
         desc: str,
     ) -> None:
-        """Run a call of `total` inputs: prepared and run at once up to `PIPELINE_CHUNK`
-        inputs, else chunk by chunk (`_run_pipelined`); the results go to `take`."""
+        """Run a call of `total` inputs, its results to `take`: prepared and run at once up to
+        `PIPELINE_CHUNK` inputs. A larger call runs chunk by chunk, the next chunk prepared on
+        a worker thread (its texts tokenized by the `TokenizerPool`, if any) while the device
+        runs the ones already queued. A chunk that is ready joins the queue as soon as a step's
+        forward is queued (`EngineCore.step`'s `receive`), so that the next step is prepared,
+        and this one pooled, while the device computes: short inputs fill a step with one
+        chunk. Each chunk's results go to `take`, in order, as soon as the chunk is done.
+        Errors name the input's index in the whole call; a failure cancels the call's queued
+        requests."""
         if total <= PIPELINE_CHUNK:
             take(0, self.run(prepare(0, total), show_progress=show_progress, desc=desc))
-        else:
-            self._run_pipelined(total, prepare, take, show_progress, desc)
-            heap.freeze_if_compiled()  # what compiling made lives as long as the engine
-
-    def _run_pipelined(
-        self,
-        total: int,
-        prepare: Callable[[int, int], PreparedCall[list[np.ndarray]]],  # inputs [start, stop)
-        take: Callable[[int, list[np.ndarray]], object],  # (first input, a chunk's results)
-        show_progress: bool | None,
-        desc: str,
-    ) -> None:
-        """Run a large call chunk by chunk, preparing the next chunk on a worker thread (its
-        texts tokenized by the `TokenizerPool`, if any) while the device runs the ones already
-        queued. A chunk that is ready joins the queue as soon as a step's forward is queued
-        (`EngineCore.step`'s `receive`), so that the next step is prepared, and this one
-        pooled, while the device computes: short inputs fill a step with one chunk. Each
-        chunk's results go to `take`, in order, as soon as the chunk is done. Errors name the
-        input's index in the whole call; a failure cancels the call's queued requests."""
+            return
         chunks: list[tuple[int, PreparedCall[list[np.ndarray]], list[Request]]] = []
         done = [0]
 
@@ -239,6 +228,7 @@ class EngineRunner(EngineParts):
                 except Exception:  # the call's own error is the one to raise
                     logger.exception("running out a failed call's requests raised")
                 raise
+        heap.freeze_if_compiled()  # what compiling made lives as long as the engine
 
 
 def _shifted(error: InputError, offset: int) -> InputError:

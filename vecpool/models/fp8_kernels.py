@@ -157,8 +157,8 @@ def _with_delta(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(x, delta, the sum's output) with rows of unit stride and, with a delta, one row stride
     for the three; without one, x stands in for both (the kernel reads neither)."""
-    x = x if x.stride(-1) == 1 else x.contiguous()
     if delta is None:
+        x = x if x.stride(-1) == 1 else x.contiguous()
         return x, x, x
     x = x.contiguous()
     return x, delta.contiguous(), torch.empty_like(x)
