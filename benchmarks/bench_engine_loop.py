@@ -14,20 +14,27 @@ in it, and the ids need no tokenizer), inputs per step, and how busy the loop's 
 The figure is the median of `--rounds` rounds, each kept. Its metrics are recorded in one
 process's registry (a server's engine process writes them to files shared with the API
 processes, which costs a little more).
+
+`--against REV` times the loop of `vecpool/server/engine_process.py` as it is at git revision
+REV too, in the same process on the same engine, rounds alternating (the order inside each
+pair alternating too), and reports the ratio of the medians: an A/B of a change to the loop's
+own module (the rest of the tree is the working tree's for both).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import multiprocessing as mp
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -76,14 +83,35 @@ def _clients(address: str, n: int, clients: int, done: Connection) -> None:
     done.close()
 
 
-def one_round(engine: Any, n: int, clients: int) -> dict[str, float]:
+def loop_at(revision: str) -> type[EngineLoop]:
+    """`EngineLoop` as `vecpool/server/engine_process.py` defines it at git `revision`."""
+    path = "vecpool/server/engine_process.py"
+    source = subprocess.run(
+        ["git", "show", f"{revision}:{path}"],
+        cwd=Path(__file__).resolve().parent.parent,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    name = "engine_process_at_" + "".join(c if c.isalnum() else "_" for c in revision)
+    spec = importlib.util.spec_from_loader(name, loader=None)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up
+    exec(compile(source, f"{revision}:{path}", "exec"), module.__dict__)
+    return cast(type[EngineLoop], module.EngineLoop)
+
+
+def one_round(
+    engine: Any, n: int, clients: int, loop_class: type[EngineLoop] = EngineLoop
+) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as folder:
         address = f"ipc://{folder}/engine"
         metrics = EngineMetrics(CollectorRegistry())
         config = EngineProcessConfig(
             address=address, max_queued=max(4 * clients, 1024), batch_wait=0.002
         )
-        loop = EngineLoop(engine, config, metrics)
+        loop = loop_class(engine, config, metrics)
         ends, done = mp.get_context("spawn").Pipe(duplex=False)
         client = mp.get_context("spawn").Process(target=_clients, args=(address, n, clients, done))
         client.start()
@@ -114,6 +142,9 @@ def main(argv: list[str]) -> dict[str, Any]:
     parser.add_argument("--max-num-seqs", type=int, default=16, help="inputs per step at most")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tokenizer", type=Path, default=None, help="default: packaged MiniLM")
+    parser.add_argument(
+        "--against", metavar="REV", help="also time engine_process.py at git REV, alternating"
+    )
     parser.add_argument("--output", type=Path)
     record.add_args(parser)
     args = parser.parse_args(argv)
@@ -122,22 +153,38 @@ def main(argv: list[str]) -> dict[str, Any]:
         "bench_engine_loop.py", argv, device="cpu", commit=args.commit
     )
     engine = stub_engine(args.tokenizer or default_model_path(), max_num_seqs=args.max_num_seqs)
-    one_round(engine, min(args.n, 2000), args.clients)  # warm-up
+    loops = {"tree": EngineLoop}
+    if args.against:
+        loops[args.against] = loop_at(args.against)
+    for loop_class in loops.values():  # warm-up
+        one_round(engine, min(args.n, 2000), args.clients, loop_class)
     gc.collect()
     gc.freeze()  # as the engine process does after loading
-    per_round = [one_round(engine, args.n, args.clients) for _ in range(args.rounds)]
-    report.update(
-        clients=args.clients,
-        max_num_seqs=args.max_num_seqs,
-        calls_per_round=args.n,
-        **{key: record.rounds([r[key] for r in per_round]) for key in per_round[0]},
-    )
-    print(
-        f"engine loop: {statistics.median(r['cpu_us_per_request'] for r in per_round):.1f} "
-        f"µs/request, {statistics.median(r['cpu_us_per_step'] for r in per_round):.0f} µs/step, "
-        f"{statistics.median(r['inputs_per_step'] for r in per_round):.1f} inputs/step",
-        flush=True,
-    )
+    per_round: dict[str, list[dict[str, float]]] = {name: [] for name in loops}
+    for i in range(args.rounds):
+        for name in list(loops)[:: 1 if i % 2 == 0 else -1]:
+            per_round[name].append(one_round(engine, args.n, args.clients, loops[name]))
+    report.update(clients=args.clients, max_num_seqs=args.max_num_seqs, calls_per_round=args.n)
+    figures = {
+        name: {key: record.rounds([r[key] for r in rounds]) for key in rounds[0]}
+        for name, rounds in per_round.items()
+    }
+    report.update(figures.pop("tree"))
+    for name, figure in figures.items():
+        report["against"] = {"revision": name, **figure}
+        report["cpu_per_request_ratio"] = (
+            report["cpu_us_per_request"]["median"] / figure["cpu_us_per_request"]["median"]
+        )
+    for name, rounds in per_round.items():
+        print(
+            f"engine loop ({name}): "
+            f"{statistics.median(r['cpu_us_per_request'] for r in rounds):.1f} µs/request, "
+            f"{statistics.median(r['cpu_us_per_step'] for r in rounds):.0f} µs/step, "
+            f"{statistics.median(r['inputs_per_step'] for r in rounds):.1f} inputs/step",
+            flush=True,
+        )
+    if "cpu_per_request_ratio" in report:
+        print(f"CPU per request, tree / {args.against}: {report['cpu_per_request_ratio']:.3f}")
     record.write(args.output, report)
     return report
 

@@ -25,3 +25,17 @@ def test_bench_engine_loop_reports_per_request_and_per_step(tmp_path: Path) -> N
         assert 1 <= inputs <= 4  # the steps hold at most --max-num-seqs
         assert per_request > 0 and per_step == pytest.approx(per_request * inputs, rel=1e-9)
         assert 0 < report["busy"]["rounds"][i] <= 1.05
+
+
+def test_bench_engine_loop_against_a_revision_alternates_both_loops(tmp_path: Path) -> None:
+    argv = ["--n", "60", "--rounds", "2", "--clients", "4", "--max-num-seqs", "4"]
+    report = main([*argv, "--tokenizer", str(default_model_path()), "--against", "HEAD"])
+    against = report["against"]
+    assert against["revision"] == "HEAD"
+    assert len(against["cpu_us_per_request"]["rounds"]) == 2
+    assert len(report["cpu_us_per_request"]["rounds"]) == 2
+    assert report["cpu_per_request_ratio"] == pytest.approx(
+        report["cpu_us_per_request"]["median"] / against["cpu_us_per_request"]["median"]
+    )
+    for i in range(2):
+        assert 1 <= against["inputs_per_step"]["rounds"][i] <= 4

@@ -42,6 +42,7 @@ GATHER_GAP = 0.001
 # As plain ints: pyzmq's enum members cost a conversion at each use, and these are used for
 # every message.
 _EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
+_SNDMORE = int(zmq.SNDMORE)
 
 
 @dataclass(eq=False)
@@ -118,8 +119,12 @@ class EngineLoop:
         """Take every message waiting; whether a call arrived."""
         arrived = False
         socket = self.socket
-        # Asked first: a receive that finds nothing raises, which costs more than asking.
-        while socket.getsockopt(_EVENTS) & _POLLIN:  # type: ignore[operator]
+        # Asked once: a receive that finds nothing raises, which costs more than asking when
+        # nothing waits; but asking before every message costs more than the one raise that
+        # ends a run of them.
+        if not socket.getsockopt(_EVENTS) & _POLLIN:  # type: ignore[operator]
+            return False
+        while True:
             # An API process's DEALER sends one frame, which the ROUTER prefixes with its
             # identity: two receives, cheaper than `recv_multipart`'s loop. A message is
             # delivered whole, so the second frame is there once the first is.
@@ -133,7 +138,6 @@ class EngineLoop:
                 arrived |= self._submit(identity, message)
             else:
                 self._cancel(identity, message.call_id)
-        return arrived
 
     def _gather(self, poller: zmq.Poller, deadline: float) -> None:
         """Take more calls while they keep coming (each within `GATHER_GAP` of the last),
@@ -230,9 +234,9 @@ class EngineLoop:
             self.metrics.set_admission(wait, self.admission.tokens_per_second)
         for identity, calls in self.outbox.items():
             try:
-                self.socket.send_multipart(
-                    [identity, wire.encoder.encode(wire.Replies(queued, calls, wait))]
-                )
+                # Two sends rather than `send_multipart`'s loop; a gone process fails the first.
+                self.socket.send(identity, _SNDMORE)
+                self.socket.send(wire.encoder.encode(wire.Replies(queued, calls, wait)))
             except zmq.ZMQError as exc:  # that API process is gone
                 logger.warning("dropping %d replies to a gone API process: %s", len(calls), exc)
         self.outbox.clear()
