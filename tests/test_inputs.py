@@ -64,6 +64,7 @@ GOOD = [5, 6, 7]
         ([-1], r"input 1 \(prompt_token_ids\): token id -1 at position 0"),
         ([1.5, 2], r"input 1 \(prompt_token_ids\): token ids must be a flat list of ints"),
         ([True, False], r"input 1 \(prompt_token_ids\): token ids must be a flat list of ints"),
+        (bytearray(b"abc"), r"input 1 \(prompt_token_ids\): token ids must be a list of ints"),
         (
             list(range(3, 3 + 65)),
             r"input 1: the input has 65 tokens, more than the model's maximum context length of 64 tokens; pass truncate_prompt_tokens",

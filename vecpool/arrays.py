@@ -131,7 +131,7 @@ def as_id_array(value: Any, index: int | None, field: str = "prompt_token_ids") 
                 field=field,
             )
         return value.astype(np.int64)
-    if isinstance(value, str | bytes) or not isinstance(value, Sequence):
+    if isinstance(value, str | bytes | bytearray | memoryview) or not isinstance(value, Sequence):
         raise InputError(
             f"token ids must be a list of ints, got {type(value).__name__}",
             index=index,

@@ -73,6 +73,10 @@ def test_windowed_text_is_the_documented_combination(engine: vecpool.Engine) -> 
     assert np.abs(truncated - mean[:8] / np.linalg.norm(mean[:8])).max() <= 1e-6
     (raw,) = engine.embed([text], windowed=True, normalize=False)
     assert np.abs(raw - mean).max() <= 1e-6 * np.abs(mean).max()
+    # Only true or false switches it (a string was read as true, as HTTP refuses it).
+    for bad in ("yes", 1, "false"):
+        with pytest.raises(vecpool.InputError, match="windowed: must be true or false"):
+            engine.embed([short], windowed=bad)  # type: ignore[arg-type]
 
 
 def test_windowed_prompt_embeds_and_engine_default(tmp_path: Path, engine: vecpool.Engine) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import io
 import pickle
+import time
 from typing import Any
 
 import numpy as np
@@ -103,6 +104,23 @@ def test_pickled_npy_is_refused_not_loaded(server: Server) -> None:
     assert "neither .npy nor torch.save" in message
 
 
+def test_torch_save_embeds_declaring_more_than_they_carry_are_refused_at_once(
+    server: Server, minilm: vecpool.Engine
+) -> None:
+    """A 4 KB body that declares a million rows (an expanded tensor) is a 400 naming the
+    input, answered without building those rows; the server then answers as before."""
+    expanded = torch.zeros(1, 384).expand(1_000_000, 384)
+    body = {"input": ["a", {"prompt_embeds": torch_b64(expanded)}]}
+    started = time.perf_counter()
+    message = assert_error(server.post("/v1/embeddings", body), 400, "input[1].prompt_embeds")
+    assert time.perf_counter() - started < 5  # building the rows took 13 s
+    assert "more than its storage" in message and "contiguous" in message
+    response = server.post("/v1/embeddings", {"input": ["a"], "encoding_format": "float"})
+    assert response.status_code == 200
+    got = np.asarray(response.json()["data"][0]["embedding"], dtype=np.float32)
+    assert np.abs(got - minilm.embed(["a"])[0]).max() <= 1e-6
+
+
 def test_malformed_json_and_non_objects(server: Server) -> None:
     headers = {"content-type": "application/json"}
     for content in (b"{bad json", b"", b"\xff\xfe", b'{"input": "a",}'):
@@ -140,6 +158,14 @@ def test_step_tag_with_prompt_embeds_fails_alone(server: Server, minilm: vecpool
 def test_tokenize_errors(server: Server) -> None:
     assert_error(server.post("/tokenize", {"prompt": ""}), 400)
     assert_error(server.post("/tokenize", {"prompt": 5}), 400, "prompt")
+    # One text: its error names the field, not the first item of a list.
+    response = server.client.post(
+        "/tokenize",
+        content=b'{"prompt": "a\\ud800"}',  # a lone surrogate, escaped as JSON allows
+        headers={"content-type": "application/json"},
+    )
+    message = assert_error(response, 400, "prompt")
+    assert message.startswith("the text is not valid Unicode") and "character 1" in message
     for bad in (-1, 10**6):
         message = assert_error(server.post("/detokenize", {"tokens": [101, bad]}), 400, "tokens")
         assert f"token id {bad} at position 1 is outside the vocabulary [0, 30522)" in message

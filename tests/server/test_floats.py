@@ -79,6 +79,48 @@ def test_torch_save_reads_tensors_and_refuses_the_rest() -> None:
         read_torch_save(raw[: len(raw) // 2])
 
 
+def _deflated(raw: bytes) -> bytes:
+    """`torch.save` data with its files compressed (torch stores them uncompressed)."""
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(raw)) as source, zipfile.ZipFile(out, "w") as archive:
+        for info in source.infolist():
+            archive.writestr(info.filename, source.read(info), zipfile.ZIP_DEFLATED)
+    return out.getvalue()
+
+
+def test_torch_save_never_holds_more_than_its_bytes_carry() -> None:
+    """What the data declares (shapes, strides, sizes) never sizes what is built: an expanded
+    view, a compressed file, or one storage's views rebuilt again and again are refused
+    before their values are copied, however many rows they declare."""
+    row = torch.arange(384, dtype=torch.float32)
+    raw = _saved(row.expand(1_000_000, 384))  # 384 values stored, zero strides
+    assert len(raw) < 4_000
+    with pytest.raises(TorchSaveError, match=r"holds 384000000 values, more than its storage"):
+        read_torch_save(raw)
+    # A compressed file of 64 MB of zeros, in an archive of about 70 KB.
+    raw = _deflated(_saved(torch.zeros(4096, 4096)))
+    assert len(raw) < 200_000
+    with pytest.raises(
+        TorchSaveError, match=r"unpacks to 67108864 bytes, more than \d+, 4 times the archive"
+    ):
+        read_torch_save(raw)
+    # 512 overlapping views of one 512 x 16 storage: 512 x 256 x 16 values from 68 KB.
+    table = torch.zeros(512, 16)
+    raw = _saved([table[i:] for i in range(512)])
+    assert len(raw) < 100_000
+    with pytest.raises(TorchSaveError, match="4 times the archive's size"):
+        read_torch_save(raw)
+    # What torch writes for real tensors still reads: a view of part of a storage, views
+    # sharing one storage (read once), an empty tensor, and the same data compressed when
+    # it fits the archive's size (random values do not compress).
+    views = read_torch_save(_saved([table[:4], table[4:8, ::2], table[:0]]))
+    assert [v.array.shape for v in views] == [(4, 16), (4, 8), (0, 16)]
+    values = torch.randn(64, 384)
+    got = read_torch_save(_deflated(_saved(values)))
+    assert isinstance(got, SavedTensor)
+    np.testing.assert_array_equal(got.array, values.numpy())
+
+
 def test_the_pooling_methods_named_in_config_are_those_implemented() -> None:
     from vecpool.pooling.methods import METHODS
 

@@ -16,6 +16,7 @@ from vecpool.calls.outputs import PromptRequest
 from vecpool.errors import InputError
 from vecpool.inputs import InputProcessor, TextOptions, TextTokenizer, is_tensor
 from vecpool.tasks import PoolingParams, get_task
+from vecpool.tokenizer import check_unicode
 
 
 @dataclass(frozen=True)
@@ -177,6 +178,7 @@ def tokenize_text(
     prefix = instruction(ctx, prompt_name, prompt) or ""
     full = prefix + text
     ctx.inputs.check_text_size(full)
+    check_unicode(full, None)  # one text, not the first of a list
     if add_special_tokens:
         encoding = tokenizer.encode_batch([full])[0]
     else:

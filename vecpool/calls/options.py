@@ -87,6 +87,10 @@ class EmbedOptions(Options):
     add_special_tokens: bool = True
     matryoshka_only: bool = False
 
+    def __post_init__(self) -> None:
+        if self.windowed is not None and not isinstance(self.windowed, bool):
+            raise InputError(f"must be true or false, got {self.windowed!r}", field="windowed")
+
     def encode(self) -> EncodeOptions:
         """The same call as `encode` options of the "embed" task."""
         return EncodeOptions.of({**vars(self), "task": "embed"})
