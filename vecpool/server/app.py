@@ -33,6 +33,7 @@ from vecpool.server.errors import (
     ClientDisconnectedError,
     http_error,
     input_error,
+    release_frames,
     validation_param,
 )
 from vecpool.server.metrics import ServerMetrics
@@ -244,16 +245,21 @@ def _queued(state: ServerState) -> float:
 
 
 def _add_error_handlers(app: FastAPI, state: ServerState) -> None:
+    # Each answer of an expected error releases what the error's frames held (`release_frames`);
+    # an unexpected one is logged with its traceback after its answer, so it keeps them.
     async def on_api_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ApiError)
+        release_frames(exc)
         return error_response(exc)
 
     async def on_input_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, InputError)
+        release_frames(exc)
         return error_response(input_error(exc))
 
     async def on_http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
+        release_frames(exc)
         detail = exc.detail if isinstance(exc.detail, str) else None
         error = http_error(exc.status_code, detail)
         error.headers.update(exc.headers or {})
@@ -261,11 +267,13 @@ def _add_error_handlers(app: FastAPI, state: ServerState) -> None:
 
     async def on_validation_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestValidationError)
+        release_frames(exc)
         first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
         param = validation_param(tuple(first["loc"]))
         return error_response(ApiError(400, f"{param}: {first['msg']}", param=param))
 
     async def on_disconnect(request: Request, exc: Exception) -> Response:
+        release_frames(exc)
         state.metrics.disconnects.labels(request.scope["path"]).inc()
         return Response(status_code=STATUS_CLIENT_CLOSED)
 

@@ -105,12 +105,15 @@ class _Unpickler(pickle.Unpickler):
         super().__init__(io.BytesIO(_read(archive, f"{prefix}/data.pkl", limit)))
         self._archive, self._prefix, self._order = archive, prefix, order
         self._limit = limit
-        self._budget = limit  # bytes of values the tensors rebuilt so far may still take
+        # What the pickle calls to rebuild a tensor: kept in the unpickler's memo, so it holds
+        # no reference back to the unpickler (a cycle would keep every tensor read, however
+        # large, until the collector's next full pass).
+        self._rebuild = _Rebuilder(limit)
         self._storages: dict[str, _Storage] = {}  # by key: one file is read once
 
     def find_class(self, module: str, name: str) -> Any:
         if module == "torch._utils" and name == "_rebuild_tensor_v2":
-            return self._rebuild_tensor
+            return self._rebuild
         if module == "torch" and name in STORAGES:
             return _StorageType(*STORAGES[name])
         if module == "collections" and name == "OrderedDict":
@@ -136,7 +139,16 @@ class _Unpickler(pickle.Unpickler):
             raise TorchSaveError(f"storage {key} named twice, as two different storages")
         return storage
 
-    def _rebuild_tensor(
+
+class _Rebuilder:
+    """torch's `_rebuild_tensor_v2` for one archive: the tensors it rebuilds may hold at most
+    `limit` bytes of values together."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.budget = limit  # bytes of values the tensors rebuilt so far may still take
+
+    def __call__(
         self,
         storage: _Storage,
         offset: int,
@@ -147,10 +159,10 @@ class _Unpickler(pickle.Unpickler):
         if not isinstance(storage, _Storage):
             raise TorchSaveError("a tensor rebuilt from other than a storage")
         view = _strided_view(storage, offset, size, stride)
-        self._budget -= view.nbytes
-        if self._budget < 0:
+        self.budget -= view.nbytes
+        if self.budget < 0:
             raise TorchSaveError(
-                f"its tensors hold more than {self._limit} bytes of values, {UNPACK_RATIO} times "
+                f"its tensors hold more than {self.limit} bytes of values, {UNPACK_RATIO} times "
                 "the archive's size (views of one storage rebuilt again and again)"
             )
         array = np.array(view)  # its own, contiguous copy
