@@ -71,6 +71,9 @@ GOOD = [[101, 7592, 102]]
         ({"input": GOOD, "dimensions": "8"}, "dimensions", "integer"),
         ({"input": GOOD, "dimensions": 8.5}, "dimensions", "integer"),
         ({"input": GOOD, "dimensions": 0}, "dimensions", "between 1"),
+        # Checked before a quantized call's ranges are sized by it (that was a 500).
+        ({"input": GOOD, "precision": "int8", "dimensions": -3}, "dimensions", "between 1"),
+        ({"input": GOOD, "precision": "uint8", "dimensions": 385}, "dimensions", "between 1"),
         ({"input": GOOD, "dimensions": 385}, "dimensions", "between 1"),
         ({"input": GOOD, "normalize": "yes"}, "normalize", "boolean"),
         ({"input": GOOD, "encoding_format": "hex"}, "encoding_format", "'bytes' or 'bytes_only'"),
@@ -91,6 +94,12 @@ def test_bad_embedding_requests(
 ) -> None:
     message = assert_error(server.post("/v1/embeddings", body), 400, param)
     assert words in message
+
+
+def test_quantized_call_with_dimensions_out_of_range_on_infinity_route(server: Server) -> None:
+    body = {"input": ["a"], "precision": "int8", "dimensions": -1}
+    # Infinity answers a bad field with 422.
+    assert "between 1" in assert_error(server.post("/embeddings", body), 422, "dimensions")
 
 
 def test_pickled_npy_is_refused_not_loaded(server: Server) -> None:

@@ -107,16 +107,24 @@ def instruction(ctx: CallContext, prompt_name: str | None, prompt: str | None) -
     return info.prompts[name]
 
 
+def check_dimensions(info: EngineInfo, dimensions: int | None, task: str = "embed") -> None:
+    """`InputError` unless `dimensions` (None: the model's own) is a width the task's vectors
+    can be cut to: from 1 to their full size."""
+    if dimensions is None:
+        return
+    size = info.token_output_dim if task == "token_embed" else info.output_dim
+    if not 1 <= dimensions <= size:
+        raise InputError(
+            f"dimensions={dimensions} must be between 1 and the model's output size {size}",
+            field="dimensions",
+        )
+
+
 def _check_dimensions(info: EngineInfo, params: PoolingParams, matryoshka_only: bool) -> None:
     d = params.dimensions
     if d is None:
         return
-    size = info.token_output_dim if params.task == "token_embed" else info.output_dim
-    if not 1 <= d <= size:
-        raise InputError(
-            f"dimensions={d} must be between 1 and the model's output size {size}",
-            field="dimensions",
-        )
+    check_dimensions(info, d, params.task)
     if matryoshka_only and not info.is_matryoshka:
         raise InputError(
             f'Model "{info.model_name}" does not support matryoshka representation, changing '

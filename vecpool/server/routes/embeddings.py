@@ -183,8 +183,9 @@ def quantization(state: ServerState, body: EmbeddingParams) -> np.ndarray | None
             f"precision={body.precision}",
             param="embed_dtype",
         )
-    dim = state.info.embed_dim(body.dimensions)
     try:
+        calls.check_dimensions(state.info, body.dimensions)  # before it sizes the ranges
+        dim = state.info.embed_dim(body.dimensions)
         ranges = calls.check_quantization(body.precision, body.ranges, dim)
     except InputError as exc:
         raise input_error(exc) from None
