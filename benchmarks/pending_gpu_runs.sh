@@ -33,20 +33,8 @@ common=(--commit "$COMMIT")
 if [ -n "${TOKENIZER:-}" ]; then common+=(--tokenizer "$TOKENIZER"); fi
 status=0
 
-# A step that fails or runs past its time leaves the others' results; SIGINT lets a benchmark
-# stop the processes it started before it exits.
-step() {
-    local name=$1 limit=$2
-    shift 2
-    echo "== $name (at most ${limit} s)"
-    local started=$SECONDS
-    if ! timeout --signal=INT --kill-after=30 "$limit" "$@" 2>&1 | tee "$OUT/$name.log" |
-        grep --line-buffered -v -e "it/s]" -e "s/it]"; then
-        echo "== $name FAILED (see $OUT/$name.log)"
-        status=1
-    fi
-    echo "== $name: $((SECONDS - started)) s"
-}
+# shellcheck source=benchmarks/steps.sh
+source "$(dirname "$0")/steps.sh"
 
 # The model and device of a step: the real shapes on CUDA, a tiny one on the CPU with SMOKE=1.
 if [ "$SMOKE" = 1 ]; then

@@ -33,20 +33,8 @@ tok=()
 if [ -n "${TOKENIZER:-}" ]; then tok=(--tokenizer "$TOKENIZER"); fi
 status=0
 
-# A step that fails or runs past its time leaves the others' results; SIGINT lets a benchmark
-# stop the server it started before it exits.
-step() {
-    local name=$1 limit=$2
-    shift 2
-    echo "== $name (at most ${limit} s)"
-    local started=$SECONDS
-    if ! timeout --signal=INT --kill-after=30 "$limit" "$@" 2>&1 | tee "$OUT/$name.log" |
-        grep --line-buffered -v -e "it/s]" -e "s/it]"; then
-        echo "== $name FAILED (see $OUT/$name.log)"
-        status=1
-    fi
-    echo "== $name: $((SECONDS - started)) s"
-}
+# shellcheck source=benchmarks/steps.sh
+source "$(dirname "$0")/steps.sh"
 
 if [ "${SMOKE:-0}" = 1 ]; then
     step online_smoke 300 "$PY" benchmarks/bench_online.py --synthetic tiny-bert --device cpu \
