@@ -89,13 +89,16 @@ if [ $# -eq 0 ]; then
     echo "usage: bash benchmarks/pending_gpu_runs.sh fp8|host|two ..." >&2
     exit 2
 fi
-for group in "$@"; do
+for group in "$@"; do  # every group checked before any runs
     case $group in
-        fp8 | host | two) "$group" ;;
+        fp8 | host | two) ;;
         *)
             echo "unknown group: $group (fp8, host or two)" >&2
             exit 2
             ;;
     esac
+done
+for group in "$@"; do
+    "$group"
 done
 exit $status
