@@ -9,7 +9,7 @@ import pytest
 
 import vecpool
 from tests.helpers import random_prompts
-from vecpool.api.async_engine import AsyncEngine, QueueFullError
+from vecpool.api.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from vecpool.calls.outputs import RunTimes
 from vecpool.tasks import PoolingParams
 
@@ -52,10 +52,15 @@ def test_full_queue_refuses_at_once(front: AsyncEngine) -> None:
     asyncio.run(main())
 
 
-def test_cancelled_caller_drops_waiting_requests(tiny_bert_engine: vecpool.Engine) -> None:
+def test_cancelled_caller_drops_waiting_requests(
+    tiny_bert_engine: vecpool.Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
     outcomes: list[str] = []
-    # Not started: nothing runs until we say so.
     front = AsyncEngine(tiny_bert_engine, on_request_done=lambda r: outcomes.append(r.status.value))
+    core = tiny_bert_engine.core
+    has_work = core.has_work
+    monkeypatch.setattr(core, "has_work", lambda: False)  # the loop never steps: all waits
+    front.start()
 
     async def main() -> None:
         requests = await front.make_requests(random_prompts(99, [5, 7]), PoolingParams())
@@ -66,11 +71,53 @@ def test_cancelled_caller_drops_waiting_requests(tiny_bert_engine: vecpool.Engin
             await task
 
     asyncio.run(main())
-    steps = tiny_bert_engine.core.num_steps
+    front.shutdown()
+    monkeypatch.setattr(core, "has_work", has_work)
+    steps = core.num_steps
     assert outcomes == ["cancelled", "cancelled"]
-    assert tiny_bert_engine.core.step() == 0  # the queue skips them: no work runs
-    assert tiny_bert_engine.core.num_steps == steps
+    assert core.step() == 0  # the queue skips them: no work runs
+    assert core.num_steps == steps
     assert front.num_queued == 0
+
+
+def test_an_engine_not_running_answers_at_once(
+    tiny_bert_engine: vecpool.Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Calls before `start()` and after `shutdown()` raise `EngineDeadError`; calls waiting
+    when it shuts down get it as their inputs' error: none waits for good."""
+    front = AsyncEngine(tiny_bert_engine)
+    prompts = random_prompts(99, [5, 7])
+
+    async def before_start() -> None:
+        requests = await front.make_requests(prompts, PoolingParams())
+        with pytest.raises(EngineDeadError, match=r"start\(\) not called"):
+            await asyncio.wait_for(front.run(requests), 10)
+
+    asyncio.run(before_start())
+    core = tiny_bert_engine.core
+    monkeypatch.setattr(core, "has_work", lambda: False)  # what is queued waits
+    front.start()
+
+    async def at_shutdown() -> list[vecpool.PoolingOutput]:
+        requests = await front.make_requests(prompts, PoolingParams())
+        task = asyncio.ensure_future(front.run(requests))
+        await asyncio.sleep(0.05)
+        assert not task.done() and front.num_queued == 2
+        await asyncio.get_running_loop().run_in_executor(None, front.shutdown)
+        outs = await asyncio.wait_for(task, 10)
+        with pytest.raises(EngineDeadError, match="was shut down"):
+            await asyncio.wait_for(front.run(requests), 10)
+        return outs
+
+    outs = asyncio.run(at_shutdown())
+    assert [o.index for o in outs] == [0, 1]
+    for out in outs:
+        assert out.data is None and isinstance(out.error, EngineDeadError)
+        assert "shut down before this input ran" in str(out.error)
+    assert front.num_queued == 0
+    monkeypatch.undo()
+    core.step()  # the cancelled requests leave the queue without running
+    assert not core.has_work()
 
 
 def test_run_reports_where_the_time_went(front: AsyncEngine) -> None:

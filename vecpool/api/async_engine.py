@@ -64,6 +64,7 @@ class AsyncEngine:
         self.admission = Admission(max_queued=max_queued, max_wait=max_wait)
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="vecpool-engine", daemon=True)
+        self._pending: set[Request] = set()  # submitted by `run`, not yet done
 
     @property
     def info(self) -> EngineInfo:
@@ -102,11 +103,17 @@ class AsyncEngine:
         self._thread.start()
 
     def shutdown(self) -> None:
+        """Stop the loop thread; the requests it had not finished fail with `EngineDeadError`
+        (their callers are answered, not left waiting), and later calls raise it."""
         with self._wake:
             self._stopping = True
             self._wake.notify_all()
         self._thread.join(timeout=30)
         self._executor.shutdown(wait=False, cancel_futures=True)
+        with self._wake:
+            left = list(self._pending)
+        for request in left:  # each removes itself from `_pending` (`_on_done`)
+            request.fail(EngineDeadError("the engine was shut down before this input ran"))
 
     async def make_requests(
         self, inputs: Any, params: PoolingParams, options: TextOptions | None = None
@@ -126,10 +133,17 @@ class AsyncEngine:
         engine_requests = self.engine.submit(requests)
         tokens = sum(r.num_prompt_tokens for r in engine_requests)
         with self._wake:
+            if self._stopping or not self._thread.is_alive():
+                raise EngineDeadError(
+                    "the engine is not running: "
+                    + ("it was shut down" if self._stopping else "AsyncEngine.start() not called")
+                )
             refusal = self.admission.refusal(len(engine_requests), tokens)
             if refusal is not None:
                 raise QueueFullError(refusal)
             self.admission.add(len(engine_requests), tokens)
+            # Under the lock that `shutdown` takes: a request is either failed by it or runs.
+            self._pending.update(engine_requests)
         submitted = time.perf_counter()
         loop = asyncio.get_running_loop()
         timer = _Timer(self)
@@ -166,6 +180,7 @@ class AsyncEngine:
         ran = request.status in (RequestStatus.FINISHED, RequestStatus.FAILED)
         with self._wake:
             self.admission.done(request.num_prompt_tokens, ran=ran)
+            self._pending.discard(request)
 
     def _loop(self) -> None:
         core = self.engine.core
