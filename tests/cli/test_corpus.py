@@ -276,6 +276,10 @@ def test_resume_of_a_changed_input_or_option_is_refused(
     assert embed(engine, *args, "--dimensions", "128") == 2
     err = capsys.readouterr().err
     assert "different --dimensions (was None, now 128)" in err and err.count("\n") == 1
+    # The engine's options that change the vectors count too (a resumed run of other
+    # options wrote rows of both).
+    assert embed(Engine(device="cpu", batch_invariant=True), *args) == 2
+    assert "different --batch-invariant (was False, now True)" in capsys.readouterr().err
 
     source.write_text("".join(t + "\n" for t in reversed(texts)))  # same size, new content
     os.utime(source, ns=(time.time_ns(), time.time_ns() + 10**9))
@@ -418,4 +422,45 @@ def test_engine_processes_leave_when_the_parent_is_killed(corpus: Path, tmp_path
     while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(alive(pid) for pid in workers)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("option", "words"),
+    [
+        (["--dimensions", "-4"], "dimensions=-4 must be between 1 and the model's output size 384"),
+        (["--dimensions", "1000"], "dimensions=1000 must be between 1"),
+        (["--prompt-name", "nope"], "unknown prompt name 'nope'"),
+    ],
+)
+def test_options_are_checked_when_the_input_holds_nothing(
+    engine: Engine,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    option: list[str],
+    words: str,
+) -> None:
+    """An empty input, or only blank lines skipped, refuses a bad option as any input would:
+    exit status 2 and one line, no `[0, -4]` array written."""
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "blank.txt").write_text("\n \n")
+    for source, extra in (("empty.txt", []), ("blank.txt", ["--skip-empty"])):
+        for suffix in (".npy", ".parquet"):
+            out = tmp_path / f"out{suffix}"
+            args = ["-i", str(tmp_path / source), "-o", str(out), "-q", *option, *extra]
+            assert embed(engine, *args) == 2
+            err = capsys.readouterr().err
+            assert words in err and err.count("\n") == 1, err
+            assert not out.exists() and not out.with_name(out.name + ".partial").exists()
+
+
+def test_an_option_the_model_refuses_stops_engine_processes_with_status_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "empty.txt").write_text("")
+    out = tmp_path / "out.npy"
+    args = ["-i", str(tmp_path / "empty.txt"), "-o", str(out), "-q", "--dimensions", "-4"]
+    assert embed(None, *args, "--device", "cpu", "--data-parallel-size", "2") == 2
+    err = capsys.readouterr().err
+    assert "dimensions=-4 must be between 1 and the model's output size 384" in err
     assert not out.exists()

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from vecpool import calls
 from vecpool.api.args import EngineArgs, Replica
 from vecpool.calls import EmbedOptions, PreparedCall
 
@@ -42,6 +43,15 @@ def prepare_chunk(
 ) -> PreparedCall[list[np.ndarray]] | None:
     """The embed call of one chunk's inputs (None: no inputs)."""
     return engine.prepare_encode(inputs, **options.encode().keywords()) if inputs else None
+
+
+def output_dim(engine: Engine, options: EmbedOptions) -> int:
+    """The width of the vectors `options` ask of `engine`, once the options every input's call
+    would check are checked (`dimensions`, the prompt): a run with no input refuses them too
+    (`InputError`), rather than writing `[0, -4]` vectors."""
+    calls.check_dimensions(engine.info(), options.dimensions)
+    calls.instruction(engine.context, options.prompt_name, options.prompt)
+    return engine.info().embed_dim(options.dimensions)
 
 
 def run_chunk(
@@ -72,7 +82,7 @@ class LocalEmbedder:
         self.engine = engine
         self.options = options
         self.unit = unit
-        self.output_dim = engine.info().embed_dim(options.dimensions)
+        self.output_dim = output_dim(engine, options)
 
     def run(self, chunks: Iterator[Chunk]) -> Iterator[Result]:
         def prepare() -> tuple[Chunk, PreparedCall[list[np.ndarray]] | None] | None:
@@ -144,7 +154,9 @@ class ProcessEmbedder:
                         ) from None
                 continue
             if message[0] == "failed":
-                _, kind, text = message
+                kind, text = message[1:3]
+                if kind == "InputError":
+                    raise InputError(text, field=message[3])
                 error = {"ConfigError": ConfigError, "ModelLoadError": ModelLoadError}
                 raise error.get(kind, EngineError)(text)
             return message
@@ -205,10 +217,14 @@ def _worker_main(
     torch.set_num_threads(replica.threads)
     try:
         engine = Engine.from_args(replica.args)
+        dim = output_dim(engine, options)
+    except InputError as exc:  # an option the model refuses
+        results.put(("failed", "InputError", exc.reason, exc.field))
+        return
     except VecpoolError as exc:
         results.put(("failed", type(exc).__name__, str(exc)))
         return
-    results.put(("ready", str(replica.args.device), engine.info().embed_dim(options.dimensions)))
+    results.put(("ready", str(replica.args.device), dim))
     # The next chunk is tokenized on a thread of its own while the engine runs this one, as
     # `LocalEmbedder` does (serially, a passages chunk's tokenizing left the device idle ~10%
     # of the time: two H200s ran 1.80x one). Daemonic: a worker that leaves on a failure
