@@ -464,3 +464,17 @@ def test_an_option_the_model_refuses_stops_engine_processes_with_status_2(
     err = capsys.readouterr().err
     assert "dimensions=-4 must be between 1 and the model's output size 384" in err
     assert not out.exists()
+
+
+def test_parquet_id_field_may_name_the_text_column(engine: Engine, tmp_path: Path) -> None:
+    """As in JSONL, `--id-field` naming the text column writes each text as its id (the
+    column was asked of pyarrow twice, which returned it once)."""
+    texts = corpus_texts(5)
+    source = tmp_path / "texts.parquet"
+    pq.write_table(pa.table({"text": texts}), source)
+    out = tmp_path / "out.parquet"
+    args = ["-i", str(source), "-o", str(out), "--id-field", "text", "--chunk-size", "2", "-q"]
+    assert embed(engine, *args) == 0
+    table = pq.read_table(out)
+    assert table["text"].to_pylist() == texts
+    assert np.abs(vectors_of(out) - engine.embed(texts)).max() < 1e-6

@@ -230,7 +230,10 @@ class ParquetInput:
         start: Position = Position(),
     ) -> Iterator[Chunk]:
         """Chunks of `chunk_size` rows from row `start.offset` on; memory holds about two."""
-        columns = [self.text_column] + ([self.id_field] if self.id_field else [])
+        # The ids may be the texts themselves (--id-field naming the text column, as JSONL
+        # allows): the column is read once.
+        own_ids = self.id_field is not None and self.id_field != self.text_column
+        columns = [self.text_column] + ([self.id_field] if own_ids else [])
         first_group, skip = self._row_group_of(start.offset)
         groups = range(first_group, self.file.metadata.num_row_groups)
         batches = self.file.iter_batches(batch_size=chunk_size, row_groups=groups, columns=columns)
@@ -242,7 +245,7 @@ class ParquetInput:
             skip -= drop
             texts.extend(batch.column(0).to_pylist()[drop:])
             if self.id_field:
-                ids.extend(batch.column(1).to_pylist()[drop:])
+                ids.extend(batch.column(1 if own_ids else 0).to_pylist()[drop:])
             while len(texts) >= chunk_size:
                 yield self._chunk(texts[:chunk_size], ids[:chunk_size], row, skip_empty)
                 del texts[:chunk_size], ids[:chunk_size]
