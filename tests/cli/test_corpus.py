@@ -478,3 +478,34 @@ def test_parquet_id_field_may_name_the_text_column(engine: Engine, tmp_path: Pat
     table = pq.read_table(out)
     assert table["text"].to_pylist() == texts
     assert np.abs(vectors_of(out) - engine.embed(texts)).max() < 1e-6
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_a_resumed_run_holds_later_ids_to_the_kind_of_the_first(
+    engine: Engine,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    suffix: str,
+) -> None:
+    """Ids of two JSON types are refused whether the run was interrupted between them or not
+    (resumed, the string ids were taken: a JSONL of mixed ids, a Parquet merge that failed)."""
+    source = tmp_path / "ids.jsonl"
+    rows = [("a", 1), ("b", 2), ("c", "x"), ("d", "y")]
+    source.write_text("".join(json.dumps({"text": t, "id": i}) + "\n" for t, i in rows))
+    out = tmp_path / f"out{suffix}"
+    args = ["-i", str(source), "-o", str(out), "--id-field", "id", "--chunk-size", "2", "-q"]
+    add_part = WorkFolder.add_part
+
+    def interrupted(self: WorkFolder, *part: object) -> None:
+        add_part(self, *part)  # type: ignore[arg-type]
+        raise KeyboardInterrupt  # once the integer ids are in: the strings were not read yet
+
+    with monkeypatch.context() as patch:
+        patch.setattr(WorkFolder, "add_part", interrupted)
+        assert embed(engine, *args) == 130
+    capsys.readouterr()
+    assert embed(engine, *args) == 2
+    err = capsys.readouterr().err
+    assert "line 3: 'id' is a string; earlier ids are integers" in err and err.count("\n") == 1
+    assert not out.exists()

@@ -83,10 +83,14 @@ def read_line_chunks(
     skip_empty: bool = False,
     chunk_size: int = 4096,
     start: Position = Position(),
+    id_kind: str | None = None,
 ) -> Iterator[Chunk]:
     """Chunks of `chunk_size` lines from `source`, positioned at `start` (its byte offset is
-    where the caller has already sought to). A bad line raises `CommandError` naming it."""
+    where the caller has already sought to). A bad line raises `CommandError` naming it.
+    `id_kind`: the JSON type of the ids of the lines before `start` (a resumed run's), which
+    every id must share."""
     parser = _LineParser(jsonl, text_field, id_field)
+    parser.id_kind = id_kind
     chunk = Chunk(start=start, end=start)
     number, offset = start.lines, start.offset
     for raw in source:

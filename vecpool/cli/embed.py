@@ -247,6 +247,7 @@ def _embed_corpus(args: argparse.Namespace, engine: Engine | None, output: Path)
                 skip_empty=args.skip_empty,
                 chunk_size=args.chunk_size,
                 start=start,
+                id_kind=work.id_kind,
             )
         _embed_chunks(embedder, chunks, work, args, total, unit)
         work.finish(embedder.output_dim)

@@ -73,6 +73,9 @@ class PartRecord:
     lines: int  # Position.lines after the part
     offset: int  # Position.offset after the part
     tokens: int
+    # JSONL --id-field: the JSON type of the part's ids ("integer" or "string"), which every
+    # later id must share, resumed or not; None: the part has no ids.
+    id_kind: str | None = None
 
     @property
     def end(self) -> Position:
@@ -157,6 +160,11 @@ class WorkFolder:
         return self.parts[-1].end if self.parts else Position()
 
     @property
+    def id_kind(self) -> str | None:
+        """The JSON type of the ids the committed parts hold (None: none holds ids)."""
+        return next((part.id_kind for part in self.parts if part.id_kind), None)
+
+    @property
     def rows(self) -> int:
         return sum(part.rows for part in self.parts)
 
@@ -168,7 +176,8 @@ class WorkFolder:
         number = len(self.parts)
         base = self._base(number)
         self.format.write_part(base, chunk, vectors)
-        part = PartRecord(number, len(vectors), chunk.end.lines, chunk.end.offset, tokens)
+        kind = None if not chunk.ids else "string" if isinstance(chunk.ids[0], str) else "integer"
+        part = PartRecord(number, len(vectors), chunk.end.lines, chunk.end.offset, tokens, kind)
         values = {k: v for k, v in asdict(part).items() if k != "number"}
         _write_atomic(base.with_suffix(".json"), lambda f: f.write(json.dumps(values).encode()))
         _sync_dir(self.path)

@@ -48,9 +48,12 @@ def prepare_chunk(
 def output_dim(engine: Engine, options: EmbedOptions) -> int:
     """The width of the vectors `options` ask of `engine`, once the options every input's call
     would check are checked (`dimensions`, the prompt): a run with no input refuses them too
-    (`InputError`), rather than writing `[0, -4]` vectors."""
-    calls.check_dimensions(engine.info(), options.dimensions)
-    calls.instruction(engine.context, options.prompt_name, options.prompt)
+    (`CommandError`, worded as for an input), rather than writing `[0, -4]` vectors."""
+    try:
+        calls.check_dimensions(engine.info(), options.dimensions)
+        calls.instruction(engine.context, options.prompt_name, options.prompt)
+    except InputError as exc:
+        raise CommandError(exc.reason) from None
     return engine.info().embed_dim(options.dimensions)
 
 
@@ -154,9 +157,9 @@ class ProcessEmbedder:
                         ) from None
                 continue
             if message[0] == "failed":
-                kind, text = message[1:3]
-                if kind == "InputError":
-                    raise InputError(text, field=message[3])
+                _, kind, text = message
+                if kind == "CommandError":
+                    raise CommandError(text)
                 error = {"ConfigError": ConfigError, "ModelLoadError": ModelLoadError}
                 raise error.get(kind, EngineError)(text)
             return message
@@ -218,8 +221,8 @@ def _worker_main(
     try:
         engine = Engine.from_args(replica.args)
         dim = output_dim(engine, options)
-    except InputError as exc:  # an option the model refuses
-        results.put(("failed", "InputError", exc.reason, exc.field))
+    except CommandError as exc:  # an option the model refuses
+        results.put(("failed", "CommandError", str(exc)))
         return
     except VecpoolError as exc:
         results.put(("failed", type(exc).__name__, str(exc)))
