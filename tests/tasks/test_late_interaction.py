@@ -206,6 +206,17 @@ def test_prompt_embeds_with_a_side_fail_alone(pylate_folder: Path) -> None:
     assert np.array_equal(results[0].data, expected)
     assert isinstance(results[1].error, vecpool.RequestFailedError)
     assert "with input_type set needs token ids" in str(results[1].error)
+    # In score and rerank, whose sides get their markers, the error names the side at fault.
+    doc = {"prompt_embeds": embeds}
+    for call, field, index in (
+        (lambda: engine.rerank(doc, DOCS), "query.prompt_embeds", None),
+        (lambda: engine.rerank(DOCS[0], [DOCS[0], doc]), "documents.prompt_embeds", 1),
+        (lambda: engine.score(doc, DOCS), "text_1.prompt_embeds", 0),
+        (lambda: engine.score(DOCS[0], [DOCS[0], doc]), "text_2.prompt_embeds", 1),
+    ):
+        with pytest.raises(vecpool.RequestFailedError, match="needs token ids") as info:
+            call()
+        assert (info.value.field, info.value.index) == (field, index)
     # Without a side, prompt embeds are served as the ids they embed.
     (as_ids,) = engine.encode([engine.tokenize(DOCS[1])], task="token_embed")
     (as_embeds,) = engine.encode([{"prompt_embeds": embeds}], task="token_embed")

@@ -463,8 +463,8 @@ def _pair_scores(outputs: list[PoolingOutput]) -> np.ndarray:
 
 def _raise_first(outputs: list[PoolingOutput], side: str) -> None:
     for out in outputs:
-        if isinstance(out.error, InputError):
-            error_type = type(out.error)
-            raise error_type(out.error.reason, index=out.index, field=out.error.field or side)
+        if isinstance(out.error, InputError):  # its field names the side (`on_side`)
+            error = type(out.error)(out.error.reason, index=out.index, field=out.error.field)
+            raise on_side(error, side)
         if out.error is not None:
             raise out.error
