@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import json
-import traceback
 import uuid
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
@@ -90,18 +89,19 @@ def http_error(status: int, detail: str | None = None) -> ApiError:
 
 
 def release_frames(exc: BaseException) -> None:
-    """Clear the locals of the finished frames that an answered exception's traceback holds,
-    and those of the exceptions it chains to. A frame that caught one exception and raised
-    another (`except InputError as exc: raise ApiError(...)`) keeps the first in its locals
-    while that exception's traceback keeps the frame: a reference cycle, which held what the
-    frames below it held (a refused call's body and decoded inputs, prompt embeds of up to a
-    few times the body's size) until the collector's next full pass. Frames still running are
-    left as they are."""
+    """Drop the tracebacks of an answered exception and of the exceptions it chains to. A
+    frame that caught one exception and raised another (`except InputError as exc: raise
+    ApiError(...)`) keeps the first in its locals while that exception's traceback keeps the
+    frame: a reference cycle, which held every frame of the traceback and what they held (a
+    refused call's body and decoded inputs, prompt embeds of up to a few times the body's
+    size) until the collector's next full pass. Without the tracebacks, reference counts free
+    them with the answer. The frames themselves are left as they are (a frame still running
+    keeps its locals)."""
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
         seen.add(id(current))
-        traceback.clear_frames(current.__traceback__)
+        current.__traceback__ = None
         current = current.__cause__ or current.__context__
 
 
