@@ -146,6 +146,9 @@ def test_unknown_task_model_path_and_method(server: Server) -> None:
     assert "known tasks" in assert_error(response, 400, "task")
     response = server.post("/pooling", {"input": "a", "task": "embed", "step_tag_id": 5})
     assert "does not accept parameter 'step_tag_id'" in assert_error(response, 400, "step_tag_id")
+    body = {"input": "a", "task": "token_embed", "step_tag_id": 99_999_999}
+    message = assert_error(server.post("/pooling", body), 400, "step_tag_id")
+    assert "step_tag_id 99999999 is outside the vocabulary [0, 30522)" in message
     response = server.post("/v1/embeddings", {"input": "a", "model": "text-embedding-3-small"})
     assert_error(response, 404, "model")
     assert response.json()["error"]["code"] == "model_not_found"

@@ -84,6 +84,11 @@ def make_requests(
             field="task",
         )
     _check_dimensions(ctx.info, params, matryoshka_only)
+    tag, vocab = params.step_tag_id, ctx.info.vocab_size
+    if tag is not None and tag >= vocab:  # no position could hold it: an empty answer
+        raise InputError(
+            f"step_tag_id {tag} is outside the vocabulary [0, {vocab})", field="step_tag_id"
+        )
     prompts = ctx.inputs.process(items, options or TextOptions(), params.input_type)
     return [PromptRequest(index, prompt, params) for index, prompt in enumerate(prompts)]
 
