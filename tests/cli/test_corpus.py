@@ -509,3 +509,17 @@ def test_a_resumed_run_holds_later_ids_to_the_kind_of_the_first(
     err = capsys.readouterr().err
     assert "line 3: 'id' is a string; earlier ids are integers" in err and err.count("\n") == 1
     assert not out.exists()
+
+
+def test_an_empty_token_list_is_a_blank_input_in_jsonl_as_in_parquet(
+    engine: Engine, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ids = engine.tokenize("a short text")
+    source = tmp_path / "ids.jsonl"
+    source.write_text("".join(json.dumps({"prompt_token_ids": i}) + "\n" for i in (ids, [], ids)))
+    out = tmp_path / "out.npy"
+    assert embed(engine, "-i", str(source), "-o", str(out), "-q") == 2
+    assert "line 2: blank input (--skip-empty skips these)" in capsys.readouterr().err
+    assert embed(engine, "-i", str(source), "-o", str(out), "-q", "--skip-empty") == 0
+    np.testing.assert_array_equal(np.load(tmp_path / "out.index.npy"), [0, 2])
+    assert np.abs(np.load(out) - engine.embed([ids, ids])).max() < 1e-6

@@ -155,7 +155,9 @@ class _LineParser:
             )
         item: str | dict[str, Any] | None
         if "prompt_token_ids" in value:
-            item = {"prompt_token_ids": value["prompt_token_ids"]}
+            ids = value["prompt_token_ids"]
+            # An empty list is a blank input, as in a Parquet column (--skip-empty skips it).
+            item = None if ids == [] else {"prompt_token_ids": ids}
         elif isinstance(value.get(text_field), str):
             item = value[text_field] if value[text_field].strip() else None
         elif text_field in value:
