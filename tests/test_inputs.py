@@ -66,6 +66,10 @@ GOOD = [5, 6, 7]
         ([True, False], r"input 1 \(prompt_token_ids\): token ids must be a flat list of ints"),
         (bytearray(b"abc"), r"input 1 \(prompt_token_ids\): token ids must be a list of ints"),
         (
+            [[5, 6]],
+            r"input 1 \(prompt_token_ids\): .* flat list of ints, got a nested list \(shape \[1, 2\]\)",
+        ),
+        (
             list(range(3, 3 + 65)),
             r"input 1: the input has 65 tokens, more than the model's maximum context length of 64 tokens; pass truncate_prompt_tokens",
         ),

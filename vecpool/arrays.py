@@ -155,10 +155,13 @@ def as_id_array(value: Any, index: int | None, field: str = "prompt_token_ids") 
                 index=index,
                 field=field,
             )
+        got = (
+            f"a nested list (shape {list(arr.shape)})"
+            if arr.ndim > 1
+            else f"elements of type {arr.dtype}"
+        )
         raise InputError(
-            f"token ids must be a flat list of ints, got elements of type {arr.dtype}",
-            index=index,
-            field=field,
+            f"token ids must be a flat list of ints, got {got}", index=index, field=field
         )
     return arr.astype(np.int64)
 
