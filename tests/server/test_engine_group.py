@@ -27,6 +27,7 @@ class FakeEngine:
         self.name = name
         self.max_queued = 100
         self.dead = False
+        self.stuck = False  # lives, but does not answer a health check
         self.calls: list[int] = []  # requests of each call it was sent
         self.gates: list[asyncio.Future[None]] = []
 
@@ -41,6 +42,11 @@ class FakeEngine:
     @property
     def health_problem(self) -> str | None:
         return f"{self.name} exited" if self.dead else None
+
+    async def health(self) -> str | None:
+        if self.stuck:
+            return f"{self.name} did not answer within 5 s; it may be stuck"
+        return self.health_problem
 
     async def start(self) -> None:
         pass
@@ -168,3 +174,22 @@ def test_replicas_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_python_engine_refuses_data_parallel() -> None:
     with pytest.raises(ConfigError, match="vecpool serve --data-parallel-size"):
         vecpool.Engine(device="cpu", data_parallel_size=2)
+
+
+def test_a_stuck_engine_fails_the_groups_health_check_naming_it() -> None:
+    async def scenario() -> None:
+        client, (_, b, c) = group(3)
+        assert await client.health() is None
+        b.stuck = True
+        assert client.is_running and client.health_problem is None  # its process lives
+        assert await client.health() == (
+            "engine process 1 did not answer within 5 s; it may be stuck "
+            "(2 of 3 engine processes serve)"
+        )
+        c.die()
+        assert await client.health() == (
+            "engine process 1 did not answer within 5 s; it may be stuck; "
+            "engine process 2 exited (1 of 3 engine processes serve)"
+        )
+
+    asyncio.run(asyncio.wait_for(scenario(), 10))

@@ -335,6 +335,62 @@ def test_the_engine_exit_fails_calls_in_flight(
     asyncio.run(main())
 
 
+def test_a_stuck_engine_fails_the_health_check_and_a_live_one_passes(
+    tiny_bert_engine: vecpool.Engine, address: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine whose process lives but does not answer (stopped, hung in a device call)
+    fails the check; checks at once share one empty call; an engine that answers passes,
+    and one heard from within HEALTH_FRESH is not asked."""
+    monkeypatch.setattr(engine_client, "HEALTH_WAIT", 0.3)
+    serving = RunningLoop(tiny_bert_engine, address)
+    held, holding = threading.Event(), threading.Event()
+    taken: list[int] = []  # the empty calls the engine took
+    receive = serving.loop._receive
+
+    def held_receive() -> bool:
+        if held.is_set():
+            holding.set()
+            while held.is_set():
+                time.sleep(0.005)
+        return receive()
+
+    submit = serving.loop._submit
+
+    def counted_submit(identity: bytes, message: wire.Submit) -> bool:
+        if not message.requests:
+            taken.append(message.call_id)
+        return submit(identity, message)
+
+    monkeypatch.setattr(serving.loop, "_receive", held_receive)
+    monkeypatch.setattr(serving.loop, "_submit", counted_submit)
+    requests = calls.make_requests(
+        tiny_bert_engine.context, random_prompts(99, [4]), PoolingParams()
+    )
+
+    async def main(client: EngineProcessClient) -> None:
+        assert await client.health() is None  # never heard from: asked, and it answers
+        assert len(taken) == 1
+        assert await client.health() is None  # heard from just now: not asked
+        assert len(taken) == 1
+        monkeypatch.setattr(engine_client, "HEALTH_FRESH", 0.0)
+        held.set()
+        problems = await asyncio.gather(client.health(), client.health(), client.health())
+        assert holding.is_set()
+        stuck = "the engine process did not answer within 0.3 s; it may be stuck"
+        assert problems == [stuck] * 3
+        held.clear()
+        assert await client.health() is None
+        assert len(taken) == 3  # one question for the three checks, one after
+        outputs = await client.run(requests)  # calls still run
+        assert outputs[0].error is None
+
+    try:
+        _run(address, main)
+    finally:
+        held.clear()
+        serving.stop()
+
+
 def test_a_pooled_steps_replies_go_out_before_the_next_step_is_built(
     tiny_bert: tuple[Path, object], address: str
 ) -> None:

@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -35,7 +36,7 @@ from tests.server.test_processes import _alive, _pids
 from tests.tasks.conftest import tiny_bert_head, with_minilm_tokenizer
 from vecpool import calls
 from vecpool.errors import EngineDeadError
-from vecpool.server import supervisor
+from vecpool.server import engine_client, supervisor
 from vecpool.server.engine_client import EngineProcessClient
 from vecpool.server.supervisor import RestartPolicy
 from vecpool.tasks import PoolingParams
@@ -187,6 +188,38 @@ def test_sigkill_under_load_restarts_the_engine(
     new_pid, same_apis = _pids_after_restart(server)
     assert new_pid != engine_pid and _alive(new_pid) and not _alive(engine_pid)
     assert same_apis == api_pids and all(_alive(pid) for pid in api_pids)
+
+
+def test_a_stopped_engine_fails_health_and_serves_again_when_continued(
+    server: Server, tiny_engine: vecpool.Engine
+) -> None:
+    """An engine process that lives but does not answer (SIGSTOP: as one hung in a device
+    call) turns /health to 503 once HEALTH_WAIT has passed, naming it; continued, it answers
+    what waited and /health is 200 again, with no restart."""
+    engine_pid, _ = _pids(server)
+    assert _health(server).status_code == 200
+    pool = ThreadPoolExecutor(1)
+    os.kill(engine_pid, signal.SIGSTOP)
+    try:
+        waiting = pool.submit(server.post, "/v1/embeddings", {"input": TEXTS[0]})
+        time.sleep(engine_client.HEALTH_FRESH)  # what an API process heard before is older
+        started = time.monotonic()
+        health = _health(server)
+        took = time.monotonic() - started
+        message = assert_error(health, 503)
+        assert "the engine process did not answer within 5 s; it may be stuck" in message
+        assert engine_client.HEALTH_WAIT <= took < WAIT
+        assert not waiting.done()
+    finally:
+        os.kill(engine_pid, signal.SIGCONT)
+        pool.shutdown(wait=False)
+    answered = waiting.result(timeout=WAIT)
+    assert answered.status_code == 200, answered.text
+    vector = np.array(answered.json()["data"][0]["embedding"], np.float32)
+    assert np.abs(vector - tiny_engine.embed(TEXTS[:1])[0]).max() <= BATCHING_TOLERANCE
+    _until("/health 200 again", lambda: _health(server).status_code == 200, log=server.log)
+    assert server.metric("vecpool_engine_restarts_total", engine="0") == 0
+    assert _alive(engine_pid)
 
 
 def _pids_after_restart(server: Server) -> tuple[int, list[int]]:

@@ -94,6 +94,10 @@ class AsyncEngine:
         """Why a health check should fail (the loop is not running), or None."""
         return None if self.is_running else "the engine is not running"
 
+    async def health(self) -> str | None:
+        """`health_problem` (the server's health check; the loop runs in this process)."""
+        return self.health_problem
+
     @property
     def retry_after(self) -> float | None:
         """None: an engine at fault here is not restarted (see `vecpool serve`'s supervisor)."""

@@ -31,6 +31,12 @@ logger = logging.getLogger(__name__)
 # Seconds after its last reply that an engine's word on its queue is acted on by a process
 # with no call of its own there (`EngineProcessClient.expected_wait`).
 STALE_WAIT = 1.0
+# A health check asks the engine process itself once it has said nothing for HEALTH_FRESH
+# seconds (an engine answering calls needs no question), and fails when the answer takes
+# longer than HEALTH_WAIT: the engine takes a call between two steps, so only a step of that
+# length, or an engine stopped, hung in a device call or deadlocked, leaves it unanswered.
+HEALTH_FRESH = 1.0
+HEALTH_WAIT = 5.0
 
 
 class EngineProcessClient:
@@ -58,6 +64,7 @@ class EngineProcessClient:
         self._context: zmq.asyncio.Context | None = None
         self._socket: zmq.asyncio.Socket | None = None
         self._reader: asyncio.Task[None] | None = None
+        self._probe: asyncio.Future[str | None] | None = None  # a health check's question
         self._dead = False  # the process exited; until a restarted one is handed over
         self.generation = 0  # which process of this engine: +1 with each restart
 
@@ -132,6 +139,29 @@ class EngineProcessClient:
         if self._dead:
             return f"{self.name} exited; restarting"
         return None if self._socket is not None else f"{self.name} is not connected"
+
+    async def health(self) -> str | None:
+        """`health_problem`, or, where the engine process has said nothing for `HEALTH_FRESH`
+        seconds, what an empty call shows: answered (refused too) within `HEALTH_WAIT`
+        seconds, None; else the engine is stuck though its process lives. Checks at once
+        share one question."""
+        problem = self.health_problem
+        if problem is not None or time.monotonic() - self._engine_wait_at < HEALTH_FRESH:
+            return problem
+        if self._probe is None or self._probe.done():
+            self._probe = asyncio.ensure_future(self._ask())
+        return await asyncio.shield(self._probe)
+
+    async def _ask(self) -> str | None:
+        try:
+            await asyncio.wait_for(self.run([]), HEALTH_WAIT)
+        except QueueFullError:  # an answer all the same
+            pass
+        except TimeoutError:
+            return f"{self.name} did not answer within {HEALTH_WAIT:g} s; it may be stuck"
+        except EngineDeadError:
+            return self.health_problem or f"{self.name} exited"
+        return None
 
     def restarted(self, generation: int, engine_alive: Connection) -> None:
         """The supervisor's word (in the event loop) that the engine's process `generation`

@@ -16,6 +16,7 @@ runs, new calls are refused with `retry_after`.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Sequence
 
@@ -81,6 +82,16 @@ class EngineGroupClient:
             return None
         live = sum(e.is_running for e in self.engines)
         return f"{'; '.join(problems)} ({live} of {len(self.engines)} engine processes serve)"
+
+    async def health(self) -> str | None:
+        """`health_problem`, with each engine asked where it has said nothing lately
+        (`EngineProcessClient.health`): a stuck engine fails the check as a gone one does."""
+        answers = await asyncio.gather(*(e.health() for e in self.engines))
+        problems = [p for p in answers if p is not None]
+        if not problems:
+            return None
+        serving = len(self.engines) - len(problems)
+        return f"{'; '.join(problems)} ({serving} of {len(self.engines)} engine processes serve)"
 
     def pick(self) -> int:
         """The rank of the live engine with the fewest queued tokens; among equals, the first

@@ -116,7 +116,7 @@ class EngineLoop:
     # ---- receiving ---------------------------------------------------------------------
 
     def _receive(self) -> bool:
-        """Take every message waiting; whether a call arrived."""
+        """Take every message waiting; whether a call with work arrived."""
         arrived = False
         socket = self.socket
         # Asked once: a receive that finds nothing raises, which costs more than asking when
@@ -168,9 +168,9 @@ class EngineLoop:
             self.arrived_tokens += request.num_prompt_tokens
             request.add_done_callback(on_done)
         self.engine.core.add_requests(requests)
-        if not requests:  # an empty call is done at once
+        if not requests:  # an empty call (a health check's) is done at once
             self._reply(call)
-        return True
+        return bool(requests)
 
     def _cancel(self, identity: bytes, call_id: int) -> None:
         call = self.calls.get((identity, call_id))

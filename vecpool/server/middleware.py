@@ -137,10 +137,10 @@ class ServerMiddleware:
         return None
 
     async def _health(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """200 while every engine runs, 503 naming what is wrong otherwise (with data
-        parallel, one engine process gone); HEAD as GET without the body."""
+        """200 while every engine runs and answers, 503 naming what is wrong otherwise (with
+        data parallel, one engine process gone or stuck); HEAD as GET without the body."""
         client = self.state.client
-        problem = "the engine is not running" if client is None else client.health_problem
+        problem = "the engine is not running" if client is None else await client.health()
         if problem is None:
             # `unix`: Infinity's answer (the server's clock); the others read the status only.
             body = b'{"status":"ok","unix":%.6f}' % time.time()

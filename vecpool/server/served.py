@@ -111,3 +111,9 @@ class ServedModelsClient:
         served), or None while every engine runs."""
         problems = [p for g in self.groups if (p := g.health_problem) is not None]
         return "; ".join(problems) if problems else None
+
+    async def health(self) -> str | None:
+        """`health_problem`, each model's engines asked where they have said nothing lately."""
+        answers = await asyncio.gather(*(g.health() for g in self.groups))
+        problems = [p for p in answers if p is not None]
+        return "; ".join(problems) if problems else None

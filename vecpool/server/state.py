@@ -46,6 +46,8 @@ class EngineClient(Protocol):
     @property
     def retry_after(self) -> float | None: ...  # no engine runs, one restarts: retry after this
 
+    async def health(self) -> str | None: ...  # health_problem, or an engine that does not answer
+
     async def run(
         self, requests: Sequence[PromptRequest], times: RunTimes | None = None
     ) -> list[PoolingOutput]: ...
@@ -108,11 +110,11 @@ class ServerState:
             )
         return client
 
-    def check_health(self) -> None:
-        """A 503 unless every engine runs. With data parallel, one engine process gone fails
-        the check, naming it, though the others still serve: a probe that sees the server
-        whole restarts it and gets the lost engine back."""
-        problem = self.running_client().health_problem
+    async def check_health(self) -> None:
+        """A 503 unless every engine runs and answers. With data parallel, one engine process
+        gone or stuck fails the check, naming it, though the others still serve: a probe that
+        sees the server whole restarts it and gets the lost engine back."""
+        problem = await self.running_client().health()
         if problem is not None:
             raise ApiError(503, problem, code="unavailable")
 

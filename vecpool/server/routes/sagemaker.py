@@ -86,5 +86,5 @@ async def invocations(request: Request) -> Response:
 @router.get("/ping")
 async def ping(request: Request) -> Response:
     """As /health: 200 while every engine runs, 503 otherwise (SageMaker's health check)."""
-    get_state(request).check_health()
+    await get_state(request).check_health()
     return json_response(dumps({"status": "ok"}))

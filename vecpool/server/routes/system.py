@@ -58,8 +58,8 @@ def _stats(model: ServerState) -> dict[str, float | int]:
 
 @router.get("/health")
 async def health(request: Request) -> Response:
-    """200 while every engine runs, 503 otherwise (naming the engine processes gone)."""
-    get_state(request).check_health()
+    """200 while every engine runs and answers, 503 otherwise (naming those gone or stuck)."""
+    await get_state(request).check_health()
     return json_response(dumps({"status": "ok", "unix": time.time()}))
 
 
