@@ -117,6 +117,11 @@ class SideFormat:
     attend_expansion: bool = True  # False: no token attends to the expansion tokens
 
 
+# How a too-long error says to truncate, in the API's terms; `vecpool embed` words it as its
+# own option.
+TRUNCATE_ADVICE = "pass truncate_prompt_tokens (-1 for the limit) to truncate it"
+
+
 def too_long(n: int, limit: int, index: int | None, side: str | None = None) -> InputError:
     """The error of an input over the length limit (of the model, or of a late-interaction
     model's query or document `side`). Its wording carries "maximum context length", the
@@ -126,8 +131,7 @@ def too_long(n: int, limit: int, index: int | None, side: str | None = None) -> 
     scope = "" if side is None else f" for a {side}"
     return InputTooLongError(
         f"the {what} has {n} tokens, more than the model's maximum context length{scope} of "
-        f"{limit} tokens; pass truncate_prompt_tokens (-1 for the limit) to truncate it. "
-        "Please reduce the length of the input.",
+        f"{limit} tokens; {TRUNCATE_ADVICE}. Please reduce the length of the input.",
         index=index,
     )
 

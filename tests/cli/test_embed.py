@@ -130,6 +130,8 @@ def test_long_line_is_truncated_by_default_or_fails_naming_it(
     assert embed(engine, *args, "--no-truncate") == 2
     err = capsys.readouterr().err
     assert "line 5: the input has" in err and "Traceback" not in err
+    assert "leave out --no-truncate to truncate it" in err
+    assert "truncate_prompt_tokens" not in err  # the API's option, not the command's
     assert not out.exists()
 
     assert embed(engine, *args) == 0

@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # torch loads where a model runs
 from vecpool.cli.common import CommandError
 from vecpool.cli.corpus import Chunk
 from vecpool.errors import ConfigError, EngineError, InputError, ModelLoadError, VecpoolError
+from vecpool.inputs import TRUNCATE_ADVICE
 
 # Chunks sent ahead to each engine process, so that none waits while results are written and
 # each has its next chunk to tokenize while it runs one.
@@ -70,11 +71,13 @@ def run_chunk(
 
 
 def located(exc: InputError, chunk: Chunk, unit: str) -> CommandError:
-    """The engine's error, located by input line (row) instead of by index in the chunk."""
+    """The engine's error, located by input line (row) instead of by index in the chunk, its
+    advice in the command's terms (a too-long input: the `--truncate` option)."""
+    reason = exc.reason.replace(TRUNCATE_ADVICE, "leave out --no-truncate to truncate it")
     if exc.index is None or not 0 <= exc.index < len(chunk.lines):
-        return CommandError(exc.reason)
+        return CommandError(reason)
     where = f"{unit} {chunk.lines[exc.index]}" + (f" ({exc.field})" if exc.field else "")
-    return CommandError(f"{where}: {exc.reason}")
+    return CommandError(f"{where}: {reason}")
 
 
 class LocalEmbedder:
