@@ -366,6 +366,25 @@ def test_data_parallel_equals_one_process(engine: Engine, corpus: Path, tmp_path
     assert a["index"].equals(b["index"])
 
 
+def test_a_data_parallel_run_prints_nothing_but_its_summary(
+    corpus: Path, tmp_path: Path, uninterrupted: Path
+) -> None:
+    """As a user runs it: the engine processes, ended at the run's end, leave nothing for the
+    interpreter to warn about (tqdm's lock in each was a named semaphore, reported leaked)."""
+    out = tmp_path / "vectors.parquet"
+    result = subprocess.run(
+        cli_command(corpus, out, "--data-parallel-size", "2"),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert lines and lines[-1].startswith(f"wrote {NUM_ROWS} embeddings"), result.stderr
+    assert "Warning" not in result.stderr and "leaked" not in result.stderr, result.stderr
+    assert np.abs(vectors_of(out) - vectors_of(uninterrupted)).max() < 1e-6
+
+
 def test_data_parallel_engine_failure_is_one_line_and_leaves_no_process(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -18,6 +18,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from tqdm import tqdm
 
 from vecpool import calls
 from vecpool.api.args import EngineArgs, Replica
@@ -215,6 +216,10 @@ def _worker_main(
 ) -> None:
     """An engine process: load the engine, then embed the chunks it is sent until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides what an interrupt means
+    # tqdm's first bar (the weights' loading) makes a lock of `multiprocessing`'s, a named
+    # semaphore that this process, ended by `close`, never unlinks: the interpreter warned
+    # of it as leaked at the parent's exit. A thread lock does for the bars of one process.
+    tqdm.set_lock(threading.RLock())
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
     import torch
 
