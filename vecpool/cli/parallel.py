@@ -36,6 +36,11 @@ from vecpool.inputs import TRUNCATE_ADVICE
 CHUNKS_AHEAD_PER_PROCESS = 3
 # How often a waiting parent checks its engine processes, and they their parent (seconds).
 LIVENESS_INTERVAL = 0.5
+# Every queue made for engine processes, kept to this process's exit. Each holds named
+# semaphores, unlinked by finalizers: a queue dropped earlier left its last references to its
+# feeder thread, whose unlinking at exit could be cut off before it told the resource tracker
+# (which then warned of a leaked semaphore). Kept, they are unlinked on the main thread.
+_QUEUES: list[Any] = []
 
 Result = tuple[Chunk, np.ndarray, int]  # a chunk, its vectors [rows, dim] float32, its tokens
 
@@ -130,6 +135,7 @@ class ProcessEmbedder:
         context = mp.get_context("spawn")
         self.tasks: Any = context.Queue()
         self.results: Any = context.Queue()
+        _QUEUES.extend((self.tasks, self.results))
         self.processes = [
             context.Process(
                 target=_worker_main,
