@@ -197,6 +197,18 @@ def test_parameters_are_checked_against_the_task(engine: vecpool.Engine) -> None
         engine.embed([GOOD], truncate_prompt_tokens=0)
 
 
+def test_prompt_embeds_of_any_byte_order(engine: vecpool.Engine) -> None:
+    embeds = np.random.default_rng(3).standard_normal((4, 32)).astype(np.float32)
+    native = engine.embed([{"prompt_embeds": embeds}])
+    swapped = embeds.astype(embeds.dtype.newbyteorder("S"))  # the same values, bytes swapped
+    assert np.array_equal(engine.embed([{"prompt_embeds": swapped}]), native)
+    wide = {"prompt_embeds": embeds.astype(np.longdouble)}  # a width torch has no type of
+    if np.dtype(np.longdouble) != np.dtype(np.float64):  # (where it is not float64)
+        with pytest.raises(vecpool.InputError, match=r"^input 1 \(prompt_embeds\): expected a fl"):
+            engine.embed([GOOD, wide])
+    assert engine.embed([GOOD]).shape == (1, 32)  # the engine goes on
+
+
 def test_single_inputs_and_empty_calls(engine: vecpool.Engine) -> None:
     assert engine.embed(GOOD).shape == (1, 32)
     assert engine.embed({"prompt_token_ids": GOOD}).shape == (1, 32)
@@ -249,6 +261,7 @@ def test_odd_inputs_are_input_errors(engine: vecpool.Engine, bad, message: str) 
         ({"truncate_prompt_tokens": 2.5}, r"^truncate_prompt_tokens: must be an integer"),
         ({"truncation_side": "middle"}, r"^truncation_side: must be 'left' or 'right'"),
         ({"prompt": 5}, r"^prompt: must be a string, got int"),
+        ({"prompt_name": ["q"]}, r"^prompt_name: must be a string, got list"),
     ],
 )
 def test_option_types_are_checked(engine: vecpool.Engine, options, message: str) -> None:

@@ -67,7 +67,19 @@ def float_array(value: Any, index: int, field: str) -> np.ndarray:
         raise InputError(
             f"expected a floating-point array, got dtype {value.dtype}", index=index, field=field
         )
+    if value.dtype not in _FLOATS:  # byte-swapped (exactly converted), or a width torch lacks
+        native = value.dtype.newbyteorder("=")
+        if native not in _FLOATS:
+            raise InputError(
+                f"expected a float16, float32 or float64 array, got dtype {value.dtype}",
+                index=index,
+                field=field,
+            )
+        return value.astype(native)
     return value
+
+
+_FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 
 
 def is_float(x: Any) -> bool:

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
+from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 import vecpool
 from vecpool import calls
@@ -145,6 +147,28 @@ def test_detokenize_checks_the_vocabulary(minilm: vecpool.Engine) -> None:
             minilm.detokenize(bad)
     with pytest.raises(vecpool.InputError, match="list of ints"):
         minilm.detokenize("cats")  # type: ignore[arg-type]
+
+
+def test_odd_options_and_inputs_are_named_not_crashes(minilm: vecpool.Engine) -> None:
+    """Each a value of the wrong kind: an `InputError` naming it, before anything runs (not a
+    TypeError from deep inside, nor a value read by its truthiness)."""
+    refused: list[tuple[Any, str]] = [
+        (lambda: minilm.tokenize("a", prompt=5), r"^prompt: must be a string, got int$"),
+        (lambda: minilm.tokenize("a", prompt_name=["q"]), r"^prompt_name: must be a string"),
+        (lambda: minilm.tokenize("a", add_special_tokens="no"), r"^add_special_tokens: must be"),
+        (lambda: minilm.detokenize([101], skip_special_tokens=None), "^skip_special_tokens: must"),
+        (lambda: minilm.embed(np.array(5)), "got a 0-d ndarray"),
+        (lambda: minilm.encode(torch.tensor(5)), "got a 0-d Tensor"),
+        (lambda: calls.SparseOptions(threshold=None), r"^threshold: must be a finite number"),
+        (lambda: calls.SparseOptions(threshold="0.1"), r"^threshold: must be a finite number"),
+        (lambda: calls.SparseOptions(threshold=float("nan")), "^threshold: must be a finite"),
+        (lambda: calls.SparseOptions(return_tokens="no"), r"^return_tokens: must be true or"),
+    ]
+    for call, message in refused:
+        with pytest.raises(vecpool.InputError, match=message):
+            call()
+    assert calls.SparseOptions(threshold=np.float32(0.5), return_tokens=True).threshold == 0.5
+    assert minilm.tokenize("a", add_special_tokens=False) == minilm.tokenize("a")[1:-1]
 
 
 def test_sparse_top_k_is_checked_once_when_prepared() -> None:

@@ -240,6 +240,16 @@ def test_large_calls_are_pipelined_in_chunks(tiny_bert_engine, monkeypatch) -> N
         engine.embed(bad)
     assert not engine.core.has_work()
     assert np.abs(engine.embed(prompts) - whole).max() <= 1e-6
+    # A chunk is read as the call's inputs it holds: one of bare ints (not inputs) is refused
+    # at the first of them, as a small call is, not read as one token-id prompt.
+    ints = [*prompts[:2], 5, 6, 7, *prompts[2:]]
+    small = r"input 2: unsupported input type int"
+    with pytest.raises(vecpool.InputError, match=small):
+        engine.embed(ints[:4])
+    for run in (engine.embed, engine.encode):
+        with pytest.raises(vecpool.InputError, match=small):
+            run(ints)
+    assert not engine.core.has_work()
 
 
 class _LaterFuture(Future):  # type: ignore[type-arg]

@@ -241,7 +241,7 @@ class Engine(EngineRunner):
         outputs go to `take`, at once or a chunk at a time."""
 
         def prepare(start: int, stop: int) -> PreparedCall[list[np.ndarray]]:
-            return calls.prepare_encode(self.context, items[start:stop], options)
+            return calls.prepare_encode(self.context, calls.InputList(items[start:stop]), options)
 
         self.run_in_chunks(len(items), prepare, take, show_progress, options.task)
 

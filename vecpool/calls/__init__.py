@@ -10,6 +10,7 @@ server's API processes run on this package alone, and `Engine` prepares its call
 
 from vecpool.calls.context import (
     CallContext,
+    InputList,
     TokenizedText,
     as_input_list,
     check_dimensions,
@@ -55,6 +56,7 @@ __all__ = [
     "EmbedOptions",
     "EncodeOptions",
     "EngineInfo",
+    "InputList",
     "Options",
     "PoolingOutput",
     "PreparedCall",

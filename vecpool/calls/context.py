@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from vecpool.calls.info import EngineInfo
+from vecpool.calls.options import check_flag
 from vecpool.calls.outputs import PromptRequest
 from vecpool.errors import InputError
 from vecpool.inputs import InputProcessor, TextOptions, TextTokenizer, is_tensor
@@ -42,11 +43,28 @@ class CallContext:
 # ---- inputs ----------------------------------------------------------------------------
 
 
-def as_input_list(inputs: Any) -> list[Any]:
+class InputList(list[Any]):
+    """Inputs already listed by `as_input_list`: read again as they are, a list of inputs.
+    A large call's chunk is a slice of its list; one that starts with a token id (the call
+    `["a", ..., 1000, ...]`, refused at that input) must not be read as one id prompt."""
+
+
+def as_input_list(inputs: Any) -> InputList:
     """A single input (text, dict, flat id list or 1-D tensor) becomes a list of one."""
+    if isinstance(inputs, InputList):
+        return inputs
+    return InputList(_listed(inputs))
+
+
+def _listed(inputs: Any) -> list[Any]:
     if isinstance(inputs, str | Mapping):
         return [inputs]
     if isinstance(inputs, np.ndarray) or is_tensor(inputs):
+        if inputs.ndim == 0:
+            raise InputError(
+                "inputs must be a string, a dict or a list of inputs, got a 0-d "
+                f"{type(inputs).__name__} (one number, not token ids)"
+            )
         return [inputs] if inputs.ndim == 1 else list(inputs)
     if isinstance(inputs, Sequence):
         if (
@@ -96,6 +114,9 @@ def make_requests(
 def instruction(ctx: CallContext, prompt_name: str | None, prompt: str | None) -> str | None:
     """The instruction prefix of text inputs: `prompt`, else the folder's prompt named
     `prompt_name`, else its default prompt, else none."""
+    for value, field in ((prompt, "prompt"), (prompt_name, "prompt_name")):
+        if value is not None and not isinstance(value, str):
+            raise InputError(f"must be a string, got {type(value).__name__}", field=field)
     if prompt is not None and prompt_name is not None:
         raise InputError("pass either prompt or prompt_name, not both", field="prompt_name")
     if prompt is not None:
@@ -188,6 +209,7 @@ def tokenize_text(
         raise InputError(f"must be a string, got {type(text).__name__}", field="prompt")
     if not text:
         raise InputError("the input is an empty string", field="prompt")
+    check_flag(add_special_tokens, "add_special_tokens")
     prefix = instruction(ctx, prompt_name, prompt) or ""
     full = prefix + text
     ctx.inputs.check_text_size(full)
@@ -212,6 +234,7 @@ def detokenize(
     tokenizer = ctx.tokenizer
     if tokenizer is None:
         raise InputError("the model folder has no tokenizer.json", field="tokens")
+    check_flag(skip_special_tokens, "skip_special_tokens")
     ids = ctx.inputs.vocabulary_ids(token_ids, field="tokens")
     return tokenizer.decode(ids.tolist(), skip_special_tokens=skip_special_tokens)
 

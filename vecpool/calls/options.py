@@ -11,6 +11,8 @@ method as `options.keywords()`.
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any, TypeVar
@@ -88,8 +90,8 @@ class EmbedOptions(Options):
     matryoshka_only: bool = False
 
     def __post_init__(self) -> None:
-        if self.windowed is not None and not isinstance(self.windowed, bool):
-            raise InputError(f"must be true or false, got {self.windowed!r}", field="windowed")
+        if self.windowed is not None:
+            check_flag(self.windowed, "windowed")
 
     def encode(self) -> EncodeOptions:
         """The same call as `encode` options of the "embed" task."""
@@ -141,6 +143,17 @@ class SparseOptions(Options):
 
     def __post_init__(self) -> None:
         check_top_k(self.top_k)
+        t = self.threshold
+        if isinstance(t, bool) or not isinstance(t, numbers.Real) or not math.isfinite(t):
+            raise InputError(f"must be a finite number, got {t!r}", field="threshold")
+        check_flag(self.return_tokens, "return_tokens")
+        check_flag(self.exclude_special_tokens, "exclude_special_tokens")
+
+
+def check_flag(value: Any, name: str) -> None:
+    """An option that is true or false (not a value read by its truthiness)."""
+    if not isinstance(value, bool):
+        raise InputError(f"must be true or false, got {value!r}", field=name)
 
 
 def check_top_n(top_n: Any) -> None:
