@@ -337,3 +337,18 @@ def test_rerank_use_activation_and_max_tokens_per_doc(
     with pytest.raises(vecpool.InputError, match="positive integer") as caught:
         minilm.rerank(QUERY, DOCS, max_tokens_per_doc=0)
     assert caught.value.field == "max_tokens_per_doc"
+    # Documents in the other input forms are cut too: token ids and prompt embeds by count.
+    ids = [minilm.tokenize(d) for d in DOCS]
+    expected = minilm.rerank(QUERY, [i[:3] for i in ids])
+    rng = np.random.default_rng(7)
+    embeds = [rng.standard_normal((len(i), 384)).astype(np.float32) for i in ids]
+    for form in (tuple, np.array, torch.tensor, lambda i: {"prompt_token_ids": i}):
+        got = minilm.rerank(QUERY, [form(i) for i in ids], max_tokens_per_doc=3)
+        assert [i for i, _ in got] == [i for i, _ in expected]
+        assert np.allclose([s for _, s in got], [s for _, s in expected], atol=1e-6)
+    got = minilm.rerank(QUERY, [{"prompt_embeds": e} for e in embeds], max_tokens_per_doc=3)
+    expected = minilm.rerank(QUERY, [{"prompt_embeds": e[:3]} for e in embeds])
+    assert np.allclose(sorted(s for _, s in got), sorted(s for _, s in expected), atol=1e-6)
+    with pytest.raises(vecpool.InputError, match="not valid Unicode") as caught:
+        minilm.rerank(QUERY, ["fine", "a\ud800"], max_tokens_per_doc=3)
+    assert (caught.value.index, caught.value.field) == (1, "documents")

@@ -10,7 +10,7 @@ once, before anything runs.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -28,8 +28,9 @@ from vecpool.calls.options import (
 )
 from vecpool.calls.outputs import PoolingOutput, PreparedCall, output_data
 from vecpool.errors import InputError
-from vecpool.inputs import TextOptions, TruncationSide
+from vecpool.inputs import TextOptions, TruncationSide, is_tensor
 from vecpool.tasks import PoolingParams
+from vecpool.tokenizer import check_unicode
 
 SparseResult = list[dict[int, float]] | list[dict[str, float]]
 
@@ -389,33 +390,43 @@ def _rerank_error(exc: InputError) -> InputError:
 
 
 def cut_documents(ctx: CallContext, documents: list[Any], max_tokens: Any) -> list[Any]:
-    """Each document cut to its first `max_tokens` tokens (its own tokens, special tokens not
-    counted): a text at the end of its last kept token, token ids by count."""
+    """Each document cut to its first `max_tokens` tokens: a text at the end of its last
+    kept token (its own tokens: special tokens are not counted), token ids and prompt embeds
+    by count, as given (special tokens among them count); in any of the input forms."""
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise InputError(
             f"max_tokens_per_doc must be a positive integer, got {max_tokens!r}",
             field="max_tokens_per_doc",
         )
-    tokenizer = ctx.tokenizer
-    out = []
-    for i, doc in enumerate(documents):
-        if isinstance(doc, str) and doc:
-            if tokenizer is None:
-                raise InputError(
-                    "cutting documents to max_tokens_per_doc needs the model's tokenizer",
-                    field="max_tokens_per_doc",
-                )
-            try:
-                ctx.inputs.check_text_size(doc, i)
-            except InputError as exc:
-                raise InputError(exc.reason, index=i, field="documents") from None
-            offsets = tokenizer.encode_plain(doc).offsets  # [(start, end)] per token
-            if len(offsets) > max_tokens:
-                doc = doc[: offsets[max_tokens - 1][1]]
-        elif isinstance(doc, list) and len(doc) > max_tokens:
-            doc = doc[:max_tokens]
-        out.append(doc)
-    return out
+    return [_cut_document(ctx, doc, i, max_tokens) for i, doc in enumerate(documents)]
+
+
+def _cut_document(ctx: CallContext, doc: Any, index: int, max_tokens: int) -> Any:
+    if isinstance(doc, Mapping) and len(doc) == 1:  # {"prompt" | "prompt_token_ids" | ...: x}
+        ((key, value),) = doc.items()
+        if key in ("prompt", "prompt_token_ids", "prompt_embeds"):
+            return {key: _cut_document(ctx, value, index, max_tokens)}
+        return doc  # refused where inputs are read
+    if isinstance(doc, str):
+        if not doc:
+            return doc
+        tokenizer = ctx.tokenizer
+        if tokenizer is None:
+            raise InputError(
+                "cutting documents to max_tokens_per_doc needs the model's tokenizer",
+                field="max_tokens_per_doc",
+            )
+        try:
+            ctx.inputs.check_text_size(doc, index)
+            check_unicode(doc, index)
+        except InputError as exc:
+            raise InputError(exc.reason, index=index, field="documents") from None
+        offsets = tokenizer.encode_plain(doc).offsets  # [(start, end)] per token
+        return doc[: offsets[max_tokens - 1][1]] if len(offsets) > max_tokens else doc
+    sized = isinstance(doc, list | tuple) or (
+        (isinstance(doc, np.ndarray) or is_tensor(doc)) and doc.ndim >= 1
+    )
+    return doc[:max_tokens] if sized and len(doc) > max_tokens else doc
 
 
 # ---- sparse -----------------------------------------------------------------------------
