@@ -147,6 +147,8 @@ def test_truncate_max_tokens_and_output_dimension(server: Server) -> None:
         ({"texts": ["a"], "truncate": "MIDDLE"}, 400, "truncate"),
         ({"texts": ["a"], "truncate": "NONE", "max_tokens": 5}, 400, "START or END"),
         ({"texts": ["a"], "max_tokens": 1000}, 400, "max_tokens"),
+        ({"texts": ["a"], "max_tokens": 0}, 400, "max_tokens"),
+        ({"texts": ["a"], "max_tokens": -1}, 400, "max_tokens"),
         ({"texts": ["a"], "output_dimension": 1000}, 400, "output_dimension"),
         ({"texts": ["a"], "unknown": 1}, 400, "unknown"),
     ],
@@ -183,3 +185,32 @@ def test_rerank_fields(server: Server) -> None:
     ):
         response = server.post("/v2/rerank", {**base, **extra})
         assert response.status_code == 400 and response.json()["error"]["param"] == param
+
+
+def test_rerank_returns_document_objects_as_given(server: Server) -> None:
+    documents = [{"text": "cats eat fish", "source": "a", "tags": [1, {"b": None}]}, "pizza"]
+    body = {"query": "what do cats eat", "documents": documents}
+    got = ok(server.post("/v2/rerank", body))["results"]
+    assert sorted((r["index"], r["document"]) for r in got) == [  # type: ignore[type-var]
+        (0, documents[0]),
+        (1, {"text": "pizza"}),
+    ]
+    # A field the answer cannot return as given (a lone surrogate, which JSON's escapes allow
+    # in a body): refused, named; not echoed, it is not read.
+    for raw, param in (
+        (rb'{"text": "a", "source": "\ud800"}', "documents[1].source"),
+        (rb'{"text": "a", "s": ["\udfff"]}', "documents[1].s"),
+    ):
+        content = b'{"query": "q", "documents": ["b", %s]}' % raw
+        response = server.client.post("/v2/rerank", content=content)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == param
+        hidden = content[:-1] + b', "return_documents": false}'
+        assert server.client.post("/v2/rerank", content=hidden).status_code == 200
+    # A key that is not valid Unicode is refused as the body is read, on any route.
+    for path in ("/v2/rerank", "/v1/embeddings"):
+        content = rb'{"query": "q", "input": "a", "documents": [{"text": "a", "\ud800": 1}]}'
+        response = server.client.post(path, content=content)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == r"\ud800" and "not valid Unicode" in error["message"]

@@ -114,6 +114,18 @@ def test_infinity_rerank_raw_scores_are_logits(cross_engine: vecpool.Engine) -> 
     )
 
 
+def test_infinity_rerank_by_an_embedding_model(tiny_embed_engine: vecpool.Engine) -> None:
+    # Infinity's client sends raw_scores false: the model's own scores, here cosines (no
+    # activation to apply or leave out).
+    body = {"model": MODEL, "query": QUERY, "documents": DOCS, "raw_scores": False}
+    response = ask(tiny_embed_engine, "/rerank", body)
+    assert response.status_code == 200, response.text
+    expected = tiny_embed_engine.rerank(QUERY, DOCS)
+    results = response.json()["results"]
+    assert [r["index"] for r in results] == [i for i, _ in expected]
+    assert np.abs([r["relevance_score"] for r in results] - np.array(expected)[:, 1]).max() <= 1e-6
+
+
 @pytest.mark.parametrize("top_n", [0, -1])
 def test_infinity_rerank_top_n_not_above_zero_is_a_422(
     cross_engine: vecpool.Engine, top_n: int

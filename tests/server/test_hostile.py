@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import gzip
 import io
 import json
 from collections.abc import Iterator
@@ -114,6 +115,16 @@ def test_hand_made_hostile_bodies(engine: vecpool.Engine) -> None:
                 "/v1/embeddings", content=b'{"input": "x"}', headers={"content-type": "text/plain"}
             )
             assert response.status_code == 415 and "application/json" in response.text
+            for coding, content in (("gzip", gzip.compress(b'{"input": "x"}')), ("br", b"{}")):
+                response = await client.post(
+                    "/v1/embeddings", content=content, headers={"content-encoding": coding}
+                )
+                assert response.status_code == 415, response.text
+                assert f"content-encoding: {coding}" in response.text
+            response = await client.post(
+                "/v1/embeddings", json={"input": "x"}, headers={"content-encoding": "identity"}
+            )
+            assert response.status_code == 200, response.text
             response = await client.post("/v1/embeddings", content=b'{"input": "a", "input": "b"}')
             assert response.status_code == 400 and "'input' twice" in response.text
             assert (await client.head("/health")).status_code == 200

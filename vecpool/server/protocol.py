@@ -302,7 +302,7 @@ class CohereEmbedRequest(ApiModel):
     )
     embedding_types: list[CohereEmbeddingType] | None = None
     truncate: Literal["NONE", "START", "END"] = "END"
-    max_tokens: int | None = Field(None, description="cut each text to this many tokens")
+    max_tokens: int | None = Field(None, ge=1, description="cut each text to this many tokens")
     output_dimension: int | None = None
     priority: int | None = Field(None, description="accepted and not used")
 

@@ -163,6 +163,7 @@ async def read_json(request: HttpRequest, limit: int) -> dict[str, Any]:
     unless one JSON object in UTF-8 without duplicate keys. Routes that take several body
     shapes read it so, then `validate` the shape its keys name."""
     _check_content_type(request.headers.get("content-type"))
+    _check_content_encoding(request.headers.get("content-encoding"))
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
         raise _too_large(int(length), limit)
@@ -194,8 +195,23 @@ def _check_content_type(value: str | None) -> None:
         )
 
 
+def _check_content_encoding(value: str | None) -> None:
+    """415 for a compressed body (read as it is, it would be refused as not JSON, or worse,
+    taken as JSON when its coding left it so)."""
+    if value is not None and value.strip().lower() not in ("", "identity"):
+        raise ApiError(
+            415,
+            f"the body must be sent uncompressed, not with 'content-encoding: {value.strip()}'",
+            code="unsupported_media_type",
+        )
+
+
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """An object's pairs as a dict; a 400 for a key given twice (which one would win?)."""
+    """An object's pairs as a dict; a 400 for a key given twice (which one would win?) or
+    one that is not valid Unicode (a lone surrogate, which JSON's escapes allow)."""
+    for key, _ in pairs:
+        if not key.isascii():
+            _check_key(key)
     data = dict(pairs)
     if len(data) != len(pairs):
         seen: set[str] = set()
@@ -209,6 +225,19 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
                 )
             seen.add(key)
     return data
+
+
+def _check_key(key: str) -> None:
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError:
+        shown = key.encode("utf-8", "backslashreplace").decode("utf-8")
+        raise ApiError(
+            400,
+            f"the body has the key {shown!r}, which is not valid Unicode (a lone surrogate)",
+            param=shown,
+            code="invalid_json",
+        ) from None
 
 
 _DECODER = json.JSONDecoder(object_pairs_hook=_unique_keys)

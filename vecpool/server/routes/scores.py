@@ -28,6 +28,7 @@ from vecpool.server.protocol import (
     ClassifyRequest,
     InfinityClassifyRequest,
     InfinityRerankRequest,
+    RerankDocument,
     RerankRequest,
     ScoreParams,
     TeiRerankRequest,
@@ -85,7 +86,7 @@ async def infinity_rerank(request: Request, data: dict[str, Any]) -> Response:
     def prepare() -> PreparedCall[list[tuple[int, float]]]:
         options = RerankOptions(  # built here: its checks answer as the call's errors
             top_n=body.top_n,
-            use_activation=not body.raw_scores,
+            use_activation=activation(None, body.raw_scores),
             truncate_prompt_tokens=state.truncate(),  # Infinity's bodies: --auto-truncate decides
         )
         return calls.prepare_rerank(state.context, body.query, body.documents, options=options)
@@ -132,6 +133,8 @@ async def rerank(request: Request, data: dict[str, Any]) -> Response:
         )
     use_activation = activation(body.use_activation, body.raw_scores)
     texts = [d if isinstance(d, str) else d.text for d in body.documents]
+    if body.return_documents:
+        _check_echoed(body.documents)
 
     def prepare() -> PreparedCall[list[tuple[int, float]]]:
         options = RerankOptions(  # built here: its checks answer as the call's errors
@@ -168,8 +171,31 @@ async def rerank(request: Request, data: dict[str, Any]) -> Response:
     return json_response(dumps(content), timings.headers())
 
 
+def _check_echoed(documents: list[str | RerankDocument]) -> None:
+    """A 400 naming the first field of a document object that its answer could not return:
+    one with a lone surrogate (JSON's escapes let a body carry one; UTF-8 cannot). Its text
+    is the engine's to refuse, as any input's."""
+    for index, document in enumerate(documents):
+        if isinstance(document, str) or not document.model_extra:
+            continue
+        for key, value in document.model_extra.items():
+            try:
+                dumps({key: value})
+            except UnicodeEncodeError:
+                name = key.encode("utf-8", "backslashreplace").decode("utf-8")
+                param = f"documents[{index}].{name}"
+                raise ApiError(
+                    400,
+                    f"{param}: not valid Unicode (a lone surrogate): the answer returns the "
+                    "document's fields as given; fix the field or send return_documents false",
+                    param=param,
+                ) from None
+
+
 def activation(use_activation: bool | None, raw_scores: bool | None) -> bool | None:
-    """`use_activation` from it or its other name, `raw_scores` (true: no activation)."""
+    """`use_activation` from it or its other name, `raw_scores` (true: no activation; false:
+    the model's own scores, as when left out: Infinity's client always sends it, and a model
+    that ranks by cosine, with no activation to apply, takes it)."""
     if raw_scores is None:
         return use_activation
     if use_activation is not None and use_activation == raw_scores:
@@ -178,7 +204,7 @@ def activation(use_activation: bool | None, raw_scores: bool | None) -> bool | N
             f"use_activation={use_activation} contradicts raw_scores={raw_scores}",
             param="raw_scores",
         )
-    return not raw_scores
+    return False if raw_scores else use_activation
 
 
 @router.post("/score", openapi_extra=openapi_body(*(shape for shape, _, _ in SCORE_SHAPES)))
