@@ -1,11 +1,13 @@
 """The torch-free wire formats of the API processes, against torch itself: bfloat16 / FP8
-rounding and bytes (`server/floats.py`), and reading `torch.save` data (`server/torch_save.py`).
+rounding and bytes (`server/floats.py`), reading `torch.save` data (`server/torch_save.py`),
+and writing JSON answers (`routes/common.py`).
 """
 
 from __future__ import annotations
 
 import io
 import zipfile
+from typing import Any
 
 import numpy as np
 import pytest
@@ -168,3 +170,61 @@ def test_json_floats_are_the_vectors_values_and_an_overflow_is_refused() -> None
         assert json.loads(dumps(values)) == values  # each float exactly
     with pytest.raises(InputError, match=r"^embed_dtype: a value of this output overflows float16"):
         encode_array(np.array([1.0, 7e4], dtype=np.float32), "float", "float16")
+
+
+def test_a_large_answer_is_the_same_bytes_and_leaves_the_event_loop_free() -> None:
+    """`render_vectors` encodes a large vector alone (msgspec.Raw) and copies it in: the
+    answer is byte for byte that of one encoding, and an event loop beside the rendering
+    thread waits far less (one encoding holds the interpreter throughout; measured on two
+    cores: 0.6 s against 0.12 s for 190 MB; here a ratio, with room, not a time)."""
+    import asyncio
+    import json
+    import time
+
+    from vecpool.server.protocol import PoolingParamsBody
+    from vecpool.server.routes.common import Timings, dumps, render_vectors
+
+    rng = np.random.default_rng(3)
+    vectors = [rng.standard_normal((256, 384)).astype(np.float32) for _ in range(24)]
+    vectors.append(rng.standard_normal(8).astype(np.float32))  # a small one, encoded inline
+    body = PoolingParamsBody()
+    timings = Timings(num_inputs=len(vectors), prompt_tokens=9)
+
+    def rendered() -> bytes:
+        response = render_vectors(
+            vectors, body, timings, prefix="p", item_object="pooling", key="data", model="m"
+        )
+        return bytes(response.body)
+
+    def whole() -> bytes:
+        data = [
+            {"object": "pooling", "index": i, "data": v.tolist()} for i, v in enumerate(vectors)
+        ]
+        return dumps({"data": data})
+
+    got = json.loads(rendered())
+    assert [np.asarray(d["data"], np.float32).tobytes() for d in got["data"]] == [
+        v.tobytes() for v in vectors
+    ]
+    assert dumps({"data": got["data"]}) == whole()
+
+    async def longest_wait(fn: Any) -> float:
+        waits: list[float] = []
+
+        async def tick() -> None:
+            last = time.perf_counter()
+            while True:
+                await asyncio.sleep(0.001)
+                now = time.perf_counter()
+                waits.append(now - last)
+                last = now
+
+        ticker = asyncio.ensure_future(tick())
+        await asyncio.sleep(0.01)
+        await asyncio.to_thread(fn)
+        ticker.cancel()
+        return max(waits)
+
+    pieces = min(asyncio.run(longest_wait(rendered)) for _ in range(2))
+    one = min(asyncio.run(longest_wait(whole)) for _ in range(2))
+    assert pieces < 0.5 * one, (pieces, one)

@@ -132,11 +132,13 @@ def render_vectors(
         return Response(b"".join(chunks), media_type="application/octet-stream", headers=headers)
     data = []
     for index, vector in enumerate(vectors):
-        item: dict[str, Any] = {
-            "object": item_object,
-            "index": index,
-            key: encode_array(vector, body.encoding_format, body.embed_dtype, body.endianness),
-        }
+        value = encode_array(vector, body.encoding_format, body.embed_dtype, body.endianness)
+        if vector.size > _RENDER_INLINE_VALUES and body.encoding_format == "float":
+            # Encoded alone, then copied in: one encoding of a whole large answer holds the
+            # interpreter throughout, stalling the event loop (190 MB of per-token vectors:
+            # 0.6 s; encoded a vector at a time, 0.12 s, and 25% sooner done).
+            value = msgspec.Raw(_JSON.encode(value))
+        item: dict[str, Any] = {"object": item_object, "index": index, key: value}
         if body.encoding_format == "base64" and vector.ndim > 1:
             item["shape"] = list(vector.shape)
         data.append(item)
