@@ -275,10 +275,17 @@ def test_tokenize_names_what_it_was_given(minilm: vecpool.Engine) -> None:
             minilm.tokenize(value)  # type: ignore[arg-type]
     with pytest.raises(vecpool.InputError, match=r"^prompt: the input is an empty string$"):
         minilm.tokenize("")
-    with pytest.raises(
-        vecpool.InputError, match=r"^input 0 \(prompt_token_ids\): the tensor cannot be read"
-    ):
+    with pytest.raises(vecpool.InputError, match=r"^prompt_token_ids: the tensor cannot be read"):
         minilm.embed_tokens(torch.zeros(2, dtype=torch.int64, device="meta"))
+    # A lookup of any length (the limit, 256, applies where the embeddings are used); the
+    # call's own prompt is named when it is not valid Unicode, not the first input.
+    ids = list(range(1000, 1300))
+    whole = minilm.embed_tokens(ids)
+    assert whole.shape == (300, 384)
+    halves = [minilm.embed_tokens(ids[:150]), minilm.embed_tokens(ids[150:])]
+    assert torch.equal(whole, torch.cat(halves))
+    with pytest.raises(vecpool.InputError, match=r"^prompt: the text is not valid Unicode"):
+        minilm.embed(["a", "b"], prompt="\udc00: ")
 
 
 def test_rerank_top_n_must_be_an_integer(minilm: vecpool.Engine) -> None:

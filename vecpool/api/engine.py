@@ -27,10 +27,7 @@ from vecpool.calls.options import (
     SparseOptions,
 )
 from vecpool.config import LLMRerankerConfig
-from vecpool.inputs import (
-    TextOptions,
-    TruncationSide,
-)
+from vecpool.inputs import TruncationSide
 
 __all__ = [
     "DEFAULT_MODEL_PACKAGE",
@@ -426,13 +423,13 @@ class Engine(EngineRunner):
     # ---- tokens --------------------------------------------------------------------------
 
     def embed_tokens(self, token_ids: Sequence[int] | torch.Tensor | np.ndarray) -> torch.Tensor:
-        """`[n, hidden]` (CPU, model dtype): the model's own input embeddings of `token_ids`.
+        """`[n, hidden]` (CPU, model dtype): the model's own input embeddings of `token_ids`,
+        however many (a lookup: the model's length limit applies where they are used).
 
         Passing these as `{"prompt_embeds": ...}` gives exactly what the ids give.
         """
-        (prompt,) = self.inputs.process([{"prompt_token_ids": token_ids}], TextOptions())
-        assert prompt.token_ids is not None
-        return self.model_runner.embed_tokens(torch.from_numpy(prompt.token_ids)).cpu()
+        ids = self.inputs.vocabulary_ids(token_ids)
+        return self.model_runner.embed_tokens(torch.from_numpy(ids)).cpu()
 
     def tokenize(
         self,

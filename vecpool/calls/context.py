@@ -120,6 +120,10 @@ def instruction(ctx: CallContext, prompt_name: str | None, prompt: str | None) -
     if prompt is not None and prompt_name is not None:
         raise InputError("pass either prompt or prompt_name, not both", field="prompt_name")
     if prompt is not None:
+        try:
+            check_unicode(prompt, None)
+        except InputError as exc:  # the call's prompt, not an input
+            raise InputError(exc.reason, field="prompt") from None
         return prompt
     info = ctx.info
     name = prompt_name if prompt_name is not None else info.default_prompt_name
