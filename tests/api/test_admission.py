@@ -1,4 +1,5 @@
-"""Admission's measured speed: the best recent sample, so that stalls do not refuse calls."""
+"""Admission's measured speed: the best recent sample, so that stalls do not refuse calls;
+each step's tokens counted in the step that computed them."""
 
 from __future__ import annotations
 
@@ -6,10 +7,10 @@ from vecpool.api.admission import _SAMPLES, Admission
 
 
 def _step(admission: Admission, tokens: int, seconds: float) -> None:
-    """A step of `seconds` whose requests, `tokens` in all, are done at its end."""
+    """A step of `seconds` that computes `tokens`, one input's, done at its end."""
     admission.add(1, tokens)
-    admission.done(tokens, ran=True)
-    admission.on_step(seconds)
+    admission.done(tokens)
+    admission.on_step(seconds, tokens)
 
 
 def test_stalls_do_not_lower_the_measured_speed() -> None:
@@ -51,5 +52,8 @@ def test_a_sample_gathers_a_fifth_of_a_second_of_stepping() -> None:
     assert admission.tokens_per_second is None  # 0.1 s of stepping: not a sample yet
     _step(admission, 3_000, 0.1)
     assert admission.tokens_per_second == 4_000 / 0.2
-    admission.on_step(0.3)  # stepping with nothing done (a step still in flight): no sample
+    admission.on_step(0.3, 0)  # a step that only pooled the one before: no sample alone
     assert admission.tokens_per_second == 4_000 / 0.2
+    admission.on_step(0.1, 2_000)  # its time counts with the next step that computes
+    assert admission.tokens_per_second == 4_000 / 0.2  # (2,000 / 0.4 s: not the best)
+    assert list(admission._samples) == [4_000 / 0.2, 2_000 / 0.4]

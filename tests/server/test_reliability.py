@@ -253,6 +253,31 @@ def test_admitted_requests_wait_within_the_bound(
     assert max(waits) <= max_wait
 
 
+def test_the_measured_speed_is_the_engines_own_over_calls_of_several_steps(
+    folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Calls of 12 inputs, each run in 3 steps of 4 (1/16 s each on the engine's clock): every
+    sample of the speed is the engine's, 4 * 32 tokens per 1/16 s. Counted as inputs finished,
+    a call's first step finished nothing (pooled in the next) and its last finished two: a
+    sample of 4 steps that ended on a call's last step held 5 steps' tokens (2,560 tokens/s
+    where the engine ran 2,048), and the best sample is the speed."""
+    engine = vecpool.Engine(folder, device="cpu", max_model_len=128, max_num_seqs=4)
+    step, tokens = 1 / 16, 32
+    StepClock(engine, monkeypatch, step)
+    ids = [101, *range(3000, 3000 + tokens - 2), 102]
+
+    async def scenario() -> list[float]:
+        async with serving(engine, max_queue_wait=10.0) as (client, state):
+            front: Any = state.client
+            for _ in range(8):  # 24 steps: 6 samples of 4 steps (the first dropped)
+                response = await client.post("/v1/embeddings", json={"input": [ids] * 12})
+                assert response.status_code == 200, response.text
+            await _until(lambda: len(front.admission._samples) >= 5, 5)
+            return list(front.admission._samples)
+
+    assert asyncio.run(scenario()) == [4 * tokens / step] * 5
+
+
 def test_a_request_past_its_deadline_is_dropped(
     engine: vecpool.Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:

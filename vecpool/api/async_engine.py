@@ -181,9 +181,8 @@ class AsyncEngine:
         return await self.run(await self.make_requests(inputs, params, options))
 
     def _on_done(self, request: Request) -> None:
-        ran = request.status in (RequestStatus.FINISHED, RequestStatus.FAILED)
         with self._wake:
-            self.admission.done(request.num_prompt_tokens, ran=ran)
+            self.admission.done(request.num_prompt_tokens)
             self._pending.discard(request)
 
     def _loop(self) -> None:
@@ -198,7 +197,8 @@ class AsyncEngine:
             ran = core.guarded_step()  # the loop thread must outlive any one step
             if ran:
                 with self._wake:
-                    self.admission.on_step(time.perf_counter() - self.step_started_at)
+                    elapsed = time.perf_counter() - self.step_started_at
+                    self.admission.on_step(elapsed, core.last_step_tokens)
             if ran and self.on_step is not None:
                 try:
                     self.on_step(self.step_started_at, time.perf_counter())

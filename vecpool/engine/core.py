@@ -67,6 +67,7 @@ class EngineCore:
         self._step_lock = threading.Lock()  # one step at a time on the device
         self._ids = itertools.count()
         self.num_steps = 0  # steps that ran a batch
+        self.last_step_tokens = 0  # tokens the last `step` computed (0: it only pooled)
         self.engine_at_fault = False  # the probe failed too; cleared by a step that computes
         self.loop_errors = 0  # errors in a row raised by `step` itself, outside the model
         # The next step, scheduled and built while the device runs the current one.
@@ -168,6 +169,7 @@ class EngineCore:
         meanwhile, so that the next step can be prepared (and this one pooled behind it).
         """
         with self._step_lock, self.model_runner.on_device():
+            self.last_step_tokens = 0
             current = self._prefetched or self._prepare_next()
             self._prefetched = None
             if current is not None and any(r.is_done for r in current[0].requests):
@@ -181,6 +183,7 @@ class EngineCore:
                 return len(previous.sched.requests)
             sched, batch = current
             self.num_steps += 1
+            self.last_step_tokens = sched.step.num_batched_tokens
             try:
                 hidden = self.model_runner.forward(batch)
             except Exception as exc:  # an engine failure must not take the engine down

@@ -189,7 +189,8 @@ class EngineLoop:
         # and this one pooled behind it (`EngineCore.step`).
         ran = self.engine.core.guarded_step(self._between_steps)
         if ran:
-            self.admission.on_step(time.perf_counter() - self.step_started)
+            elapsed = time.perf_counter() - self.step_started
+            self.admission.on_step(elapsed, self.engine.core.last_step_tokens)
         if ran and self.metrics is not None:
             self.metrics.on_step(self.step_started, time.perf_counter())
         heap.freeze_if_compiled()  # a step's compiled code lives as long as the process
@@ -207,7 +208,7 @@ class EngineLoop:
         if self.metrics is not None:
             self.metrics.on_request_done(request)
         ran = request.status in (RequestStatus.FINISHED, RequestStatus.FAILED)
-        self.admission.done(request.num_prompt_tokens, ran=ran)
+        self.admission.done(request.num_prompt_tokens)
         if ran:
             call.first_step = min(call.first_step, self.step_started)
             call.last_done = time.perf_counter()
