@@ -53,27 +53,23 @@ def as_input_list(inputs: Any) -> InputList:
     """A single input (text, dict, flat id list or 1-D tensor) becomes a list of one."""
     if isinstance(inputs, InputList):
         return inputs
-    return InputList(_listed(inputs))
-
-
-def _listed(inputs: Any) -> list[Any]:
     if isinstance(inputs, str | Mapping):
-        return [inputs]
+        return InputList([inputs])
     if isinstance(inputs, np.ndarray) or is_tensor(inputs):
         if inputs.ndim == 0:
             raise InputError(
                 "inputs must be a string, a dict or a list of inputs, got a 0-d "
                 f"{type(inputs).__name__} (one number, not token ids)"
             )
-        return [inputs] if inputs.ndim == 1 else list(inputs)
+        return InputList([inputs] if inputs.ndim == 1 else inputs)
     if isinstance(inputs, Sequence):
         if (
             len(inputs) > 0
             and isinstance(inputs[0], int | np.integer)
             and not isinstance(inputs[0], bool)
         ):
-            return [inputs]
-        return list(inputs)
+            return InputList([inputs])
+        return InputList(inputs)
     raise InputError(
         f"inputs must be a string, a dict or a list of inputs, got {type(inputs).__name__}"
     )
