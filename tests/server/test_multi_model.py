@@ -131,6 +131,18 @@ def test_each_model_answers_its_own_calls(
     scores = {r["index"]: r["relevance_score"] for r in rerank.json()["results"]}
     expected = cross_engine.score(QUERY, TEXTS)
     assert np.abs(np.array([scores[0], scores[1]]) - np.array(expected)).max() <= TOLERANCE
+    # SageMaker's /invocations serves a body as the model it names does: a cross-encoder
+    # classifies (its route picked by that model's tasks, not the first model's).
+    invoked = server.post("/invocations", {"input": TEXTS, "model": "ce"})
+    assert invoked.status_code == 200, invoked.text
+    probs = np.array([d["probs"] for d in invoked.json()["data"]], dtype=np.float32)
+    assert np.abs(probs - cross_engine.classify(TEXTS)).max() <= TOLERANCE
+    assert (
+        np.abs(
+            _vectors(server.post("/invocations", {"input": TEXTS})) - emb_engine.embed(TEXTS)
+        ).max()
+        <= TOLERANCE
+    )
     # TEI's routes name no model: the first's.
     tei = server.post("/embed", {"inputs": TEXTS})
     assert tei.status_code == 200, tei.text
@@ -162,6 +174,18 @@ def test_models_lists_every_model(mm_server: Server) -> None:
             ("reranker", 32),
         ]
         assert [m["score_mode"] for m in data] == ["embed", "cross_encoder", "cross_encoder"]
+    # OpenAI's retrieve: one model under the name asked for, as the list has it.
+    listed = {m["id"]: m for m in data}
+    for name in ("emb", "reranker"):
+        response = mm_server.client.get(f"/v1/models/{name}")
+        assert response.status_code == 200, response.text
+        got = response.json()
+        assert {k: v for k, v in got.items() if k != "stats"} == {
+            k: v for k, v in listed[name].items() if k != "stats"
+        }
+    assert "'nope'" in assert_error(mm_server.client.get("/v1/models/nope"), 404, "model")
+    long = assert_error(mm_server.client.get("/v1/models/" + "x" * 10_000), 404, "model")
+    assert len(long) < 300  # the name asked for is cut in the message
 
 
 def test_engine_metrics_carry_the_model(mm_server: Server) -> None:
@@ -214,6 +238,7 @@ def test_a_killed_engine_fails_its_calls_and_the_other_model_serves(
             caller.join(timeout=60)
             (failed,) = results
             assert "of model 'ce' exited" in assert_error(failed, 503)
+            assert failed.headers["retry-after"] == "1"
             health = server.client.get("/health")
             assert "the engine process of model 'ce' exited" in assert_error(health, 503)
             assert "'emb'" not in health.json()["error"]["message"]
@@ -236,6 +261,27 @@ def test_a_killed_engine_fails_its_calls_and_the_other_model_serves(
     ce = server.post("/v1/embeddings", {"input": TEXTS, "model": "ce"})
     assert np.abs(_vectors(ce) - cross_engine.embed(TEXTS)).max() <= TOLERANCE
     assert _alive(emb_pid)  # the other model's engine served throughout, never restarted
+    # The first model's engine killed in turn: a call naming no model (or it) is refused
+    # naming that model, with when to retry, not as if every engine were gone.
+    os.kill(server.process.pid, signal.SIGSTOP)
+    try:
+        os.kill(emb_pid, signal.SIGKILL)
+        for body in ({"input": TEXTS}, {"input": TEXTS, "model": "emb"}):
+            deadline = time.monotonic() + 30
+            while (refused := server.post("/v1/embeddings", body)).status_code == 200:
+                assert time.monotonic() < deadline  # until the loss is seen
+                time.sleep(0.05)
+            message = assert_error(refused, 503)
+            assert "of model 'emb' exited" in message and "every engine" not in message
+            assert refused.headers["retry-after"] == "1"
+        ce = server.post("/v1/embeddings", {"input": TEXTS, "model": "ce"})
+        assert np.abs(_vectors(ce) - cross_engine.embed(TEXTS)).max() <= TOLERANCE
+    finally:
+        os.kill(server.process.pid, signal.SIGCONT)
+    deadline = time.monotonic() + 120
+    while server.client.get("/health").status_code != 200:
+        assert time.monotonic() < deadline, server.log.read_text()
+        time.sleep(0.05)
 
 
 # ---- refusals at start, before any model loads ----------------------------------------------

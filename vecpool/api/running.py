@@ -6,6 +6,7 @@ a large call chunk by chunk, the next chunk prepared while the device runs the s
 from __future__ import annotations
 
 import logging
+import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -14,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from tqdm import std
 from tqdm.auto import tqdm
 
 from vecpool import calls
@@ -55,6 +57,16 @@ PIPELINE_AHEAD = 2
 # late for the steps after the first, which costs more: with True every workload ran 0-5%
 # slower (BERT-base and MiniLM, 5 interleaved rounds, `first_alone_h200.json`).
 PIPELINE_FIRST_ALONE = False
+
+
+def use_thread_lock_for_bars() -> None:
+    """For a process that `multiprocessing` started and its parent ends (an engine process of
+    `vecpool serve`, of `vecpool embed --data-parallel-size`): progress bars take a thread
+    lock. tqdm's default, made with the first bar (the weights' loading), is also a lock of
+    `multiprocessing`'s, a named semaphore such a process never unlinks: the interpreter
+    warned of it as leaked at the parent's exit. A thread lock does for the bars of one
+    process."""
+    std.tqdm.set_lock(threading.RLock())  # the class every tqdm bar is one of
 
 
 class EngineRunner(EngineParts):

@@ -18,7 +18,6 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from tqdm import tqdm
 
 from vecpool import calls
 from vecpool.api.args import EngineArgs, Replica
@@ -222,14 +221,13 @@ def _worker_main(
 ) -> None:
     """An engine process: load the engine, then embed the chunks it is sent until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides what an interrupt means
-    # tqdm's first bar (the weights' loading) makes a lock of `multiprocessing`'s, a named
-    # semaphore that this process, ended by `close`, never unlinks: the interpreter warned
-    # of it as leaked at the parent's exit. A thread lock does for the bars of one process.
-    tqdm.set_lock(threading.RLock())
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
     import torch
 
     from vecpool.api import Engine
+    from vecpool.api.running import use_thread_lock_for_bars
+
+    use_thread_lock_for_bars()
 
     torch.set_num_threads(replica.threads)
     try:

@@ -115,6 +115,7 @@ def create_api_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await client.start()
         state.client = client  # the server's as a whole; its calls run on the first model
+        state.model_client = client.groups[0]
         for model, group in zip(models[1:], client.groups[1:], strict=True):
             model.client = group
         async with _executor(state):
@@ -122,7 +123,7 @@ def create_api_app(
                 yield
             finally:
                 for model in models:
-                    model.client = None
+                    model.client = model.model_client = None
                 await client.close()
 
     return _build(state, lifespan)

@@ -29,6 +29,7 @@ import zmq
 from vecpool.api import Engine, EngineArgs, heap
 from vecpool.api.admission import Admission
 from vecpool.api.outputs import outcome
+from vecpool.api.running import use_thread_lock_for_bars
 from vecpool.engine.request import Request, RequestStatus
 from vecpool.errors import VecpoolError
 from vecpool.server import wire
@@ -267,6 +268,7 @@ def run_engine_process(
         level=log_level.upper(), format=f"%(levelname)s:     [{tag}] %(name)s: %(message)s"
     )
     apply_threads(threads)
+    use_thread_lock_for_bars()
     try:
         engine = Engine.from_args(engine_args)
         metrics = None

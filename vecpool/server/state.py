@@ -75,6 +75,9 @@ class ServerState:
     # Every served name -> its model's state, where the server runs engine processes (set at
     # startup); empty for an engine in this process (one model: `check_model` decides).
     models: dict[str, ServerState] = field(default_factory=dict)
+    # The client of this model's own engines where it is not `client`: the first model's,
+    # whose `client` is the server's as a whole (running while any model's engine runs).
+    model_client: EngineClient | None = None
 
     def for_model(self, name: str | None) -> ServerState:
         """The state of the model a call names in its `model` field: None names the first
@@ -96,25 +99,15 @@ class ServerState:
         return states
 
     def running_client(self) -> EngineClient:
-        """The engine's client while the engine runs, or a 503 (saying when to retry while
-        its engine processes restart)."""
-        client = self.client
-        if client is None or not client.is_running:
-            retry = client.retry_after if client is not None else None
-            problem = client.health_problem if client is not None else None
-            raise ApiError(
-                503,
-                "the engine is not running" + (f": {problem}" if problem else ""),
-                code="unavailable",
-                headers={"retry-after": str(math.ceil(retry))} if retry is not None else None,
-            )
-        return client
+        """The client of this model's engines while one runs, or a 503 naming what is lost
+        (saying when to retry while its engine processes restart)."""
+        return _running(self.model_client or self.client)
 
     async def check_health(self) -> None:
         """A 503 unless every engine runs and answers. With data parallel, one engine process
         gone or stuck fails the check, naming it, though the others still serve: a probe that
         sees the server whole restarts it and gets the lost engine back."""
-        problem = await self.running_client().health()
+        problem = await _running(self.client).health()
         if problem is not None:
             raise ApiError(503, problem, code="unavailable")
 
@@ -122,9 +115,10 @@ class ServerState:
         """A 404 unless `name` (when given) is one of the served models' names."""
         served = [n for names in self.config.served_model_names for n in names]
         if name is not None and name not in served and name not in self.models:
+            shown = name if len(name) <= 100 else name[:100] + "..."  # as asked, not all of it
             raise ApiError(
                 404,
-                f"the model {name!r} does not exist; this server serves "
+                f"the model {shown!r} does not exist; this server serves "
                 f"{', '.join(map(repr, served))}",
                 param="model",
                 code="model_not_found",
@@ -157,3 +151,21 @@ class ServerState:
 def get_state(request: HttpRequest) -> ServerState:
     state: ServerState = request.app.state.vecpool
     return state
+
+
+def _running(client: EngineClient | None) -> EngineClient:
+    if client is None or not client.is_running:
+        problem = client.health_problem if client is not None else None
+        raise unavailable(client, "the engine is not running" + (f": {problem}" if problem else ""))
+    return client
+
+
+def unavailable(client: EngineClient | None, message: str) -> ApiError:
+    """A 503 saying `message`, and when to retry where `client`'s engines restart."""
+    retry = client.retry_after if client is not None else None
+    return ApiError(
+        503,
+        message,
+        code="unavailable",
+        headers={"retry-after": str(math.ceil(retry))} if retry is not None else None,
+    )

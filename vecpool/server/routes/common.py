@@ -30,7 +30,7 @@ from vecpool.errors import EngineDeadError, InputError, QueueFullError, VecpoolE
 from vecpool.server.codec import encode_array, to_bytes
 from vecpool.server.errors import ApiError, ClientDisconnectedError, input_error, validation_param
 from vecpool.server.protocol import OutputParams
-from vecpool.server.state import EngineClient, ServerState
+from vecpool.server.state import EngineClient, ServerState, unavailable
 
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
@@ -419,7 +419,7 @@ async def _run_call(
     except QueueFullError as exc:  # the queue filled while we tokenized
         raise _queue_full(str(exc)) from None
     except EngineDeadError as exc:  # the engine process exited: fail now, do not hang
-        raise ApiError(503, f"the engine is not running: {exc}", code="unavailable") from None
+        raise unavailable(client, f"the engine is not running: {exc}") from None
     try:
         result = call.finish(outputs)  # raises the first failed input's error
     except InputError as exc:

@@ -69,9 +69,11 @@ async def invocations(request: Request) -> Response:
     if "input" in keys or "messages" in keys:  # messages: vLLM's chat input
         if "task" in keys:
             return await pooling(request, data)
-        if "classify" in state.info.tasks:
+        model = data.get("model")  # the route that model serves (a name not served: a 404)
+        tasks = (state.for_model(model) if isinstance(model, str) else state).info.tasks
+        if "classify" in tasks:
             return await classify(request, data)
-        if "embed" in state.info.tasks:
+        if "embed" in tasks:
             return await embeddings(request, data)
         return await pooling(request, data)
     raise ApiError(

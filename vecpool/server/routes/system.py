@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from fastapi import APIRouter
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -22,25 +23,37 @@ async def list_models(request: Request) -> Response:
     """Every served model, each under each of its names, the default (first) model first."""
     state = get_state(request)
     models = [
-        {
-            "id": name,
-            "object": "model",
-            "created": state.created,
-            "owned_by": "vecpool",
-            "max_model_len": model.info.max_model_len,
-            "hidden_size": model.info.hidden_size,
-            "output_dim": model.info.output_dim,
-            "tasks": list(model.info.tasks),
-            "score_mode": model.info.score_mode,  # how /score and /rerank compare texts
-            # Infinity's fields: its clients read the queue and what the model can do.
-            "stats": _stats(model),
-            "backend": "vecpool",
-            "capabilities": capabilities(model.info),
-        }
+        _model_card(state, model, name)
         for model in state.each_model()
         for name in model.config.model_names
     ]
     return json_response(dumps({"object": "list", "data": models}))
+
+
+@router.get("/v1/models/{name:path}")
+async def retrieve_model(request: Request, name: str) -> Response:
+    """One served model under `name` (OpenAI's retrieve), or a 404 naming what is served."""
+    state = get_state(request)
+    state.check_model(name)
+    return json_response(dumps(_model_card(state, state.for_model(name), name)))
+
+
+def _model_card(state: ServerState, model: ServerState, name: str) -> dict[str, Any]:
+    return {
+        "id": name,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "vecpool",
+        "max_model_len": model.info.max_model_len,
+        "hidden_size": model.info.hidden_size,
+        "output_dim": model.info.output_dim,
+        "tasks": list(model.info.tasks),
+        "score_mode": model.info.score_mode,  # how /score and /rerank compare texts
+        # Infinity's fields: its clients read the queue and what the model can do.
+        "stats": _stats(model),
+        "backend": "vecpool",
+        "capabilities": capabilities(model.info),
+    }
 
 
 def _stats(model: ServerState) -> dict[str, float | int]:
