@@ -249,3 +249,22 @@ def test_bench_reports_throughput(engine, capsys) -> None:
     assert report["num_tokens"] > 12 * 3  # every text has at least four words and two specials
     assert report["inputs_per_s"] > 0
     assert main(["bench", "-n", "0"], engine=engine) == 2
+
+
+def test_windowed_embed_windows_long_lines(tmp_path: Path) -> None:
+    """--windowed-embed: a line over the model's limit is embedded as `Engine.embed` windows
+    it (it was cut at the limit, as without the flag), in one process and in two."""
+    windowed = Engine(device="cpu", windowed_embed=True)
+    lines = [LONG_TEXT + "end", TEXTS[0]]
+    source = write_lines(tmp_path / "long.txt", lines)
+    expected = windowed.embed(lines)
+    cut = windowed.embed(lines, windowed=False, truncate_prompt_tokens=-1)
+    assert max_diff(expected[:1], cut[:1]) > 1e-3  # windows and the cut differ
+    out = tmp_path / "windowed.npy"
+    assert embed(windowed, "-i", str(source), "-o", str(out), "-q") == 0
+    assert max_diff(np.load(out), expected) <= 1e-6
+    two = tmp_path / "two.npy"
+    args = ["-i", str(source), "-o", str(two), "--windowed-embed", "--data-parallel-size", "2"]
+    assert main(["embed", *args, "--device", "cpu", "-q"]) == 0
+    # Engine processes with fewer threads each: fp32 rounding at most.
+    assert max_diff(np.load(two), expected) <= 1e-6

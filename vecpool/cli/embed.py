@@ -222,7 +222,7 @@ def _embed_corpus(args: argparse.Namespace, engine: Engine | None, output: Path)
     embedder: LocalEmbedder | ProcessEmbedder | None = None
     previous_sigterm = _interrupt_on_sigterm()
     try:
-        options = embed_options(args)
+        options = embed_options(args, engine_args.windowed_embed)
         if args.data_parallel_size > 1:
             embedder = ProcessEmbedder(engine_args, options, args.data_parallel_size, unit)
         else:
@@ -324,14 +324,16 @@ def _interrupt_on_sigterm() -> Any:
     return signal.signal(signal.SIGTERM, interrupt)
 
 
-def embed_options(args: argparse.Namespace) -> EmbedOptions:
+def embed_options(args: argparse.Namespace, windowed: bool = False) -> EmbedOptions:
     """The per-call options of `vecpool embed`: --dimensions, --normalize, --truncate (the
-    model's limit, else an input over it fails), --prompt-name."""
+    model's limit, else an input over it fails), --prompt-name; `windowed` (the engine's
+    --windowed-embed): an input over the limit is windowed, not cut."""
     return EmbedOptions(
         dimensions=args.dimensions,
         normalize=args.normalize,
-        truncate_prompt_tokens=-1 if args.truncate else None,
+        truncate_prompt_tokens=-1 if args.truncate and not windowed else None,
         prompt_name=args.prompt_name,
+        windowed=windowed,
     )
 
 

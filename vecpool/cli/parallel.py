@@ -21,7 +21,7 @@ import numpy as np
 
 from vecpool import calls
 from vecpool.api.args import EngineArgs, Replica
-from vecpool.calls import EmbedOptions, PreparedCall
+from vecpool.calls import EmbedOptions, PreparedCall, windowed
 
 if TYPE_CHECKING:  # torch loads where a model runs
     from vecpool.api import Engine
@@ -46,9 +46,14 @@ Result = tuple[Chunk, np.ndarray, int]  # a chunk, its vectors [rows, dim] float
 
 def prepare_chunk(
     engine: Engine, options: EmbedOptions, inputs: list[Any]
-) -> PreparedCall[list[np.ndarray]] | None:
-    """The embed call of one chunk's inputs (None: no inputs)."""
-    return engine.prepare_encode(inputs, **options.encode().keywords()) if inputs else None
+) -> PreparedCall[Any] | None:
+    """The embed call of one chunk's inputs (None: no inputs): windowed (`--windowed-embed`)
+    as `Engine.embed` windows, else as its plain calls."""
+    if not inputs:
+        return None
+    if options.windowed:
+        return windowed.prepare_embed_windowed(engine.context, calls.InputList(inputs), options)
+    return engine.prepare_encode(calls.InputList(inputs), **options.encode().keywords())
 
 
 def output_dim(engine: Engine, options: EmbedOptions) -> int:
@@ -64,15 +69,15 @@ def output_dim(engine: Engine, options: EmbedOptions) -> int:
 
 
 def run_chunk(
-    engine: Engine, options: EmbedOptions, call: PreparedCall[list[np.ndarray]] | None
+    engine: Engine, options: EmbedOptions, call: PreparedCall[Any] | None
 ) -> tuple[np.ndarray, int]:
     """(vectors `[n, dim]` float32, prompt tokens) of a prepared call (None: no inputs)."""
     dim = engine.info().embed_dim(options.dimensions)
     if call is None or not call.requests:
         return np.zeros((0, dim), np.float32), 0
     tokens = sum(request.prompt.num_tokens for request in call.requests)
-    vectors: list[np.ndarray] = engine.run(call, show_progress=False)
-    return np.stack(vectors), tokens
+    vectors = engine.run(call, show_progress=False)  # windowed: already `[n, dim]`
+    return (vectors if isinstance(vectors, np.ndarray) else np.stack(vectors)), tokens
 
 
 def located(exc: InputError, chunk: Chunk, unit: str) -> CommandError:
