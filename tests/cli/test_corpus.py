@@ -542,3 +542,64 @@ def test_an_empty_token_list_is_a_blank_input_in_jsonl_as_in_parquet(
     assert embed(engine, "-i", str(source), "-o", str(out), "-q", "--skip-empty") == 0
     np.testing.assert_array_equal(np.load(tmp_path / "out.index.npy"), [0, 2])
     assert np.abs(np.load(out) - engine.embed([ids, ids])).max() < 1e-6
+
+
+def test_ids_no_output_can_hold_are_refused_by_line(
+    engine: Engine, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An id with a lone surrogate (JSON's escapes allow one; UTF-8 does not) or an integer
+    outside int64 (Parquet's id column) is refused at its line or row, exit 2, before it is
+    written (the writers raised tracebacks: a run that failed so on every resume)."""
+    jsonl = tmp_path / "ids.jsonl"
+    cases = [
+        ('{"text": "a", "id": "ok"}\n{"text": "b", "id": "x\\ud800"}\n', ".jsonl", "line 2"),
+        ('{"text": "a", "id": 1180591620717411303424}\n', ".parquet", "line 1"),
+    ]
+    for content, suffix, where in cases:
+        jsonl.write_text(content)
+        out = tmp_path / f"out{suffix}"
+        args = ["-i", str(jsonl), "-o", str(out), "--id-field", "id", "--chunk-size", "1", "-q"]
+        assert embed(engine, *args) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"vecpool: error: {where}: 'id' ") and err.count("\n") == 1, err
+        assert "Traceback" not in err and not out.exists()
+    source = tmp_path / "ids.parquet"
+    ids = pa.array([5, 2**64 - 1], pa.uint64())
+    pq.write_table(pa.table({"text": ["a", "b"], "id": ids}), source)
+    out = tmp_path / "out.parquet"
+    assert embed(engine, "-i", str(source), "-o", str(out), "--id-field", "id", "-q") == 2
+    assert "row 2: 'id' 18446744073709551615 is outside" in capsys.readouterr().err
+
+
+def test_a_huge_chunk_size_reads_parquet_whole(
+    engine: Engine, corpus: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "out.npy"
+    args = ["-i", str(corpus), "--field", "body", "-o", str(out), "--chunk-size", str(10**20)]
+    assert embed(engine, *args, "-q") == 0
+    assert np.abs(np.load(out) - engine.embed(corpus_texts())).max() < 1e-6
+
+
+def test_an_npy_outputs_index_is_replaced_with_it(
+    engine: Engine, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run without --skip-empty over an output that had an index: refused without
+    --overwrite, and with it the old index goes (it described the old rows); the output may
+    not be the input file."""
+    source = tmp_path / "texts.txt"
+    source.write_text("one\n\nthree\n")
+    out = tmp_path / "out.npy"
+    assert embed(engine, "-i", str(source), "-o", str(out), "--skip-empty", "-q") == 0
+    index = tmp_path / "out.index.npy"
+    assert np.load(index).tolist() == [0, 2]
+    source.write_text("one\ntwo\n")
+    out.rename(tmp_path / "moved.npy")  # the index alone is the output's too
+    assert embed(engine, "-i", str(source), "-o", str(out), "-q") == 2
+    assert "out.index.npy' exists (--overwrite replaces it)" in capsys.readouterr().err
+    assert embed(engine, "-i", str(source), "-o", str(out), "--overwrite", "-q") == 0
+    assert np.load(out).shape == (2, 384) and not index.exists()
+    same = tmp_path / "same.jsonl"
+    same.write_text('{"text": "a"}\n')
+    assert embed(engine, "-i", str(same), "-o", str(same), "--overwrite", "-q") == 2
+    assert "is the input file" in capsys.readouterr().err
+    assert same.read_text() == '{"text": "a"}\n'

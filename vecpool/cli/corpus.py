@@ -171,11 +171,27 @@ class _LineParser:
             raise ValueError(
                 f"{id_field!r} must be a string or an integer, got {json_type(id_value)}"
             )
+        check_id(id_field, id_value)
         kind = json_type(id_value)
         self.id_kind = self.id_kind or kind
         if kind != self.id_kind:
             raise ValueError(f"{id_field!r} is a {kind}; earlier ids are {self.id_kind}s")
         return item, id_value
+
+
+def check_id(field: str, value: str | int) -> None:
+    """`ValueError` for an id no output can hold: an integer outside int64 (Parquet's id
+    column), a string with a lone surrogate (not UTF-8)."""
+    if isinstance(value, int):
+        if not -(2**63) <= value < 2**63:
+            raise ValueError(f"{field!r} {value} is outside the 64-bit integers ids are")
+        return
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"{field!r} is not valid Unicode: {exc.reason} at character {exc.start}"
+        ) from None
 
 
 def json_type(value: Any) -> str:
@@ -242,7 +258,8 @@ class ParquetInput:
         columns = [self.text_column] + ([self.id_field] if own_ids else [])
         first_group, skip = self._row_group_of(start.offset)
         groups = range(first_group, self.file.metadata.num_row_groups)
-        batches = self.file.iter_batches(batch_size=chunk_size, row_groups=groups, columns=columns)
+        batch_size = min(chunk_size, max(self.num_rows, 1))  # (Arrow's size is an int64)
+        batches = self.file.iter_batches(batch_size=batch_size, row_groups=groups, columns=columns)
         texts: list[Any] = []
         ids: list[Any] = []
         row = start.offset
@@ -283,6 +300,11 @@ class ParquetInput:
             id_value = ids[i] if self.id_field else None
             if self.id_field and id_value is None and item is not None:
                 raise CommandError(f"row {number}: {self.id_field!r} is null")
+            if self.id_field and id_value is not None:
+                try:
+                    check_id(self.id_field, id_value)
+                except ValueError as exc:
+                    raise CommandError(f"row {number}: {exc}") from None
             _add(chunk, item, id_value, number, skip_empty, "row")
         return chunk
 

@@ -9,6 +9,7 @@ Reading is in `corpus.py`, the work folder and the output files in `output.py`, 
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -147,6 +148,8 @@ def _check_embed_args(args: argparse.Namespace, engine: Engine | None) -> Path |
     check_output(
         output, overwrite=args.overwrite, with_index=args.skip_empty and output.suffix == ".npy"
     )
+    if args.input != "-" and output.exists() and os.path.samefile(args.input, output):
+        raise CommandError(f"--output {str(output)!r} is the input file")
     if args.chunk_size < 1:
         raise CommandError(f"--chunk-size must be at least 1, got {args.chunk_size}")
     if args.data_parallel_size < 1:

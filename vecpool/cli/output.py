@@ -56,7 +56,9 @@ def check_output(output: Path, *, overwrite: bool, with_index: bool) -> None:
         raise CommandError(f"--output {str(output)!r}: the folder {str(parent)!r} {what}")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise CommandError(f"--output {str(output)!r}: the folder {str(parent)!r} is not writable")
-    targets = [output, index_path_of(output)] if with_index else [output]
+    # A .npy output's index, written or not, is the output's too: an earlier run's would
+    # misdescribe these vectors (it is removed when they come without one).
+    targets = [output, index_path_of(output)] if output.suffix == ".npy" else [output]
     for target in targets:
         if target.is_dir():
             raise CommandError(f"--output {str(target)!r} is a directory")
@@ -263,6 +265,8 @@ class _NpyFormat:
                 index_path_of(output),
                 concat(".index.npy", "<i8", (rows,)),
             )
+        else:  # an earlier output's (replaced with --overwrite): not these vectors' index
+            index_path_of(output).unlink(missing_ok=True)
         _install("merged.tmp", work, output, concat(".npy", "<f4", (rows, dim)))
 
 
