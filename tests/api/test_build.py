@@ -82,3 +82,20 @@ def test_memory_fraction_names_the_device_as_torch_takes_it(
     with pytest.raises(_Stop):
         Engine(gpu_memory_fraction=0.4)
     assert calls == [(0.4, index)]
+
+
+@pytest.mark.parametrize("limit", [{"max_input_chars": 5}, {"max_model_len": 4}])
+def test_limits_below_the_probe_sentence_bind_inputs_not_the_engine(limit: dict) -> None:
+    """The engine's probe (a sentence of 42 characters, 10 tokens) is cut to the model's
+    limit and is not held to --max-input-chars: an engine started with lower limits runs
+    (it refused its own probe, naming "input 0"), and the limits bind the caller's inputs."""
+    import numpy as np
+
+    import vecpool
+
+    engine = Engine(device="cpu", **limit)
+    assert engine.core._probe_error() is None
+    assert engine.embed(["abc"], truncate_prompt_tokens=-1).shape == (1, 384)
+    with pytest.raises(vecpool.InputError, match=r"^input 0: the "):
+        engine.embed(["a sentence longer than both limits"])
+    assert np.isfinite(engine.embed(["ab"], truncate_prompt_tokens=-1)).all()

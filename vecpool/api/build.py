@@ -5,6 +5,7 @@ what this builds."""
 from __future__ import annotations
 
 import importlib
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -393,7 +394,11 @@ class EngineParts:
         tokenizer), embedded. After a step whose every request failed alone too, the engine
         runs it before judging whose fault that was."""
         if self.tokenizer is not None:
-            (prompt,) = self.inputs.process([PROBE_TEXT], TextOptions())
+            # Cut to the model's limit and past any --max-input-chars: the user's limits are
+            # for their inputs (a limit below the sentence's made the engine refuse its own).
+            limits = replace(self.inputs.limits, max_input_chars=None)
+            unlimited = InputProcessor(limits, self.inputs.tokenizer)
+            (prompt,) = unlimited.process([PROBE_TEXT], TextOptions(truncate_prompt_tokens=-1))
         else:
             ids = np.arange(1, 9, dtype=np.int64) % self.model.vocab_size
             prompt = Prompt(token_ids=ids, prompt_embeds=None)
