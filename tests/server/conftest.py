@@ -64,6 +64,13 @@ class Server:
     def alive(self) -> bool:
         return self.process.poll() is None and self.client.get("/health").status_code == 200
 
+    def wait_healthy(self, timeout: float = 120) -> None:
+        """Poll /health until it answers 200 (a lost engine restarted)."""
+        deadline = time.monotonic() + timeout
+        while self.client.get("/health").status_code != 200:
+            assert time.monotonic() < deadline, self.log.read_text()
+            time.sleep(0.05)
+
     def stop(self) -> None:
         self.client.close()
         self.process.terminate()

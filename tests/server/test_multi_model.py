@@ -252,10 +252,7 @@ def test_a_killed_engine_fails_its_calls_and_the_other_model_serves(
     finally:
         os.kill(server.process.pid, signal.SIGCONT)
 
-    deadline = time.monotonic() + 120
-    while server.client.get("/health").status_code != 200:
-        assert time.monotonic() < deadline, server.log.read_text()
-        time.sleep(0.05)
+    server.wait_healthy()
     assert server.metric("vecpool_engine_restarts_total", engine="0", model="ce") == 1
     assert server.metric("vecpool_engine_restarts_total", engine="0", model="emb") == 0
     ce = server.post("/v1/embeddings", {"input": TEXTS, "model": "ce"})
@@ -278,10 +275,7 @@ def test_a_killed_engine_fails_its_calls_and_the_other_model_serves(
         assert np.abs(_vectors(ce) - cross_engine.embed(TEXTS)).max() <= TOLERANCE
     finally:
         os.kill(server.process.pid, signal.SIGCONT)
-    deadline = time.monotonic() + 120
-    while server.client.get("/health").status_code != 200:
-        assert time.monotonic() < deadline, server.log.read_text()
-        time.sleep(0.05)
+    server.wait_healthy()
 
 
 # ---- refusals at start, before any model loads ----------------------------------------------
