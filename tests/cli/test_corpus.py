@@ -603,3 +603,33 @@ def test_an_npy_outputs_index_is_replaced_with_it(
     assert embed(engine, "-i", str(same), "-o", str(same), "--overwrite", "-q") == 2
     assert "is the input file" in capsys.readouterr().err
     assert same.read_text() == '{"text": "a"}\n'
+
+
+def test_dictionary_encoded_columns_are_read_as_their_values(
+    engine: Engine, tmp_path: Path
+) -> None:
+    """Pandas writes a categorical column dictionary-encoded: its values are the texts (and
+    ids), as in a plain column."""
+    texts = corpus_texts(6)
+    ids = [f"doc-{i % 2}" for i in range(6)]
+    source = tmp_path / "dict.parquet"
+    table = pa.table(
+        {"body": pa.array(texts).dictionary_encode(), "doc_id": pa.array(ids).dictionary_encode()}
+    )
+    pq.write_table(table, source)
+    out = tmp_path / "out.parquet"
+    args = ["-i", str(source), "--field", "body", "--id-field", "doc_id", "-o", str(out), "-q"]
+    assert embed(engine, *args) == 0
+    assert pq.read_table(out)["doc_id"].to_pylist() == ids
+    assert np.abs(vectors_of(out) - engine.embed(texts)).max() < 1e-6
+
+
+def test_json_booleans_are_not_token_ids(
+    engine: Engine, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    source = tmp_path / "ids.jsonl"
+    source.write_text(
+        '{"prompt_token_ids": [101, 2000, 102]}\n{"prompt_token_ids": [101, true, 102]}\n'
+    )
+    assert embed(engine, "-i", str(source), "-o", str(tmp_path / "out.npy"), "-q") == 2
+    assert "line 2: 'prompt_token_ids' must be integers, got a boolean" in capsys.readouterr().err

@@ -156,6 +156,10 @@ class _LineParser:
         item: str | dict[str, Any] | None
         if "prompt_token_ids" in value:
             ids = value["prompt_token_ids"]
+            # JSON's true and false are not token ids (Python reads them as 1 and 0), as a
+            # Parquet list<bool> column is not.
+            if isinstance(ids, list) and any(type(i) is bool for i in ids):
+                raise ValueError("'prompt_token_ids' must be integers, got a boolean among them")
             # An empty list is a blank input, as in a Parquet column (--skip-empty skips it).
             item = None if ids == [] else {"prompt_token_ids": ids}
         elif isinstance(value.get(text_field), str):
@@ -216,7 +220,7 @@ class ParquetInput:
         names = schema.names
         if text_field in names:
             self.text_column = text_field
-            column_type = schema.field(text_field).type
+            column_type = _values_type(schema.field(text_field).type)
             if not (pa.types.is_string(column_type) or pa.types.is_large_string(column_type)):
                 raise CommandError(f"column {text_field!r} is {column_type}, not a string column")
         elif "prompt_token_ids" in names:
@@ -233,7 +237,7 @@ class ParquetInput:
         if id_field is not None:
             if id_field not in names:
                 raise CommandError(f"{path!r} has no column {id_field!r} (--id-field)")
-            id_type = schema.field(id_field).type
+            id_type = _values_type(schema.field(id_field).type)
             if not (
                 pa.types.is_integer(id_type)
                 or pa.types.is_string(id_type)
@@ -307,6 +311,14 @@ class ParquetInput:
                     raise CommandError(f"row {number}: {exc}") from None
             _add(chunk, item, id_value, number, skip_empty, "row")
         return chunk
+
+
+def _values_type(column_type: Any) -> Any:
+    """The type of a column's values: a dictionary-encoded column's (pandas writes its
+    categoricals so), read as its values; else the column's own."""
+    import pyarrow as pa
+
+    return column_type.value_type if pa.types.is_dictionary(column_type) else column_type
 
 
 def open_lines(name: str) -> BinaryIO:
