@@ -36,6 +36,13 @@ class InputError(VecpoolError, ValueError):
         return type(self)(self.reason, index=index, field=self.field)
 
 
+def check_flag(value: object, name: str) -> None:
+    """`InputError` naming option `name` unless `value` is true or false (not a value read
+    by its truthiness)."""
+    if not isinstance(value, bool):
+        raise InputError(f"must be true or false, got {value!r}", field=name)
+
+
 class InputTooLongError(InputError):
     """An input over a length limit (the model's tokens, or the characters per input): the
     refusal some APIs answer with their own status (422, 413), and clients match on."""

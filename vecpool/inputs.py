@@ -30,7 +30,7 @@ from vecpool.arrays import (
     peak,
     truncate,
 )
-from vecpool.errors import InputError, InputTooLongError
+from vecpool.errors import InputError, InputTooLongError, check_flag
 from vecpool.tokenizer import TextTokenizer, id_arrays
 from vecpool.tokenizer_pool import TokenizerPool
 
@@ -98,11 +98,7 @@ class TextOptions:
             )
         if self.prompt is not None and not isinstance(self.prompt, str):
             raise InputError(f"must be a string, got {type(self.prompt).__name__}", field="prompt")
-        if not isinstance(self.add_special_tokens, bool):
-            raise InputError(
-                f"must be true or false, got {self.add_special_tokens!r}",
-                field="add_special_tokens",
-            )
+        check_flag(self.add_special_tokens, "add_special_tokens")
 
 
 @dataclass(frozen=True)

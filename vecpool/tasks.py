@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, fields
 
-from vecpool.errors import InputError
+from vecpool.errors import InputError, check_flag
 
 INPUT_TYPES = ("query", "document")  # the two sides of a late-interaction model
 
@@ -43,8 +43,8 @@ class PoolingParams:
             )
         for name in ("normalize", "use_activation", "exclude_special_tokens"):
             value = getattr(self, name)
-            if value is not None and not isinstance(value, bool):
-                raise InputError(f"must be true or false, got {value!r}", field=name)
+            if value is not None:
+                check_flag(value, name)
         if self.input_type is not None and self.input_type not in INPUT_TYPES:
             raise InputError(
                 f"must be one of {list(INPUT_TYPES)}, got {self.input_type!r}", field="input_type"

@@ -12,9 +12,8 @@ from typing import Any
 import numpy as np
 
 from vecpool.calls.info import EngineInfo
-from vecpool.calls.options import check_flag
 from vecpool.calls.outputs import PromptRequest
-from vecpool.errors import InputError
+from vecpool.errors import InputError, check_flag
 from vecpool.inputs import InputProcessor, TextOptions, TextTokenizer, is_tensor
 from vecpool.tasks import PoolingParams, get_task
 from vecpool.tokenizer import check_unicode

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from vecpool.arrays import TruncationSide
-from vecpool.errors import InputError
+from vecpool.errors import InputError, check_flag
 
 OptionsT = TypeVar("OptionsT", bound="Options")
 
@@ -148,12 +148,6 @@ class SparseOptions(Options):
             raise InputError(f"must be a finite number, got {t!r}", field="threshold")
         check_flag(self.return_tokens, "return_tokens")
         check_flag(self.exclude_special_tokens, "exclude_special_tokens")
-
-
-def check_flag(value: Any, name: str) -> None:
-    """An option that is true or false (not a value read by its truthiness)."""
-    if not isinstance(value, bool):
-        raise InputError(f"must be true or false, got {value!r}", field=name)
 
 
 def check_top_n(top_n: Any) -> None:

@@ -52,8 +52,8 @@ def prepare_chunk(
     if not inputs:
         return None
     if options.windowed:
-        return windowed.prepare_embed_windowed(engine.context, calls.InputList(inputs), options)
-    return engine.prepare_encode(calls.InputList(inputs), **options.encode().keywords())
+        return windowed.prepare_embed_windowed(engine.context, inputs, options)
+    return engine.prepare_encode(inputs, **options.encode().keywords())
 
 
 def output_dim(engine: Engine, options: EmbedOptions) -> int:
