@@ -127,3 +127,45 @@ def test_a_loop_error_outside_the_model_backs_off_then_turns_unhealthy(
     core.add_requests(requests)
     assert core.guarded_step() == 2
     assert core.healthy and all(r.output is not None for r in requests)
+
+
+@pytest.mark.parametrize("where", ["event", "schedule"])
+def test_a_step_raising_outside_its_guarded_regions_fails_the_requests_it_took(
+    engine: vecpool.Engine, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """`step` raises after it took a step off the queue: recording the forward's end
+    (`event`), or scheduling the step after it once the forward was queued (`schedule`). The
+    taken requests fail with an EngineError naming the error (they were held by nothing and
+    waited for good); a request queued after them runs in the next step."""
+    core = engine.core
+    monkeypatch.setattr(engine_core.time, "sleep", lambda seconds: None)
+    taken = engine.make_requests(_good(3, seed=7), PoolingParams())
+    behind = engine.make_requests(_good(1, seed=8), PoolingParams())
+    real_schedule = core.scheduler.schedule
+    schedules = 0
+
+    def schedule() -> Any:
+        nonlocal schedules
+        schedules += 1
+        if schedules == 2:
+            raise RuntimeError("scheduler bug")
+        return real_schedule()
+
+    def forward_done() -> Any:
+        raise RuntimeError("event lost")
+
+    with monkeypatch.context() as m:
+        if where == "event":
+            m.setattr(core.pooling_runner, "forward_done", forward_done)
+        else:
+            m.setattr(core.scheduler, "schedule", schedule)
+        core.add_requests(taken)
+        assert core.guarded_step() == 0
+    message = "event lost" if where == "event" else "scheduler bug"
+    for request in taken:
+        assert isinstance(request.error, EngineError), request.error
+        assert f"failed outside the model: RuntimeError: {message}" in str(request.error)
+    core.add_requests(behind)
+    assert core.guarded_step() == 1
+    assert behind[0].output is not None and behind[0].output.shape == (32,)
+    assert not core.has_work() and core.healthy

@@ -80,6 +80,9 @@ class EngineCore:
         # Ids of requests that are done, whose runner state is freed once the step in flight
         # has pooled.
         self._releasable: list[str] = []
+        # The steps the running `step` took (scheduled, prefetched, in flight): if it raises
+        # outside the guarded regions, their requests that nothing else holds fail.
+        self._taken: list[SchedulerOutput] = []
 
     @property
     def healthy(self) -> bool:
@@ -167,52 +170,106 @@ class EngineCore:
         `receive` is called once this step's forward is queued, before the next step is
         scheduled: a server that takes its requests between steps adds those that arrived
         meanwhile, so that the next step can be prepared (and this one pooled behind it).
+
+        Should it raise outside the regions that recover a failed step (building a batch, the
+        forward, pooling), the requests of the steps it took fail with an `EngineError` that
+        names the error, unless a step still holds them, and the error goes on to the caller.
         """
         with self._step_lock, self.model_runner.on_device():
-            self.last_step_tokens = 0
-            current = self._prefetched or self._prepare_next()
-            self._prefetched = None
-            if current is not None and any(r.is_done for r in current[0].requests):
-                current = self._without_done(current)
-            previous, self._in_flight = self._in_flight, None
-            if current is None:
-                if previous is None:
-                    self._release()
-                    return 0
-                self._pool(previous)
-                return len(previous.sched.requests)
-            sched, batch = current
-            self.num_steps += 1
-            self.last_step_tokens = sched.step.num_batched_tokens
+            self._taken = []
             try:
-                hidden = self.model_runner.forward(batch)
-            except Exception as exc:  # an engine failure must not take the engine down
-                if previous is not None:
-                    self._pool(previous)
-                self._recover(sched, exc)
-                self._release(sched)
-                return len(sched.requests)
-            launched = _InFlight(sched, batch, hidden, self.pooling_runner.forward_done())
+                return self._step(receive)
+            except BaseException as exc:
+                self._fail_taken(exc)
+                raise
+
+    def _step(self, receive: Callable[[], object] | None) -> int:
+        """`step`'s body, under its locks; every step it takes goes into `_taken` first."""
+        self.last_step_tokens = 0
+        current = self._prefetched or self._prepare_next()
+        self._prefetched = None
+        if current is not None:
+            self._taken.append(current[0])
+            if any(r.is_done for r in current[0].requests):
+                current = self._without_done(current)
+                if current is not None:
+                    self._taken.append(current[0])
+        previous, self._in_flight = self._in_flight, None
+        if previous is not None:
+            self._taken.append(previous.sched)
+        if current is None:
+            if previous is None:
+                self._release()
+                return 0
+            self._pool(previous)
+            return len(previous.sched.requests)
+        sched, batch = current
+        self.num_steps += 1
+        self.last_step_tokens = sched.step.num_batched_tokens
+        try:
+            hidden = self.model_runner.forward(batch)
+        except Exception as exc:  # an engine failure must not take the engine down
             if previous is not None:
                 self._pool(previous)
-            if receive is not None:
-                try:
-                    receive()
-                except BaseException:
-                    self._pool(launched)
-                    raise
-            self._prefetched = self._prepare_next()
-            upcoming = self._prefetched
-            if (
-                self.run_ahead
-                and upcoming is not None
-                and sched.step.independent
-                and upcoming[0].step.independent
-            ):
-                self._in_flight = launched  # pooled once the next step's forward is queued
-            else:
-                self._pool(launched)
+            self._recover(sched, exc)
+            self._release(sched)
             return len(sched.requests)
+        launched = _InFlight(sched, batch, hidden, self.pooling_runner.forward_done())
+        if previous is not None:
+            self._pool(previous)
+        if receive is not None:
+            try:
+                receive()
+            except BaseException:
+                self._pool(launched)
+                raise
+        self._prefetched = self._prepare_next()
+        upcoming = self._prefetched
+        if (
+            self.run_ahead
+            and upcoming is not None
+            and sched.step.independent
+            and upcoming[0].step.independent
+        ):
+            self._in_flight = launched  # pooled once the next step's forward is queued
+        else:
+            self._pool(launched)
+        return len(sched.requests)
+
+    def _fail_taken(self, exc: BaseException) -> None:
+        """`step` raised outside the guarded regions (batch building, forward, pooling): fail
+        the requests of the steps it took that are not done and that no step still holds (the
+        prefetched one, the one in flight), so that no caller waits for them for good."""
+        held = {
+            r.request_id
+            for sched in (
+                *([] if self._prefetched is None else [self._prefetched[0]]),
+                *([] if self._in_flight is None else [self._in_flight.sched]),
+            )
+            for r in sched.requests
+        }
+        lost = {
+            r.request_id: r
+            for sched in self._taken
+            for r in sched.requests
+            if not r.is_done and r.request_id not in held
+        }
+        self._taken = []
+        if not lost:
+            return
+        logger.error(
+            "engine step raised outside the model (%s: %s); failing its %d requests",
+            type(exc).__name__,
+            exc,
+            len(lost),
+        )
+        error = EngineError(
+            f"the engine step running this input failed outside the model: "
+            f"{type(exc).__name__}: {exc}"
+        )
+        for request in lost.values():
+            request.fail(error)
+        self._releasable.extend(lost)
 
     def _pool(self, step: _InFlight) -> None:
         """Pool a step whose forward is queued, finish its requests, free what they kept."""
