@@ -342,7 +342,8 @@ ID_LISTS = [
     [101, 2023, 102],
     [0],
     [np.int32(7), np.int64(8), 9],  # numpy integers among Python ints
-    [5, True, 6],  # a bool after an int: numpy reads the list as ints too
+    [5, True, 6],  # a bool after an int: packed and converted as id 1, refused
+    [1, 0, np.False_],  # a numpy bool among 0s and 1s
     [True, False],  # bools only: refused either way
     [1, 2.5],
     [1, "2"],
@@ -373,3 +374,25 @@ def test_packed_id_lists_equal_numpys_conversion(
     assert outcomes[0] == outcomes[1]
     if isinstance(outcomes[0], tuple):
         assert outcomes[0] == (np.dtype(np.int64), [int(v) for v in value])
+
+
+@pytest.mark.parametrize("packed", [True, False])
+@pytest.mark.parametrize(
+    ("value", "pos"),
+    [([101, True], 1), ([True, 7], 0), ([0, 1, 1, False, 9], 3), ([3, 4, np.True_], 2)],
+)
+def test_a_bool_among_token_ids_is_refused_by_position(
+    engine: vecpool.Engine,
+    monkeypatch: pytest.MonkeyPatch,
+    packed: bool,
+    value: list[Any],
+    pos: int,
+) -> None:
+    """A bool among ints would pack (or convert) as id 0 or 1: refused, naming its position;
+    ids 0 and 1 given as ints stay ids."""
+    from vecpool import arrays
+
+    monkeypatch.setattr(arrays, "PACK_ID_LISTS", packed)
+    with pytest.raises(vecpool.InputError, match=rf"input 1 .*a bool\) at position {pos}"):
+        engine.embed([[5, 6], value])
+    assert arrays.as_id_array([0, 1, 1, 5], 0).tolist() == [0, 1, 1, 5]

@@ -99,6 +99,20 @@ def _int64s(n: int) -> struct.Struct:
     return struct.Struct(f"{n}q")
 
 
+def _refuse_bools(value: list[Any], ids: np.ndarray, index: int | None, field: str) -> None:
+    """A bool among the ints of a list packs and converts as id 0 or 1: refused, naming it.
+    Only the 0s and 1s are looked at, and only when the list holds any (a minimum: ~0.3 µs)."""
+    if ids[ids.argmin()] > 1:
+        return
+    for pos in np.flatnonzero(ids <= 1).tolist():
+        if isinstance(value[pos], bool | np.bool_):
+            raise InputError(
+                f"token ids must be ints, got {value[pos]!r} (a bool) at position {pos}",
+                index=index,
+                field=field,
+            )
+
+
 def as_id_array(value: Any, index: int | None, field: str = "prompt_token_ids") -> np.ndarray:
     if type(value) is list and value:
         # A list of Python ints, packed straight into the array (its conversion by numpy,
@@ -109,14 +123,17 @@ def as_id_array(value: Any, index: int | None, field: str = "prompt_token_ids") 
             ids = np.empty(len(value), dtype=np.int64)
             try:
                 _int64s(len(value)).pack_into(ids, 0, *value)  # type: ignore[arg-type]  # a buffer
-                return ids
             except (struct.error, TypeError, ValueError, OverflowError):
                 pass  # (struct's own error for a float, a string, an int past int64)
+            else:
+                _refuse_bools(value, ids, index, field)
+                return ids
         try:
             arr = np.asarray(value)
         except (ValueError, OverflowError, TypeError):
             arr = None  # ragged or odd: the checks below say what is wrong
         if arr is not None and arr.ndim == 1 and arr.dtype.kind == "i":  # flat ints: all good
+            _refuse_bools(value, arr, index, field)
             return arr.astype(np.int64, copy=False)
         if arr is not None and arr.ndim == 1 and arr.dtype.kind == "u":  # ints past int64's
             value = arr  # range read as unsigned: the array's checks below name them
