@@ -143,10 +143,32 @@ def test_each_model_answers_its_own_calls(
         ).max()
         <= TOLERANCE
     )
-    # TEI's routes name no model: the first's.
+    # TEI's bodies name no model: the first's, unless the URL's `model` query or SageMaker's
+    # target-model header names another; /invocations takes the header too (the body's
+    # `model` first).
     tei = server.post("/embed", {"inputs": TEXTS})
     assert tei.status_code == 200, tei.text
     assert np.abs(np.array(tei.json()) - emb_engine.embed(TEXTS)).max() <= TOLERANCE
+    header = {"X-Amzn-SageMaker-Target-Model": "ce"}
+    for named in (
+        server.post("/embed?model=ce", {"inputs": TEXTS}),
+        server.post("/embed", {"inputs": TEXTS}, headers=header),
+    ):
+        assert named.status_code == 200, named.text
+        assert np.abs(np.array(named.json()) - cross_engine.embed(TEXTS)).max() <= TOLERANCE
+    tei_rerank = server.post("/invocations", {"query": QUERY, "texts": TEXTS}, headers=header)
+    assert tei_rerank.status_code == 200, tei_rerank.text
+    got = dict(sorted((r["index"], r["score"]) for r in tei_rerank.json()))
+    assert np.abs(np.array([got[0], got[1]]) - np.array(expected)).max() <= TOLERANCE
+    info = server.client.get("/info?model=reranker").json()
+    assert info["model_id"] == "ce" and "reranker" in info["model_type"], info
+    assert "embedding" in server.client.get("/info").json()["model_type"]
+    invoked = server.post("/invocations", {"input": TEXTS}, headers=header)
+    assert invoked.status_code == 200, invoked.text
+    probs = np.array([d["probs"] for d in invoked.json()["data"]], dtype=np.float32)
+    assert np.abs(probs - cross_engine.classify(TEXTS)).max() <= TOLERANCE
+    body_first = server.post("/invocations", {"input": TEXTS, "model": "emb"}, headers=header)
+    assert np.abs(_vectors(body_first) - emb_engine.embed(TEXTS)).max() <= TOLERANCE
 
 
 def test_an_unknown_model_is_a_404_in_the_routes_shape(mm_server: Server) -> None:
@@ -163,6 +185,12 @@ def test_an_unknown_model_is_a_404_in_the_routes_shape(mm_server: Server) -> Non
     )
     assert cohere.status_code == 404
     assert set(cohere.json()) == {"id", "message"} and "'nope'" in cohere.json()["message"]
+    tei = server.post("/embed?model=nope", {"inputs": TEXTS})
+    assert tei.status_code == 404 and "'nope'" in tei.json()["error"], tei.text
+    invoked = server.post(
+        "/invocations", {"input": TEXTS}, headers={"X-Amzn-SageMaker-Target-Model": "nope"}
+    )
+    assert_error(invoked, 404, "model")
 
 
 def test_models_lists_every_model(mm_server: Server) -> None:

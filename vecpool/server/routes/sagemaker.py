@@ -5,6 +5,8 @@ vLLM's and Text Embeddings Inference's containers do), and `GET /ping`.
 model's kind); `query` is a rerank (`documents`: Cohere, Jina, vLLM; `texts`: TEI); the score
 names (`text_1`, `data_1`, `queries`) a score; `texts` a Cohere embed; `input` with `task` is
 `/pooling`, else `/classify` when the model has a classifier head, else `/v1/embeddings`.
+With several models served, the call runs on the model its body's `model` field names, else
+the one SageMaker's `X-Amzn-SageMaker-Target-Model` header names, else the first.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from vecpool.server.routes.common import dumps, json_response, read_json
 from vecpool.server.routes.embeddings import embeddings
 from vecpool.server.routes.pooling import pooling
 from vecpool.server.routes.scores import classify, rerank_any, score
-from vecpool.server.routes.tei import by_model_kind
+from vecpool.server.routes.tei import TARGET_MODEL_HEADER, by_model_kind
 from vecpool.server.state import get_state
 
 router = APIRouter()
@@ -58,6 +60,11 @@ async def invocations(request: Request) -> Response:
     state = get_state(request)
     data = await read_json(request, state.config.max_payload_bytes)
     keys = set(data)
+    # TEI's bodies have no `model` field: its routes read the target-model header themselves.
+    tei = "inputs" in keys or ("query" in keys and "texts" in keys and "documents" not in keys)
+    target = request.headers.get(TARGET_MODEL_HEADER)
+    if target and not tei and "model" not in keys:  # the body's own `model`, given, wins
+        data["model"] = target
     if "inputs" in keys:
         return await by_model_kind(request, data)
     if "query" in keys:

@@ -53,7 +53,18 @@ from vecpool.server.state import ServerState, get_state
 
 router = APIRouter()
 
+# SageMaker's header that names the model of a call to an endpoint of several models.
+TARGET_MODEL_HEADER = "x-amzn-sagemaker-target-model"
+
 RERANK_ERRORS = side_errors({"query": "query", "documents": "texts"}, {"query": False})
+
+
+def tei_state(request: Request) -> ServerState:
+    """The state of the model a TEI call runs on. TEI's bodies name no model: the first
+    model's, unless the URL's `model` query parameter (`/embed?model=NAME`) or SageMaker's
+    target-model header names another served one; a name not served is a 404."""
+    name = request.query_params.get("model") or request.headers.get(TARGET_MODEL_HEADER)
+    return get_state(request).for_model(name or None)
 
 
 def inputs_error(exc: InputError) -> ApiError:
@@ -113,7 +124,7 @@ async def create_embed(request: Request) -> Response:
 @answered_as(tei_error)
 async def embed(request: Request, data: dict[str, Any]) -> Response:
     """One vector per input (normalized unless `normalize` is false, TEI's default)."""
-    state = get_state(request)
+    state = tei_state(request)
     body = validate(TeiEmbedRequest, data)
     items = text_inputs(state, body.inputs)
     options = EmbedOptions(
@@ -134,7 +145,7 @@ async def create_embed_all(request: Request) -> Response:
 @answered_as(tei_error)
 async def embed_all(request: Request, data: dict[str, Any]) -> Response:
     """Every token's vector, unpooled and not normalized: `[n_tokens, dim]` per input."""
-    state = get_state(request)
+    state = tei_state(request)
     body = validate(TeiTokensRequest, data)
     items = text_inputs(state, body.inputs)
     options = EncodeOptions(
@@ -171,7 +182,7 @@ async def create_embed_sparse(request: Request) -> Response:
 @answered_as(tei_error)
 async def embed_sparse(request: Request, data: dict[str, Any]) -> Response:
     """SPLADE vectors: `[{"index": token id, "value": weight}]` per input, by token id."""
-    state = get_state(request)
+    state = tei_state(request)
     body = validate(TeiTokensRequest, data)
     items = text_inputs(state, body.inputs)
     options = SparseOptions(
@@ -199,7 +210,7 @@ async def create_predict(request: Request) -> Response:
 async def predict(request: Request, data: dict[str, Any]) -> Response:
     """Each label's score, best first: for one input (a text or a pair) a list, for a batch
     a list per input."""
-    state = get_state(request)
+    state = tei_state(request)
     body = validate(TeiPredictRequest, data)
     items, single = predict_inputs(body.inputs)
     state.check_count(len(items), "inputs")
@@ -260,7 +271,7 @@ def predict_inputs(value: Any) -> tuple[list[Any], bool]:
 @answered_as(tei_error)
 async def rerank(request: Request, data: dict[str, Any]) -> Response:
     """`/rerank` with `query` and `texts`: `[{"index", "score", "text"?}]`, best first."""
-    state = get_state(request)
+    state = tei_state(request)
     body = validate(TeiRerankRequest, data)
     if not body.texts:
         raise ApiError(400, "`texts` cannot be empty", param="texts", code="empty_input")
@@ -290,7 +301,7 @@ async def rerank(request: Request, data: dict[str, Any]) -> Response:
 async def tokenize(request: Request, data: dict[str, Any]) -> Response:
     """`/tokenize` with `inputs`: per input, its tokens as `{"id", "text", "special", "start",
     "stop"}` (a special token's text is its vocabulary entry, without offsets)."""
-    state = get_state(request)
+    state = tei_state(request)
     body = validate(TeiTokenizeRequest, data)
     texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
     if not texts:
@@ -342,7 +353,7 @@ async def create_decode(request: Request) -> Response:
 @answered_as(tei_error)
 async def decode(request: Request, data: dict[str, Any]) -> Response:
     """The text of each id list (`ids` one list, or a batch of lists)."""
-    state = get_state(request)
+    state = tei_state(request)
     body = validate(TeiDecodeRequest, data)
     ids = body.ids
     if not ids:
@@ -373,14 +384,14 @@ async def decode(request: Request, data: dict[str, Any]) -> Response:
 @router.get("/")
 async def health(request: Request) -> Response:
     """TEI's health check at the root: 200 while the engine runs, 503 otherwise."""
-    get_state(request).running_client()
+    tei_state(request).running_client()
     return json_response(dumps({"status": "ok"}))
 
 
 @router.get("/info")
 async def info(request: Request) -> Response:
     """The model and the server's limits, as TEI describes them."""
-    state = get_state(request)
+    state = tei_state(request)
     info, config = state.info, state.config
     kind = model_kind(info)
     if kind in ("reranker", "classifier"):
@@ -422,7 +433,7 @@ async def root(request: Request) -> Response:
 
 
 async def by_model_kind(request: Request, data: dict[str, Any]) -> Response:
-    kind = model_kind(get_state(request).info)
+    kind = model_kind(tei_state(request).info)
     if kind == "reranker":
         return await rerank(request, data)
     if kind == "classifier":
