@@ -185,12 +185,15 @@ def test_bad_model_folder_or_option_is_one_line(
     assert main(["embed", "-i", str(source), "-o", out, "--dtype", "float64", "-q"]) == 2
     assert main(["embed", "-i", str(source), "-o", str(tmp_path / "out.csv")]) == 2
     assert main(["embed", "-i", str(tmp_path / "missing.txt"), "-o", out]) == 2
+    assert main(["embed", "-i", str(source), "-o", out, "--max-input-chars", "0", "-q"]) == 2
     errors = capsys.readouterr().err.splitlines()
-    assert len(errors) == 4
+    assert len(errors) == 5
     assert "model folder" in errors[0] and "no-such-model" in errors[0]
     assert "dtype 'float64' is not supported" in errors[1]
     assert "must end in .npy, .parquet or .jsonl" in errors[2]
     assert "cannot read" in errors[3]
+    # The engine's checks name its fields; the command names its flags.
+    assert errors[4] == "vecpool: error: --max-input-chars must be positive, got 0"
 
 
 def test_help_reads_well(capsys: pytest.CaptureFixture[str]) -> None:

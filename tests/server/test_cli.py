@@ -36,7 +36,9 @@ def test_arguments_and_defaults() -> None:
 @pytest.mark.parametrize(
     ("argv", "words"),
     [
-        (["--max-queued", "4", "--max-batch-inputs", "8"], "above max_queued"),
+        (["--max-queued", "4", "--max-batch-inputs", "8"], "above --max-queued=4"),
+        (["--max-input-chars", "0"], "serve: --max-input-chars must be positive"),
+        (["--max-model-len", "8", "--max-model-len", "9"], "--max-model-len is given 2 times"),
         (["--max-batch-inputs", "0"], "must be positive"),
         (["--max-payload-mb", "0"], "must be positive"),
         (["--api-key", ""], "must not be empty"),

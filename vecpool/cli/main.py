@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import vecpool
 from vecpool.cli.bench import __doc__ as BENCH_DESCRIPTION
 from vecpool.cli.bench import add_bench_arguments, run_bench
-from vecpool.cli.common import CommandError
+from vecpool.cli.common import CommandError, error_text
 from vecpool.cli.embed import EMBED_EXAMPLES, EMBED_HELP, add_embed_arguments, run_embed
 from vecpool.cli.serve import SERVE_DESCRIPTION, add_serve_arguments, serve
 from vecpool.errors import EngineError, VecpoolError
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None, *, engine: Engine | None = None) -> int:
         print(f"vecpool: error: {exc}", file=sys.stderr)
         return 1
     except (CommandError, VecpoolError) as exc:
-        print(f"vecpool: error: {exc}", file=sys.stderr)
+        print(f"vecpool: error: {error_text(exc, args)}", file=sys.stderr)
         return 2
 
 

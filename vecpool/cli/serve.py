@@ -12,6 +12,7 @@ import dataclasses
 import sys
 
 from vecpool.api.args import EngineArgs
+from vecpool.cli.common import error_text
 from vecpool.errors import ConfigError, VecpoolError
 from vecpool.server import launcher
 
@@ -217,7 +218,7 @@ def serve(args: argparse.Namespace) -> int:
         launcher.check_layout(models, options)
         sock = launcher.bind_socket(args.host, args.port)
     except VecpoolError as exc:
-        print(f"vecpool serve: {exc}", file=sys.stderr)
+        print(f"vecpool serve: {error_text(exc, args)}", file=sys.stderr)
         return 2
     with sock:
         if options.api_server_count == 0:  # one model (check_layout refuses more)
