@@ -37,6 +37,8 @@ GOOD = [[101, 7592, 102]]
         ({"input": ["ok", [1.5, 2]]}, "input[1]", "integers only"),
         ({"input": ["ok", 7]}, "input[1]", "wrap each"),
         ({"input": [True, False]}, "input[0]", "got boolean"),
+        ({"input": ["ok", [101, True, 102]]}, "input[1]", "bool"),
+        ({"input": [[101, 102], [False, 7]]}, "input[1]", "bool"),
         ({"input": ["ok", {"text": "x"}]}, "input[1]", "prompt_embeds"),
         ({"input": ["ok", [101, 40000, 102]]}, "input[1]", "outside the vocabulary"),
         ({"input": ["ok", [[1, 2]]]}, "input[1]", "integers only"),
