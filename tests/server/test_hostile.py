@@ -136,6 +136,37 @@ def test_hand_made_hostile_bodies(engine: vecpool.Engine) -> None:
     assert asyncio.run(scenario()) >= 20 * len(RAW_BODIES)
 
 
+def test_a_per_token_answer_over_its_limit_is_refused_before_it_runs(
+    engine: vecpool.Engine,
+) -> None:
+    """A per-token answer grows with tokens times width, not with the body: over
+    `max_answer_values` it is refused naming the limit (400; TEI's `/embed_all` 422),
+    before the engine runs anything; at the limit, and pooled tasks of the same inputs, 200."""
+    width = engine.info().token_output_dim
+    ids = [101] + [7592] * 8 + [102]  # 10 tokens
+    limit = 3 * len(ids) * width  # three inputs' rows
+
+    async def scenario() -> None:
+        async with serving(engine, max_answer_values=limit) as (client, _):
+            fits = await client.post("/pooling", json={"input": [ids] * 3, "task": "token_embed"})
+            assert fits.status_code == 200, fits.text
+            assert [np.shape(d["data"]) for d in fits.json()["data"]] == [(10, width)] * 3
+            steps = engine.core.num_steps
+            for route, body, status in (
+                ("/pooling", {"input": [ids] * 4, "task": "token_embed"}, 400),
+                ("/embed_all", {"inputs": [ids] * 4}, 422),  # TEI's status for a refusal
+            ):
+                over = await client.post(route, json=body)
+                assert over.status_code == status, over.text
+                assert f"about {4 * 10 * width:,} values" in over.text
+                assert f"over the server's limit of {limit:,}" in over.text
+            assert engine.core.num_steps == steps  # refused before it ran
+            pooled = await client.post("/pooling", json={"input": [ids] * 4, "task": "embed"})
+            assert pooled.status_code == 200, pooled.text
+
+    asyncio.run(scenario())
+
+
 # ---- the schema fuzzer ------------------------------------------------------------------
 
 

@@ -100,6 +100,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="request body limit, 413 above it (default: %(default)s)",
     )
     limits.add_argument(
+        "--max-answer-values",
+        type=int,
+        default=2**24,
+        metavar="N",
+        help="values a per-token answer (/pooling's token_embed and token_classify, TEI's "
+        "/embed_all) may hold, its tokens times a token's width, checked before it runs; a "
+        "400 above it (default: %(default)s)",
+    )
+    limits.add_argument(
         "--auto-truncate",
         action="store_true",
         help="truncate inputs longer than --max-model-len instead of refusing them",
@@ -192,6 +201,7 @@ def serve(args: argparse.Namespace) -> int:
                 else min(DEFAULT_BATCH_INPUTS, args.max_queued)
             ),
             max_payload_bytes=int(args.max_payload_mb * 2**20),
+            max_answer_values=args.max_answer_values,
             auto_truncate=args.auto_truncate,
             tokenizer_threads=args.tokenizer_threads,
             max_queue_wait=args.max_queue_wait,

@@ -22,6 +22,9 @@ class ServerConfig:
     max_queued: int = 4096  # requests (inputs) waiting or running before 429
     max_batch_inputs: int = 2048  # inputs one HTTP request may hold
     max_payload_bytes: int = 32 * 2**20  # request body size before 413
+    # Values a per-token answer (`/pooling`'s token_embed / token_classify, TEI's /embed_all)
+    # may hold, counted before it runs: each input's tokens times a token's width.
+    max_answer_values: int = 2**24
     auto_truncate: bool = False  # inputs over max_model_len are truncated instead of refused
     tokenizer_threads: int = 4
     # Seconds of work (queued tokens at the engine's measured tokens/s) ahead of a new request
@@ -47,6 +50,7 @@ class ServerConfig:
             "max_queued",
             "max_batch_inputs",
             "max_payload_bytes",
+            "max_answer_values",
             "tokenizer_threads",
             "max_connections",
         ):

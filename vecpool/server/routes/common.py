@@ -25,7 +25,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import Response
 
 from vecpool.calls import PreparedCall
-from vecpool.calls.outputs import RunTimes
+from vecpool.calls.outputs import PromptRequest, RunTimes
 from vecpool.errors import EngineDeadError, InputError, QueueFullError, VecpoolError
 from vecpool.server.codec import encode_array, to_bytes
 from vecpool.server.errors import ApiError, ClientDisconnectedError, input_error, validation_param
@@ -353,14 +353,18 @@ async def run_call(
     prepare: Callable[[], PreparedCall[T]],
     num_inputs: int,
     to_api_error: Callable[[InputError], ApiError] = input_error,
+    *,
+    per_token: bool = False,
 ) -> tuple[T, Timings]:
     """Prepare a call in the input thread pool (decoding, tokenizing), run its requests on the
     engine, finish it; racing the client's disconnect throughout. `num_inputs` (the requests
-    the call will queue) is checked against the free room of the queue first."""
+    the call will queue) is checked against the free room of the queue first. `per_token`: the
+    answer holds each token's row, so its size is checked once the call is tokenized
+    (`check_answer_size`)."""
     timeout = request_timeout(request)
     client = state.running_client()
     _check_queue(client, num_inputs)
-    work = _run_call(state, client, request, endpoint, prepare, to_api_error)
+    work = _run_call(state, client, request, endpoint, prepare, to_api_error, per_token)
     if timeout is not None:
         work = _within(timeout, work)
     return await until_disconnected(request, work)
@@ -406,12 +410,15 @@ async def _run_call(
     endpoint: str,
     prepare: Callable[[], PreparedCall[T]],
     to_api_error: Callable[[InputError], ApiError],
+    per_token: bool,
 ) -> tuple[T, Timings]:
     start = time.perf_counter()
     try:
         call = await off_loop(state, request, prepare)
     except InputError as exc:
         raise to_api_error(exc) from None
+    if per_token:
+        check_answer_size(state, call.requests)
     prepared = time.perf_counter()
     times = RunTimes()
     try:
@@ -439,6 +446,31 @@ async def _run_call(
     m.inference_seconds.observe(timings.inference)
     m.prompt_tokens.inc(timings.prompt_tokens)
     return result, timings
+
+
+# The tasks whose answer holds a row per token (`check_answer_size`).
+PER_TOKEN = frozenset({"token_embed", "token_classify"})
+
+
+def check_answer_size(state: ServerState, requests: list[PromptRequest]) -> None:
+    """A 400 before it runs for a call whose per-token answer would hold more values than
+    `max_answer_values` (each token's row: `token_output_dim` values, or `num_labels`). Such
+    an answer grows with tokens times width, not with the body: 2,048 inputs of 512 tokens at
+    384 values a token are 403M values, gigabytes once encoded, in one API process."""
+    info, limit = state.info, state.config.max_answer_values
+    values = sum(
+        r.prompt.num_tokens
+        * (info.num_labels if r.params.task == "token_classify" else info.token_output_dim)
+        for r in requests
+    )
+    if values > limit:
+        raise ApiError(
+            400,
+            f"the answer would hold about {values:,} values (each input's tokens times "
+            f"{info.token_output_dim} a token), over the server's limit of {limit:,} "
+            "(--max-answer-values): send fewer or shorter inputs per request",
+            code="answer_too_large",
+        )
 
 
 def _check_queue(client: EngineClient, n: int) -> None:

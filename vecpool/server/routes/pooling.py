@@ -13,7 +13,14 @@ from starlette.responses import Response
 from vecpool import calls
 from vecpool.calls import EncodeOptions, PreparedCall
 from vecpool.server.protocol import PoolingChatRequest, PoolingRequest, openapi_body
-from vecpool.server.routes.common import read_json, render, render_vectors, run_call, validate
+from vecpool.server.routes.common import (
+    PER_TOKEN,
+    read_json,
+    render,
+    render_vectors,
+    run_call,
+    validate,
+)
 from vecpool.server.routes.embeddings import TextInputs
 from vecpool.server.state import get_state
 
@@ -46,7 +53,9 @@ async def pooling(request: Request, data: dict[str, Any]) -> Response:
     def prepare() -> PreparedCall[list[np.ndarray]]:
         return calls.prepare_encode(state.context, inputs.decode(), options)
 
-    vectors, timings = await run_call(state, request, "/pooling", prepare, len(inputs))
+    vectors, timings = await run_call(
+        state, request, "/pooling", prepare, len(inputs), per_token=options.task in PER_TOKEN
+    )
     return await render(
         vectors,
         lambda: render_vectors(

@@ -42,6 +42,7 @@ from vecpool.server.protocol import (
     openapi_body,
 )
 from vecpool.server.routes.common import (
+    PER_TOKEN,
     dumps,
     in_executor,
     json_response,
@@ -168,7 +169,13 @@ async def _encode(
         return calls.prepare_encode(state.context, items, options)
 
     arrays, timings = await run_call(
-        state, request, request.scope["path"], prepare, len(items), inputs_error
+        state,
+        request,
+        request.scope["path"],
+        prepare,
+        len(items),
+        inputs_error,
+        per_token=options.task in PER_TOKEN,
     )
     content = await asyncio.to_thread(lambda: dumps([a.tolist() for a in arrays]))
     return json_response(content, timings.headers())
