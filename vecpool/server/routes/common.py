@@ -466,8 +466,8 @@ def check_answer_size(state: ServerState, requests: list[PromptRequest]) -> None
     if values > limit:
         raise ApiError(
             400,
-            f"the answer would hold about {values:,} values (each input's tokens times "
-            f"{info.token_output_dim} a token), over the server's limit of {limit:,} "
+            f"the answer would hold about {values:,} values (each input's tokens times a "
+            f"token's width), over the server's limit of {limit:,} "
             "(--max-answer-values): send fewer or shorter inputs per request",
             code="answer_too_large",
         )
