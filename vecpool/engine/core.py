@@ -145,17 +145,21 @@ class EngineCore:
 
     def _holds(self, ids: set[str]) -> bool:
         with self._queue_lock:
-            steps = [
-                *([] if self._prefetched is None else [self._prefetched[0]]),
-                *([] if self._in_flight is None else [self._in_flight.sched]),
-            ]
             queued = itertools.chain(
                 self.scheduler.waiting,
                 self.scheduler.held,
                 self.scheduler.chunked,
-                (r for sched in steps for r in sched.requests),
+                (r for sched in self._held_steps() for r in sched.requests),
             )
             return any(r.request_id in ids for r in queued)
+
+    def _held_steps(self) -> list[SchedulerOutput]:
+        """The steps that hold requests between calls of `step`: the prefetched one, the one
+        in flight."""
+        return [
+            *([] if self._prefetched is None else [self._prefetched[0]]),
+            *([] if self._in_flight is None else [self._in_flight.sched]),
+        ]
 
     def step(self, receive: Callable[[], object] | None = None) -> int:
         """Run one step; return how many requests it ran (whole, or a chunk of their prompt).
@@ -240,14 +244,7 @@ class EngineCore:
         """`step` raised outside the guarded regions (batch building, forward, pooling): fail
         the requests of the steps it took that are not done and that no step still holds (the
         prefetched one, the one in flight), so that no caller waits for them for good."""
-        held = {
-            r.request_id
-            for sched in (
-                *([] if self._prefetched is None else [self._prefetched[0]]),
-                *([] if self._in_flight is None else [self._in_flight.sched]),
-            )
-            for r in sched.requests
-        }
+        held = {r.request_id for sched in self._held_steps() for r in sched.requests}
         lost = {
             r.request_id: r
             for sched in self._taken

@@ -33,7 +33,7 @@ from vecpool.server.routes.cohere import embed as cohere_embed
 from vecpool.server.routes.common import dumps, json_response, read_json
 from vecpool.server.routes.embeddings import embeddings
 from vecpool.server.routes.pooling import pooling
-from vecpool.server.routes.scores import classify, rerank_any, score
+from vecpool.server.routes.scores import classify, is_tei_rerank, rerank_any, score
 from vecpool.server.routes.tei import TARGET_MODEL_HEADER, by_model_kind
 from vecpool.server.state import get_state
 
@@ -61,7 +61,7 @@ async def invocations(request: Request) -> Response:
     data = await read_json(request, state.config.max_payload_bytes)
     keys = set(data)
     # TEI's bodies have no `model` field: its routes read the target-model header themselves.
-    tei = "inputs" in keys or ("query" in keys and "texts" in keys and "documents" not in keys)
+    tei = "inputs" in keys or ("query" in keys and is_tei_rerank(data))
     target = request.headers.get(TARGET_MODEL_HEADER)
     if target and not tei and "model" not in keys:  # the body's own `model`, given, wins
         data["model"] = target

@@ -64,10 +64,15 @@ async def create_rerank(request: Request) -> Response:
     return await rerank_any(request, await read_json(request, state.config.max_payload_bytes))
 
 
+def is_tei_rerank(data: dict[str, Any]) -> bool:
+    """Whether a rerank body is TEI's: `texts` instead of `documents`."""
+    return "texts" in data and "documents" not in data
+
+
 async def rerank_any(request: Request, data: dict[str, Any]) -> Response:
     """A rerank body of any shape: `texts` (TEI), `raw_scores` on `/rerank` (Infinity, whose
     client always sends it), else `documents` (Cohere, Jina, vLLM)."""
-    if "texts" in data and "documents" not in data:
+    if is_tei_rerank(data):
         return await tei_routes.rerank(request, data)
     if "raw_scores" in data and request.scope["path"] == "/rerank":
         return await infinity_rerank(request, data)

@@ -34,7 +34,6 @@ async def list_models(request: Request) -> Response:
 async def retrieve_model(request: Request, name: str) -> Response:
     """One served model under `name` (OpenAI's retrieve), or a 404 naming what is served."""
     state = get_state(request)
-    state.check_model(name)
     return json_response(dumps(_model_card(state, state.for_model(name), name)))
 
 
