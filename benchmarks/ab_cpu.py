@@ -37,7 +37,7 @@ def build(folder: Path, variant: str) -> Callable[[list[str], list[list[int]]], 
     if apply is not None:
         apply(engine, value)
     if name == "three_copies":
-        import vecpool.models.attention as attention
+        import vecpool.models.layers.attention as attention
 
         joint = attention._joint_rows
 

@@ -2,7 +2,7 @@
 interleaved: how far the input worker runs ahead of the steps (`--vary ahead`, the engine's
 `PIPELINE_AHEAD`), whether it waits for the first step's forward before preparing the second
 chunk (`--vary first-alone`, 1 or 0: `PIPELINE_FIRST_ALONE`), whether plain texts of BERT's
-WordPiece are tokenized by `vecpool.wordpiece`'s array path or by the `tokenizers` library
+WordPiece are tokenized by `vecpool.inputs.wordpiece`'s array path or by the `tokenizers` library
 (`--vary wordpiece`, 1 or 0: `tokenizer.WORDPIECE_MIN_CHARS` as set, or past any batch), how
 many child processes tokenize large batches of texts (`--vary tokenizer-processes`, 0: none, the
 worker tokenizes; each `tokenizer_pool.TokenizerPool` started before the clock) or the
@@ -54,16 +54,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import vecpool
 import vecpool.api.running
-import vecpool.arrays
-import vecpool.tokenizer
+import vecpool.inputs.arrays
+import vecpool.inputs.tokenizer
 from benchmarks import record
 from benchmarks.ab_run_ahead import _timed
 from benchmarks.bench_gpu import flop_model, matmul_ceiling
 from benchmarks.bench_host import stub_engine
 from benchmarks.workloads import SHAPES, WORKLOADS, make_inputs, workload_lengths, write_folder
-from vecpool import tokenizer_pool
+from vecpool.inputs import tokenizer_pool
 
-_WORDPIECE_MIN_CHARS = vecpool.tokenizer.WORDPIECE_MIN_CHARS
+_WORDPIECE_MIN_CHARS = vecpool.inputs.tokenizer.WORDPIECE_MIN_CHARS
 
 
 def _set(vary: str, value: float, engine: vecpool.Engine, pools: dict[float, Any]) -> None:
@@ -74,9 +74,9 @@ def _set(vary: str, value: float, engine: vecpool.Engine, pools: dict[float, Any
     elif vary == "first-alone":
         vecpool.api.running.PIPELINE_FIRST_ALONE = bool(value)
     elif vary == "wordpiece":
-        vecpool.tokenizer.WORDPIECE_MIN_CHARS = _WORDPIECE_MIN_CHARS if value else sys.maxsize
+        vecpool.inputs.tokenizer.WORDPIECE_MIN_CHARS = _WORDPIECE_MIN_CHARS if value else sys.maxsize
     elif vary == "pack-ids":
-        vecpool.arrays.PACK_ID_LISTS = bool(value)
+        vecpool.inputs.arrays.PACK_ID_LISTS = bool(value)
     elif vary == "first-chunk":
         vecpool.api.running.PIPELINE_FIRST_CHUNK = int(value)
     else:

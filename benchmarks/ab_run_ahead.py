@@ -53,9 +53,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import vecpool
 from benchmarks import record
 from benchmarks.workloads import SHAPES, WORKLOADS, make_inputs, workload_lengths, write_folder
-from vecpool.models import layers as model_layers
-from vecpool.models import packed_attention, quant
-from vecpool.models.decoder import DecoderLayer
+from vecpool.models.layers import basic as model_layers
+from vecpool.models.layers import packed_attention
+from vecpool.models.layers.decoder import DecoderLayer
+from vecpool.models.quant import linear as quant
 from vecpool.runner import batch, graphs
 
 UPLOAD = batch.upload

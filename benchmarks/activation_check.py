@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks import record
-from vecpool.models import layers
+from vecpool.models.layers import basic as layers
 
 
 def _time(fn: Callable[[], Any], device: str, iters: int) -> float:

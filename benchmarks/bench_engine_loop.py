@@ -46,7 +46,7 @@ from benchmarks import record
 from benchmarks.bench_host import stub_engine
 from vecpool.api import default_model_path
 from vecpool.calls.outputs import PromptRequest
-from vecpool.inputs import Prompt
+from vecpool.inputs.prompts import Prompt
 from vecpool.server import wire
 from vecpool.server.config import EngineProcessConfig
 from vecpool.server.engine_process import EngineLoop

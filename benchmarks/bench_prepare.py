@@ -26,7 +26,7 @@ outside ASCII.
 
 Timed per round, each over the whole workload (per input, microseconds):
 - `text`: `calls.prepare_encode` of the texts (tokenize, truncate, validate, requests);
-- `text_library`: the same with `vecpool.wordpiece`'s array path switched off (every batch to
+- `text_library`: the same with `vecpool.inputs.wordpiece`'s array path switched off (every batch to
   the `tokenizers` library, as before that path): the baseline of `text`, in the same rounds;
 - `ids`: the same of the token ids;
 - `ids_numpy`: the same with each id list converted by numpy (`arrays.PACK_ID_LISTS` off, as
@@ -74,11 +74,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import vecpool
 from benchmarks import record
 from benchmarks.workloads import SHAPES, WORKLOADS, make_inputs, workload_lengths, write_folder
-from vecpool import arrays, calls
-from vecpool import tokenizer as tokenizer_module
+from vecpool import calls
 from vecpool.api import default_model_path
 from vecpool.api.running import PIPELINE_CHUNK
-from vecpool.inputs import TextOptions
+from vecpool.inputs import arrays
+from vecpool.inputs import tokenizer as tokenizer_module
+from vecpool.inputs.prompts import TextOptions
 
 FIGURES = (
     "text",
@@ -131,7 +132,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 @contextmanager
 def library_only() -> Iterator[None]:
-    """Every batch to the `tokenizers` library while inside: `vecpool.wordpiece`'s array
+    """Every batch to the `tokenizers` library while inside: `vecpool.inputs.wordpiece`'s array
     path off (the baseline of `text`)."""
     threshold = tokenizer_module.WORDPIECE_MIN_CHARS
     tokenizer_module.WORDPIECE_MIN_CHARS = sys.maxsize

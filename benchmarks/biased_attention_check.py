@@ -1,4 +1,4 @@
-"""GPU check of the biased varlen attention kernel (vecpool/models/biased_attention.py): its
+"""GPU check of the biased varlen attention kernel (vecpool/models/layers/biased_attention.py): its
 output against a float32 reference per sequence, and its time against the padded fallback it
 replaces, at MPNet-base's attention shape (12 heads of 64) over query- and passage-like steps.
 
@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from benchmarks import record
-from vecpool.models import biased_attention
-from vecpool.models.attention import AttentionMetadata, flat_attention
+from vecpool.models.layers import biased_attention
+from vecpool.models.layers.attention import AttentionMetadata, flat_attention
 
 HEADS, DIM = 12, 64
 

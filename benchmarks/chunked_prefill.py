@@ -76,7 +76,7 @@ def dense_reference(
 
 def _chunk_batch(spans: list[tuple[int, int, int]], device: torch.device, use_varlen: bool) -> Any:
     """The flat batch of chunks `(prompt length, start, chunk length)` and its key cache."""
-    from vecpool.inputs import Prompt
+    from vecpool.inputs.prompts import Prompt
     from vecpool.runner.batch import build_flat_batch
     from vecpool.runner.kv_cache import KVCache
     from vecpool.runner.step import ScheduledChunk, StepInput
@@ -104,7 +104,7 @@ def attention_check(
     device: torch.device, dtype: torch.dtype, tiny: bool, seed: int = 0
 ) -> list[dict[str, Any]]:
     """Max abs errors of chunked attention on `device` in `dtype` (see the module docstring)."""
-    from vecpool.models.attention import flat_attention, varlen_available
+    from vecpool.models.layers.attention import flat_attention, varlen_available
 
     heads, kv_heads, dim = (4, 2, 16) if tiny else (16, 8, 128)
     # (prompt length, chunk start, chunk length): whole, later chunks, a first unfinished chunk,

@@ -70,7 +70,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def block_layer(weight: torch.Tensor) -> Any:
-    from vecpool.models.fp8_block import Fp8BlockLinear, quantize_blocks
+    from vecpool.models.quant.fp8_block import Fp8BlockLinear, quantize_blocks
 
     n, k = weight.shape
     with torch.device("meta"):
@@ -111,8 +111,8 @@ def layer_entries(layer: Any, norm: Any, silu_mul: bool) -> dict[str, tuple[Any,
 def check_layers(report: dict[str, Any], models: list[str]) -> None:
     """Each projection's three entries (plain rows, RMSNorm rows, SiLU * up rows) on the CUDA
     path (Triton group quantization, cuBLAS) against the dequantized float32 path."""
-    from vecpool.models.layers import RMSNorm
-    from vecpool.models.quant import fused_fp8_ops
+    from vecpool.models.layers.basic import RMSNorm
+    from vecpool.models.quant.linear import fused_fp8_ops
 
     assert fused_fp8_ops(torch.device("cuda")), "the FP8 Triton kernels are not available"
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -153,7 +153,7 @@ def check_layers(report: dict[str, Any], models: list[str]) -> None:
 
 
 def bench_matmuls(report: dict[str, Any], models: list[str], n_rounds: int) -> None:
-    from vecpool.models.quant import Fp8Linear, finish_fp8
+    from vecpool.models.quant.linear import Fp8Linear, finish_fp8
 
     gen = torch.Generator(device="cuda").manual_seed(1)
     m = 16384
@@ -207,7 +207,7 @@ def write_block_checkpoint(folder: Path, dest: Path) -> None:
     block-wise FP8 and the config's `quantization_config` saying so."""
     from safetensors.torch import load_file, save_file
 
-    from vecpool.models.fp8_block import quantize_blocks
+    from vecpool.models.quant.fp8_block import quantize_blocks
 
     shutil.copytree(folder, dest, ignore=shutil.ignore_patterns("*.safetensors"))
     scales: set[str] = set()
@@ -245,7 +245,7 @@ def bench_engines(
     import tokenizers
 
     import vecpool
-    from vecpool.models.fp8_block import Fp8BlockLinear
+    from vecpool.models.quant.fp8_block import Fp8BlockLinear
 
     tokenizer = tokenizers.Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
     n_rounds = max(3, args.rounds)
@@ -315,7 +315,7 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("fp8_block_check.py needs a CUDA device")
-    from vecpool.models.fp8_block import cublas_block_fp8
+    from vecpool.models.quant.fp8_block import cublas_block_fp8
 
     if not cublas_block_fp8(torch.device("cuda")):
         raise SystemExit(f"{torch.cuda.get_device_name()}: no cuBLAS block-scaled FP8 (Hopper)")

@@ -92,8 +92,8 @@ def rounds(fn: Callable[[], object], n: int, iters: int) -> dict[str, Any]:
 
 
 def check_kernels(report: dict[str, Any]) -> None:
-    from vecpool.models import fp8_kernels  # noqa: F401 - the ops' CUDA kernels
-    from vecpool.models.quant import dequantize_rows, quantize_rows
+    from vecpool.models.quant import fp8_kernels  # noqa: F401 - the ops' CUDA kernels
+    from vecpool.models.quant.linear import dequantize_rows, quantize_rows
 
     out: dict[str, Any] = {}
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -177,8 +177,8 @@ def bench_projection(
     m: int, kdim: int, ndim: int, producer: str | None, n_rounds: int, iters: int
 ) -> dict[str, Any]:
     """Timings of one `[m, kdim] x [kdim, ndim]` projection, bf16 and FP8 (see the docstring)."""
-    from vecpool.models import fp8_kernels  # noqa: F401 - the ops' CUDA kernels
-    from vecpool.models.quant import Fp8Linear, quantize_rows
+    from vecpool.models.quant import fp8_kernels  # noqa: F401 - the ops' CUDA kernels
+    from vecpool.models.quant.linear import Fp8Linear, quantize_rows
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     w = torch.randn(ndim, kdim, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02

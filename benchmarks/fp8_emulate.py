@@ -43,7 +43,7 @@ import record
 @contextlib.contextmanager
 def emulated_fp8() -> Iterator[None]:
     """Engines built inside accept quantization='fp8' on the CPU (the FP8 reference path)."""
-    from vecpool.models import quant
+    from vecpool.models.quant import linear as quant
 
     def check(method: str | None, device: torch.device) -> None:
         if method != "fp8":

@@ -37,7 +37,7 @@ from fp8_emulate import cosines, embed, emulated_fp8
 def fp8_weight(weight: torch.Tensor, candidates: int = 1) -> torch.Tensor:
     """`weight` rounded to FP8 per output channel, dequantized: scale amax / 448 (the engine's),
     or the least-squares best of `candidates` scales from there up to twice that."""
-    from vecpool.models.quant import FP8_DTYPE, FP8_MAX, MIN_AMAX
+    from vecpool.models.quant.linear import FP8_DTYPE, FP8_MAX, MIN_AMAX
 
     amax = weight.abs().amax(dim=1, keepdim=True).clamp(min=MIN_AMAX)
     best, best_err = weight, torch.full_like(amax, float("inf"))
@@ -65,7 +65,7 @@ class Probe(nn.Module):
         self.input_rows = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        from vecpool.models.quant import dequantize_rows, quantize_rows
+        from vecpool.models.quant.linear import dequantize_rows, quantize_rows
 
         rows = x.reshape(-1, x.shape[-1]).float()
         if self.input_sum is not None:
@@ -83,8 +83,8 @@ class Probe(nn.Module):
 def probed_engine(model_dir: Path) -> tuple[Any, list[Probe]]:
     """A float32 CPU engine whose FP8 projections are `Probe`s over the original weights."""
     import vecpool
-    from vecpool.models.loader import load_model
-    from vecpool.models.quant import Fp8Linear
+    from vecpool.models.loading.loader import load_model
+    from vecpool.models.quant.linear import Fp8Linear
 
     with emulated_fp8():
         engine = vecpool.Engine(model_dir, device="cpu", dtype="float32", quantization="fp8")

@@ -36,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks import record, workloads
 from benchmarks.bench_gpu import flop_model
-from vecpool.models import attention
+from vecpool.models.layers import attention
 
 HEADS = {"qwen3-0.6b": (16, 8), "mistral-7b": (32, 8)}
 

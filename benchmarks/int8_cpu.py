@@ -44,7 +44,7 @@ def ms(fn: Callable[[], object], iters: int) -> float:
 
 
 def bench_matmuls(rounds: int, m: int) -> list[dict[str, Any]]:
-    from vecpool.models.quant import Int8Linear, quantize_rows
+    from vecpool.models.quant.linear import Int8Linear, quantize_rows
 
     rows = []
     for name, (k, n) in SHAPES.items():

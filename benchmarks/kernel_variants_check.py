@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import vecpool
 from benchmarks import record
 from benchmarks.workloads import SHAPES, make_inputs, workload_lengths, write_folder
-from vecpool.models import packed_attention, qk_rotary
+from vecpool.models.layers import packed_attention, qk_rotary
 
 
 def variants() -> dict[str, int]:

@@ -1,4 +1,4 @@
-"""GPU check of the packed attention kernel (vecpool/models/packed_attention.py): its output
+"""GPU check of the packed attention kernel (vecpool/models/layers/packed_attention.py): its output
 against a float32 reference per sequence, next to FlashAttention's varlen kernel (the path it
 replaces), and both kernels' device time, at the attention shapes of Qwen3-0.6B (16 query
 heads, 8 key/value heads of 128, causal), BERT-base (12 of 64) and MiniLM-L6 (12 of 32),
@@ -27,8 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks import record
-from vecpool.models import packed_attention
-from vecpool.models.attention import AttentionMetadata, flat_attention
+from vecpool.models.layers import packed_attention
+from vecpool.models.layers.attention import AttentionMetadata, flat_attention
 
 # name: (query heads, key/value heads, head size, causal)
 SHAPES = {

@@ -25,8 +25,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks import record
 from benchmarks.fp8_check import cuda_ms
-from vecpool.models import qk_rotary
-from vecpool.models.layers import RMSNorm, Rotary, apply_rotary
+from vecpool.models.layers import qk_rotary
+from vecpool.models.layers.basic import RMSNorm, Rotary, apply_rotary
 
 LAYOUTS = {
     "qwen3-0.6b": (16, 8, 128, True, False),

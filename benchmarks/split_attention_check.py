@@ -1,4 +1,4 @@
-"""GPU check of attention split at shared prefixes (vecpool/models/split_attention.py):
+"""GPU check of attention split at shared prefixes (vecpool/models/layers/split_attention.py):
 FlashAttention with log-sum-exps against a float32 reference, the Triton merge against the
 torch merge, and a split over a shared prefix against one pass over all keys.
 
@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from benchmarks import record
-from vecpool.models import split_attention
-from vecpool.models.kv_blocks import SharedPrefixes
+from vecpool.models.layers import split_attention
+from vecpool.models.layers.kv_blocks import SharedPrefixes
 
 
 def cu(lengths: list[int]) -> torch.Tensor:

@@ -361,7 +361,7 @@ def test_packed_id_lists_equal_numpys_conversion(
 ) -> None:
     """A list packed into its array (`arrays.PACK_ID_LISTS`) gives numpy's conversion, or the
     same refusal."""
-    from vecpool import arrays
+    from vecpool.inputs import arrays
 
     outcomes = []
     for packed in (True, False):
@@ -390,7 +390,7 @@ def test_a_bool_among_token_ids_is_refused_by_position(
 ) -> None:
     """A bool among ints would pack (or convert) as id 0 or 1: refused, naming its position;
     ids 0 and 1 given as ints stay ids."""
-    from vecpool import arrays
+    from vecpool.inputs import arrays
 
     monkeypatch.setattr(arrays, "PACK_ID_LISTS", packed)
     with pytest.raises(vecpool.InputError, match=rf"input 1 .*a bool\) at position {pos}"):

@@ -15,8 +15,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 
 from tests.helpers import batch_sizes_of
 from vecpool.errors import InputError
-from vecpool.inputs import InputLimits, InputProcessor, TextOptions, TextTokenizer
-from vecpool.wordpiece import ArrayWordPiece
+from vecpool.inputs.prompts import InputLimits, InputProcessor, TextOptions, TextTokenizer
+from vecpool.inputs.wordpiece import ArrayWordPiece
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",

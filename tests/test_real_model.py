@@ -99,13 +99,13 @@ def test_dimensions_truncate_then_renormalize(minilm: vecpool.Engine) -> None:
 def test_a_large_batch_of_texts_is_bit_exact_with_its_ids(
     minilm: vecpool.Engine, default_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A batch large enough for `vecpool.wordpiece`'s array path (texts outside ASCII and
+    """A batch large enough for `vecpool.inputs.wordpiece`'s array path (texts outside ASCII and
     one with an added token's text among them, which goes to the library) embeds as its ids
     from the `tokenizers` library do."""
     from tokenizers import Tokenizer
 
-    from vecpool import tokenizer as tokenizer_module
-    from vecpool.wordpiece import ArrayWordPiece
+    from vecpool.inputs import tokenizer as tokenizer_module
+    from vecpool.inputs.wordpiece import ArrayWordPiece
 
     texts = [
         f"{s} Caf\u00e9 \u201cnumber\u201d {i}: r\u00e9sum\u00e9s \u2014 \u4e2d\u6587 {s.upper()}"

@@ -1,4 +1,4 @@
-"""The cheaper tokenizer copy for plain texts (`vecpool.tokenizer`) gives exactly what the
+"""The cheaper tokenizer copy for plain texts (`vecpool.inputs.tokenizer`) gives exactly what the
 tokenizer file gives: the same ids and type ids for random texts, pairs and truncations, with
 and without the characters that send a text to the full tokenizer (controls, accents, CJK),
 on the real MiniLM tokenizer and on a cased copy of it."""
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from vecpool.tokenizer import TextTokenizer, _plain_twin
+from vecpool.inputs.tokenizer import TextTokenizer, _plain_twin
 
 PLAIN = (
     "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"

@@ -18,8 +18,8 @@ import vecpool
 from tests.test_inputs_batch import limits
 from vecpool.api.args import EngineArgs
 from vecpool.errors import InputError
-from vecpool.inputs import InputProcessor, TextOptions, TextTokenizer
-from vecpool.tokenizer_pool import PROCESS_MIN_CHARS, TokenizerPool, default_size
+from vecpool.inputs.prompts import InputProcessor, TextOptions, TextTokenizer
+from vecpool.inputs.tokenizer_pool import PROCESS_MIN_CHARS, TokenizerPool, default_size
 
 WORDS = "the quick brown fox jumps over lazy dog Ünïcödé naïve café 東京 🙂 tab\there".split(" ")
 

@@ -1,4 +1,4 @@
-"""`ArrayWordPiece` (`vecpool/wordpiece.py`) gives exactly the ids of the `tokenizers` library
+"""`ArrayWordPiece` (`vecpool/inputs/wordpiece.py`) gives exactly the ids of the `tokenizers` library
 on the real MiniLM tokenizer and on changed copies of it (cased, an added token holding a
 space, another template), for random texts of vocabulary words, unknown words, words past the
 table's 24 bytes and WordPiece's 100 characters, punctuation and whitespace of every kind, with
@@ -18,9 +18,9 @@ import pytest
 from tokenizers import Tokenizer
 
 from tests.helpers import batch_sizes_of
-from vecpool import tokenizer as tokenizer_module
-from vecpool.tokenizer import TextTokenizer
-from vecpool.wordpiece import ArrayWordPiece
+from vecpool.inputs import tokenizer as tokenizer_module
+from vecpool.inputs.tokenizer import TextTokenizer
+from vecpool.inputs.wordpiece import ArrayWordPiece
 
 PUNCTUATION = string.punctuation
 SPACES = (" ", "  ", "\t", "\n", " \r\n ", "")

@@ -15,7 +15,7 @@ from vecpool.errors import (
     RequestFailedError,
     VecpoolError,
 )
-from vecpool.inputs import TextOptions
+from vecpool.inputs.prompts import TextOptions
 from vecpool.tasks import TASKS, PoolingParams
 
 __all__ = [

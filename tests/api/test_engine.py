@@ -20,7 +20,7 @@ from tests.helpers import random_prompts
 from vecpool.config import SchedulerConfig
 from vecpool.engine.request import Request
 from vecpool.engine.scheduler import Scheduler
-from vecpool.inputs import Prompt
+from vecpool.inputs.prompts import Prompt
 from vecpool.tasks import TASKS, PoolingParams
 
 
@@ -422,7 +422,7 @@ def test_a_failing_input_is_isolated_from_its_step(tiny_bert_engine, monkeypatch
 
 
 def test_large_weights_load_with_a_progress_bar(tiny_bert, monkeypatch, capsys) -> None:
-    import vecpool.models.loader as loader
+    import vecpool.models.loading.loader as loader
 
     vecpool.Engine(tiny_bert[0], device="cpu")
     assert "loading weights" not in capsys.readouterr().err  # small: no bar

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import vecpool.api.running
-import vecpool.tokenizer
+import vecpool.inputs.tokenizer
 from benchmarks.ab_host_threads import _simulated_device, main
 from vecpool.api import default_model_path
 
@@ -32,7 +32,7 @@ def test_ab_host_threads_times_each_value_and_puts_the_setting_back(
 ) -> None:
     ahead, interval = vecpool.api.running.PIPELINE_AHEAD, sys.getswitchinterval()
     first_alone = vecpool.api.running.PIPELINE_FIRST_ALONE
-    wordpiece = vecpool.tokenizer.WORDPIECE_MIN_CHARS
+    wordpiece = vecpool.inputs.tokenizer.WORDPIECE_MIN_CHARS
     first_chunk = vecpool.api.running.PIPELINE_FIRST_CHUNK
     argv = ["--vary", vary, "--values", *values, "--tokenizer", str(default_model_path())]
     argv += ["--workloads", "queries", "--n", "40", "--rounds", "2", *extra]
@@ -50,7 +50,7 @@ def test_ab_host_threads_times_each_value_and_puts_the_setting_back(
             assert figures["ratio"] == pytest.approx(statistics.median(base) / median)
     assert ahead == vecpool.api.running.PIPELINE_AHEAD and sys.getswitchinterval() == interval
     assert first_alone == vecpool.api.running.PIPELINE_FIRST_ALONE
-    assert wordpiece == vecpool.tokenizer.WORDPIECE_MIN_CHARS
+    assert wordpiece == vecpool.inputs.tokenizer.WORDPIECE_MIN_CHARS
     assert first_chunk == vecpool.api.running.PIPELINE_FIRST_CHUNK
 
 

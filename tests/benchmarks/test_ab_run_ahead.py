@@ -11,7 +11,8 @@ import pytest
 import vecpool.api.build
 from benchmarks.ab_run_ahead import GQA_TILE, LABELS, POW2_UP_TO, UPLOAD, main
 from vecpool.api import default_model_path
-from vecpool.models import layers, packed_attention
+from vecpool.models.layers import basic as layers
+from vecpool.models.layers import packed_attention
 from vecpool.runner import batch, graphs
 from vecpool.runner.graphs import token_buckets
 

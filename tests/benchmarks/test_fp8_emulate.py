@@ -16,7 +16,7 @@ from benchmarks import bench_gpu
 from benchmarks.fp8_emulate import cosines, embed, emulated_fp8
 from benchmarks.fp8_error_sources import Probe, fp8_weight, probed_engine
 from vecpool.errors import ConfigError
-from vecpool.models.quant import Fp8Linear, dequantize_rows
+from vecpool.models.quant.linear import Fp8Linear, dequantize_rows
 
 
 def test_fp8_weight_is_the_engines_rounding_and_a_search_never_worse() -> None:
@@ -85,7 +85,7 @@ def test_probe_rounds_its_input_per_row() -> None:
     gen = torch.Generator().manual_seed(2)
     w, x = torch.randn(32, 48, generator=gen), torch.randn(5, 48, generator=gen)
     probe = Probe("layer", w, None, None)
-    from vecpool.models.quant import quantize_rows
+    from vecpool.models.quant.linear import quantize_rows
 
     out = probe(x)
     assert isinstance(out, torch.Tensor)

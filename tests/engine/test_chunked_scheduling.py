@@ -19,7 +19,7 @@ from vecpool.api.args import EngineArgs
 from vecpool.config import SchedulerConfig
 from vecpool.engine.request import Request, RequestStatus
 from vecpool.engine.scheduler import Scheduler
-from vecpool.inputs import Prompt
+from vecpool.inputs.prompts import Prompt
 from vecpool.tasks import TASKS, PoolingParams
 
 # ---- the scheduler alone ----------------------------------------------------------------

@@ -29,7 +29,7 @@ from tests.tasks.test_scoring import DOCS, QUERY, _word_tokenizer
 from vecpool.api.args import EngineArgs
 from vecpool.engine.prefix_cache import BLOCK_SIZE, PrefixCache
 from vecpool.engine.request import Request
-from vecpool.inputs import Prompt
+from vecpool.inputs.prompts import Prompt
 from vecpool.tasks import TASKS, Head, PoolingParams
 
 B = BLOCK_SIZE

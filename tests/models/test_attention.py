@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from vecpool.inputs import Prompt
-from vecpool.models.attention import flat_attention
+from vecpool.inputs.prompts import Prompt
+from vecpool.models.layers.attention import flat_attention
 from vecpool.runner.batch import build_flat_batch
 from vecpool.runner.kv_cache import KVCache
 from vecpool.runner.step import ScheduledChunk, StepInput
@@ -120,7 +120,7 @@ def test_a_bias_shared_by_layers_builds_its_mask_once() -> None:
     """Layers passing the step's one bias (MPNet, T5, ALiBi) share its additive mask, built at
     the first; another bias (DeBERTa's, per layer) builds its own. Each output equals the dense
     reference with its bias (tolerance: float32 against float64, as above)."""
-    from vecpool.models.attention import AttentionMetadata
+    from vecpool.models.layers.attention import AttentionMetadata
 
     gen = torch.Generator().manual_seed(3)
     lengths, scale = [5, 3], 0.5

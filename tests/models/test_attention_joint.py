@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.models.test_attention import dense_reference
-from vecpool.models.attention import AttentionMetadata, _joint_rows, flat_attention
+from vecpool.models.layers.attention import AttentionMetadata, _joint_rows, flat_attention
 
 DIM = 8
 

@@ -22,7 +22,7 @@ from tests.helpers import assert_rel_close, random_prompts, save_hf_model
 from tests.models.test_decoders import ARCHS
 from tests.models.test_encoders_relative import _deberta_config
 from tests.models.test_encoders_rotary import _modernbert_config, _randomize
-from vecpool.models import invariant
+from vecpool.models.layers import invariant
 
 # Lengths 1 to 3 matter: MKL computes a float32 product of one to three rows with other kernels.
 LENGTHS = [1, 2, 3, 5, 9, 17, 30, 45]

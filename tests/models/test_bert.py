@@ -58,7 +58,7 @@ def test_hidden_states_match_transformers(encoder) -> None:
 
 
 def test_token_type_ids_reach_the_model(tiny_bert_engine, tiny_bert) -> None:
-    from vecpool.inputs import Prompt
+    from vecpool.inputs.prompts import Prompt
 
     _, hf = tiny_bert
     ids = random_prompts(99, [9])[0]

@@ -111,7 +111,7 @@ def _engine(family: Family, head: str, tmp: Path, **overrides: Any) -> tuple[vec
     """(engine, transformers model) for a saved `{prefix}{head}`; the engine runs our class."""
     hf = family.hf_model(head, **overrides)
     engine = vecpool.Engine(save_hf_model(hf, tmp), device="cpu")
-    assert type(engine.model).__module__ == f"vecpool.models.{family.name}"
+    assert type(engine.model).__module__ == f"vecpool.models.architectures.{family.name}"
     return engine, hf
 
 
@@ -190,7 +190,7 @@ def test_masked_lm_logits_and_sparse_match_transformers(family: Family, tmp_path
 )
 def test_token_type_ids_reach_the_model(family: Family, tmp_path: Path) -> None:
     from vecpool.engine.request import Request
-    from vecpool.inputs import Prompt
+    from vecpool.inputs.prompts import Prompt
     from vecpool.tasks import TASKS, PoolingParams
 
     engine, hf = _engine(family, "Model", tmp_path)
@@ -305,7 +305,7 @@ def test_sentence_transformers_folder(
     ]
     expected = SentenceTransformer(str(tmp_path), device="cpu").encode(texts)
     engine = vecpool.Engine(tmp_path, device="cpu")
-    assert type(engine.model).__module__ == f"vecpool.models.{family.name}"
+    assert type(engine.model).__module__ == f"vecpool.models.architectures.{family.name}"
     ours = engine.embed(texts)
     assert np.abs(np.linalg.norm(ours, axis=1) - 1).max() < 1e-6
     assert_rel_close(ours, expected)

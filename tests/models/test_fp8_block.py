@@ -30,15 +30,16 @@ from tests.models.test_quant import (
     assert_ops_path_equal,
 )
 from vecpool.errors import ConfigError, ModelLoadError
-from vecpool.models import fp8_block, quant
-from vecpool.models.fp8_block import (
+from vecpool.models.quant import fp8_block
+from vecpool.models.quant import linear as quant
+from vecpool.models.quant.fp8_block import (
     Fp8BlockLinear,
     dequantize_blocks,
     dequantize_groups,
     quantize_blocks,
     quantize_groups,
 )
-from vecpool.models.quant import FP8_DTYPE, FP8_MAX, Fp8GatedMLP, Fp8NormLinear
+from vecpool.models.quant.linear import FP8_DTYPE, FP8_MAX, Fp8GatedMLP, Fp8NormLinear
 
 
 def test_groups_scale_by_their_own_amax() -> None:
@@ -121,7 +122,7 @@ def test_backend_on_cuda_by_shape(monkeypatch: pytest.MonkeyPatch) -> None:
         assert torch.equal(layer(x), torch.nn.functional.linear(x, weight) + layer.bias)
     # On the CPU: the FP8 arithmetic itself (the reference), its inputs quantized (here by
     # the ops' CPU kernels), on the float32 weight dequantized once.
-    import vecpool.models.fp8_ops  # noqa: F401 - the group ops
+    import vecpool.models.quant.fp8_ops  # noqa: F401 - the group ops
 
     cpu_layer, _ = _layer(48, 40, (16, 16), seed=6)
     x = torch.randn(3, 40, generator=torch.Generator().manual_seed(8))
@@ -295,7 +296,7 @@ def test_group_ops_path_equals_the_reference_and_compiles_whole(
     """The path CUDA takes (rows quantized by the `vecpool::fp8_*_groups` ops, here their CPU
     kernels: padded to 16 rows, scales laid out for cuBLAS) gives the bits of the plain torch
     path, and each fused module traces as one graph with a dynamic token count."""
-    import vecpool.models.fp8_ops  # the ops, with their CPU kernels (the reference math)
+    import vecpool.models.quant.fp8_ops  # the ops, with their CPU kernels (the reference math)
 
     _block_checkpoint(qwen3[0], tmp_path / "fp8", [16, 16])
     prompts = random_prompts(VOCAB, LENGTHS)

@@ -21,7 +21,7 @@ SHAPES = [(5, 256), (37, 384), (16, 200), (1, 128)]
 
 
 def run_cases() -> list[dict[str, object]]:
-    from vecpool.models import fp8_kernels, fp8_ops
+    from vecpool.models.quant import fp8_kernels, fp8_ops
 
     results: list[dict[str, object]] = []
     sums_equal: dict[str, bool] = {}

@@ -1,4 +1,4 @@
-"""The packed attention kernel (vecpool/models/packed_attention.py), run by Triton's
+"""The packed attention kernel (vecpool/models/layers/packed_attention.py), run by Triton's
 interpreter on the CPU, against attention computed one sequence at a time; and when the
 engine sends a step's attention to it."""
 
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from vecpool.models import attention, packed_attention
-from vecpool.models.attention import AttentionMetadata, flat_attention
+from vecpool.models.layers import attention, packed_attention
+from vecpool.models.layers.attention import AttentionMetadata, flat_attention
 
 
 def boundaries(lengths: list[int], slots: int) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The query / key norm and rotary kernel (vecpool/models/qk_rotary.py), run by Triton's
+"""The query / key norm and rotary kernel (vecpool/models/layers/qk_rotary.py), run by Triton's
 interpreter on the CPU, against the modules it replaces (`RMSNorm`, `apply_rotary`); and the
 decoder's attention giving the same result through it as through those modules."""
 
@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from vecpool.models import qk_rotary
-from vecpool.models.attention import AttentionMetadata
-from vecpool.models.decoder import DecoderAttention, DecoderConfig
-from vecpool.models.layers import RMSNorm, Rotary, apply_rotary
+from vecpool.models.layers import qk_rotary
+from vecpool.models.layers.attention import AttentionMetadata
+from vecpool.models.layers.basic import RMSNorm, Rotary, apply_rotary
+from vecpool.models.layers.decoder import DecoderAttention, DecoderConfig
 
 # (query heads, key/value heads, head size, norm, unit offset, tokens)
 CASES = [

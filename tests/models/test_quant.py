@@ -24,11 +24,11 @@ from safetensors.torch import load_file, save_file
 import vecpool
 from tests.helpers import engine_hidden, hf_last_hidden, random_prompts, save_hf_model
 from vecpool.errors import ConfigError, ModelLoadError
-from vecpool.models import quant
-from vecpool.models.folder import ModelFolder
-from vecpool.models.layers import FusedProjections
-from vecpool.models.loader import load_model
-from vecpool.models.quant import (
+from vecpool.models.layers.basic import FusedProjections
+from vecpool.models.loading.folder import ModelFolder
+from vecpool.models.loading.loader import load_model
+from vecpool.models.quant import linear as quant
+from vecpool.models.quant.linear import (
     FP8_DTYPE,
     FP8_MAX,
     Fp8GatedMLP,
@@ -292,7 +292,7 @@ def test_fp8_ops_path_equals_the_reference_and_compiles_whole(
     """The path CUDA takes (rows quantized by the `vecpool::fp8_*` ops, here their CPU
     kernels) gives the bits of the plain torch path on a float32 model, and each fused module
     traces as one graph with a dynamic token count."""
-    import vecpool.models.fp8_ops  # the ops, with their CPU kernels (the reference math)
+    import vecpool.models.quant.fp8_ops  # the ops, with their CPU kernels (the reference math)
 
     monkeypatch.setattr(vecpool.api.build, "check_quantization", lambda m, d: None)
     prompts = random_prompts(VOCAB, LENGTHS)
@@ -310,7 +310,7 @@ def test_residual_sums_in_the_norms_give_the_same_bits(
     (`Fp8SumInNormLayer`; on CUDA in the norm's kernel, here in the op's CPU kernel or in
     torch): the same additions in the same order, so the bits of the layers that add their
     own, eager and compiled with a dynamic token count, from ids and from prompt embeds."""
-    import vecpool.models.fp8_ops  # the ops, with their CPU kernels
+    import vecpool.models.quant.fp8_ops  # the ops, with their CPU kernels
 
     monkeypatch.setattr(vecpool.api.build, "check_quantization", lambda m, d: None)
     if ops_path:
@@ -360,7 +360,7 @@ def assert_ops_path_equal(
 
 
 def module_in(module: torch.nn.Module) -> int:
-    from vecpool.models.fp8_block import Fp8BlockLinear
+    from vecpool.models.quant.fp8_block import Fp8BlockLinear
 
     kinds = (Fp8Linear, Fp8BlockLinear)
     return next(m for m in module.modules() if isinstance(m, kinds)).in_features

@@ -22,7 +22,7 @@ import vecpool
 from tests.engine.test_prefix_cache import QWEN3, _shared
 from tests.helpers import REORDERED_RTOL, assert_rel_close, save_hf_model
 from vecpool.engine.prefix_cache import BLOCK_SIZE as B
-from vecpool.models import attention, split_attention
+from vecpool.models.layers import attention, split_attention
 from vecpool.runner.compiled import compile_blocks
 
 

@@ -224,7 +224,7 @@ def bert_classifier(tmp_path_factory) -> Path:
 
 def test_native_bert_through_transformers_equals_native(bert_classifier: Path, caplog) -> None:
     native = vecpool.Engine(bert_classifier, device="cpu")
-    with caplog.at_level(logging.WARNING, logger="vecpool.models.transformers_fallback"):
+    with caplog.at_level(logging.WARNING, logger="vecpool.models.loading.transformers_fallback"):
         forced = vecpool.Engine(bert_classifier, device="cpu", model_impl="transformers")
     said = [r.getMessage() for r in caplog.records if "through transformers" in r.getMessage()]
     assert said == [

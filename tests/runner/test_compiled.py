@@ -121,7 +121,7 @@ def test_gelu_op_is_atens_gelu() -> None:
     """`vecpool::gelu`, which compiled CUDA layers call instead of the compiler's own GELU
     kernel, is ATen's `F.gelu` bit for bit, with a fake implementation the compiler can trace
     at any token count; on the CPU a compiled `layers.gelu` stays `F.gelu`."""
-    from vecpool.models import layers
+    from vecpool.models.layers import basic as layers
 
     gen = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
@@ -139,7 +139,7 @@ def test_add_linear_accumulates_into_the_residual() -> None:
     residual, leaves `residual + x @ w.T` in the residual, as `torch.addmm` computes it (the
     compiler's own rewrite of that sum), eagerly and in a compiled graph, where the mutation
     of an intermediate must survive functionalization; on the CPU `add_linear` is the sum."""
-    from vecpool.models import layers
+    from vecpool.models.layers import basic as layers
 
     gen = torch.Generator().manual_seed(1)
     r, x, w = (torch.randn(*s, generator=gen) for s in ((9, 16), (9, 24), (16, 24)))
@@ -170,7 +170,7 @@ def test_compiled_cuda_ops_path_matches_eager_and_keeps_embeds_bit_exact(
     steps of several sizes, stays within float32 reordering of the eager one (an addmm rounds
     a sum once where `x + linear(h)` rounds twice), a prompt given as embeddings gives its
     ids' bits, and a second call the first's (no step sees what an earlier one overwrote)."""
-    from vecpool.models import layers
+    from vecpool.models.layers import basic as layers
 
     folder = qwen3_folder if model == "qwen3" else tiny_bert[0]
     vocab = VOCAB if model == "qwen3" else 99

@@ -26,7 +26,7 @@ from tests.helpers import (
     save_hf_model,
 )
 from tests.runner.conftest import VOCAB
-from vecpool.models.layers import FusedProjections, activation, linear_residual
+from vecpool.models.layers.basic import FusedProjections, activation, linear_residual
 from vecpool.runner.cpu_linear import FUSED_ACTIVATIONS, PackedLinear, can_pack
 
 

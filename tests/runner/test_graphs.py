@@ -26,7 +26,7 @@ from tests.helpers import (
     random_prompts,
 )
 from tests.runner.conftest import VOCAB
-from vecpool.models.attention import AttentionMetadata, GraphUnsupported, flat_attention
+from vecpool.models.layers.attention import AttentionMetadata, GraphUnsupported, flat_attention
 from vecpool.runner.batch import FlatBatch
 from vecpool.runner.graphs import ShapeKey, StepGraphs, _Graph, graph_max_tokens, token_buckets
 

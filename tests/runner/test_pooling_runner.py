@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from vecpool.config import SEQUENCE_METHODS
-from vecpool.inputs import Prompt
-from vecpool.models.st import DenseStack
+from vecpool.inputs.prompts import Prompt
+from vecpool.models.loading.st import DenseStack
 from vecpool.pooling.heads import (
     ClassifierHead,
     EmbedHead,

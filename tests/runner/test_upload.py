@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from vecpool.inputs import Prompt
+from vecpool.inputs.prompts import Prompt
 from vecpool.runner.batch import build_flat_batch, upload
 from vecpool.runner.step import ScheduledChunk, StepInput
 from vecpool.tasks import TASKS, PoolingParams

@@ -14,7 +14,7 @@ import vecpool
 from vecpool.api import EngineArgs
 from vecpool.calls import PoolingOutput, PromptRequest
 from vecpool.errors import ConfigError, EngineDeadError
-from vecpool.inputs import Prompt
+from vecpool.inputs.prompts import Prompt
 from vecpool.server.engine_client import EngineProcessClient
 from vecpool.server.engine_group import EngineGroupClient
 from vecpool.tasks import PoolingParams

@@ -29,7 +29,7 @@ from vecpool.errors import (
     QueueFullError,
     RequestFailedError,
 )
-from vecpool.inputs import Prompt
+from vecpool.inputs.prompts import Prompt
 from vecpool.server import engine_client, engine_process, wire
 from vecpool.server.engine_client import EngineProcessClient
 from vecpool.server.engine_process import EngineLoop, EngineProcessConfig

@@ -15,7 +15,7 @@ import torch
 
 from vecpool.config import SEQUENCE_METHODS
 from vecpool.errors import InputError
-from vecpool.inputs import InputLimits, InputProcessor, TextOptions
+from vecpool.inputs.prompts import InputLimits, InputProcessor, TextOptions
 from vecpool.server.floats import FORMATS, format_bytes, round_to_format
 from vecpool.server.torch_save import SavedTensor, TorchSaveError, read_torch_save
 

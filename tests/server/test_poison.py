@@ -22,7 +22,7 @@ _SITECUSTOMIZE = """
 import os
 
 if os.environ.get("VECPOOL_TEST_POISON_ID"):
-    import vecpool.models.bert as bert
+    import vecpool.models.architectures.bert as bert
 
     _poison = int(os.environ["VECPOOL_TEST_POISON_ID"])
     _lookup = bert.BertModel.embed_input_ids

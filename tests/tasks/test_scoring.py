@@ -17,8 +17,8 @@ from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 import vecpool
 from tests.helpers import assert_rel_close, batch_sizes_of, save_hf_model
 from tests.models.test_decoders import ARCHS, VOCAB
-from vecpool import tokenizer as tokenizer_module
-from vecpool.wordpiece import ArrayWordPiece
+from vecpool.inputs import tokenizer as tokenizer_module
+from vecpool.inputs.wordpiece import ArrayWordPiece
 
 QUERY = "what does a cat eat"
 DOCS = [

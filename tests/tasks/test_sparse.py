@@ -19,7 +19,7 @@ from starlette.testclient import TestClient
 
 import vecpool
 from tests.helpers import assert_rel_close
-from vecpool.models.folder import ModelFolder, SpladeSpec
+from vecpool.models.loading.folder import ModelFolder, SpladeSpec
 from vecpool.pooling.heads import HeadBatch, SparseHead
 from vecpool.pooling.methods import PoolingMetadata
 from vecpool.server.app import create_app

@@ -99,7 +99,7 @@ class EngineArgs:
     # device, e.g. several models behind one server, each keep theirs); None: no cap.
     gpu_memory_fraction: float | None = None
     # Child processes that tokenize large batches of texts beside the engine (see
-    # `vecpool/tokenizer_pool.py`); None: a core in four, one to four; 0: none.
+    # `vecpool/inputs/tokenizer_pool.py`); None: a core in four, one to four; 0: none.
     tokenizer_processes: int | None = None
 
     def __post_init__(self) -> None:

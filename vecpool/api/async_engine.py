@@ -26,7 +26,7 @@ from vecpool.engine.request import Request, RequestStatus
 from vecpool.errors import EngineDeadError, QueueFullError
 
 __all__ = ["AsyncEngine", "EngineDeadError", "QueueFullError"]  # the errors live in vecpool.errors
-from vecpool.inputs import TextOptions
+from vecpool.inputs.prompts import TextOptions
 from vecpool.tasks import PoolingParams
 
 logger = logging.getLogger(__name__)

@@ -22,23 +22,23 @@ from vecpool.engine.core import EngineCore
 from vecpool.engine.prefix_cache import BLOCK_SIZE, PrefixCache
 from vecpool.engine.scheduler import Scheduler
 from vecpool.errors import ConfigError
-from vecpool.inputs import InputLimits, InputProcessor, Prompt, TextOptions, TextTokenizer
-from vecpool.models.attention import varlen_available
+from vecpool.inputs.prompts import InputLimits, InputProcessor, Prompt, TextOptions, TextTokenizer
+from vecpool.inputs.tokenizer_pool import TokenizerPool, default_size
 from vecpool.models.base import Capability
-from vecpool.models.folder import ModelFolder
 from vecpool.models.hf import hf_get
-from vecpool.models.invariant import InvariantHead
-from vecpool.models.kv_blocks import BlockPool
-from vecpool.models.loader import load_model
-from vecpool.models.quant import check_quantization, has_fp8_layers, quantize_model
-from vecpool.models.st import load_dense_stack
+from vecpool.models.layers.attention import varlen_available
+from vecpool.models.layers.invariant import InvariantHead
+from vecpool.models.layers.kv_blocks import BlockPool
+from vecpool.models.loading.folder import ModelFolder
+from vecpool.models.loading.loader import load_model
+from vecpool.models.loading.st import load_dense_stack
+from vecpool.models.quant.linear import check_quantization, has_fp8_layers, quantize_model
 from vecpool.pooling.build import PoolingDefaults, build_heads
 from vecpool.runner.compiled import compile_by_default
 from vecpool.runner.model_runner import ModelRunner
 from vecpool.runner.pooling_runner import PoolingRunner
 from vecpool.runner.step import ScheduledChunk
 from vecpool.tasks import TASKS, PoolingParams, get_task
-from vecpool.tokenizer_pool import TokenizerPool, default_size
 
 # The engine's probe: a short input any text model embeds (see `EngineParts._probe`).
 PROBE_TEXT = "The engine checks itself on this sentence."

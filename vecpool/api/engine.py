@@ -27,7 +27,7 @@ from vecpool.calls.options import (
     SparseOptions,
 )
 from vecpool.config import LLMRerankerConfig
-from vecpool.inputs import TruncationSide
+from vecpool.inputs.prompts import TruncationSide
 
 __all__ = [
     "DEFAULT_MODEL_PACKAGE",
@@ -64,13 +64,13 @@ class Engine(EngineRunner):
     `data_parallel_size` above 1 is refused: an Engine is one engine in this process (see
     `EngineArgs.replicas` for how `vecpool serve` and `vecpool embed` place several).
     `batch_invariant` makes every input's output the same to the bit whatever else shares its
-    step or call (fixed-shape matrix products and attention; see `vecpool.models.invariant`).
+    step or call (fixed-shape matrix products and attention; see `vecpool.models.layers.invariant`).
     `model_impl` "auto" runs the folder's native vecpool class, else (slower, prompts whole,
     neither compiled nor graphed) the `transformers` class its config names; "vecpool" refuses
     an architecture with no native class; "transformers" always takes the fallback.
     `quantization` quantizes the linear projections of the model's layers once loaded, weights
     per output channel and activations per token: "fp8" on CUDA of compute capability 8.9 or
-    higher, "int8" on the CPU (see `vecpool.models.quant`); a checkpoint stored in FP8 runs in
+    higher, "int8" on the CPU (see `vecpool.models.quant.linear`); a checkpoint stored in FP8 runs in
     FP8 without it.
     `enable_prefix_caching` (causal models; refused for others): prompts that start with the
     same token ids compute them once, keeping their keys and values in a cache of

@@ -8,8 +8,8 @@ from dataclasses import replace
 from typing import Any
 
 from vecpool.errors import ConfigError
-from vecpool.inputs import SideFormat, TextTokenizer
-from vecpool.models.folder import LateInteractionSpec, SideSpec
+from vecpool.inputs.prompts import SideFormat, TextTokenizer
+from vecpool.models.loading.folder import LateInteractionSpec, SideSpec
 from vecpool.tasks import INPUT_TYPES
 
 # The mask tokens of BERT-style and RoBERTa-style tokenizers, when tokenizer_config.json does

@@ -24,7 +24,7 @@ from vecpool.api.build import EngineParts
 from vecpool.api.outputs import PoolingOutput, PreparedCall, PromptRequest, T, outcome
 from vecpool.engine.request import Request
 from vecpool.errors import InputError
-from vecpool.inputs import Prompt, TextOptions
+from vecpool.inputs.prompts import Prompt, TextOptions
 from vecpool.tasks import PoolingParams, get_task
 
 logger = logging.getLogger(__name__)

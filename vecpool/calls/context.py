@@ -14,9 +14,9 @@ import numpy as np
 from vecpool.calls.info import EngineInfo
 from vecpool.calls.outputs import PromptRequest
 from vecpool.errors import InputError, check_flag
-from vecpool.inputs import InputProcessor, TextOptions, TextTokenizer, is_tensor
+from vecpool.inputs.prompts import InputProcessor, TextOptions, TextTokenizer, is_tensor
+from vecpool.inputs.tokenizer import check_unicode
 from vecpool.tasks import PoolingParams, get_task
-from vecpool.tokenizer import check_unicode
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vecpool.config import ListwiseRerankerConfig, LLMRerankerConfig
-from vecpool.inputs import InputLimits, SideFormat
+from vecpool.inputs.prompts import InputLimits, SideFormat
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from vecpool.tasks import PoolingParams
 if TYPE_CHECKING:
     from vecpool.calls.context import CallContext
     from vecpool.config import ListwiseRerankerConfig
-    from vecpool.inputs import TextTokenizer
+    from vecpool.inputs.prompts import TextTokenizer
 
 
 @dataclass(frozen=True)

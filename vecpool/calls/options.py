@@ -19,8 +19,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from vecpool.arrays import TruncationSide
 from vecpool.errors import InputError, check_flag
+from vecpool.inputs.arrays import TruncationSide
 
 OptionsT = TypeVar("OptionsT", bound="Options")
 

@@ -10,7 +10,7 @@ from typing import Generic, TypeVar
 import numpy as np
 
 from vecpool.errors import VecpoolError
-from vecpool.inputs import Prompt
+from vecpool.inputs.prompts import Prompt
 from vecpool.tasks import PoolingParams
 
 T = TypeVar("T")

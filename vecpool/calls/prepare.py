@@ -28,9 +28,9 @@ from vecpool.calls.options import (
 )
 from vecpool.calls.outputs import PoolingOutput, PreparedCall, output_data
 from vecpool.errors import InputError
-from vecpool.inputs import TextOptions, TruncationSide, is_tensor
+from vecpool.inputs.prompts import TextOptions, TruncationSide, is_tensor
+from vecpool.inputs.tokenizer import check_unicode
 from vecpool.tasks import PoolingParams
-from vecpool.tokenizer import check_unicode
 
 SparseResult = list[dict[int, float]] | list[dict[str, float]]
 

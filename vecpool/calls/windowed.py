@@ -26,7 +26,7 @@ from vecpool.calls.context import CallContext, as_input_list, instruction, make_
 from vecpool.calls.options import EmbedOptions
 from vecpool.calls.outputs import PoolingOutput, PreparedCall, PromptRequest, output_data
 from vecpool.errors import InputError
-from vecpool.inputs import InputProcessor, Prompt, TextOptions, input_kind
+from vecpool.inputs.prompts import InputProcessor, Prompt, TextOptions, input_kind
 from vecpool.tasks import PoolingParams
 
 

@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # torch loads where a model runs
 from vecpool.cli.common import CommandError
 from vecpool.cli.corpus import Chunk
 from vecpool.errors import ConfigError, EngineError, InputError, ModelLoadError, VecpoolError
-from vecpool.inputs import TRUNCATE_ADVICE
+from vecpool.inputs.prompts import TRUNCATE_ADVICE
 
 # Chunks sent ahead to each engine process, so that none waits while results are written and
 # each has its next chunk to tokenize while it runs one.

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from vecpool.errors import VecpoolError
-from vecpool.inputs import Prompt
+from vecpool.inputs.prompts import Prompt
 from vecpool.tasks import PoolingParams, TaskSpec
 
 logger = logging.getLogger(__name__)

@@ -8,16 +8,17 @@ one model serves several tasks in one batch.
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
 
 from vecpool.config import ListwiseRerankerConfig
-from vecpool.models.attention import AttentionMetadata
+from vecpool.models.layers.attention import AttentionMetadata
 
 if TYPE_CHECKING:
-    from vecpool.models.folder import ModelFolder
+    from vecpool.models.loading.folder import ModelFolder
 
 
 class Capability(enum.Enum):
@@ -29,6 +30,26 @@ class Capability(enum.Enum):
     CAUSAL_LM = "causal_lm"  # `compute_logits`
     TOKEN_PROJECTION = "token_projection"  # `project_tokens`
     LISTWISE_RANKER = "listwise_ranker"  # `project_listwise`: a listwise reranker's vectors
+    IMAGE_TOWER = "image_tower"  # `forward(..., images=...)`: a dual encoder's image side
+
+
+@dataclass
+class ImageBatch:
+    """The images of one step, flat: every image's patch rows concatenated, as a flat batch
+    concatenates texts' tokens. Built by the model runner; read by a model with an image tower.
+
+    A dual encoder (CLIP, SigLIP) gives each image one row of the step's flat batch: its
+    forward writes the image's pooled, projected embedding there (`rows`)."""
+
+    pixel_values: torch.Tensor  # [num_patches, patch_dim] model dtype
+    cu_patches: torch.Tensor  # [num_images + 1] int32: where each image's patches start
+    max_patches: int  # the most patches of one image
+    grids: list[tuple[int, int]]  # [num_images] (rows, columns) of patches
+    rows: torch.Tensor  # [num_images] int64: the flat batch row each image's output goes to
+
+    @property
+    def num_images(self) -> int:
+        return len(self.grids)
 
 
 class PoolingModel(nn.Module):
@@ -76,6 +97,11 @@ class PoolingModel(nn.Module):
     # What the sequence classifier reads: the "CLS" or "LAST" row, or the "MEAN" of the rows
     classifier_pooler: str = "CLS"
     projection_dim: int = 0  # output size of `project_tokens`, when the model has it
+    # Width of the rows `forward` returns, where it differs from `hidden_size` (the width of
+    # its input embeddings): a dual encoder's shared space. 0: `hidden_size`.
+    output_size: int = 0
+    # A dual encoder's image input: the image processor its folder names, the patch size.
+    image_patch_dim: int = 0  # channels * patch_size**2 of one patch row; 0: no image tower
     # A listwise reranker's prompt format and marker tokens (with `LISTWISE_RANKER`).
     listwise_reranker: ClassVar[ListwiseRerankerConfig | None] = None
 
@@ -103,6 +129,8 @@ class PoolingModel(nn.Module):
         attn: AttentionMetadata,
         token_type_ids: torch.Tensor | None = None,  # [num_tokens] int64, encoders only
     ) -> torch.Tensor:  # [num_tokens, hidden] final hidden states
+        """A model with `Capability.IMAGE_TOWER` also takes `images: ImageBatch | None` and
+        returns `[num_tokens, output_size]` rows in its shared space (see `ImageBatch`)."""
         raise NotImplementedError
 
     def classify(self, pooled: torch.Tensor) -> torch.Tensor:

@@ -11,9 +11,9 @@ from torch import nn
 
 from vecpool.errors import ModelLoadError
 from vecpool.models.base import Capability, PoolingModel
-from vecpool.models.folder import ModelFolder, SpladeSpec
-from vecpool.models.loader import load_module
-from vecpool.models.st import DenseStack, load_dense_stack
+from vecpool.models.loading.folder import ModelFolder, SpladeSpec
+from vecpool.models.loading.loader import load_module
+from vecpool.models.loading.st import DenseStack, load_dense_stack
 from vecpool.pooling.heads import (
     ClassifierHead,
     EmbedHead,

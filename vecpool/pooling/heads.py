@@ -23,8 +23,8 @@ import numpy as np
 import torch
 
 from vecpool.errors import ConfigError
-from vecpool.models.layers import activation, activation_name
-from vecpool.models.st import DenseStack
+from vecpool.models.layers.basic import activation, activation_name
+from vecpool.models.loading.st import DenseStack
 from vecpool.pooling.carry import Carry
 from vecpool.pooling.methods import (
     METHODS,

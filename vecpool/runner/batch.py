@@ -10,8 +10,8 @@ import numpy as np
 import torch
 
 from vecpool.errors import EngineError
-from vecpool.models.attention import AttentionMetadata
-from vecpool.models.kv_blocks import BlockPool, ChunkedKV, PrefixKV, SharedPrefixes
+from vecpool.models.layers.attention import AttentionMetadata
+from vecpool.models.layers.kv_blocks import BlockPool, ChunkedKV, PrefixKV, SharedPrefixes
 from vecpool.pooling.methods import PoolingMetadata
 from vecpool.runner.kv_cache import KVCache
 from vecpool.runner.step import StepInput

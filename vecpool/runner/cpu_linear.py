@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from vecpool.models.layers import FusedProjections
+from vecpool.models.layers.basic import FusedProjections
 from vecpool.runner.compiled import repeated_blocks
 
 # Dtypes oneDNN's CPU linear serves (bfloat16 needs avx512_bf16 or AMX to be fast).

@@ -51,8 +51,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from vecpool.models.attention import AttentionMetadata, GraphUnsupported, cached_step
-from vecpool.models.kv_blocks import BlockPool, ChunkedKV, PrefixKV, SharedPrefixes
+from vecpool.models.layers.attention import AttentionMetadata, GraphUnsupported, cached_step
+from vecpool.models.layers.kv_blocks import BlockPool, ChunkedKV, PrefixKV, SharedPrefixes
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from vecpool.models.kv_blocks import KVBuffers
+from vecpool.models.layers.kv_blocks import KVBuffers
 
 
 class KVCache:

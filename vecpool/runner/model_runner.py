@@ -9,11 +9,11 @@ import contextlib
 
 import torch
 
-from vecpool.models import packed_attention
-from vecpool.models.attention import cached_step, varlen_available
 from vecpool.models.base import PoolingModel
-from vecpool.models.invariant import InvariantFunctions, make_batch_invariant
-from vecpool.models.kv_blocks import BlockPool
+from vecpool.models.layers import packed_attention
+from vecpool.models.layers.attention import cached_step, varlen_available
+from vecpool.models.layers.invariant import InvariantFunctions, make_batch_invariant
+from vecpool.models.layers.kv_blocks import BlockPool
 from vecpool.runner.batch import FlatBatch, build_flat_batch
 from vecpool.runner.compiled import compile_blocks
 from vecpool.runner.cpu_linear import can_pack, pack_linears

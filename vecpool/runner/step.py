@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from vecpool.inputs import Prompt
+from vecpool.inputs.prompts import Prompt
 from vecpool.tasks import PoolingParams, TaskSpec
 
 

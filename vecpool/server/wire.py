@@ -13,7 +13,7 @@ import numpy as np
 
 from vecpool.calls.outputs import PoolingOutput, PromptRequest
 from vecpool.errors import EngineError, InputError, RequestFailedError, VecpoolError
-from vecpool.inputs import Prompt
+from vecpool.inputs.prompts import Prompt
 from vecpool.tasks import PoolingParams
 
 _ERRORS: dict[str, type[VecpoolError]] = {

@@ -1,0 +1,499 @@
+"""Input forms -> `Prompt`: tokenization, truncation, instruction prompts, validation.
+
+An input is a string, a list of token ids, a 2-D prompt-embeds tensor wrapped as
+`{"prompt_embeds": tensor}`, the dict forms `{"prompt": str}` / `{"prompt_token_ids": [...]}`,
+or a text pair `{"text": str, "text_pair": str}` (a cross-encoder's query and document, joined
+by the tokenizer's pair template, with segment ids). Every error names the input's index in the
+call and what was wrong with it.
+
+A late-interaction (ColBERT) model writes its queries and documents differently: inputs of one
+side (`input_type`) get the side's marker token after the first token, the side's length
+limit, and, for queries, the expansion up to a fixed length (`SideFormat`).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from vecpool.errors import InputError, InputTooLongError, check_flag
+from vecpool.inputs.arrays import (
+    OVERFLOW,
+    TruncationSide,
+    as_id_array,
+    float_array,
+    is_float,
+    is_tensor,
+    peak,
+    truncate,
+)
+from vecpool.inputs.tokenizer import TextTokenizer, id_arrays
+from vecpool.inputs.tokenizer_pool import TokenizerPool
+
+__all__ = ["TextTokenizer", "TruncationSide", "is_tensor"]  # re-exported: their old home
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One validated input: token ids, or prompt embeds that replace the embedding lookup."""
+
+    token_ids: np.ndarray | None  # [num_tokens] int64; None for prompt embeds
+    # [num_tokens, hidden]: a float numpy array as the input stage checked it (a bfloat16
+    # tensor widened to float32, exactly); a CPU torch tensor in the model dtype once an engine
+    # takes it (`Engine.submit`), which is all the runner sees. None for token ids. (Typed Any:
+    # this module names no torch type, so that it never loads torch.)
+    prompt_embeds: Any
+    token_type_ids: np.ndarray | None = None  # [num_tokens] int64, segment ids of a text pair
+    # Only the first `num_attended` tokens are attended to (ColBERT's query expansion that the
+    # model does not attend to); None: every token is.
+    num_attended: int | None = None
+    # Rows of the prompt: read several times per step, so set once.
+    num_tokens: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        rows = self.token_ids if self.token_ids is not None else self.prompt_embeds
+        assert rows is not None
+        object.__setattr__(self, "num_tokens", int(rows.shape[0]))
+
+
+@dataclass(frozen=True)
+class InputLimits:
+    """What the model accepts; set once by the engine."""
+
+    vocab_size: int
+    hidden_size: int
+    max_model_len: int
+    dtype: str  # the model's dtype name: "float32", "float16", "bfloat16"
+    enable_prompt_embeds: bool
+    # Longer texts are refused before they are tokenized (tokenizing costs time and memory in
+    # proportion to the text, truncated or not); None: no limit.
+    max_input_chars: int | None = None
+
+
+@dataclass(frozen=True)
+class TextOptions:
+    """Per-call options of tokenization."""
+
+    truncate_prompt_tokens: int | None = None  # keep this many tokens; -1: the model's limit
+    truncation_side: TruncationSide = "right"  # "right" keeps the start, "left" the end
+    prompt: str | None = None  # instruction prefix for text inputs
+    # False: a text becomes its own tokens only, without the tokenizer's special tokens
+    # ([CLS], [SEP], BOS ...): what a text already rendered by a chat template wants.
+    add_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        t = self.truncate_prompt_tokens
+        if t is not None and (isinstance(t, bool) or not isinstance(t, int)):
+            raise InputError(
+                f"must be an integer (-1: the model's limit), got {t!r}",
+                field="truncate_prompt_tokens",
+            )
+        if self.truncation_side not in ("left", "right"):
+            raise InputError(
+                f"must be 'left' or 'right', got {self.truncation_side!r}", field="truncation_side"
+            )
+        if self.prompt is not None and not isinstance(self.prompt, str):
+            raise InputError(f"must be a string, got {type(self.prompt).__name__}", field="prompt")
+        check_flag(self.add_special_tokens, "add_special_tokens")
+
+
+@dataclass(frozen=True)
+class SideFormat:
+    """How the inputs of one side (query or document) of a late-interaction model are written."""
+
+    prompt: str = ""  # text in front of a text input (unless the call gives its own prompt)
+    marker_id: int | None = None  # a token inserted after the first one (ColBERT's [Q] after [CLS])
+    max_tokens: int | None = None  # the side's length limit, marker and special tokens included
+    expand_to: int = 0  # a shorter input is padded with `expansion_id` up to this many tokens
+    expansion_id: int = 0
+    attend_expansion: bool = True  # False: no token attends to the expansion tokens
+
+
+# How a too-long error says to truncate, in the API's terms; `vecpool embed` words it as its
+# own option.
+TRUNCATE_ADVICE = "pass truncate_prompt_tokens (-1 for the limit) to truncate it"
+
+
+def too_long(n: int, limit: int, index: int | None, side: str | None = None) -> InputError:
+    """The error of an input over the length limit (of the model, or of a late-interaction
+    model's query or document `side`). Its wording carries "maximum context length", the
+    phrase of OpenAI and vLLM that clients match on to truncate and retry, and vLLM's "Please
+    reduce the length of the input."."""
+    what = "input" if side is None else side
+    scope = "" if side is None else f" for a {side}"
+    return InputTooLongError(
+        f"the {what} has {n} tokens, more than the model's maximum context length{scope} of "
+        f"{limit} tokens; {TRUNCATE_ADVICE}. Please reduce the length of the input.",
+        index=index,
+    )
+
+
+class InputProcessor:
+    """Turns the inputs of one call into validated `Prompt`s (tokenizing texts in one batch)."""
+
+    def __init__(
+        self,
+        limits: InputLimits,
+        tokenizer: TextTokenizer | None,
+        sides: Mapping[str, SideFormat] | None = None,
+        tokenizer_pool: TokenizerPool | None = None,
+    ):
+        self.limits = limits
+        self.tokenizer = tokenizer
+        # Large batches of single texts are tokenized there when it can take them (engine side).
+        self.tokenizer_pool = tokenizer_pool
+        self.sides = dict(sides or {})  # by input type; empty unless a late-interaction model
+
+    def process(
+        self, inputs: Sequence[Any], options: TextOptions, input_type: str | None = None
+    ) -> list[Prompt]:
+        """Validate every input; raise `InputError` naming the first bad one. With `input_type`,
+        write them as that side of a late-interaction model."""
+        if input_type is not None:
+            return self._side(inputs, options, input_type)
+        limit = self._limit(options)  # the call's option: checked once, before any input
+        kinds: list[tuple[str, Any]] = [_classify(item, i) for i, item in enumerate(inputs)]
+        prompts: list[Prompt | None] = [None] * len(kinds)
+        text_indices = [i for i, (kind, _) in enumerate(kinds) if kind in ("text", "pair")]
+        if text_indices:
+            texts = self._texts(kinds, text_indices, options, limit)
+            if len(texts) == len(kinds):  # the common call: texts only
+                return texts
+            for i, prompt in zip(text_indices, texts, strict=True):
+                prompts[i] = prompt
+        others = [i for i, (kind, _) in enumerate(kinds) if kind not in ("text", "pair")]
+        side = options.truncation_side
+        checked = None  # token ids only: checked together
+        if others and all(kinds[i][0] == "token_ids" for i in others):
+            checked = self._id_prompts([kinds[i][1] for i in others], limit, side)
+        if checked is not None:
+            for i, prompt in zip(others, checked, strict=True):
+                prompts[i] = prompt
+        else:  # one by one, in input order: the first bad input raises
+            for i in others:
+                kind, value = kinds[i]
+                if kind == "token_ids":
+                    prompts[i] = self._token_ids(value, i, limit, side)
+                else:
+                    prompts[i] = self._prompt_embeds(value, i, limit, side)
+        return [p for p in prompts if p is not None]
+
+    def _side(self, inputs: Sequence[Any], options: TextOptions, input_type: str) -> list[Prompt]:
+        """Inputs of one side: the side's prompt in front of texts, its marker after the first
+        token, its length limit (truncate_prompt_tokens counts the marker), and the expansion of
+        a shorter input. Prompt embeds are the model's input as given: nothing is inserted (the
+        task declares that such a request needs token ids, and it fails alone)."""
+        side = self.sides.get(input_type)
+        if side is None:
+            raise InputError(
+                f"input_type {input_type!r} needs a late-interaction model (HF_ColBERT or a "
+                "multi-vector sentence-transformers folder, with its tokenizer); this model "
+                "writes queries and documents alike",
+                field="input_type",
+            )
+        has_text = False
+        for i, item in enumerate(inputs):
+            if isinstance(item, Mapping) and set(item) == {"text", "text_pair"}:
+                raise InputError(
+                    f"a text pair has no {input_type} side; give single inputs", index=i
+                )
+            if isinstance(item, str) or (isinstance(item, Mapping) and "prompt" in item):
+                has_text = True
+        max_tokens = min(self.limits.max_model_len, side.max_tokens or sys.maxsize)
+        limit = self._limit(options)  # the model's rules for truncate_prompt_tokens
+        reserve = 0 if side.marker_id is None else 1
+        marker = f" (its {input_type} marker included)" if reserve else ""
+        if limit is not None:
+            limit = min(limit, max_tokens)
+            specials = self.tokenizer.num_special_tokens if self.tokenizer and has_text else 0
+            if limit - reserve - specials < 1:
+                raise InputError(
+                    f"truncation to {limit} tokens leaves no room besides {specials} special "
+                    f"tokens{marker}",
+                    field="truncate_prompt_tokens",
+                )
+        # Lengths are checked below, once the marker is in.
+        unlimited = InputProcessor(
+            replace(self.limits, max_model_len=sys.maxsize),
+            self.tokenizer,
+            tokenizer_pool=self.tokenizer_pool,
+        )
+        inner_options = replace(
+            options,
+            truncate_prompt_tokens=None if limit is None else limit - reserve,
+            prompt=(side.prompt or None) if options.prompt is None else options.prompt,
+        )
+        prompts = []
+        for i, prompt in enumerate(unlimited.process(inputs, inner_options)):
+            ids = prompt.token_ids
+            if ids is not None and side.marker_id is not None:
+                ids = np.insert(ids, 1, side.marker_id)
+            n = prompt.num_tokens if ids is None else int(ids.shape[0])
+            if n > max_tokens:
+                raise too_long(n, max_tokens, i, input_type)
+            if ids is None:
+                prompts.append(prompt)
+                continue
+            num_attended = None
+            if n < side.expand_to:
+                padding = np.full(side.expand_to - n, side.expansion_id, dtype=np.int64)
+                ids = np.concatenate((ids, padding))
+                num_attended = None if side.attend_expansion else n
+            prompts.append(Prompt(token_ids=ids, prompt_embeds=None, num_attended=num_attended))
+        return prompts
+
+    def check_text_size(self, text: str | tuple[str, str], index: int | None = None) -> None:
+        """`InputError` for a text over the character limit, before any tokenizing."""
+        limit = self.limits.max_input_chars
+        n = sum(map(len, text)) if isinstance(text, tuple) else len(text)
+        if limit is not None and n > limit:
+            raise InputTooLongError(
+                f"the text has {n} characters, more than the limit of {limit} per input "
+                "(checked before tokenizing, whether or not it would be truncated)",
+                index=index,
+                field=None if index is not None else "prompt",
+            )
+
+    def truncation_length(self, truncate_prompt_tokens: int) -> int:
+        """The length `truncate_prompt_tokens` asks for (-1: the model's limit); `InputError`
+        for a length the model does not accept."""
+        limit = self._limit(TextOptions(truncate_prompt_tokens))
+        assert limit is not None
+        return limit
+
+    def _limit(self, options: TextOptions) -> int | None:
+        """The truncation length asked for, or None for "do not truncate"."""
+        t = options.truncate_prompt_tokens
+        if t is None:
+            return None
+        if t == -1:
+            return self.limits.max_model_len
+        if t < 1:
+            raise InputError(
+                f"truncate_prompt_tokens must be -1 or a positive count, got {t}",
+                field="truncate_prompt_tokens",
+            )
+        if t > self.limits.max_model_len:
+            # Not lowered to the limit in silence: the caller asked for more than can run.
+            raise InputError(
+                f"truncate_prompt_tokens={t} is more than the model's limit of "
+                f"{self.limits.max_model_len} tokens; pass -1 to truncate to the limit "
+                f"(as vLLM words it: truncate_prompt_tokens value ({t}) is greater than "
+                f"max_model_len ({self.limits.max_model_len}). Please, select a smaller "
+                "truncation size.)",
+                field="truncate_prompt_tokens",
+            )
+        return t
+
+    def _check_length(self, n: int, index: int) -> None:
+        if n == 0:
+            raise InputError("the input is empty (no tokens)", index=index)
+        if n > self.limits.max_model_len:
+            raise too_long(n, self.limits.max_model_len, index)
+
+    def _texts(
+        self,
+        kinds: list[tuple[str, Any]],
+        indices: list[int],
+        options: TextOptions,
+        limit: int | None,
+    ) -> list[Prompt]:
+        if self.tokenizer is None:
+            raise InputError(
+                "text input needs a tokenizer, and the model folder has no tokenizer.json; "
+                "pass token ids or prompt embeds instead",
+                index=indices[0],
+            )
+        values = [kinds[i][1] for i in indices]  # str, or a (text, text_pair) tuple
+        if not all(values):  # (a pair's two texts were checked when it was classified)
+            first = next(j for j, value in enumerate(values) if not value)
+            raise InputError("the input is an empty string", index=indices[first])
+        prefix = options.prompt  # instruction prompts are for single texts
+        texts: list[str | tuple[str, str]] = (
+            values
+            if prefix is None
+            else [v if isinstance(v, tuple) else prefix + v for v in values]
+        )
+        max_chars = self.limits.max_input_chars
+        if max_chars is not None:
+            sizes = [len(t) if isinstance(t, str) else len(t[0]) + len(t[1]) for t in texts]
+            over = next((j for j, n in enumerate(sizes) if n > max_chars), None)
+            if over is not None:
+                self.check_text_size(texts[over], indices[over])
+        pairs = [j for j, t in enumerate(texts) if isinstance(t, tuple)]
+        if pairs and limit is not None and limit - self.tokenizer.num_pair_special_tokens < 2:
+            raise InputError(
+                f"truncation to {limit} tokens leaves no room for a text pair besides "
+                f"{self.tokenizer.num_pair_special_tokens} special tokens",
+                index=indices[pairs[0]],
+            )
+        side, specials = options.truncation_side, options.add_special_tokens
+        type_ids: dict[int, np.ndarray] = {}  # of the pairs, by their place in `texts`
+        try:
+            if pairs and specials and len(pairs) == len(texts):
+                arrays, pair_types = self.tokenizer.encode_pair_ids(texts, limit, side)  # type: ignore[arg-type]
+                type_ids = dict(enumerate(pair_types))
+            elif pairs:
+                encodings = self.tokenizer.encode_batch(texts, limit, side, specials, offsets=False)
+                arrays = id_arrays(encodings)
+                type_ids = {j: np.array(encodings[j].type_ids, dtype=np.int64) for j in pairs}
+            else:
+                single: list[str] = texts  # type: ignore[assignment]  # no pairs among them
+                pool = self.tokenizer_pool
+                pooled = None if pool is None else pool.encode_ids(single, limit, side, specials)
+                # No pool, or one that left this batch to us.
+                arrays = pooled or self.tokenizer.encode_ids(single, limit, side, specials)
+        except InputError as exc:  # indexed within `texts`, or about the whole call
+            raise exc.at(indices[exc.index or 0]) from None
+        lengths = np.fromiter(map(len, arrays), dtype=np.int64, count=len(arrays))
+        bad = np.flatnonzero((lengths == 0) | (lengths > self.limits.max_model_len))
+        if bad.size:
+            j = int(bad[0])
+            self._check_length(int(lengths[j]), indices[j])
+        prompts = [Prompt(a, None) for a in arrays]
+        # A single text is all segment 0, which the batch builder fills in itself.
+        for j, segment_ids in type_ids.items():
+            prompts[j] = replace(prompts[j], token_type_ids=segment_ids)
+        return prompts
+
+    def _id_prompts(
+        self, values: list[Any], limit: int | None, side: TruncationSide
+    ) -> list[Prompt] | None:
+        """The prompts of token-id inputs, checked together; None when any of them is bad
+        (the one-by-one path then names the first)."""
+        try:
+            arrays = [as_id_array(value, None) for value in values]
+        except InputError:
+            return None
+        if limit is not None:
+            arrays = [truncate(a, limit, side) for a in arrays]
+        lengths = np.fromiter(map(len, arrays), dtype=np.int64, count=len(arrays))
+        if lengths.min() < 1 or lengths.max() > self.limits.max_model_len:
+            return None
+        flat = np.concatenate(arrays)
+        if flat.min() < 0 or flat.max() >= self.limits.vocab_size:
+            return None
+        return [Prompt(token_ids=a, prompt_embeds=None) for a in arrays]
+
+    def _token_ids(self, value: Any, index: int, limit: int | None, side: TruncationSide) -> Prompt:
+        ids = truncate(as_id_array(value, index), limit, side)
+        self._check_length(int(ids.shape[0]), index)
+        self._check_vocabulary(ids, index, "prompt_token_ids")
+        return Prompt(token_ids=ids, prompt_embeds=None)
+
+    def vocabulary_ids(self, value: Any, field: str = "prompt_token_ids") -> np.ndarray:
+        """`value` as a `[n]` int64 array of ids of the model's vocabulary (any length), or an
+        `InputError` naming `field` and the first bad position."""
+        ids = as_id_array(value, None, field)
+        self._check_vocabulary(ids, None, field)
+        return ids
+
+    def _check_vocabulary(self, ids: np.ndarray, index: int | None, field: str) -> None:
+        bad = np.flatnonzero((ids < 0) | (ids >= self.limits.vocab_size))
+        if bad.size:
+            pos = int(bad[0])
+            raise InputError(
+                f"token id {int(ids[pos])} at position {pos} is outside the vocabulary "
+                f"[0, {self.limits.vocab_size})",
+                index=index,
+                field=field,
+            )
+
+    def _prompt_embeds(
+        self, value: Any, index: int, limit: int | None, side: TruncationSide
+    ) -> Prompt:
+        limits = self.limits
+        field = "prompt_embeds"
+        if not limits.enable_prompt_embeds:
+            raise InputError(
+                "prompt embeds are disabled on this engine (enable_prompt_embeds=False; "
+                "a server accepts them when started with --enable-prompt-embeds)",
+                index=index,
+                field=field,
+            )
+        value = float_array(value, index, field)
+        if value.ndim != 2:
+            raise InputError(
+                f"expected a 2-D tensor [num_tokens, {limits.hidden_size}], got shape "
+                f"{list(value.shape)}",
+                index=index,
+                field=field,
+            )
+        if value.shape[1] != limits.hidden_size:
+            raise InputError(
+                f"hidden size {value.shape[1]} does not match the model's {limits.hidden_size}",
+                index=index,
+                field=field,
+            )
+        value = truncate(value, limit, side)
+        self._check_length(int(value.shape[0]), index)
+        if not np.isfinite(value).all():
+            raise InputError("the tensor contains NaN or inf", index=index, field=field)
+        if value.size and peak(value, limits.dtype) >= OVERFLOW[limits.dtype]:
+            raise InputError(
+                "the tensor is not finite in the model dtype", index=index, field=field
+            )
+        return Prompt(token_ids=None, prompt_embeds=np.ascontiguousarray(value))
+
+
+def input_kind(item: Any, index: int) -> str:
+    """The form of one input: "text", "pair", "token_ids" or "prompt_embeds"."""
+    return _classify(item, index)[0]
+
+
+def _classify(item: Any, index: int) -> tuple[str, Any]:
+    """(kind, value) of one input: kind is "text", "token_ids" or "prompt_embeds"."""
+    if type(item) is list:  # the common cases first: ABC isinstance checks cost microseconds
+        return "token_ids", item
+    if isinstance(item, str):
+        return "text", item
+    if isinstance(item, Mapping):
+        keys = set(item)
+        if keys == {"text", "text_pair"}:
+            return "pair", _text_pair(item, index)
+        known = {"prompt", "prompt_token_ids", "prompt_embeds"}
+        if len(keys) != 1 or not keys <= known:
+            raise InputError(
+                f"a dict input needs exactly one of the keys {sorted(known)}, or the two keys "
+                f"'text' and 'text_pair'; got {sorted(map(str, keys))}",
+                index=index,
+            )
+        (key,) = keys
+        value = item[key]
+        if key == "prompt":
+            if not isinstance(value, str):
+                raise InputError(
+                    f"'prompt' must be a string, got {type(value).__name__}", index=index
+                )
+            return "text", value
+        return ("token_ids" if key == "prompt_token_ids" else "prompt_embeds"), value
+    if isinstance(item, np.ndarray) or is_tensor(item):
+        if item.ndim == 1 and not is_float(item):
+            return "token_ids", item
+        raise InputError(
+            "a bare tensor is ambiguous; wrap prompt embeds as {'prompt_embeds': tensor}",
+            index=index,
+        )
+    if isinstance(item, Sequence):
+        return "token_ids", item
+    raise InputError(
+        f"unsupported input type {type(item).__name__}; expected a string, a list of token ids "
+        "or a dict with 'prompt', 'prompt_token_ids' or 'prompt_embeds'",
+        index=index,
+    )
+
+
+def _text_pair(item: Mapping[str, Any], index: int) -> tuple[str, str]:
+    pair = (item["text"], item["text_pair"])
+    for name, value in zip(("text", "text_pair"), pair, strict=True):
+        if not isinstance(value, str):
+            raise InputError(
+                f"'{name}' must be a string, got {type(value).__name__}", index=index, field=name
+            )
+        if not value:
+            raise InputError(f"'{name}' is an empty string", index=index, field=name)
+    return pair

@@ -1,0 +1,59 @@
+"""Gemma (v1): a pre-norm decoder with (1 + weight) norms and a scaled input lookup.
+
+As in transformers, the lookup is scaled by sqrt(hidden_size): prompt embeds are the scaled
+rows, exactly what `GemmaModel.get_input_embeddings()(ids)` gives there. bge-reranker-v2-gemma
+is a `GemmaForCausalLM` read as a reranker (`LLMRerankerConfig.bge_gemma()`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vecpool.models.layers.decoder import (
+    DecoderConfig,
+    DecoderForCausalLM,
+    DecoderForSequenceClassification,
+    DecoderForTokenClassification,
+    DecoderModel,
+    read_config,
+)
+
+# Hugging Face's GemmaConfig defaults, for keys a config.json leaves out.
+_DEFAULTS: dict[str, Any] = {
+    "head_dim": 256,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+}
+
+
+class GemmaModel(DecoderModel):
+    """The Gemma base model."""
+
+    @classmethod
+    def config_from_hf(cls, hf: dict[str, Any]) -> DecoderConfig:
+        # The released configs say "gelu" and mean its tanh approximation, as transformers
+        # reads them.
+        act = str(hf.get("hidden_act") or "gelu_pytorch_tanh")
+        hidden_size = int(hf.get("hidden_size") or 0)
+        return read_config(
+            hf,
+            defaults=_DEFAULTS,
+            layer_types=None,
+            sliding_window=None,
+            hidden_act="gelu_pytorch_tanh" if act == "gelu" else act,
+            attention_bias=bool(hf.get("attention_bias", False)),
+            norm_unit_offset=True,
+            embed_scale=hidden_size**0.5,
+        )
+
+
+class GemmaForCausalLM(DecoderForCausalLM, GemmaModel):
+    """Gemma with its language-model head (bge-reranker-v2-gemma)."""
+
+
+class GemmaForSequenceClassification(DecoderForSequenceClassification, GemmaModel):
+    """Gemma scoring its last token with `score` (reward models, rerankers)."""
+
+
+class GemmaForTokenClassification(DecoderForTokenClassification, GemmaModel):
+    """Gemma with `score` on every token row."""

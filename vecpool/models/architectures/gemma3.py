@@ -1,0 +1,111 @@
+"""Gemma3 text (and EmbeddingGemma): Gemma2's sandwich-norm layers with q/k norms, sliding and
+global layers interleaved, and one rotary base for each kind.
+
+Global layers rotate by `rope_theta` (with the config's rope scaling), sliding layers by
+`rope_local_base_freq`; transformers 5 writes both under `rope_parameters`, keyed by layer type.
+`use_bidirectional_attention: true` (EmbeddingGemma) attends both ways; as in transformers, its
+sliding window is then `sliding_window // 2 + 1` positions either side, exclusive. The input
+lookup is scaled by sqrt(hidden_size), as `Gemma3TextScaledWordEmbedding` does: prompt embeds
+are the scaled rows.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vecpool.models.architectures.gemma2 import Gemma2DecoderLayer, gemma2_options
+from vecpool.models.base import PoolingModel
+from vecpool.models.hf import hf_get
+from vecpool.models.layers.basic import Rotary
+from vecpool.models.layers.decoder import (
+    FULL_ATTENTION,
+    SLIDING_ATTENTION,
+    DecoderConfig,
+    DecoderForCausalLM,
+    DecoderForSequenceClassification,
+    DecoderModel,
+    read_config,
+)
+
+# Hugging Face's Gemma3TextConfig defaults, for keys a config.json leaves out.
+_DEFAULTS: dict[str, Any] = {
+    "head_dim": 256,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+    "max_position_embeddings": 131072,
+}
+_GLOBAL_THETA, _LOCAL_THETA = 1_000_000.0, 10_000.0
+
+
+class Gemma3TextModel(DecoderModel):
+    """The Gemma3 text model; EmbeddingGemma ships under this architecture."""
+
+    layer_class = Gemma2DecoderLayer
+
+    @classmethod
+    def from_hf_config(cls, hf: dict[str, Any]) -> PoolingModel:
+        c = cls.config_from_hf(hf)
+        rotaries = {kind: Rotary(c.head_dim, params) for kind, params in _rope(hf).items()}
+        return cls(c, [rotaries[kind] for kind in _layer_types(hf)])
+
+    @classmethod
+    def config_from_hf(cls, hf: dict[str, Any]) -> DecoderConfig:
+        layer_types = _layer_types(hf)
+        window = hf.get("sliding_window", 4096)
+        options: dict[str, Any] = {}
+        if window is not None and hf.get("use_bidirectional_attention") is True:
+            # transformers narrows a bidirectional Gemma3's window to W // 2 + 1 and masks
+            # |i - j| < it (or <= it, under is_causal: false), `flat_attention`'s window or
+            # one more.
+            narrowed = int(window) // 2 + 1 + (1 if hf.get("is_causal") is False else 0)
+            options["layer_windows"] = tuple(
+                narrowed if t == SLIDING_ATTENTION else None for t in layer_types
+            )
+        return read_config(
+            hf,
+            defaults=_DEFAULTS,
+            layer_types=layer_types,
+            sliding_window=None if window is None else int(window),
+            qk_norm=True,
+            **gemma2_options(hf, attn_softcap=None, final_softcap=None),
+            **options,
+        )
+
+
+class Gemma3ForCausalLM(DecoderForCausalLM, Gemma3TextModel):
+    """Gemma3 text with its language-model head."""
+
+
+class Gemma3TextForSequenceClassification(DecoderForSequenceClassification, Gemma3TextModel):
+    """Gemma3 text scoring its last token with `score` (reward models, rerankers)."""
+
+
+def _layer_types(hf: dict[str, Any]) -> list[str]:
+    """Each layer's kind; older configs give a pattern: every n-th layer global (n = 6)."""
+    layer_types = hf.get("layer_types")
+    if layer_types is not None:
+        return list(layer_types)
+    pattern = int(hf.get("sliding_window_pattern") or 6)
+    return [
+        SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION
+        for i in range(int(hf.get("num_hidden_layers") or 0))
+    ]
+
+
+def _rope(hf: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """{layer kind: the config `Rotary` reads for it}: transformers 5's `rope_parameters` by
+    layer kind, or the older flat keys (`rope_theta` and `rope_scaling` for global layers,
+    `rope_local_base_freq` for sliding ones)."""
+    params = dict(hf.get("rope_parameters") or {})
+    if params.keys() & {FULL_ATTENTION, SLIDING_ATTENTION}:
+        full = dict(params.get(FULL_ATTENTION) or {})
+        sliding = dict(params.get(SLIDING_ATTENTION) or {})
+    else:
+        full, sliding = {**(hf.get("rope_scaling") or {}), **params}, {}
+    full.setdefault("rope_theta", hf.get("rope_theta") or _GLOBAL_THETA)
+    sliding.setdefault("rope_theta", hf.get("rope_local_base_freq") or _LOCAL_THETA)
+    shared = {"partial_rotary_factor": hf_get(hf, "partial_rotary_factor", default=1.0)}
+    return {
+        FULL_ATTENTION: {**shared, "rope_parameters": full},
+        SLIDING_ATTENTION: {**shared, "rope_parameters": sliding},
+    }

@@ -1,0 +1,64 @@
+"""Qwen3: a pre-norm decoder with RMSNorm on each head's queries and keys (Qwen3-Embedding)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vecpool.models.layers.decoder import (
+    FULL_ATTENTION,
+    SLIDING_ATTENTION,
+    DecoderConfig,
+    DecoderForCausalLM,
+    DecoderForSequenceClassification,
+    DecoderForTokenClassification,
+    DecoderModel,
+    read_config,
+)
+
+# Hugging Face's Qwen3Config defaults, for keys a config.json leaves out.
+_DEFAULTS: dict[str, Any] = {
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+}
+
+
+def qwen_sliding_layers(hf: dict[str, Any]) -> tuple[list[str], int | None]:
+    """(layer_types, sliding_window) of a Qwen2 / Qwen3 config: sliding windows only with
+    use_sliding_window, on the layers from max_window_layers on (or as layer_types says)."""
+    window = hf.get("sliding_window", 4096) if hf.get("use_sliding_window") else None
+    layer_types = hf.get("layer_types")
+    if layer_types is None:
+        first_sliding = int(hf.get("max_window_layers", 28))
+        layer_types = [
+            SLIDING_ATTENTION if window is not None and i >= first_sliding else FULL_ATTENTION
+            for i in range(int(hf.get("num_hidden_layers") or 0))
+        ]
+    return list(layer_types), None if window is None else int(window)
+
+
+class Qwen3Model(DecoderModel):
+    @classmethod
+    def config_from_hf(cls, hf: dict[str, Any]) -> DecoderConfig:
+        layer_types, window = qwen_sliding_layers(hf)
+        return read_config(
+            hf,
+            defaults=_DEFAULTS,
+            layer_types=layer_types,
+            sliding_window=window,
+            attention_bias=bool(hf.get("attention_bias", False)),
+            qk_norm=True,
+        )
+
+
+class Qwen3ForCausalLM(DecoderForCausalLM, Qwen3Model):
+    """Qwen3 with its language-model head (Qwen3-Embedding ships under this architecture)."""
+
+
+class Qwen3ForSequenceClassification(DecoderForSequenceClassification, Qwen3Model):
+    """Qwen3 scoring its last token with `score` (reward models, rerankers)."""
+
+
+class Qwen3ForTokenClassification(DecoderForTokenClassification, Qwen3Model):
+    """Qwen3 with `score` on every token row."""

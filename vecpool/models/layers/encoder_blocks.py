@@ -1,0 +1,185 @@
+"""Blocks the bidirectional encoder families share: the base model's common part (sizes, the
+word-embedding lookup, token type 0 by default), BERT's post-norm `DenseNorm`, and
+self-attention over separate or packed query/key/value projections.
+
+Submodules keep the checkpoint's names: a family names its projections (`qkv_names`), so that
+`encoder.layer.0.attention.self.query.weight` or `transformer.layer.0.attention.q_lin.weight`
+loads unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vecpool.models.base import PoolingModel
+from vecpool.models.layers.attention import AttentionMetadata, flat_attention
+from vecpool.models.layers.basic import FusedProjections, apply_rotary, fuse, linear_residual
+
+
+class NormSizes(Protocol):
+    """What `DenseNorm` reads from a family's config."""
+
+    @property
+    def hidden_size(self) -> int: ...
+
+    @property
+    def layer_norm_eps(self) -> float: ...
+
+
+class AttentionSizes(Protocol):
+    """What an attention block reads from a family's config."""
+
+    @property
+    def hidden_size(self) -> int: ...
+
+    @property
+    def num_heads(self) -> int: ...
+
+
+class EncoderSizes(Protocol):
+    """What `EncoderModel` reads from a family's config."""
+
+    @property
+    def hidden_size(self) -> int: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+
+class EncoderModel(PoolingModel):
+    """A bidirectional encoder whose input rows are the lookup `embeddings.word_embeddings`
+    (zero columns after it where the embeddings are narrower than the hidden size), and whose
+    token types are all 0 where the batch gives none. Families implement `encode`, or, reading
+    no token types, `forward` itself."""
+
+    is_causal = False
+
+    def __init__(self, c: EncoderSizes, max_positions: int, type_vocab_size: int = 0):
+        super().__init__()
+        self.hidden_size = c.hidden_size
+        self.vocab_size = c.vocab_size
+        self.max_positions = max_positions
+        # With one token type (RoBERTa) every row takes type 0, whatever a tokenizer says.
+        self.uses_token_type_ids = type_vocab_size > 1
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # A family's own `embeddings` module, which mypy sees only as `nn.Module.__getattr__`.
+        rows = self.embeddings.word_embeddings(input_ids)  # type: ignore[union-attr,operator]
+        return pad_to_hidden(rows, self.hidden_size)
+
+    def forward(
+        self,
+        inputs_embeds: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        token_type_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if token_type_ids is None:
+            token_type_ids = torch.zeros_like(positions)
+        return self.encode(inputs_embeds, positions, attn, token_type_ids)
+
+    def encode(
+        self,
+        inputs_embeds: torch.Tensor,  # [num_tokens, hidden]
+        positions: torch.Tensor,  # [num_tokens] int64
+        attn: AttentionMetadata,
+        token_type_ids: torch.Tensor,  # [num_tokens] int64
+    ) -> torch.Tensor:  # [num_tokens, hidden] final hidden states
+        raise NotImplementedError
+
+
+class DenseNorm(nn.Module):
+    """`LayerNorm(dense(x) + residual)`: BERT's post-norm output of attention and of the MLP
+    (BERT, MPNet, DeBERTa-v2, Jina BERT), the add done by the linear where it can."""
+
+    def __init__(self, in_features: int, c: NormSizes):
+        super().__init__()
+        self.dense = nn.Linear(in_features, c.hidden_size)
+        self.LayerNorm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.LayerNorm(linear_residual(self.dense, x, residual))
+
+
+def pad_to_hidden(rows: torch.Tensor, hidden_size: int) -> torch.Tensor:
+    """`[n, embedding_size]` -> `[n, hidden_size]`: zero columns after a factorized lookup's
+    own (ALBERT, ELECTRA, DeBERTa-v2), as the engine's input rows are hidden-size wide and
+    prompt embeds take the same layout."""
+    extra = hidden_size - rows.shape[-1]
+    return F.pad(rows, (0, extra)) if extra else rows
+
+
+def bidirectional_attention(
+    q: torch.Tensor,  # [num_tokens, heads, head_dim]
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn: AttentionMetadata,
+    bias: torch.Tensor | None = None,  # [1, heads, max_seqlen, max_seqlen], added to the logits
+) -> torch.Tensor:  # [num_tokens, heads * head_dim]
+    """Attention of every token to every token of its sequence, scaled by `head_dim ** -0.5`."""
+    out = flat_attention(q, k, v, attn, causal=False, scale=q.shape[-1] ** -0.5, bias=bias)
+    return out.reshape(q.shape[0], -1)
+
+
+class FusedSelfAttention(nn.Module):
+    """Bidirectional self-attention whose query, key and value are three biased linears over
+    the same input, named as the checkpoint names them (`qkv_names`); once the weights load,
+    `fuse_projections` joins them into the one matmul `qkv`. No output projection: families
+    place theirs under their own names."""
+
+    qkv_names: ClassVar[tuple[str, str, str]] = ("query", "key", "value")
+
+    def __init__(self, c: AttentionSizes):
+        super().__init__()
+        self.num_heads = c.num_heads
+        self.head_dim = c.hidden_size // c.num_heads
+        for name in self.qkv_names:
+            setattr(self, name, nn.Linear(c.hidden_size, c.hidden_size))
+        self.qkv: FusedProjections | None = None
+
+    def fuse_projections(self) -> None:
+        fuse(self, "qkv", list(self.qkv_names))
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """`[num_tokens, hidden]` -> q, k, v, each `[num_tokens, hidden]`."""
+        assert self.qkv is not None, "projections are fused when the weights load"
+        return self.qkv(x)
+
+    def attend(
+        self,
+        q: torch.Tensor,  # [num_tokens, hidden]
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attn: AttentionMetadata,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        shape = (q.shape[0], self.num_heads, self.head_dim)
+        return bidirectional_attention(
+            q.reshape(shape), k.reshape(shape), v.reshape(shape), attn, bias
+        )
+
+    def forward(
+        self, x: torch.Tensor, attn: AttentionMetadata, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        q, k, v = self.project(x)
+        return self.attend(q, k, v, attn, bias)
+
+
+def packed_rotary_attention(
+    packed: torch.Tensor,  # [num_tokens, 3 * hidden]: q, k, v side by side
+    cos: torch.Tensor,  # [num_tokens, head_dim]
+    sin: torch.Tensor,
+    attn: AttentionMetadata,
+    num_heads: int,
+) -> torch.Tensor:  # [num_tokens, hidden]
+    """Bidirectional attention over one packed q|k|v projection, rotary on q and k (GPT-NeoX
+    halves), as GTE's `qkv_proj` and NomicBERT's `Wqkv` lay them out."""
+    n = packed.shape[0]
+    head_dim = packed.shape[1] // (3 * num_heads)
+    q, k, v = packed.view(n, 3, num_heads, head_dim).unbind(dim=1)
+    q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    return bidirectional_attention(q, k, v, attn)

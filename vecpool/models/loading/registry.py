@@ -1,0 +1,126 @@
+"""Architectures by the `architectures[0]` entry of config.json, imported lazily."""
+
+from __future__ import annotations
+
+import importlib
+
+from vecpool.config import MODEL_IMPLS
+from vecpool.errors import ConfigError
+from vecpool.models.base import PoolingModel
+
+# architecture name -> (module under vecpool.models, class name)
+_REGISTRY: dict[str, tuple[str, str]] = {
+    "BertModel": ("bert", "BertModel"),
+    "BertForSequenceClassification": ("bert", "BertForSequenceClassification"),
+    "BertForTokenClassification": ("bert", "BertForTokenClassification"),
+    "BertForMaskedLM": ("bert", "BertForMaskedLM"),
+    "HF_ColBERT": ("bert", "ColBERTModel"),
+    "RobertaModel": ("bert", "RobertaModel"),
+    "RobertaForSequenceClassification": ("bert", "RobertaForSequenceClassification"),
+    "RobertaForTokenClassification": ("bert", "RobertaForTokenClassification"),
+    "RobertaForMaskedLM": ("bert", "RobertaForMaskedLM"),
+    "XLMRobertaModel": ("bert", "RobertaModel"),
+    "XLMRobertaForSequenceClassification": ("bert", "RobertaForSequenceClassification"),
+    "XLMRobertaForTokenClassification": ("bert", "RobertaForTokenClassification"),
+    "XLMRobertaForMaskedLM": ("bert", "RobertaForMaskedLM"),
+    "Qwen3Model": ("qwen3", "Qwen3Model"),
+    "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
+    "Qwen3ForSequenceClassification": ("qwen3", "Qwen3ForSequenceClassification"),
+    "Qwen3ForTokenClassification": ("qwen3", "Qwen3ForTokenClassification"),
+    "LlamaModel": ("llama", "LlamaModel"),
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "LlamaForSequenceClassification": ("llama", "LlamaForSequenceClassification"),
+    "LlamaForTokenClassification": ("llama", "LlamaForTokenClassification"),
+    "MistralModel": ("llama", "MistralModel"),
+    "MistralForCausalLM": ("llama", "MistralForCausalLM"),
+    "MistralForSequenceClassification": ("llama", "MistralForSequenceClassification"),
+    "MistralForTokenClassification": ("llama", "MistralForTokenClassification"),
+    "Gemma2Model": ("gemma2", "Gemma2Model"),
+    "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM"),
+    "Gemma2ForSequenceClassification": ("gemma2", "Gemma2ForSequenceClassification"),
+    "Gemma2ForTokenClassification": ("gemma2", "Gemma2ForTokenClassification"),
+    # -- MPNet, DistilBERT, ALBERT, ELECTRA --
+    "MPNetModel": ("mpnet", "MPNetModel"),
+    "MPNetForMaskedLM": ("mpnet", "MPNetForMaskedLM"),
+    "MPNetForSequenceClassification": ("mpnet", "MPNetForSequenceClassification"),
+    "MPNetForTokenClassification": ("mpnet", "MPNetForTokenClassification"),
+    "DistilBertModel": ("distilbert", "DistilBertModel"),
+    "DistilBertForMaskedLM": ("distilbert", "DistilBertForMaskedLM"),
+    "DistilBertForSequenceClassification": ("distilbert", "DistilBertForSequenceClassification"),
+    "DistilBertForTokenClassification": ("distilbert", "DistilBertForTokenClassification"),
+    "AlbertModel": ("albert", "AlbertModel"),
+    "AlbertForMaskedLM": ("albert", "AlbertForMaskedLM"),
+    "AlbertForSequenceClassification": ("albert", "AlbertForSequenceClassification"),
+    "AlbertForTokenClassification": ("albert", "AlbertForTokenClassification"),
+    "ElectraModel": ("electra", "ElectraModel"),
+    "ElectraForPreTraining": ("electra", "ElectraModel"),  # discriminators: the encoder
+    "ElectraForMaskedLM": ("electra", "ElectraForMaskedLM"),
+    "ElectraForSequenceClassification": ("electra", "ElectraForSequenceClassification"),
+    "ElectraForTokenClassification": ("electra", "ElectraForTokenClassification"),
+    # -- T5 encoder, DeBERTa-v2, Jina BERT v2 --
+    "T5EncoderModel": ("t5", "T5EncoderModel"),
+    "T5Model": ("t5", "T5EncoderModel"),
+    "T5ForConditionalGeneration": ("t5", "T5EncoderModel"),
+    "MT5EncoderModel": ("t5", "T5EncoderModel"),
+    "MT5Model": ("t5", "T5EncoderModel"),
+    "MT5ForConditionalGeneration": ("t5", "T5EncoderModel"),
+    "DebertaV2Model": ("deberta_v2", "DebertaV2Model"),
+    "DebertaV2ForSequenceClassification": ("deberta_v2", "DebertaV2ForSequenceClassification"),
+    "DebertaV2ForTokenClassification": ("deberta_v2", "DebertaV2ForTokenClassification"),
+    "DebertaV2ForMaskedLM": ("deberta_v2", "DebertaV2ForMaskedLM"),
+    "JinaBertModel": ("jina_bert", "JinaBertModel"),
+    "JinaBertForMaskedLM": ("jina_bert", "JinaBertModel"),
+    "JinaBertForSequenceClassification": ("jina_bert", "JinaBertForSequenceClassification"),
+    # -- ModernBERT, NomicBERT, GTE --
+    "ModernBertModel": ("modernbert", "ModernBertModel"),
+    "ModernBertForMaskedLM": ("modernbert", "ModernBertForMaskedLM"),
+    "ModernBertForSequenceClassification": ("modernbert", "ModernBertForSequenceClassification"),
+    "ModernBertForTokenClassification": ("modernbert", "ModernBertForTokenClassification"),
+    "NomicBertModel": ("nomic_bert", "NomicBertModel"),
+    "NewModel": ("gte", "NewModel"),
+    "NewForSequenceClassification": ("gte", "NewForSequenceClassification"),
+    # -- Qwen2, Gemma, Gemma3 --
+    "Qwen2Model": ("qwen2", "Qwen2Model"),
+    "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLM"),
+    "Qwen2ForSequenceClassification": ("qwen2", "Qwen2ForSequenceClassification"),
+    "Qwen2ForTokenClassification": ("qwen2", "Qwen2ForTokenClassification"),
+    "GemmaModel": ("gemma", "GemmaModel"),
+    "GemmaForCausalLM": ("gemma", "GemmaForCausalLM"),
+    "GemmaForSequenceClassification": ("gemma", "GemmaForSequenceClassification"),
+    "GemmaForTokenClassification": ("gemma", "GemmaForTokenClassification"),
+    "Gemma3TextModel": ("gemma3", "Gemma3TextModel"),
+    "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
+    "Gemma3TextForSequenceClassification": ("gemma3", "Gemma3TextForSequenceClassification"),
+    # -- jina-reranker-v3 (listwise) --
+    "JinaForRanking": ("jina_reranker", "JinaForRanking"),
+}
+
+
+# How an architecture is run: "auto" (its native class, else the transformers fallback),
+# "vecpool" (native only) or "transformers" (the fallback, even where a native class exists).
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def model_class(architecture: str, model_impl: str = "auto") -> type[PoolingModel]:
+    """The class serving `architecture`: its native class; with `model_impl` "auto" the
+    transformers fallback when there is none, with "transformers" the fallback always, with
+    "vecpool" a `ConfigError` listing the supported ones when there is none."""
+    if model_impl not in MODEL_IMPLS:
+        raise ConfigError(f"model_impl {model_impl!r} is not one of {MODEL_IMPLS}")
+    entry = _REGISTRY.get(architecture)
+    if model_impl == "transformers" or (entry is None and model_impl == "auto"):
+        from vecpool.models.loading.transformers_fallback import TransformersModel
+
+        return TransformersModel
+    if entry is None:
+        raise ConfigError(
+            f"architecture {architecture!r} is not supported natively (model_impl="
+            f"{model_impl!r}; model_impl='auto' runs it through transformers); supported: "
+            f"{', '.join(supported_architectures())}"
+        )
+    module = importlib.import_module(f"vecpool.models.architectures.{entry[0]}")
+    cls: type[PoolingModel] = getattr(module, entry[1])
+    return cls
