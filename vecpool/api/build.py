@@ -22,6 +22,7 @@ from vecpool.engine.core import EngineCore
 from vecpool.engine.prefix_cache import BLOCK_SIZE, PrefixCache
 from vecpool.engine.scheduler import Scheduler
 from vecpool.errors import ConfigError
+from vecpool.inputs.images import image_reader
 from vecpool.inputs.prompts import InputLimits, InputProcessor, Prompt, TextOptions, TextTokenizer
 from vecpool.inputs.tokenizer_pool import TokenizerPool, default_size
 from vecpool.models.base import Capability
@@ -222,6 +223,9 @@ class EngineParts:
             )
             if late is not None and self.tokenizer is not None
             else None,
+            images=image_reader(self.image_processor_dir, args.media_policy())
+            if self.image_processor_dir is not None
+            else None,
         )
         if batch_invariant:  # the heads' products on [num_seqs, hidden] rows too
             heads = {name: InvariantHead(head) for name, head in heads.items()}
@@ -320,7 +324,16 @@ class EngineParts:
             windowed_embed=self.args.windowed_embed,
             embed_window_overlap=self.window_overlap,
             listwise_reranker=self.listwise_reranker if self.score_mode == "listwise" else None,
+            image_processor_dir=self.image_processor_dir,
+            media_policy=self.inputs.images.policy if self.inputs.images is not None else None,
         )
+
+    @property
+    def image_processor_dir(self) -> str | None:
+        """The folder of the model's image processor settings; None without an image tower."""
+        if Capability.IMAGE_TOWER not in self.model.capabilities:
+            return None
+        return str(self.folder.image_processor_dir)
 
     # ---- helpers -------------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ import numpy as np
 from vecpool.calls.info import EngineInfo
 from vecpool.calls.outputs import PromptRequest
 from vecpool.errors import InputError, check_flag
+from vecpool.inputs.images import image_reader
 from vecpool.inputs.prompts import InputProcessor, TextOptions, TextTokenizer, is_tensor
 from vecpool.inputs.tokenizer import check_unicode
 from vecpool.tasks import PoolingParams, get_task
@@ -32,7 +33,10 @@ class CallContext:
         """A context built from `info` alone (its tokenizer read from the model folder): what a
         process without the model prepares calls with."""
         tokenizer = TextTokenizer(Path(info.tokenizer_file)) if info.tokenizer_file else None
-        return cls(info, InputProcessor(info.input_limits, tokenizer, info.input_sides))
+        images = image_reader(info.image_processor_dir, info.media_policy)
+        return cls(
+            info, InputProcessor(info.input_limits, tokenizer, info.input_sides, images=images)
+        )
 
     @property
     def tokenizer(self) -> TextTokenizer | None:

@@ -9,6 +9,7 @@ picklable, so it crosses process boundaries as it is.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from vecpool.config import ListwiseRerankerConfig, LLMRerankerConfig
 from vecpool.inputs.prompts import InputLimits, SideFormat
@@ -56,6 +57,10 @@ class EngineInfo:
     listwise_reranker: ListwiseRerankerConfig | None = None
     # config.json declares matryoshka support (`is_matryoshka`, or `matryoshka_dimensions`).
     is_matryoshka: bool = False
+    # A model with an image tower: the folder holding its preprocessor_config.json, and how
+    # image inputs may be fetched (`vecpool.inputs.media.MediaPolicy`); None: text only.
+    image_processor_dir: str | None = None
+    media_policy: Any = None
 
     @property
     def input_limits(self) -> InputLimits:

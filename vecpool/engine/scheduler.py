@@ -83,10 +83,12 @@ class Scheduler:
 
     def can_chunk(self, request: Request) -> bool:
         """Whether `request` may run in chunks: the cache could hold its whole prompt, and every
-        token of it is attended to (query expansion not attended to needs the whole prompt)."""
+        token of it is attended to (query expansion not attended to needs the whole prompt).
+        An image runs whole."""
         return (
             request.num_prompt_tokens <= self.config.max_cached_tokens
             and request.prompt.num_attended is None
+            and request.prompt.image is None
         )
 
     def schedule(self) -> SchedulerOutput:
@@ -115,9 +117,11 @@ class Scheduler:
             if self.prefix_cache is not None and not self.prefix_cache.admit(request):
                 break  # its prefix is computed in this step: it reads it in the next
             n = request.num_unscheduled_tokens  # the whole prompt, less a cached prefix
-            if n <= short_budget - step.num_tokens:
-                step.take(self.waiting.popleft(), n)
-            elif n <= short_budget:  # fits a later step whole: wait for it
+            # What it costs the step: its tokens, or an image's patches (run whole).
+            cost = n if request.prompt.image is None else request.prompt.cost
+            if cost <= short_budget - step.num_tokens:
+                step.take(self.waiting.popleft(), n, cost)
+            elif cost <= short_budget:  # fits a later step whole: wait for it
                 break
             elif self.can_chunk(request):  # longer than waiting prompts may take: chunk it
                 self.waiting.popleft()
@@ -127,8 +131,8 @@ class Scheduler:
                 else:
                     self.held.append(request)
             else:  # runs whole, in a step of its own when over the budget
-                if n > budget and step.num_seqs == 0 and not running:
-                    step.take(self.waiting.popleft(), n)
+                if cost > budget and step.num_seqs == 0 and not running:
+                    step.take(self.waiting.popleft(), n, cost)
                     return step.output(released)
                 break
         # Chunks of the prompts being chunked, oldest first, from what is left.
@@ -170,8 +174,9 @@ class _StepBuilder:
     def num_seqs(self) -> int:
         return len(self.chunks)
 
-    def take(self, request: Request, num_tokens: int) -> None:
-        """The next `num_tokens` of `request`'s prompt run in this step."""
+    def take(self, request: Request, num_tokens: int, cost: int | None = None) -> None:
+        """The next `num_tokens` of `request`'s prompt run in this step, at `cost` rows of the
+        budget (default: `num_tokens`)."""
         start = request.num_scheduled_tokens
         request.num_scheduled_tokens += num_tokens
         request.status = RequestStatus.RUNNING
@@ -190,7 +195,7 @@ class _StepBuilder:
                 blocks,
             )
         )
-        self.num_tokens += num_tokens
+        self.num_tokens += num_tokens if cost is None else cost
 
     def output(self, released: list[str]) -> SchedulerOutput:
         return SchedulerOutput(self.requests, StepInput(self.chunks), released)

@@ -31,6 +31,8 @@ from vecpool.inputs.arrays import (
     peak,
     truncate,
 )
+from vecpool.inputs.images import DATA_IMAGE_PREFIX, ImageReader, is_image
+from vecpool.inputs.pixels import ImagePixels
 from vecpool.inputs.tokenizer import TextTokenizer, id_arrays
 from vecpool.inputs.tokenizer_pool import TokenizerPool
 
@@ -39,7 +41,9 @@ __all__ = ["TextTokenizer", "TruncationSide", "is_tensor"]  # re-exported: their
 
 @dataclass(frozen=True)
 class Prompt:
-    """One validated input: token ids, or prompt embeds that replace the embedding lookup."""
+    """One validated input: token ids, prompt embeds that replace the embedding lookup, or an
+    image for a dual encoder's image tower (one row of the flat batch, which the model fills
+    with the image's embedding)."""
 
     token_ids: np.ndarray | None  # [num_tokens] int64; None for prompt embeds
     # [num_tokens, hidden]: a float numpy array as the input stage checked it (a bfloat16
@@ -51,13 +55,22 @@ class Prompt:
     # Only the first `num_attended` tokens are attended to (ColBERT's query expansion that the
     # model does not attend to); None: every token is.
     num_attended: int | None = None
+    image: ImagePixels | None = None  # an image input (token_ids and prompt_embeds None)
     # Rows of the prompt: read several times per step, so set once.
     num_tokens: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if self.image is not None:
+            object.__setattr__(self, "num_tokens", 1)
+            return
         rows = self.token_ids if self.token_ids is not None else self.prompt_embeds
         assert rows is not None
         object.__setattr__(self, "num_tokens", int(rows.shape[0]))
+
+    @property
+    def cost(self) -> int:
+        """Rows of work the prompt brings to a step: its tokens, and an image's patches."""
+        return self.num_tokens if self.image is None else self.image.num_patches + 1
 
 
 @dataclass(frozen=True)
@@ -141,9 +154,11 @@ class InputProcessor:
         tokenizer: TextTokenizer | None,
         sides: Mapping[str, SideFormat] | None = None,
         tokenizer_pool: TokenizerPool | None = None,
+        images: ImageReader | None = None,
     ):
         self.limits = limits
         self.tokenizer = tokenizer
+        self.images = images  # None: the model has no image tower
         # Large batches of single texts are tokenized there when it can take them (engine side).
         self.tokenizer_pool = tokenizer_pool
         self.sides = dict(sides or {})  # by input type; empty unless a late-interaction model
@@ -178,6 +193,8 @@ class InputProcessor:
                 kind, value = kinds[i]
                 if kind == "token_ids":
                     prompts[i] = self._token_ids(value, i, limit, side)
+                elif kind == "image":
+                    prompts[i] = self._image(value, i)
                 else:
                     prompts[i] = self._prompt_embeds(value, i, limit, side)
         return [p for p in prompts if p is not None]
@@ -245,6 +262,15 @@ class InputProcessor:
                 num_attended = None if side.attend_expansion else n
             prompts.append(Prompt(token_ids=ids, prompt_embeds=None, num_attended=num_attended))
         return prompts
+
+    def _image(self, value: Any, index: int) -> Prompt:
+        if self.images is None:
+            raise InputError(
+                "an image, but this model has no image tower (it embeds text only; CLIP and "
+                "SigLIP models embed images)",
+                index=index,
+            )
+        return Prompt(token_ids=None, prompt_embeds=None, image=self.images(value, index))
 
     def check_text_size(self, text: str | tuple[str, str], index: int | None = None) -> None:
         """`InputError` for a text over the character limit, before any tokenizing."""
@@ -441,21 +467,22 @@ class InputProcessor:
 
 
 def input_kind(item: Any, index: int) -> str:
-    """The form of one input: "text", "pair", "token_ids" or "prompt_embeds"."""
+    """The form of one input: "text", "pair", "token_ids", "prompt_embeds" or "image"."""
     return _classify(item, index)[0]
 
 
 def _classify(item: Any, index: int) -> tuple[str, Any]:
-    """(kind, value) of one input: kind is "text", "token_ids" or "prompt_embeds"."""
+    """(kind, value) of one input: kind is "text", "pair", "token_ids", "prompt_embeds" or
+    "image" (see `vecpool.inputs.images.is_image` for the forms an image takes)."""
     if type(item) is list:  # the common cases first: ABC isinstance checks cost microseconds
         return "token_ids", item
     if isinstance(item, str):
-        return "text", item
+        return ("image", item) if item.startswith(DATA_IMAGE_PREFIX) else ("text", item)
     if isinstance(item, Mapping):
         keys = set(item)
         if keys == {"text", "text_pair"}:
             return "pair", _text_pair(item, index)
-        known = {"prompt", "prompt_token_ids", "prompt_embeds"}
+        known = {"prompt", "prompt_token_ids", "prompt_embeds", "image"}
         if len(keys) != 1 or not keys <= known:
             raise InputError(
                 f"a dict input needs exactly one of the keys {sorted(known)}, or the two keys "
@@ -464,6 +491,8 @@ def _classify(item: Any, index: int) -> tuple[str, Any]:
             )
         (key,) = keys
         value = item[key]
+        if key == "image":
+            return "image", value
         if key == "prompt":
             if not isinstance(value, str):
                 raise InputError(
@@ -471,6 +500,8 @@ def _classify(item: Any, index: int) -> tuple[str, Any]:
                 )
             return "text", value
         return ("token_ids" if key == "prompt_token_ids" else "prompt_embeds"), value
+    if is_image(item):
+        return "image", item
     if isinstance(item, np.ndarray) or is_tensor(item):
         if item.ndim == 1 and not is_float(item):
             return "token_ids", item
@@ -481,8 +512,8 @@ def _classify(item: Any, index: int) -> tuple[str, Any]:
     if isinstance(item, Sequence):
         return "token_ids", item
     raise InputError(
-        f"unsupported input type {type(item).__name__}; expected a string, a list of token ids "
-        "or a dict with 'prompt', 'prompt_token_ids' or 'prompt_embeds'",
+        f"unsupported input type {type(item).__name__}; expected a string, a list of token ids, "
+        "an image or a dict with 'prompt', 'prompt_token_ids', 'prompt_embeds' or 'image'",
         index=index,
     )
 

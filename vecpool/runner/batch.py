@@ -10,6 +10,8 @@ import numpy as np
 import torch
 
 from vecpool.errors import EngineError
+from vecpool.inputs.pixels import ImagePixels
+from vecpool.models.base import ImageBatch
 from vecpool.models.layers.attention import AttentionMetadata
 from vecpool.models.layers.kv_blocks import BlockPool, ChunkedKV, PrefixKV, SharedPrefixes
 from vecpool.pooling.methods import PoolingMetadata
@@ -28,7 +30,9 @@ class FlatBatch:
     prompt_embeds: torch.Tensor | None  # [num_embeds_tokens, hidden] in the model dtype
     attn: AttentionMetadata
     pooling: PoolingMetadata
-    has_token_ids: list[bool]  # [num_seqs]: False where the prompt came as embeddings
+    has_token_ids: list[bool]  # [num_seqs]: False where the prompt came as embeddings or an image
+    # The step's images (one row each in the flat batch; the model fills it); None: no image.
+    images: ImageBatch | None = None
     # Shared-prefix caching: each sequence's cached prefix's float32 hidden-state sum (zero
     # where it has none). Set by the model runner's forward; None: no sequence reads the pool.
     prefix_sums: torch.Tensor | None = None  # [num_seqs, hidden] float32
@@ -65,6 +69,7 @@ def build_flat_batch(
     type_parts: list[np.ndarray] = []
     embeds_parts: list[torch.Tensor] = []
     embeds_rows_parts: list[np.ndarray] = []
+    images: list[tuple[ImagePixels, int]] = []  # (pixels, batch row) of the step's images
     key_lengths: np.ndarray | None = None  # [num_seqs]: set when some keys are left out
     # Token types: zeros for the whole step unless some prompt has its own (a text pair).
     own_types = with_token_types and any(c.prompt.token_type_ids is not None for c in chunks)
@@ -77,6 +82,9 @@ def build_flat_batch(
             key_lengths[i] = min(max(prompt.num_attended - c.start, 1), c.num_tokens)
         if prompt.token_ids is not None:
             ids_parts.append(prompt.token_ids[c.start : end])
+        elif prompt.image is not None:  # one row, which the model fills with the image's output
+            ids_parts.append(_IMAGE_ROW_ID)
+            images.append((prompt.image, int(offset)))
         else:
             assert prompt.prompt_embeds is not None
             ids_parts.append(np.zeros(c.num_tokens, dtype=np.int64))
@@ -153,6 +161,26 @@ def build_flat_batch(
             starts=starts_device,
         ),
         has_token_ids=[c.prompt.token_ids is not None for c in chunks],
+        images=_image_batch(images, device) if images else None,
+    )
+
+
+_IMAGE_ROW_ID = np.zeros(1, dtype=np.int64)
+
+
+def _image_batch(images: list[tuple[ImagePixels, int]], device: torch.device) -> ImageBatch:
+    """The step's images, flat: their patch rows concatenated (float32 here; the model runner
+    casts them to the model dtype), with where each starts and the batch row it fills."""
+    counts = np.fromiter((p.num_patches for p, _ in images), np.int64, len(images))
+    pixels = torch.from_numpy(np.concatenate([p.patches for p, _ in images]))
+    rows = np.fromiter((row for _, row in images), np.int64, len(images))
+    cu_patches, rows_device = upload([_cumsum0(counts), rows], device)
+    return ImageBatch(
+        pixel_values=pixels.to(device, non_blocking=True),
+        cu_patches=cu_patches.to(torch.int32),
+        max_patches=int(counts.max()),
+        grids=[p.grid for p, _ in images],
+        rows=rows_device,
     )
 
 

@@ -9,6 +9,7 @@ import contextlib
 
 import torch
 
+from vecpool.errors import EngineError
 from vecpool.models.base import PoolingModel
 from vecpool.models.layers import packed_attention
 from vecpool.models.layers.attention import cached_step, varlen_available
@@ -119,6 +120,10 @@ class ModelRunner:
         )
         batch.attn.batch_invariant = self.batch_invariant
         batch.attn.packed = batch.attn.max_seqlen <= self.packed_max_len
+        if batch.images is not None:
+            if not self.model.image_patch_dim:
+                raise EngineError("a step holds an image, but this model has no image tower")
+            batch.images.pixel_values = batch.images.pixel_values.to(self.dtype)
         return batch
 
     def release(self, request_ids: list[str]) -> None:
@@ -129,16 +134,18 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: FlatBatch) -> torch.Tensor:
         """`[num_tokens, hidden]` final hidden states (queued on the device, not waited for)."""
-        if batch.attn.kv is not None:
-            batch.attn.kv.rewind()
+        kv = batch.attn.kv
+        if kv is not None:
+            kv.rewind()
         x = self.model.embed_input_ids(batch.input_ids)
         if batch.prompt_embeds is not None:
             assert batch.embeds_rows is not None
             x.index_copy_(0, batch.embeds_rows, batch.prompt_embeds)
         hidden = None
-        if self.graphs is not None:
+        # A step with images runs plain: the image tower beside the text tower.
+        images = {} if batch.images is None else {"images": batch.images}
+        if self.graphs is not None and not images:
             hidden = self.graphs.run(x, batch.positions, batch.attn, batch.token_type_ids)
-        kv = batch.attn.kv
         if hidden is None:
             # On the CPU the invariant mode also needs its elementwise functions.
             invariant_cpu = self.batch_invariant and self.device.type == "cpu"
@@ -146,7 +153,7 @@ class ModelRunner:
                 InvariantFunctions() if invariant_cpu else contextlib.nullcontext(),
                 cached_step(batch.attn) if kv is not None else contextlib.nullcontext(),
             ):
-                hidden = self.model(x, batch.positions, batch.attn, batch.token_type_ids)
+                hidden = self.model(x, batch.positions, batch.attn, batch.token_type_ids, **images)
         if kv is not None and kv.prefix is not None:  # blocks written, prefixes read
             batch.prefix_sums = kv.prefix.pool.hidden_sums(hidden, kv.prefix)
         return hidden

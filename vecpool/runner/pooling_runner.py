@@ -122,7 +122,16 @@ class PoolingRunner:
                         "without the pooling state of its earlier chunks"
                     )
             head_needs_ids = self.heads[chunk.task.head].needs_token_ids
-            if not has_ids and (head_needs_ids or chunk.task.needs_token_ids(chunk.params)):
+            if chunk.prompt.image is not None and chunk.task.head is not Head.EMBEDDING:
+                results[i] = PooledResult(
+                    None,
+                    RequestFailedError(
+                        f"the {chunk.task.name!r} task does not take images: an image has one "
+                        "vector, in the model's shared space (the 'embed' task)",
+                        field="image",
+                    ),
+                )
+            elif not has_ids and (head_needs_ids or chunk.task.needs_token_ids(chunk.params)):
                 reason = (
                     f"this model's {chunk.task.name!r} head reads its weights at the token ids"
                     if head_needs_ids
@@ -130,10 +139,12 @@ class PoolingRunner:
                     "step_tag_id, to leave out special tokens or to write a late-interaction "
                     "query or document)"
                 )
+                form = "an image" if chunk.prompt.image is not None else "prompt embeds"
                 results[i] = PooledResult(
                     None,
                     RequestFailedError(
-                        f"{reason}, but the input came as prompt embeds", field="prompt_embeds"
+                        f"{reason}, but the input came as {form}",
+                        field="image" if chunk.prompt.image is not None else "prompt_embeds",
                     ),
                 )
             else:  # its head exists: the api layer refuses a task the model has no head for

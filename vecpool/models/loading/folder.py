@@ -109,6 +109,11 @@ class ModelFolder:
     splade: SpladeSpec | None = None  # a SpladePooling module, if any
     bge_m3: BgeM3Spec | None = None  # colbert_linear.pt / sparse_linear.pt (BGE-M3), if any
 
+    @property
+    def image_processor_dir(self) -> Path:
+        """Where the image processor's settings (preprocessor_config.json) live."""
+        return self.path
+
     @classmethod
     def load(cls, path: str | Path) -> ModelFolder:
         root = Path(path)

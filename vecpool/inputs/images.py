@@ -1,0 +1,64 @@
+"""Image inputs: which inputs are images, and how one becomes patch rows.
+
+An image may come as a `PIL.Image.Image`, encoded bytes, a `pathlib.Path`, a `data:image/...`
+URI, or `{"image": value}` where value is any of those, a path or URL string, or bare base64.
+A plain string is text unless it is a `data:image/` URI: a path or URL given as a string needs
+the `{"image": ...}` wrapper (or a server dialect that says the part is an image).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path, PurePath
+from typing import TYPE_CHECKING, Any
+
+from vecpool.errors import ConfigError, InputError
+from vecpool.inputs.pixels import ImagePixels
+
+if TYPE_CHECKING:
+    from vecpool.inputs.image_processing import ImageProcessor
+    from vecpool.inputs.media import MediaPolicy
+
+DATA_IMAGE_PREFIX = "data:image/"
+
+
+def is_image(item: Any) -> bool:
+    """Whether a bare input (not a dict) is an image: a PIL image, encoded bytes or a path."""
+    if isinstance(item, bytes | bytearray | memoryview | PurePath):
+        return True
+    return type(item).__module__.startswith("PIL.")
+
+
+def image_reader(processor_dir: str | None, policy: MediaPolicy | None) -> ImageReader | None:
+    """The reader of a model's image inputs: its folder's image processor (`processor_dir`
+    holds preprocessor_config.json) under `policy`; None for a model without an image tower
+    (`processor_dir` None)."""
+    if processor_dir is None:
+        return None
+    from vecpool.inputs.image_processing import load_image_processor
+    from vecpool.inputs.media import MediaPolicy
+
+    processor = load_image_processor(Path(processor_dir))
+    if processor is None:
+        raise ConfigError(
+            f"the model has an image tower, but {processor_dir} has no preprocessor_config.json "
+            "(its image processor's settings)"
+        )
+    return ImageReader(processor, policy if policy is not None else MediaPolicy())
+
+
+class ImageReader:
+    """Reads one image input into the patch rows its model runs: loaded under the media policy
+    (`vecpool.inputs.media`), preprocessed as the checkpoint's image processor does
+    (`vecpool.inputs.image_processing`). Model-free: it runs where texts are tokenized."""
+
+    def __init__(self, processor: ImageProcessor, policy: MediaPolicy):
+        self.processor = processor
+        self.policy = policy
+
+    def __call__(self, value: Any, index: int, deadline: float | None = None) -> ImagePixels:
+        from vecpool.inputs.media import load_image
+
+        try:
+            return self.processor(load_image(value, self.policy, deadline=deadline))
+        except InputError as exc:
+            raise exc.at(index) from None
