@@ -116,14 +116,15 @@ class EngineParts:
         self.window_overlap = args.window_overlap(self.max_model_len)
         dense = load_dense_stack(self.folder.dense, self.device)
         self.hidden_size = self.model.hidden_size
-        self.output_dim = dense.output_dim(self.hidden_size)
+        # A dual encoder's rows are in its shared space, of their own width.
+        self.output_dim = dense.output_dim(self.model.output_size or self.hidden_size)
         # A ColBERT / multi-vector folder: how queries and documents are written and scored.
         self.late_interaction = self.folder.late_interaction
         late = self.late_interaction
         self.token_output_dim = (
             late.dense[-1].out_features
             if late is not None and late.dense
-            else self.model.projection_dim or self.hidden_size
+            else self.model.projection_dim or self.model.output_size or self.hidden_size
         )
         embed_normalize = self.folder.normalize if self.folder.is_sentence_transformers else True
         self.defaults = PoolingDefaults(

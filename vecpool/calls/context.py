@@ -14,7 +14,7 @@ import numpy as np
 from vecpool.calls.info import EngineInfo
 from vecpool.calls.outputs import PromptRequest
 from vecpool.errors import InputError, check_flag
-from vecpool.inputs.images import image_reader
+from vecpool.inputs.images import image_reader, is_image
 from vecpool.inputs.prompts import InputProcessor, TextOptions, TextTokenizer, is_tensor
 from vecpool.inputs.tokenizer import check_unicode
 from vecpool.tasks import PoolingParams, get_task
@@ -53,10 +53,10 @@ class InputList(list[Any]):
 
 
 def as_input_list(inputs: Any) -> InputList:
-    """A single input (text, dict, flat id list or 1-D tensor) becomes a list of one."""
+    """A single input (text, dict, image, flat id list or 1-D tensor) becomes a list of one."""
     if isinstance(inputs, InputList):
         return inputs
-    if isinstance(inputs, str | Mapping):
+    if isinstance(inputs, str | Mapping) or is_image(inputs):
         return InputList([inputs])
     if isinstance(inputs, np.ndarray) or is_tensor(inputs):
         if inputs.ndim == 0:

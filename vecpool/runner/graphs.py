@@ -152,6 +152,7 @@ class StepGraphs:
         dtype: torch.dtype,
         device: torch.device,
         max_seqs: int,  # sequences one step may hold
+        output_size: int = 0,  # width of the forward's rows; 0: hidden_size
         max_model_len: int,
         use_varlen: bool,
         with_token_types: bool,
@@ -174,7 +175,7 @@ class StepGraphs:
         self.x = torch.zeros(rows, hidden_size, dtype=dtype, device=device)
         # Every graph ends by copying its hidden states here: one output buffer for all of them
         # (each graph's own intermediates return to the shared pool once it is recorded).
-        self.out = torch.zeros(rows, hidden_size, dtype=dtype, device=device)
+        self.out = torch.zeros(rows, output_size or hidden_size, dtype=dtype, device=device)
         self.positions = torch.zeros(rows, dtype=torch.int64, device=device)
         self.token_types = (
             torch.zeros(rows, dtype=torch.int64, device=device) if with_token_types else None

@@ -77,6 +77,7 @@ class ModelRunner:
                 StepGraphs(
                     model,
                     hidden_size=model.hidden_size,
+                    output_size=model.output_size,
                     dtype=dtype,
                     device=device,
                     max_seqs=max_seqs,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import string
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -119,6 +119,11 @@ class ModelFolder:
         root = Path(path)
         if not root.is_dir():
             raise ModelLoadError(f"model folder {str(root)!r} does not exist or is not a folder")
+        inner = _wrapped_model_dir(root)
+        if inner is not None:  # sentence-transformers' CLIP layout: the model in a subfolder
+            wrapped = cls.load(inner)
+            modules = _read_json(root / "modules.json")
+            return replace(wrapped, **_read_sentence_transformers(root, modules))
         hf_config = _read_json(root / "config.json", required=True)
         architectures = hf_config.get("architectures") or []
         if not architectures:
@@ -146,6 +151,21 @@ class ModelFolder:
         return cls(**folder)
 
 
+def _wrapped_model_dir(root: Path) -> Path | None:
+    """The subfolder holding the model, in a sentence-transformers folder whose model module
+    lives in one (`0_CLIPModel/` of its CLIP folders) and whose root has no config.json."""
+    if (root / "config.json").is_file():
+        return None
+    modules = _read_json(root / "modules.json", default=None)
+    if not isinstance(modules, list) or not modules or not isinstance(modules[0], dict):
+        return None
+    kind = str(modules[0].get("type", "")).rsplit(".", 1)[-1]
+    sub = str(modules[0].get("path", ""))
+    if kind in _MODEL_MODULES and sub and (root / sub / "config.json").is_file():
+        return root / sub
+    return None
+
+
 def _read_json(path: Path, *, required: bool = False, default: Any = ...) -> Any:
     if not path.is_file():
         if required:
@@ -157,13 +177,17 @@ def _read_json(path: Path, *, required: bool = False, default: Any = ...) -> Any
         raise ModelLoadError(f"cannot read {path}: {exc}") from None
 
 
+# The sentence-transformers modules that are the model itself (its config.json and weights).
+_MODEL_MODULES = ("Transformer", "MLMTransformer", "CLIPModel")
+
+
 def _read_sentence_transformers(root: Path, modules: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {"is_sentence_transformers": True, "dense": (), "normalize": False}
     dense: list[DenseSpec] = []
     for module in modules:
         kind = str(module.get("type", "")).rsplit(".", 1)[-1]
         module_dir = root / str(module.get("path", ""))
-        if kind in ("Transformer", "MLMTransformer"):  # the model itself (config.json)
+        if kind in _MODEL_MODULES:  # the model itself (config.json)
             continue
         if kind == "Pooling":
             out["pooling"] = _read_pooling(module_dir)
@@ -187,7 +211,8 @@ def _read_sentence_transformers(root: Path, modules: list[dict[str, Any]]) -> di
         else:
             raise ModelLoadError(
                 f"{root / 'modules.json'}: sentence-transformers module {kind!r} is not supported "
-                "(supported: Transformer, MLMTransformer, Pooling, Dense, Normalize, SpladePooling)"
+                "(supported: Transformer, MLMTransformer, CLIPModel, Pooling, Dense, Normalize, "
+                "SpladePooling)"
             )
     out["dense"] = tuple(dense)
     st_config = _read_json(root / "config_sentence_transformers.json")
