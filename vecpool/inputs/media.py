@@ -1,0 +1,535 @@
+"""Loading an image a user gave, safely: from a PIL image, encoded bytes, a data: URI, bare
+base64, an http(s) URL or a local file, into a decoded `PIL.Image.Image`.
+
+Everything a request can point at is held to a `MediaPolicy`: local files only under one
+folder, URLs only to named hosts (every redirect's target checked again), a cap on the encoded
+bytes (enforced while a body streams in), a cap on the pixels (read from the header, before
+anything is decoded), timeouts and a deadline on every fetch. Only raster formats are decoded
+(PNG, JPEG, WebP, GIF's first frame, BMP, TIFF); SVG is refused. Every failure is an
+`InputError` saying why; its caller names the input.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import contextlib
+import http.client
+import io
+import os
+import re
+import socket
+import ssl
+import stat
+import threading
+import time
+import urllib.parse
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+from vecpool.errors import ConfigError, InputError
+
+# The formats decoded (Pillow's names); anything else is refused before a decoder runs.
+FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")
+_FORMAT_NAMES = "PNG, JPEG, WebP, GIF, BMP or TIFF"
+
+_REDIRECTS = frozenset({301, 302, 303, 307, 308})
+_CHUNK = 1 << 16
+_ORIENTATION = 0x0112  # the EXIF tag
+
+
+@dataclass(frozen=True)
+class MediaPolicy:
+    """What image inputs may reach and how much they may cost.
+
+    `allowed_local_media_path`: local files (paths, file:// URLs) only under this folder, which
+    must exist (None: no local file may be read). `allowed_media_domains`: http(s) URLs only to
+    these hosts, matched exactly, case aside (empty: no URL may be fetched). data: URIs, base64
+    and bytes are always taken. `max_image_bytes`: the encoded size an image may have, however
+    it comes. `max_image_pixels`: width times height, checked from the header before decoding
+    (a decompression bomb is refused unread). A fetch may take `connect_timeout` seconds to
+    connect and `read_timeout` seconds to receive its whole response (headers and body, not
+    per read: a server dripping bytes is cut off), and follows at most `max_redirects`
+    redirects."""
+
+    allowed_local_media_path: Path | None = None
+    allowed_media_domains: tuple[str, ...] = ()
+    max_image_bytes: int = 20 * 1024 * 1024
+    max_image_pixels: int = 64 * 1024 * 1024
+    connect_timeout: float = 5.0
+    read_timeout: float = 10.0
+    max_redirects: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("max_image_bytes", "max_image_pixels", "connect_timeout", "read_timeout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+                raise ConfigError(f"{name} must be a positive number, got {value!r}")
+        if isinstance(self.max_redirects, bool) or not isinstance(self.max_redirects, int):
+            raise ConfigError(f"max_redirects must be an int, got {self.max_redirects!r}")
+        if self.max_redirects < 0:
+            raise ConfigError(f"max_redirects must be 0 or positive, got {self.max_redirects}")
+        if isinstance(self.allowed_media_domains, str):
+            raise ConfigError(
+                "allowed_media_domains must be a sequence of host names, got the string "
+                f"{self.allowed_media_domains!r}"
+            )
+        domains = tuple(_host_key(d) for d in self.allowed_media_domains)
+        for given, host in zip(self.allowed_media_domains, domains, strict=True):
+            if not host or any(c in host for c in "/:@?#* "):
+                raise ConfigError(
+                    f"allowed_media_domains: {given!r} is not a host name (give hosts such as "
+                    "'images.example.com', without scheme, port or path)"
+                )
+        object.__setattr__(self, "allowed_media_domains", domains)
+        if self.allowed_local_media_path is not None:
+            root = Path(self.allowed_local_media_path).expanduser().resolve()
+            if not root.is_dir():
+                raise ConfigError(
+                    f"allowed_local_media_path {str(self.allowed_local_media_path)!r} is not a "
+                    "folder"
+                )
+            object.__setattr__(self, "allowed_local_media_path", root)
+
+
+def load_image(source: Any, policy: MediaPolicy, *, deadline: float | None = None) -> Image.Image:
+    """The image `source` names, decoded, its EXIF orientation applied.
+
+    `source` may be a `PIL.Image.Image`; encoded bytes (bytes, bytearray, memoryview); a
+    `data:image/...;base64,` URI; bare base64 of an encoded image; an http(s) URL; a local path
+    (str or `os.PathLike`, relative ones taken from `policy.allowed_local_media_path`) or a
+    file:// URL. `deadline` (a `time.monotonic()` value) bounds a fetch besides the policy's
+    timeouts. The mode is the file's own (RGBA, P, L, CMYK, ...): the image processor converts
+    it as the model's own processor does. Raises `InputError` naming the reason for anything
+    that is not an image the policy allows."""
+    if isinstance(source, Image.Image):
+        return _given_image(source, policy)
+    if isinstance(source, bytes | bytearray | memoryview):
+        return decode_image(bytes(source), policy, what="the bytes")
+    if isinstance(source, os.PathLike):
+        return _read_path(os.fspath(source), policy)
+    if isinstance(source, str):
+        return _load_string(source, policy, deadline)
+    raise InputError(
+        "an image must be a PIL image, encoded bytes, a URL, a data: URI, base64 or a path, "
+        f"got {type(source).__name__}"
+    )
+
+
+def decode_image(data: bytes, policy: MediaPolicy, *, what: str = "the image") -> Image.Image:
+    """`data`, an encoded image, decoded under the policy's byte and pixel caps (`what` names
+    where the bytes came from, in an error)."""
+    if not data:
+        raise InputError(f"{what}: empty, no image data")
+    if len(data) > policy.max_image_bytes:
+        raise InputError(
+            f"{what}: {len(data):,} bytes, over the limit of {policy.max_image_bytes:,} bytes"
+        )
+    if _is_svg(data):
+        raise InputError(
+            f"{what}: an SVG image, which is not a raster format; send {_FORMAT_NAMES}"
+        )
+    # Pillow's own decompression-bomb guard (a process-wide limit) warns, or raises its own
+    # error, on sizes the policy's cap decides here; its warning is silenced for this block
+    # and its error becomes an InputError. (The warning filter is process state: two threads
+    # in this block at once may, rarely, let one such warning through.)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        try:
+            image = Image.open(io.BytesIO(data), formats=FORMATS)
+        except UnidentifiedImageError:
+            raise InputError(
+                f"{what}: not an image in a supported format ({_FORMAT_NAMES})"
+            ) from None
+        except Image.DecompressionBombError as exc:
+            raise InputError(f"{what}: too many pixels ({exc})") from None
+        except Exception as exc:  # a plugin's header parser on corrupt data: any error
+            raise InputError(f"{what}: a corrupt image ({_describe(exc)})") from None
+        _check_pixels(image, policy, what)
+        kind = image.format or "image"
+        try:
+            image.load()
+            if image.getexif().get(_ORIENTATION, 1) != 1:
+                ImageOps.exif_transpose(image, in_place=True)
+        except Image.DecompressionBombError as exc:
+            raise InputError(f"{what}: too many pixels ({exc})") from None
+        except MemoryError:
+            raise InputError(f"{what}: not enough memory to decode this {kind}") from None
+        except Exception as exc:  # truncated data, a broken stream, a bad table: any error
+            raise InputError(f"{what}: a corrupt or truncated {kind} ({_describe(exc)})") from None
+    return image
+
+
+def _given_image(image: Image.Image, policy: MediaPolicy) -> Image.Image:
+    """A PIL image given as it is: held to the pixel cap, loaded (a lazily opened file is
+    read here, its errors named) and turned upright (a copy; the caller's image is left as it
+    is)."""
+    _check_pixels(image, policy, "the image")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        try:
+            image.load()
+            if image.getexif().get(_ORIENTATION, 1) != 1:
+                return ImageOps.exif_transpose(image)
+        except Exception as exc:
+            raise InputError(f"the image cannot be read ({_describe(exc)})") from None
+    return image
+
+
+def _check_pixels(image: Image.Image, policy: MediaPolicy, what: str) -> None:
+    width, height = image.size
+    if width * height > policy.max_image_pixels:
+        raise InputError(
+            f"{what}: {width}x{height} = {width * height:,} pixels, over the limit of "
+            f"{policy.max_image_pixels:,} pixels"
+        )
+    if width < 1 or height < 1:
+        raise InputError(f"{what}: an image of {width}x{height} pixels has no pixels")
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _is_svg(data: bytes) -> bool:
+    """Whether `data` is SVG (XML text naming an svg element; no raster format starts '<')."""
+    return data[:1024].lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"<") and (
+        b"<svg" in data[: 1 << 16].lower()
+    )
+
+
+# --- strings: data: URIs, URLs, base64, paths -------------------------------------------------
+
+_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*):")
+_BASE64 = re.compile(r"[A-Za-z0-9+/_\-\s]+={0,2}\s*")
+# What an encoded image begins with: a string of base64 is taken as an image when its bytes
+# begin so (a path, which base64's alphabet can also spell, does not decode to these).
+_MAGIC = (
+    b"\x89PNG\r\n\x1a\n",
+    b"\xff\xd8\xff",
+    b"GIF87a",
+    b"GIF89a",
+    b"BM",
+    b"II*\x00",
+    b"MM\x00*",
+)
+
+
+def _load_string(text: str, policy: MediaPolicy, deadline: float | None) -> Image.Image:
+    scheme = _SCHEME.match(text)
+    name = scheme.group(1).lower() if scheme else ""
+    if name == "data":
+        return decode_image(_data_uri(text, policy), policy, what="the data: URI")
+    if name in ("http", "https"):
+        body = _fetch(text, policy, deadline)
+        return decode_image(body, policy, what=f"the image at {_host_of(text)}")
+    if name == "file":
+        return _read_path(_file_url_path(text), policy)
+    if scheme and text[scheme.end() : scheme.end() + 2] == "//":
+        raise InputError(f"URLs of scheme {name!r} are not fetched (http, https, data, file are)")
+    data = _bare_base64(text, policy)
+    if data is not None:
+        return decode_image(data, policy, what="the base64 image")
+    return _read_path(text, policy)
+
+
+def _data_uri(text: str, policy: MediaPolicy) -> bytes:
+    header, comma, payload = text[5:].partition(",")
+    if not comma:
+        raise InputError("a data: URI without a ',' before its data")
+    params = [p.strip().lower() for p in header.split(";")]
+    media_type = params[0]
+    if media_type.startswith("image/svg"):
+        raise InputError(
+            f"the data: URI is an SVG image, not a raster format; send {_FORMAT_NAMES}"
+        )
+    if (
+        media_type
+        and not media_type.startswith("image/")
+        and media_type != "application/octet-stream"
+    ):
+        raise InputError(f"the data: URI holds {media_type!r}, not an image")
+    if "base64" in params[1:]:
+        return _b64decode(payload, policy, "the data: URI")
+    if len(payload) > 3 * policy.max_image_bytes:  # percent-encoded: at most 3 chars a byte
+        raise InputError(f"the data: URI is over the limit of {policy.max_image_bytes:,} bytes")
+    return urllib.parse.unquote_to_bytes(payload)
+
+
+def _b64decode(payload: str, policy: MediaPolicy, what: str) -> bytes:
+    clean = "".join(payload.split())
+    if len(clean) // 4 * 3 > policy.max_image_bytes + 2:
+        raise InputError(
+            f"{what}: about {len(clean) // 4 * 3:,} bytes, over the limit of "
+            f"{policy.max_image_bytes:,} bytes"
+        )
+    if "-" in clean or "_" in clean:  # the URL-safe alphabet
+        clean = clean.replace("-", "+").replace("_", "/")
+    clean += "=" * (-len(clean) % 4)
+    try:
+        return base64.b64decode(clean, validate=True)
+    except (binascii.Error, ValueError):
+        raise InputError(f"{what}: not valid base64") from None
+
+
+def _bare_base64(text: str, policy: MediaPolicy) -> bytes | None:
+    """The bytes `text` encodes when it is base64 of an image (or of SVG, which the decoder
+    refuses by name); None when it is something else (a path)."""
+    if len(text) < 16 or _BASE64.fullmatch(text) is None:
+        return None
+    head = "".join(text[:128].split())
+    try:
+        start = _b64decode(head[: len(head) // 4 * 4], policy, "base64")
+    except InputError:
+        return None
+    is_webp = start[:4] == b"RIFF" and start[8:12] == b"WEBP"
+    if not (start.startswith(_MAGIC) or is_webp or start.lstrip().startswith(b"<")):
+        return None
+    return _b64decode(text, policy, "the base64 image")
+
+
+# --- local files ------------------------------------------------------------------------------
+
+
+def _file_url_path(url: str) -> str:
+    parts = urllib.parse.urlsplit(url)
+    if parts.netloc not in ("", "localhost"):
+        raise InputError(f"a file: URL names host {parts.netloc!r}; only local files are read")
+    if parts.query or parts.fragment:
+        raise InputError("a file: URL with a query or fragment")
+    return urllib.parse.unquote(parts.path)
+
+
+def _read_path(path: str, policy: MediaPolicy) -> Image.Image:
+    root = policy.allowed_local_media_path
+    shown = _short(path)
+    if root is None:
+        raise InputError(
+            f"local image paths are refused ({shown}): no --allowed-local-media-path is set; "
+            "send the image's bytes, base64 or a data: URI"
+        )
+    if "\x00" in path:
+        raise InputError(f"the path {shown} holds a NUL character")
+    # Resolved (symlinks followed, '..' applied) before the containment check, so that neither
+    # escapes the folder; a path outside it is refused whether or not it exists.
+    try:
+        resolved = (root / path).resolve()
+    except (OSError, RuntimeError) as exc:  # a symlink loop
+        raise InputError(f"the path {shown} cannot be resolved ({_describe(exc)})") from None
+    if not resolved.is_relative_to(root):
+        raise InputError(f"the path {shown} is outside the allowed --allowed-local-media-path")
+    # O_NONBLOCK: a FIFO opens without waiting for a writer (and is refused below);
+    # O_NOFOLLOW: the resolved name must not have become a symlink since.
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0)
+    flags |= getattr(os, "O_BINARY", 0)
+    try:
+        fd = os.open(resolved, flags)
+    except FileNotFoundError:
+        raise InputError(f"no image file {shown} under --allowed-local-media-path") from None
+    except OSError as exc:
+        raise InputError(f"the image file {shown} cannot be opened ({_describe(exc)})") from None
+    with os.fdopen(fd, "rb") as file:
+        info = os.fstat(file.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise InputError(f"{shown} is not a regular file")
+        if info.st_size > policy.max_image_bytes:
+            raise InputError(
+                f"the image file {shown}: {info.st_size:,} bytes, over the limit of "
+                f"{policy.max_image_bytes:,} bytes"
+            )
+        data = file.read(policy.max_image_bytes + 1)
+    return decode_image(data, policy, what=f"the image file {shown}")
+
+
+def _short(text: str, limit: int = 80) -> str:
+    return repr(text if len(text) <= limit else text[: limit - 3] + "...")
+
+
+# --- URLs -------------------------------------------------------------------------------------
+
+
+def _host_key(host: str) -> str:
+    return host.strip().rstrip(".").lower()
+
+
+def _host_of(url: str) -> str:
+    try:
+        return urllib.parse.urlsplit(url).hostname or "?"
+    except ValueError:
+        return "?"
+
+
+def _checked_url(url: str, policy: MediaPolicy) -> urllib.parse.SplitResult:
+    """`url` parsed, refused unless http(s) to an allowed host."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018  # (parsed lazily: a bad port raises here)
+    except ValueError as exc:
+        raise InputError(f"a malformed URL ({exc})") from None
+    if parts.scheme.lower() not in ("http", "https"):
+        raise InputError(
+            f"a redirect to a {parts.scheme or 'relative'!s} URL; only http(s) is followed"
+        )
+    host = _host_key(parts.hostname or "")
+    if not host:
+        raise InputError("a URL without a host")
+    if not policy.allowed_media_domains:
+        raise InputError(
+            f"image URLs are refused ({host}): no host is allowed; start with "
+            "--allowed-media-domains to fetch from chosen hosts, or send the image's bytes, "
+            "base64 or a data: URI"
+        )
+    if host not in policy.allowed_media_domains:
+        raise InputError(f"the host {host!r} is not among the --allowed-media-domains")
+    return parts
+
+
+def _fetch(url: str, policy: MediaPolicy, deadline: float | None) -> bytes:
+    """The body of `url`, following up to `policy.max_redirects` redirects (each target's host
+    checked again)."""
+    for _ in range(policy.max_redirects + 1):
+        parts = _checked_url(url, policy)
+        location = _get(parts, policy, deadline)
+        if isinstance(location, bytes):
+            return location
+        url = urllib.parse.urljoin(url, location)
+    raise InputError(
+        f"fetching an image from {_host_of(url)}: more than {policy.max_redirects} redirects"
+    )
+
+
+class _Watchdog:
+    """Cuts a connection's socket at a moment, waking any read blocked on it: the bound on a
+    whole response that per-read timeouts cannot give (a server may send one byte a second)."""
+
+    def __init__(self, conn: http.client.HTTPConnection, seconds: float):
+        self.conn = conn
+        self.fired = False
+        self.timer = threading.Timer(max(seconds, 0.0), self._fire)
+        self.timer.daemon = True
+        self.timer.start()
+
+    def _fire(self) -> None:
+        self.fired = True
+        sock = self.conn.sock
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                socket.socket.shutdown(sock, socket.SHUT_RDWR)
+
+    def cancel(self) -> None:
+        self.timer.cancel()
+
+
+def _get(
+    parts: urllib.parse.SplitResult, policy: MediaPolicy, deadline: float | None
+) -> bytes | str:
+    """One GET: the body (bytes), or a redirect's Location (str)."""
+    host = parts.hostname or ""
+    what = f"fetching an image from {host}"
+    start = time.monotonic()
+    done_by = start + policy.connect_timeout
+    cause = f"no connection within {policy.connect_timeout:g} s"
+    if deadline is not None:
+        if deadline <= start:
+            raise InputError(f"{what}: the request's deadline had passed")
+        if deadline < done_by:
+            done_by, cause = deadline, "the request's deadline passed before a connection"
+    address = f"[{host}]" if ":" in host else host  # an IPv6 literal, as http.client takes it
+    conn: http.client.HTTPConnection
+    if parts.scheme.lower() == "https":
+        context = ssl.create_default_context()
+        conn = http.client.HTTPSConnection(
+            address, parts.port, timeout=done_by - start, context=context
+        )
+    else:
+        conn = http.client.HTTPConnection(address, parts.port, timeout=done_by - start)
+    watchdog: _Watchdog | None = None
+    try:
+        conn.connect()
+        now = time.monotonic()
+        done_by = now + policy.read_timeout
+        cause = f"no complete response within {policy.read_timeout:g} s"
+        if deadline is not None and deadline < done_by:
+            done_by, cause = deadline, "the request's deadline passed before the image arrived"
+        watchdog = _Watchdog(conn, done_by - now)
+        body = _exchange(conn, parts, policy, done_by, what)
+        if watchdog.fired:  # cut off: what came is not the whole body
+            raise TimeoutError
+        return body
+    except InputError:
+        raise
+    except (OSError, http.client.HTTPException) as exc:  # DNS, refused, TLS, cut off
+        if isinstance(exc, TimeoutError) or (watchdog is not None and watchdog.fired):
+            raise InputError(f"{what}: {cause}") from None
+        raise InputError(f"{what}: {_describe(exc)}") from None
+    finally:
+        if watchdog is not None:
+            watchdog.cancel()
+        conn.close()
+
+
+def _exchange(
+    conn: http.client.HTTPConnection,
+    parts: urllib.parse.SplitResult,
+    policy: MediaPolicy,
+    done_by: float,
+    what: str,
+) -> bytes | str:
+    target = parts.path or "/"
+    if parts.query:
+        target = f"{target}?{parts.query}"
+    _set_timeout(conn, done_by)
+    conn.request(
+        "GET",
+        target,
+        headers={
+            "User-Agent": "vecpool",
+            "Accept": "image/*",
+            "Accept-Encoding": "identity",
+            "Connection": "close",
+        },
+    )
+    response = conn.getresponse()
+    if response.status in _REDIRECTS:
+        location = response.getheader("Location")
+        if not location:
+            raise InputError(f"{what}: a redirect ({response.status}) without a Location")
+        return location
+    if response.status != 200:
+        raise InputError(f"{what}: HTTP {response.status} {response.reason}".rstrip())
+    content_type = (response.getheader("Content-Type") or "").lower()
+    if content_type.startswith("image/svg"):
+        raise InputError(
+            f"{what}: an SVG image, which is not a raster format; send {_FORMAT_NAMES}"
+        )
+    cap = policy.max_image_bytes
+    length = response.getheader("Content-Length")
+    if length is not None and length.strip().isdigit() and int(length) > cap:
+        raise InputError(f"{what}: {int(length):,} bytes, over the limit of {cap:,} bytes")
+    chunks: list[bytes] = []
+    received = 0
+    while True:
+        _set_timeout(conn, done_by)
+        chunk = response.read1(_CHUNK)
+        if not chunk:
+            break
+        received += len(chunk)
+        if received > cap:
+            raise InputError(f"{what}: over the limit of {cap:,} bytes")
+        chunks.append(chunk)
+    if response.length:  # the connection closed before Content-Length bytes came
+        raise InputError(f"{what}: the response ended after {received:,} of {length} bytes")
+    return b"".join(chunks)
+
+
+def _set_timeout(conn: http.client.HTTPConnection, done_by: float) -> None:
+    left = done_by - time.monotonic()
+    if left <= 0:
+        raise TimeoutError
+    if conn.sock is not None:
+        conn.sock.settimeout(left)
