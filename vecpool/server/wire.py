@@ -13,6 +13,7 @@ import numpy as np
 
 from vecpool.calls.outputs import PoolingOutput, PromptRequest
 from vecpool.errors import EngineError, InputError, RequestFailedError, VecpoolError
+from vecpool.inputs.pixels import ImagePixels
 from vecpool.inputs.prompts import Prompt
 from vecpool.tasks import PoolingParams
 
@@ -35,6 +36,9 @@ class WireRequest(msgspec.Struct, array_like=True):
     embeds_dtype: str | None
     embeds_shape: tuple[int, int] | None
     num_attended: int | None
+    # An image input: its patch rows, float32 little-endian [rows * cols, patch_dim], and its grid.
+    image: bytes | None = None
+    image_grid: tuple[int, int] | None = None
 
 
 class Submit(msgspec.Struct, tag=True, array_like=True):
@@ -118,6 +122,8 @@ def submit(call_id: int, requests: list[PromptRequest]) -> Submit:
                 embeds_dtype=None if embeds is None else embeds.dtype.name,
                 embeds_shape=None if embeds is None else (embeds.shape[0], embeds.shape[1]),
                 num_attended=p.num_attended,
+                image=None if p.image is None else np.ascontiguousarray(p.image.patches, "<f4").tobytes(),
+                image_grid=None if p.image is None else p.image.grid,
             )
         )
     return Submit(call_id, params, wire)
@@ -132,11 +138,18 @@ def prompt_requests(message: Submit) -> list[PromptRequest]:
             assert w.embeds_dtype is not None and w.embeds_shape is not None
             dtype = np.dtype(w.embeds_dtype).newbyteorder("<")
             embeds = np.frombuffer(bytearray(w.embeds), dtype=dtype).reshape(w.embeds_shape)
+        image = None
+        if w.image is not None:
+            assert w.image_grid is not None
+            patches = np.frombuffer(bytearray(w.image), dtype="<f4")
+            rows, cols = w.image_grid
+            image = ImagePixels(patches.reshape(rows * cols, -1), (rows, cols))
         prompt = Prompt(
             token_ids=_array(w.token_ids),
             prompt_embeds=embeds,
             token_type_ids=_array(w.token_type_ids),
             num_attended=w.num_attended,
+            image=image,
         )
         out.append(PromptRequest(w.index, prompt, message.params[w.params]))
     return out
