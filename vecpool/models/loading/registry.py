@@ -93,6 +93,10 @@ _REGISTRY: dict[str, tuple[str, str]] = {
     "Gemma3TextForSequenceClassification": ("gemma3", "Gemma3TextForSequenceClassification"),
     # -- jina-reranker-v3 (listwise) --
     "JinaForRanking": ("jina_reranker", "JinaForRanking"),
+    # -- dual encoders (texts and images into one space) --
+    "CLIPModel": ("clip", "CLIPModel"),
+    "SiglipModel": ("siglip", "SiglipModel"),
+    "Siglip2Model": ("siglip", "Siglip2Model"),
 }
 
 
