@@ -1,7 +1,8 @@
 """CLIP (`CLIPModel`) against Hugging Face transformers on the same random weights: text rows
 at each prompt's last position against `get_text_features`, image rows against
 `get_image_features`, texts and images mixed in one flat batch, an image alone against the
-same image in a batch; strict loading and config.json's sub-configs.
+same image in a batch; strict loading and config.json's sub-configs; and through
+`vecpool.Engine`, pictures preprocessed by vecpool against transformers' own processor.
 
 The model runs as the engine runs it: loaded by the registry and the strict loader, the text's
 flat batch built by `build_flat_batch`, images given as patch rows made from the same
@@ -21,8 +22,10 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from PIL import Image as PILImage
 from safetensors.torch import load_file, save_file
 
+import vecpool
 from tests.helpers import REORDERED_RTOL, assert_rel_close, save_hf_model
 from vecpool.errors import InputError, ModelLoadError
 from vecpool.inputs.prompts import Prompt
@@ -262,3 +265,35 @@ def test_loading_is_strict(clip: tuple[PoolingModel, Any, Path], tmp_path: Path)
     save_file(extra, str(tmp_path / "model.safetensors"))
     with pytest.raises(ModelLoadError, match=r"unexpected tensors.*vision_model\.head\.probe"):
         load(tmp_path)
+
+
+def pictures(sizes: list[tuple[int, int]], seed: int) -> list[PILImage.Image]:
+    """Random RGB pictures of (height, width) `sizes`."""
+    gen = np.random.default_rng(seed)
+    return [
+        PILImage.fromarray(gen.integers(0, 256, size=(h, w, 3), dtype=np.uint8)) for h, w in sizes
+    ]
+
+
+def test_engine_embeds_texts_and_pictures(clip: tuple[PoolingModel, Any, Path]) -> None:
+    """`Engine.embed` on pictures of several sizes (resized and cropped by vecpool's CLIP
+    preprocessing) and token-id texts in one call, unnormalized, against transformers on its
+    own processor's `pixel_values` (the two preprocessings agree to ~1e-6; the tolerance stays
+    1e-5 of the largest output). A text given as its prompt embeds gives the same bits."""
+    _, hf, folder = clip
+    processor = transformers.CLIPImageProcessorPil(
+        size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}
+    )
+    processor.save_pretrained(str(folder))
+    engine = vecpool.Engine(folder, device="cpu")
+    images = pictures([(40, 50), (32, 32), (70, 33)], seed=7)
+    prompts = text_prompts([5, 9], seed=8, eos=EOS)
+    out = engine.embed([prompts[0], images[0], images[1], prompts[1], images[2]], normalize=False)
+    with torch.no_grad():
+        pixel_values = processor(images=images, return_tensors="pt").pixel_values
+    expected = hf_images(hf, pixel_values)
+    assert_rel_close(out[[1, 2, 4]], expected)
+    for got, prompt in zip(out[[0, 3]], prompts, strict=True):
+        assert_rel_close(got, hf_text(hf, prompt))
+    embeds = engine.embed([{"prompt_embeds": engine.embed_tokens(p)} for p in prompts])
+    assert np.array_equal(embeds, engine.embed(prompts))

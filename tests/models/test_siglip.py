@@ -2,7 +2,8 @@
 same random weights: text rows at each prompt's last position against `get_text_features`,
 image rows against `get_image_features` (SigLIP2: a padded batch of several grids, with
 `pixel_attention_mask` and `spatial_shapes`, as its processor gives it), texts and images
-mixed in one flat batch, an image alone against the same image in a batch.
+mixed in one flat batch, an image alone against the same image in a batch; and through
+`vecpool.Engine`, pictures preprocessed by vecpool against transformers' own processor.
 
 As in test_clip.py: the model is loaded by the registry and the strict loader, run on the flat
 batch the runner builds; SigLIP's images as (channel, y, x) patch rows of the same
@@ -21,12 +22,14 @@ import pytest
 import torch
 import transformers
 
+import vecpool
 from tests.helpers import REORDERED_RTOL, assert_rel_close, save_hf_model
 from tests.models.test_clip import (
     Image,
     hf_eager,
     load,
     patchify,
+    pictures,
     randomize,
     run_step,
     text_prompts,
@@ -57,19 +60,21 @@ GRIDS = [(4, 4), (2, 6), (6, 7), (2, 6), (1, 3)]
 
 
 @pytest.fixture(scope="module")
-def siglip(tmp_path_factory: pytest.TempPathFactory) -> tuple[PoolingModel, Any]:
+def siglip(tmp_path_factory: pytest.TempPathFactory) -> tuple[PoolingModel, Any, Path]:
     config = transformers.SiglipConfig(text_config=TEXT, vision_config={**VISION, "image_size": 32})
     hf = randomize(transformers.SiglipModel(hf_eager(config)), seed=10)
-    return load(save_hf_model(hf, tmp_path_factory.mktemp("siglip"))), hf
+    folder = save_hf_model(hf, tmp_path_factory.mktemp("siglip"))
+    return load(folder), hf, folder
 
 
 @pytest.fixture(scope="module")
-def siglip2(tmp_path_factory: pytest.TempPathFactory) -> tuple[PoolingModel, Any]:
+def siglip2(tmp_path_factory: pytest.TempPathFactory) -> tuple[PoolingModel, Any, Path]:
     config = transformers.Siglip2Config(
         text_config=TEXT, vision_config={**VISION, "num_patches": 16}
     )
     hf = randomize(transformers.Siglip2Model(hf_eager(config)), seed=11)
-    return load(save_hf_model(hf, tmp_path_factory.mktemp("siglip2"))), hf
+    folder = save_hf_model(hf, tmp_path_factory.mktemp("siglip2"))
+    return load(folder), hf, folder
 
 
 @torch.no_grad()
@@ -113,7 +118,7 @@ def hf_siglip2_images(hf: Any, images: list[Image]) -> np.ndarray:
 
 @pytest.mark.parametrize("name", ["siglip", "siglip2"])
 def test_loads_as_a_dual_encoder(name: str, request: pytest.FixtureRequest) -> None:
-    model, _ = request.getfixturevalue(name)
+    model, _, _ = request.getfixturevalue(name)
     assert type(model).__module__ == "vecpool.models.architectures.siglip"
     assert type(model).__name__ == {"siglip": "SiglipModel", "siglip2": "Siglip2Model"}[name]
     assert model.capabilities == frozenset({Capability.IMAGE_TOWER})
@@ -123,21 +128,21 @@ def test_loads_as_a_dual_encoder(name: str, request: pytest.FixtureRequest) -> N
 
 @pytest.mark.parametrize("name", ["siglip", "siglip2"])
 def test_text_rows_match_get_text_features(name: str, request: pytest.FixtureRequest) -> None:
-    model, hf = request.getfixturevalue(name)
+    model, hf, _ = request.getfixturevalue(name)
     prompts = text_prompts(LENGTHS, seed=1, eos=None)  # SigLIP pools the last token, whatever
     for prompt, rows in zip(prompts, run_step(model, list(prompts)), strict=True):
         assert_rel_close(rows[-1].numpy(), hf_text(hf, prompt))
 
 
-def test_siglip_images_match_get_image_features(siglip: tuple[PoolingModel, Any]) -> None:
-    model, hf = siglip
+def test_siglip_images_match_get_image_features(siglip: tuple[PoolingModel, Any, Path]) -> None:
+    model, hf, _ = siglip
     pixel_values, images = siglip_images(3, seed=2)
     ours = torch.stack(run_step(model, list(images))).numpy()
     assert_rel_close(ours, hf_siglip_images(hf, pixel_values))
 
 
-def test_siglip_texts_and_images_in_one_batch(siglip: tuple[PoolingModel, Any]) -> None:
-    model, hf = siglip
+def test_siglip_texts_and_images_in_one_batch(siglip: tuple[PoolingModel, Any, Path]) -> None:
+    model, hf, _ = siglip
     prompts = text_prompts([7, 2, 19], seed=3, eos=None)
     pixel_values, images = siglip_images(3, seed=4)
     out = run_step(model, [images[0], prompts[0], prompts[1], images[1], images[2], prompts[2]])
@@ -150,23 +155,23 @@ def test_siglip_texts_and_images_in_one_batch(siglip: tuple[PoolingModel, Any]) 
     assert_rel_close(alone.numpy(), out[4].numpy(), rtol=REORDERED_RTOL)
 
 
-def test_siglip_refuses_an_image_of_another_grid(siglip: tuple[PoolingModel, Any]) -> None:
-    model, _ = siglip
+def test_siglip_refuses_an_image_of_another_grid(siglip: tuple[PoolingModel, Any, Path]) -> None:
+    model, _, _ = siglip
     with pytest.raises(InputError, match=r"image 0 of the step has 2x8 patches.*takes 4x4"):
         run_step(model, [Image(torch.zeros(16, PATCH_DIM), (2, 8))])
 
 
 def test_siglip2_images_of_several_grids_match_get_image_features(
-    siglip2: tuple[PoolingModel, Any],
+    siglip2: tuple[PoolingModel, Any, Path],
 ) -> None:
-    model, hf = siglip2
+    model, hf, _ = siglip2
     images = siglip2_images(GRIDS, seed=5)
     ours = torch.stack(run_step(model, list(images))).numpy()
     assert_rel_close(ours, hf_siglip2_images(hf, images))
 
 
-def test_siglip2_texts_and_images_in_one_batch(siglip2: tuple[PoolingModel, Any]) -> None:
-    model, hf = siglip2
+def test_siglip2_texts_and_images_in_one_batch(siglip2: tuple[PoolingModel, Any, Path]) -> None:
+    model, hf, _ = siglip2
     prompts = text_prompts([4, 21], seed=6, eos=None)
     images = siglip2_images([(6, 7), (4, 4), (3, 2)], seed=7)
     out = run_step(model, [prompts[0], images[0], images[1], prompts[1], images[2]])
@@ -194,3 +199,30 @@ def test_config_checks(tmp_path: Path) -> None:
         (folder / "config.json").write_text(json.dumps(edited))
         with pytest.raises(ConfigError, match=message):
             load(folder)
+
+
+@pytest.mark.parametrize("name", ["siglip", "siglip2"])
+def test_engine_embeds_texts_and_pictures(name: str, request: pytest.FixtureRequest) -> None:
+    """`Engine.embed` on pictures (SigLIP: resized to 32 x 32; SigLIP2: each aspect ratio its
+    own grid of at most 24 patches) and token-id texts in one call, unnormalized, against
+    transformers on its own processor's output (the preprocessings agree to ~1e-6; the
+    tolerance stays 1e-5 of the largest output)."""
+    _, hf, folder = request.getfixturevalue(name)
+    processor = (
+        transformers.SiglipImageProcessorPil(size={"height": 32, "width": 32})
+        if name == "siglip"
+        else transformers.Siglip2ImageProcessorPil(patch_size=8, max_num_patches=24)
+    )
+    processor.save_pretrained(str(folder))
+    engine = vecpool.Engine(folder, device="cpu")
+    images = pictures([(40, 50), (20, 90), (64, 64)], seed=9)
+    prompts = text_prompts([6, 13], seed=10, eos=None)
+    out = engine.embed([images[0], prompts[0], images[1], images[2], prompts[1]], normalize=False)
+    inputs = processor(images=images, return_tensors="pt")
+    if name == "siglip2":  # three grids: the step groups none of them
+        assert len({tuple(s) for s in inputs.spatial_shapes.tolist()}) == 3
+    with torch.no_grad():
+        expected = hf.get_image_features(**inputs).pooler_output.numpy()
+    assert_rel_close(out[[0, 2, 3]], expected)
+    for got, prompt in zip(out[[1, 4]], prompts, strict=True):
+        assert_rel_close(got, hf_text(hf, prompt))
