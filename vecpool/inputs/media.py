@@ -142,11 +142,14 @@ def decode_image(data: bytes, policy: MediaPolicy, *, what: str = "the image") -
         try:
             image = Image.open(io.BytesIO(data), formats=FORMATS)
         except UnidentifiedImageError:
+            kind = _sniff(data)
+            if kind is not None:
+                raise InputError(f"{what}: a corrupt {kind} (its header cannot be read)") from None
             raise InputError(
                 f"{what}: not an image in a supported format ({_FORMAT_NAMES})"
             ) from None
         except Image.DecompressionBombError as exc:
-            raise InputError(f"{what}: too many pixels ({exc})") from None
+            raise InputError(f"{what}: {_too_many_pixels(exc, policy)}") from None
         except Exception as exc:  # a plugin's header parser on corrupt data: any error
             raise InputError(f"{what}: a corrupt image ({_describe(exc)})") from None
         _check_pixels(image, policy, what)
@@ -156,7 +159,7 @@ def decode_image(data: bytes, policy: MediaPolicy, *, what: str = "the image") -
             if image.getexif().get(_ORIENTATION, 1) != 1:
                 ImageOps.exif_transpose(image, in_place=True)
         except Image.DecompressionBombError as exc:
-            raise InputError(f"{what}: too many pixels ({exc})") from None
+            raise InputError(f"{what}: {_too_many_pixels(exc, policy)}") from None
         except MemoryError:
             raise InputError(f"{what}: not enough memory to decode this {kind}") from None
         except Exception as exc:  # truncated data, a broken stream, a bad table: any error
@@ -191,6 +194,28 @@ def _check_pixels(image: Image.Image, policy: MediaPolicy, what: str) -> None:
         raise InputError(f"{what}: an image of {width}x{height} pixels has no pixels")
 
 
+def _too_many_pixels(exc: Image.DecompressionBombError, policy: MediaPolicy) -> str:
+    """Pillow's refusal (at twice its own limit, before the policy's cap is looked at) told
+    as the policy's."""
+    found = re.search(r"\((\d+) pixels\)", str(exc))
+    if found is None:
+        return f"too many pixels ({exc})"
+    pixels = int(found.group(1))
+    if pixels > policy.max_image_pixels:
+        return f"{pixels:,} pixels, over the limit of {policy.max_image_pixels:,} pixels"
+    return f"{pixels:,} pixels, over Pillow's own limit (PIL.Image.MAX_IMAGE_PIXELS, doubled)"
+
+
+def _sniff(data: bytes) -> str | None:
+    """The format `data` says it is by its first bytes (None: none of the decoded ones)."""
+    for magic, kind in _MAGIC.items():
+        if data.startswith(magic):
+            return kind
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "WebP"
+    return None
+
+
 def _describe(exc: BaseException) -> str:
     text = str(exc).strip()
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
@@ -209,15 +234,15 @@ _SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*):")
 _BASE64 = re.compile(r"[A-Za-z0-9+/_\-\s]+={0,2}\s*")
 # What an encoded image begins with: a string of base64 is taken as an image when its bytes
 # begin so (a path, which base64's alphabet can also spell, does not decode to these).
-_MAGIC = (
-    b"\x89PNG\r\n\x1a\n",
-    b"\xff\xd8\xff",
-    b"GIF87a",
-    b"GIF89a",
-    b"BM",
-    b"II*\x00",
-    b"MM\x00*",
-)
+_MAGIC = {
+    b"\x89PNG\r\n\x1a\n": "PNG",
+    b"\xff\xd8\xff": "JPEG",
+    b"GIF87a": "GIF",
+    b"GIF89a": "GIF",
+    b"BM": "BMP",
+    b"II*\x00": "TIFF",
+    b"MM\x00*": "TIFF",
+}
 
 
 def _load_string(text: str, policy: MediaPolicy, deadline: float | None) -> Image.Image:
@@ -262,6 +287,8 @@ def _data_uri(text: str, policy: MediaPolicy) -> bytes:
 
 
 def _b64decode(payload: str, policy: MediaPolicy, what: str) -> bytes:
+    if len(payload) > 3 * policy.max_image_bytes:  # (4 characters a 3 bytes, and line breaks)
+        raise InputError(f"{what}: over the limit of {policy.max_image_bytes:,} bytes")
     clean = "".join(payload.split())
     if len(clean) // 4 * 3 > policy.max_image_bytes + 2:
         raise InputError(
@@ -287,8 +314,7 @@ def _bare_base64(text: str, policy: MediaPolicy) -> bytes | None:
         start = _b64decode(head[: len(head) // 4 * 4], policy, "base64")
     except InputError:
         return None
-    is_webp = start[:4] == b"RIFF" and start[8:12] == b"WEBP"
-    if not (start.startswith(_MAGIC) or is_webp or start.lstrip().startswith(b"<")):
+    if _sniff(start) is None and not start.lstrip().startswith(b"<"):
         return None
     return _b64decode(text, policy, "the base64 image")
 
@@ -333,8 +359,8 @@ def _read_path(path: str, policy: MediaPolicy) -> Image.Image:
         raise InputError(f"no image file {shown} under --allowed-local-media-path") from None
     except OSError as exc:
         raise InputError(f"the image file {shown} cannot be opened ({_describe(exc)})") from None
-    with os.fdopen(fd, "rb") as file:
-        info = os.fstat(file.fileno())
+    try:
+        info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             raise InputError(f"{shown} is not a regular file")
         if info.st_size > policy.max_image_bytes:
@@ -342,7 +368,10 @@ def _read_path(path: str, policy: MediaPolicy) -> Image.Image:
                 f"the image file {shown}: {info.st_size:,} bytes, over the limit of "
                 f"{policy.max_image_bytes:,} bytes"
             )
-        data = file.read(policy.max_image_bytes + 1)
+        with open(fd, "rb", closefd=False) as file:
+            data = file.read(policy.max_image_bytes + 1)
+    finally:
+        os.close(fd)
     return decode_image(data, policy, what=f"the image file {shown}")
 
 
@@ -522,6 +551,8 @@ def _exchange(
         if received > cap:
             raise InputError(f"{what}: over the limit of {cap:,} bytes")
         chunks.append(chunk)
+    if time.monotonic() >= done_by:  # cut off by the watchdog: not the whole body
+        raise TimeoutError
     if response.length:  # the connection closed before Content-Length bytes came
         raise InputError(f"{what}: the response ended after {received:,} of {length} bytes")
     return b"".join(chunks)

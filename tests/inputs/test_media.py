@@ -1,0 +1,565 @@
+"""vecpool.inputs.media: every form an image may come in, and every hostile one refused with an
+InputError that names the reason. URLs are served by a local HTTP server in a thread.
+
+Each call that could hang (a fetch, a FIFO) runs under `within`, a hang guard: it fails the
+test if the call has not returned after a few seconds. Nothing else about time is asserted."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import http.server
+import io
+import os
+import socket
+import struct
+import threading
+import time
+import warnings
+import zlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from vecpool.errors import ConfigError, InputError
+from vecpool.inputs.media import MediaPolicy, load_image
+
+HANG_GUARD_S = 10.0
+
+
+def within(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """`call(*args, **kwargs)`, failing the test if it has not returned after HANG_GUARD_S."""
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            result["value"] = call(*args, **kwargs)
+        except BaseException as exc:
+            result["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(HANG_GUARD_S)
+    assert not thread.is_alive(), f"still running after {HANG_GUARD_S} s"
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
+def noise(width: int, height: int, channels: int = 3, seed: int = 0) -> np.ndarray:
+    shape = (height, width, channels) if channels > 1 else (height, width)
+    return np.random.default_rng(seed).integers(0, 256, shape, dtype=np.uint8)
+
+
+def encoded(image: Image.Image, fmt: str, **options: Any) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, fmt, **options)
+    return buffer.getvalue()
+
+
+def png_header(width: int, height: int) -> bytes:
+    """A PNG whose header claims `width` x `height` 8-bit grey pixels, with one tiny data
+    chunk: a decompression bomb's shape, refused before anything is decoded."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        body = kind + data
+        return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", header)
+        + chunk(b"IDAT", zlib.compress(b"\x00" * 64))
+        + chunk(b"IEND", b"")
+    )
+
+
+RGB = Image.fromarray(noise(37, 23))
+PNG = encoded(RGB, "PNG")
+SVG = b'<?xml version="1.0"?>\n<svg xmlns="http://www.w3.org/2000/svg" width="4" height="4"/>'
+
+
+def pixels(image: Image.Image) -> np.ndarray:
+    return np.asarray(image)
+
+
+# --- forms ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fmt", "options", "mode"),
+    [
+        ("PNG", {}, "RGB"),
+        ("WEBP", {"lossless": True}, "RGB"),
+        ("BMP", {}, "RGB"),
+        ("TIFF", {}, "RGB"),
+        ("PNG", {}, "RGBA"),
+        ("TIFF", {}, "CMYK"),
+        ("PNG", {}, "L"),
+        ("PNG", {}, "LA"),
+        ("PNG", {}, "I;16"),
+        ("PNG", {}, "1"),
+    ],
+)
+def test_lossless_bytes_decode_to_their_pixels(
+    fmt: str, options: dict[str, Any], mode: str
+) -> None:
+    source = Image.fromarray(noise(37, 23, 4), "RGBA").convert(mode)
+    if mode == "I;16":
+        source = Image.fromarray(noise(37, 23, 2).view(np.uint16)[..., 0])
+    image = load_image(encoded(source, fmt, **options), MediaPolicy())
+    assert image.format == fmt
+    assert image.mode == source.mode  # converted by the image processor, not here
+    np.testing.assert_array_equal(pixels(image), pixels(source))
+
+
+def test_jpeg_decodes_as_pillow_does() -> None:
+    data = encoded(RGB, "JPEG", quality=90)
+    image = load_image(data, MediaPolicy())
+    assert (image.format, image.mode, image.size) == ("JPEG", "RGB", RGB.size)
+    np.testing.assert_array_equal(pixels(image), pixels(Image.open(io.BytesIO(data))))
+
+
+def test_gif_gives_its_first_frame() -> None:
+    frames = [Image.fromarray(np.full((8, 9, 3), value, np.uint8)) for value in (10, 200)]
+    data = encoded(frames[0], "GIF", save_all=True, append_images=frames[1:], duration=50)
+    image = load_image(data, MediaPolicy())
+    assert image.format == "GIF"
+    np.testing.assert_array_equal(pixels(image.convert("RGB")), pixels(frames[0]))
+
+
+@pytest.mark.parametrize("kind", [bytes, bytearray, memoryview])
+def test_byte_forms(kind: Callable[[bytes], Any]) -> None:
+    np.testing.assert_array_equal(pixels(load_image(kind(PNG), MediaPolicy())), pixels(RGB))
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "data:image/png;base64," + base64.b64encode(PNG).decode(),
+        "DATA:image/png;BASE64," + base64.encodebytes(PNG).decode(),  # wrapped lines
+        "data:;base64," + base64.b64encode(PNG).decode(),
+        "data:image/png," + "".join(f"%{b:02X}" for b in PNG),  # percent-encoded
+        base64.b64encode(PNG).decode(),  # bare
+        base64.b64encode(PNG).decode().rstrip("="),  # bare, padding left out
+        base64.urlsafe_b64encode(PNG).decode(),  # the URL-safe alphabet
+    ],
+)
+def test_string_forms(text: str) -> None:
+    np.testing.assert_array_equal(pixels(load_image(text, MediaPolicy())), pixels(RGB))
+
+
+def test_a_pil_image_is_taken_as_it_is() -> None:
+    image = Image.fromarray(noise(5, 4))
+    assert load_image(image, MediaPolicy()) is image
+
+
+def upright_jpeg() -> tuple[bytes, np.ndarray]:
+    """A 40x20 JPEG whose EXIF says to turn it (orientation 6: 90 degrees clockwise), and the
+    pixels Pillow decodes, turned."""
+    source = np.zeros((20, 40, 3), np.uint8)
+    source[:, :20] = (255, 0, 0)  # left half red
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    data = encoded(Image.fromarray(source), "JPEG", exif=exif.tobytes(), quality=95)
+    decoded = Image.open(io.BytesIO(data)).transpose(Image.Transpose.ROTATE_270)
+    return data, pixels(decoded)
+
+
+def test_exif_orientation_is_applied() -> None:
+    data, expected = upright_jpeg()
+    image = load_image(data, MediaPolicy())
+    assert image.size == (20, 40)
+    np.testing.assert_array_equal(pixels(image), expected)
+    assert image.getexif().get(0x0112, 1) == 1
+    # the red half is on top now (orientation 6: the left edge turned to the top)
+    assert pixels(image)[:20, :, 0].mean() > 200 > pixels(image)[20:, :, 0].mean() + 100
+
+
+def test_exif_orientation_of_a_given_image_leaves_the_callers_image() -> None:
+    data, expected = upright_jpeg()
+    given = Image.open(io.BytesIO(data))
+    image = load_image(given, MediaPolicy())
+    np.testing.assert_array_equal(pixels(image), expected)
+    assert given.size == (40, 20)
+
+
+# --- local files ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def media_dir(tmp_path: Path) -> Path:
+    root = tmp_path / "media"
+    (root / "sub").mkdir(parents=True)
+    (root / "sub" / "cat.png").write_bytes(PNG)
+    (tmp_path / "secret.png").write_bytes(PNG)
+    return root
+
+
+def test_local_forms(media_dir: Path) -> None:
+    policy = MediaPolicy(allowed_local_media_path=media_dir)
+    target = media_dir / "sub" / "cat.png"
+    for source in (
+        target,
+        str(target),
+        "sub/cat.png",  # relative to the allowed folder
+        "sub/../sub/cat.png",
+        target.as_uri(),
+        "file://localhost" + target.as_posix(),
+    ):
+        np.testing.assert_array_equal(pixels(load_image(source, policy)), pixels(RGB))
+
+
+def test_local_paths_refused_without_a_folder(media_dir: Path) -> None:
+    for source in (media_dir / "sub" / "cat.png", "sub/cat.png", (media_dir / "x").as_uri()):
+        with pytest.raises(
+            InputError, match=r"local image paths are refused.*--allowed-local-media-path"
+        ):
+            load_image(source, MediaPolicy())
+
+
+def test_escapes_from_the_folder_are_refused(media_dir: Path) -> None:
+    policy = MediaPolicy(allowed_local_media_path=media_dir)
+    (media_dir / "link.png").symlink_to(media_dir.parent / "secret.png")
+    (media_dir / "dirlink").symlink_to(media_dir.parent)
+    for source in (
+        "../secret.png",
+        "sub/../../secret.png",
+        str(media_dir.parent / "secret.png"),
+        (media_dir.parent / "secret.png").as_uri(),
+        "link.png",  # a symlink out
+        "dirlink/secret.png",
+        "/etc/passwd",
+        "../missing.png",  # refused as outside, whether or not it exists
+    ):
+        with pytest.raises(InputError, match=r"outside the allowed --allowed-local-media-path"):
+            load_image(source, policy)
+
+
+def test_local_failures(media_dir: Path) -> None:
+    policy = MediaPolicy(allowed_local_media_path=media_dir, max_image_bytes=len(PNG) - 1)
+    with pytest.raises(InputError, match=r"no image file 'sub/missing.png'"):
+        load_image("sub/missing.png", policy)
+    with pytest.raises(InputError, match=r"'sub' is not a regular file"):
+        load_image("sub", policy)
+    with pytest.raises(InputError, match=rf"{len(PNG):,} bytes, over the limit"):
+        load_image("sub/cat.png", policy)
+    with pytest.raises(InputError, match=r"names host 'example.com'"):
+        load_image("file://example.com/sub/cat.png", policy)
+    (media_dir / "notes.txt").write_text("not an image at all")
+    with pytest.raises(InputError, match=r"not an image in a supported format"):
+        load_image("notes.txt", policy)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="the platform has no FIFOs")
+def test_a_fifo_is_refused_without_waiting_for_a_writer(media_dir: Path) -> None:
+    os.mkfifo(media_dir / "pipe")
+    policy = MediaPolicy(allowed_local_media_path=media_dir)
+    with pytest.raises(InputError, match=r"'pipe' is not a regular file"):
+        within(load_image, "pipe", policy)
+
+
+# --- hostile payloads -------------------------------------------------------------------------
+
+
+def test_empty_corrupt_and_non_images() -> None:
+    policy = MediaPolicy()
+    with pytest.raises(InputError, match=r"empty"):
+        load_image(b"", policy)
+    with pytest.raises(InputError, match=r"not an image in a supported format"):
+        load_image(b"hello, this is text and not an image", policy)
+    with pytest.raises(InputError, match=r"not an image in a supported format"):
+        load_image(b"%PDF-1.7\n" + bytes(200), policy)
+    with pytest.raises(InputError, match=r"a corrupt PNG"):
+        load_image(PNG[:8] + bytes(range(256)) * 4, policy)  # the signature, then garbage
+    big = encoded(Image.fromarray(noise(256, 256)), "PNG")
+    with pytest.raises(InputError, match=r"a corrupt or truncated PNG"):
+        load_image(big[:200] + bytes(range(256)) * 2 + big[712:], policy)  # garbled data
+    with pytest.raises(InputError, match=r"corrupt or truncated PNG"):
+        load_image(big[: len(big) // 2], policy)
+    jpeg = encoded(Image.fromarray(noise(256, 256)), "JPEG")
+    with pytest.raises(InputError, match=r"corrupt or truncated JPEG"):
+        load_image(jpeg[: len(jpeg) // 2], policy)
+    with pytest.raises(InputError, match=r"an image must be a PIL image, encoded bytes.*got int"):
+        load_image(12345, policy)
+
+
+def test_formats_outside_the_list_are_refused() -> None:
+    for fmt in ("PPM", "ICO", "TGA"):
+        with pytest.raises(InputError, match=r"not an image in a supported format"):
+            load_image(encoded(RGB, fmt), MediaPolicy())
+
+
+def test_svg_is_refused_in_every_form() -> None:
+    policy = MediaPolicy()
+    for source in (
+        SVG,
+        b"\xef\xbb\xbf  " + SVG,
+        b"<svg xmlns='http://www.w3.org/2000/svg'/>",
+        "data:image/svg+xml;base64," + base64.b64encode(SVG).decode(),
+        "data:image/svg+xml;utf8," + SVG.decode(),
+        "data:;base64," + base64.b64encode(SVG).decode(),
+        base64.b64encode(SVG).decode(),
+    ):
+        with pytest.raises(InputError, match=r"SVG"):
+            load_image(source, policy)
+
+
+def test_a_bomb_is_refused_from_its_header() -> None:
+    with pytest.raises(
+        InputError, match=r"12000x8000 = 96,000,000 pixels, over the limit of 67,108,864"
+    ):
+        load_image(png_header(12000, 8000), MediaPolicy())
+    # past twice Pillow's own limit, Pillow refuses first: told as the policy's refusal
+    with pytest.raises(InputError, match=r"600,000,000 pixels, over the limit of 67,108,864"):
+        load_image(png_header(30000, 20000), MediaPolicy())
+    small = MediaPolicy(max_image_pixels=100)
+    with pytest.raises(InputError, match=r"37x23 = 851 pixels, over the limit of 100 pixels"):
+        load_image(PNG, small)
+    with pytest.raises(InputError, match=r"37x23 = 851 pixels"):
+        load_image(RGB, small)  # a given image is held to the cap too
+
+
+def test_pillows_own_bomb_guard_never_escapes() -> None:
+    # Between Pillow's limit and twice it, Pillow warns; above, it raises its own error.
+    limit = Image.MAX_IMAGE_PIXELS
+    assert limit is not None
+    side = int((1.5 * limit) ** 0.5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(InputError, match=r"over the limit of 67,108,864 pixels"):
+            load_image(png_header(side, side), MediaPolicy())
+        # a cap above Pillow's: its error (at open, before any pixel is allocated) is named
+        with pytest.raises(InputError, match=r"900,000,000 pixels, over Pillow's own limit"):
+            load_image(png_header(30000, 30000), MediaPolicy(max_image_pixels=10**10))
+    assert not [w for w in caught if issubclass(w.category, Image.DecompressionBombWarning)]
+
+
+def test_byte_cap() -> None:
+    policy = MediaPolicy(max_image_bytes=len(PNG) - 1)
+    with pytest.raises(
+        InputError, match=rf"{len(PNG):,} bytes, over the limit of {len(PNG) - 1:,}"
+    ):
+        load_image(PNG, policy)
+    text = base64.b64encode(PNG).decode()
+    with pytest.raises(InputError, match=r"over the limit"):
+        load_image(text, policy)
+    with pytest.raises(InputError, match=r"over the limit"):
+        load_image("data:image/png;base64," + text, policy)
+    # a huge base64 string is refused by its length, before it is decoded
+    with pytest.raises(InputError, match=r"over the limit of 20,971,520 bytes"):
+        load_image("data:image/png;base64," + "A" * (30 << 20), MediaPolicy())
+
+
+def test_invalid_base64_and_data_uris() -> None:
+    policy = MediaPolicy()
+    with pytest.raises(InputError, match=r"not valid base64"):
+        load_image("data:image/png;base64,iVBORw0KGgo$$$$", policy)
+    with pytest.raises(InputError, match=r"without a ','"):
+        load_image("data:image/png;base64", policy)
+    with pytest.raises(InputError, match=r"holds 'text/plain', not an image"):
+        load_image("data:text/plain;base64,aGVsbG8=", policy)
+    with pytest.raises(InputError, match=r"scheme 'ftp' are not fetched"):
+        load_image("ftp://example.com/cat.png", policy)
+    # a string that is neither (base64 of a non-image reads as a path, refused)
+    with pytest.raises(InputError, match=r"local image paths are refused"):
+        load_image(base64.b64encode(b"just some words, no image").decode(), policy)
+
+
+def test_policy_validation(tmp_path: Path) -> None:
+    policy = MediaPolicy(
+        allowed_media_domains=("Images.Example.COM.", "cdn.example.org"),
+        allowed_local_media_path=tmp_path / "." / "",
+    )
+    assert policy.allowed_media_domains == ("images.example.com", "cdn.example.org")
+    assert policy.allowed_local_media_path == tmp_path.resolve()
+    bad: list[dict[str, Any]] = [
+        {"max_image_bytes": 0},
+        {"max_image_pixels": -1},
+        {"read_timeout": 0},
+        {"max_redirects": -1},
+        {"max_redirects": 1.5},
+        {"allowed_media_domains": "example.com"},
+        {"allowed_media_domains": ("https://example.com",)},
+        {"allowed_media_domains": ("example.com:8080",)},
+        {"allowed_media_domains": ("",)},
+        {"allowed_local_media_path": tmp_path / "missing"},
+    ]
+    for options in bad:
+        with pytest.raises(ConfigError):
+            MediaPolicy(**options)
+
+
+# --- URLs -------------------------------------------------------------------------------------
+
+CAP = 50_000  # the byte cap of the URL tests' policy
+
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.0"
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    def send(self, status: int, body: bytes = b"", **headers: str) -> None:
+        self.send_response(status)
+        for name, value in headers.items():
+            self.send_header(name.replace("_", "-"), value)
+        if "Content_Length" not in headers:
+            self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self) -> None:
+        with contextlib.suppress(OSError):  # a client that hung up, as the tests make them
+            self.route(self.path)
+
+    def route(self, path: str) -> None:
+        if path == "/cat.png":
+            self.send(200, PNG, Content_Type="image/png")
+        elif path.startswith("/hop/"):  # /hop/N redirects N times, then serves the image
+            hops = int(path.rsplit("/", 1)[1])
+            location = f"/hop/{hops - 1}" if hops > 1 else "/cat.png"
+            self.send(302, Location=location)
+        elif path == "/loop":
+            self.send(302, Location="/loop")
+        elif path == "/absolute-hop":
+            self.send(301, Location=f"http://127.0.0.1:{self.server.server_address[1]}/cat.png")
+        elif path == "/to-other-host":
+            self.send(302, Location="http://elsewhere.invalid/cat.png")
+        elif path == "/to-file":
+            self.send(307, Location="file:///etc/passwd")
+        elif path == "/no-location":
+            self.send(302)
+        elif path == "/svg":
+            self.send(200, SVG, Content_Type="image/svg+xml; charset=utf-8")
+        elif path == "/svg-as-png":
+            self.send(200, SVG, Content_Type="image/png")
+        elif path == "/html":
+            self.send(200, b"<html><body>no image here</body></html>", Content_Type="text/html")
+        elif path == "/missing":
+            self.send(404, b"not found")
+        elif path == "/large":  # Content-Length over the cap: refused before the body
+            self.send(200, b"", Content_Length=str(CAP + 1))
+        elif path == "/large-stream":  # no Content-Length: refused while it streams
+            self.send_response(200)
+            self.end_headers()
+            for _ in range(20):
+                self.wfile.write(bytes(10_000))
+        elif path == "/short":  # says 1000 bytes, sends 100
+            self.send(200, PNG[:100], Content_Length="1000")
+        elif path == "/slow":  # headers after 3 s
+            time.sleep(3)
+            self.send(200, PNG)
+        elif path == "/drip":  # a byte every 50 ms: each read on time, the whole never
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(PNG)))
+            self.end_headers()
+
+            for i in range(60):
+                self.wfile.write(PNG[i : i + 1])
+                self.wfile.flush()
+                time.sleep(0.05)
+        else:
+            self.send(500)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[str]:
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def web(**options: Any) -> MediaPolicy:
+    settings: dict[str, Any] = {"max_image_bytes": CAP, "read_timeout": 0.5} | options
+    return MediaPolicy(allowed_media_domains=("127.0.0.1",), **settings)
+
+
+def test_url_fetch(server: str) -> None:
+    for path in ("/cat.png", "/hop/3", "/absolute-hop"):
+        image = within(load_image, server + path, web())
+        np.testing.assert_array_equal(pixels(image), pixels(RGB))
+    # the host is matched case aside
+    upper = within(load_image, server.replace("http", "HTTP") + "/cat.png", web())
+    np.testing.assert_array_equal(pixels(upper), pixels(RGB))
+
+
+def test_urls_refused_without_allowed_hosts(server: str) -> None:
+    with pytest.raises(InputError, match=r"image URLs are refused.*--allowed-media-domains"):
+        within(load_image, server + "/cat.png", MediaPolicy())
+    other = MediaPolicy(allowed_media_domains=("images.example.com",))
+    with pytest.raises(InputError, match=r"'127.0.0.1' is not among the --allowed-media-domains"):
+        within(load_image, server + "/cat.png", other)
+    # an allowed name as the user part of the URL does not make its host allowed
+    with pytest.raises(InputError, match=r"'127.0.0.1' is not among"):
+        within(load_image, server.replace("//", "//images.example.com@") + "/cat.png", other)
+
+
+def test_redirects_are_counted_and_checked(server: str) -> None:
+    with pytest.raises(InputError, match=r"more than 3 redirects"):
+        within(load_image, server + "/hop/4", web())
+    with pytest.raises(InputError, match=r"more than 3 redirects"):
+        within(load_image, server + "/loop", web())
+    with pytest.raises(InputError, match=r"more than 0 redirects"):
+        within(load_image, server + "/hop/1", web(max_redirects=0))
+    with pytest.raises(InputError, match=r"'elsewhere.invalid' is not among the --allowed-media"):
+        within(load_image, server + "/to-other-host", web())
+    with pytest.raises(InputError, match=r"a redirect to a file URL; only http"):
+        within(load_image, server + "/to-file", web())
+    with pytest.raises(InputError, match=r"a redirect \(302\) without a Location"):
+        within(load_image, server + "/no-location", web())
+
+
+def test_url_failures(server: str) -> None:
+    with pytest.raises(InputError, match=r"from 127.0.0.1: HTTP 404"):
+        within(load_image, server + "/missing", web())
+    with pytest.raises(InputError, match=r"SVG"):
+        within(load_image, server + "/svg", web())
+    with pytest.raises(InputError, match=r"SVG"):
+        within(load_image, server + "/svg-as-png", web())
+    with pytest.raises(InputError, match=r"not an image in a supported format"):
+        within(load_image, server + "/html", web())
+    with pytest.raises(InputError, match=rf"{CAP + 1:,} bytes, over the limit of {CAP:,} bytes"):
+        within(load_image, server + "/large", web())
+    with pytest.raises(InputError, match=rf"over the limit of {CAP:,} bytes"):
+        within(load_image, server + "/large-stream", web())
+    with pytest.raises(InputError, match=r"the response ended after 100 of 1000 bytes"):
+        within(load_image, server + "/short", web())
+
+
+def test_a_closed_port_is_an_input_error() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # bound, not listening: connections are refused
+        with pytest.raises(
+            InputError, match=r"fetching an image from 127.0.0.1: ConnectionRefused"
+        ):
+            within(load_image, f"http://127.0.0.1:{port}/cat.png", web())
+
+
+def test_slow_responses_time_out(server: str) -> None:
+    with pytest.raises(InputError, match=r"no complete response within 0.5 s"):
+        within(load_image, server + "/slow", web())
+    # each byte comes in time; the whole response does not
+    with pytest.raises(InputError, match=r"no complete response within 0.5 s"):
+        within(load_image, server + "/drip", web())
+
+
+def test_the_deadline_bounds_a_fetch(server: str) -> None:
+    patient = web(read_timeout=60.0)
+    with pytest.raises(InputError, match=r"deadline passed before the image arrived"):
+        within(load_image, server + "/slow", patient, deadline=time.monotonic() + 0.3)
+    with pytest.raises(InputError, match=r"deadline passed before the image arrived"):
+        within(load_image, server + "/drip", patient, deadline=time.monotonic() + 0.3)
+    with pytest.raises(InputError, match=r"deadline had passed"):
+        within(load_image, server + "/cat.png", patient, deadline=time.monotonic() - 1)
+    image = within(load_image, server + "/cat.png", patient, deadline=time.monotonic() + 30)
+    np.testing.assert_array_equal(pixels(image), pixels(RGB))
