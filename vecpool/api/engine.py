@@ -111,6 +111,9 @@ class Engine(EngineRunner):
         batch_invariant: bool = False,
         gpu_memory_fraction: float | None = None,
         tokenizer_processes: int | None = None,
+        allowed_local_media_path: str | Path | None = None,
+        allowed_media_domains: tuple[str, ...] = (),
+        max_image_bytes: int | None = None,
     ):
         # The keywords are `EngineArgs`' fields, in its order and with its defaults (a test
         # holds them so): they become one, checked there.
