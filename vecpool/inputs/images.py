@@ -8,6 +8,9 @@ the `{"image": ...}` wrapper (or a server dialect that says the part is an image
 
 from __future__ import annotations
 
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Any
 
@@ -62,3 +65,34 @@ class ImageReader:
             return self.processor(load_image(value, self.policy, deadline=deadline))
         except InputError as exc:
             raise exc.at(index) from None
+
+    def read_many(
+        self, items: list[tuple[int, Any]], deadline: float | None = None
+    ) -> list[ImagePixels | InputError]:
+        """Each `(index, value)` read, in order, by a pool of threads when there are several
+        (Pillow's decoding and resampling and numpy's arithmetic release the GIL); an image
+        that cannot be read is its `InputError`, for the caller to raise in input order."""
+
+        def read(item: tuple[int, Any]) -> ImagePixels | InputError:
+            try:
+                return self(item[1], item[0], deadline)
+            except InputError as exc:
+                return exc
+
+        if len(items) < _PARALLEL_FROM:
+            return [read(item) for item in items]
+        return list(_pool().map(read, items))
+
+
+# Fewer images are read in the calling thread: a pool's hand-off costs more than it saves.
+_PARALLEL_FROM = 4
+_POOL: list[ThreadPoolExecutor] = []  # made at the first call that needs it, then shared
+_POOL_LOCK = threading.Lock()
+
+
+def _pool() -> ThreadPoolExecutor:
+    with _POOL_LOCK:
+        if not _POOL:
+            workers = min(8, os.cpu_count() or 1)
+            _POOL.append(ThreadPoolExecutor(workers, thread_name_prefix="vecpool-images"))
+        return _POOL[0]

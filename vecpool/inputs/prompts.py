@@ -13,6 +13,7 @@ limit, and, for queries, the expansion up to a fixed length (`SideFormat`).
 
 from __future__ import annotations
 
+import copy
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -162,6 +163,18 @@ class InputProcessor:
         # Large batches of single texts are tokenized there when it can take them (engine side).
         self.tokenizer_pool = tokenizer_pool
         self.sides = dict(sides or {})  # by input type; empty unless a late-interaction model
+        # A `time.monotonic()` moment by which the call's image fetches end (`until`).
+        self.deadline: float | None = None
+
+    def until(self, deadline: float | None) -> InputProcessor:
+        """This input stage for one call that must be done by `deadline` (a
+        `time.monotonic()` value; None: no deadline): an image it fetches from a URL is cut
+        off then. A copy: the stage itself is shared by every call."""
+        if deadline is None:
+            return self
+        stage = copy.copy(self)
+        stage.deadline = deadline
+        return stage
 
     def process(
         self, inputs: Sequence[Any], options: TextOptions, input_type: str | None = None
@@ -189,12 +202,16 @@ class InputProcessor:
             for i, prompt in zip(others, checked, strict=True):
                 prompts[i] = prompt
         else:  # one by one, in input order: the first bad input raises
+            images = self._read_images(kinds, others)
             for i in others:
                 kind, value = kinds[i]
                 if kind == "token_ids":
                     prompts[i] = self._token_ids(value, i, limit, side)
                 elif kind == "image":
-                    prompts[i] = self._image(value, i)
+                    pixels = images.get(i)
+                    if isinstance(pixels, InputError):
+                        raise pixels
+                    prompts[i] = Prompt(token_ids=None, prompt_embeds=None, image=pixels)
                 else:
                     prompts[i] = self._prompt_embeds(value, i, limit, side)
         return [p for p in prompts if p is not None]
@@ -263,14 +280,21 @@ class InputProcessor:
             prompts.append(Prompt(token_ids=ids, prompt_embeds=None, num_attended=num_attended))
         return prompts
 
-    def _image(self, value: Any, index: int) -> Prompt:
+    def _read_images(
+        self, kinds: list[tuple[str, Any]], others: list[int]
+    ) -> dict[int, ImagePixels | InputError]:
+        """The call's images read (in parallel where there are several), by input index."""
+        indices = [i for i in others if kinds[i][0] == "image"]
+        if not indices:
+            return {}
         if self.images is None:
-            raise InputError(
+            reason = (
                 "an image, but this model has no image tower (it embeds text only; CLIP and "
-                "SigLIP models embed images)",
-                index=index,
+                "SigLIP models embed images)"
             )
-        return Prompt(token_ids=None, prompt_embeds=None, image=self.images(value, index))
+            return {i: InputError(reason, index=i) for i in indices}
+        read = self.images.read_many([(i, kinds[i][1]) for i in indices], self.deadline)
+        return dict(zip(indices, read, strict=True))
 
     def check_text_size(self, text: str | tuple[str, str], index: int | None = None) -> None:
         """`InputError` for a text over the character limit, before any tokenizing."""
