@@ -1,0 +1,272 @@
+"""Images per second, JPEG bytes to vectors, end to end: vecpool against transformers.
+
+For each CLIP shape (random weights of the real sizes: ViT-B/16, ViT-L/14; or a small one for
+the CPU), the same JPEG files (640x480 by default) are embedded
+- by `vecpool.Engine.embed` from their bytes (decoding and preprocessing in vecpool's image
+  reader, the vision tower in flat batches), and
+- as sentence-transformers and a transformers user do it: batches of `--batch-size` (128)
+  decoded with Pillow, preprocessed by the folder's `AutoImageProcessor` (the torchvision one
+  where torchvision is installed, as transformers chooses), `get_image_features` in the same
+  dtype,
+rounds interleaved after a warm-up of each at full size. Beside them, the preprocessing alone
+(decode + preprocess, no model) of each, and the cosine of the two systems' vectors (their
+preprocessing differs: the Pillow and torchvision resizes round differently).
+
+    python benchmarks/bench_images.py --device cuda --models b16 l14 --output results/x.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import record
+
+import vecpool
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "b16": {
+        "text": dict(
+            hidden_size=512, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=8
+        ),
+        "vision": dict(
+            hidden_size=768,
+            intermediate_size=3072,
+            num_hidden_layers=12,
+            num_attention_heads=12,
+            image_size=224,
+            patch_size=16,
+        ),
+        "projection_dim": 512,
+    },
+    "l14": {
+        "text": dict(
+            hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12
+        ),
+        "vision": dict(
+            hidden_size=1024,
+            intermediate_size=4096,
+            num_hidden_layers=24,
+            num_attention_heads=16,
+            image_size=224,
+            patch_size=14,
+        ),
+        "projection_dim": 768,
+    },
+    "b32": {  # small enough for a CPU run
+        "text": dict(
+            hidden_size=512, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=8
+        ),
+        "vision": dict(
+            hidden_size=768,
+            intermediate_size=3072,
+            num_hidden_layers=12,
+            num_attention_heads=12,
+            image_size=224,
+            patch_size=32,
+        ),
+        "projection_dim": 512,
+    },
+}
+
+
+def build_folder(shape: str, path: Path) -> None:
+    """A CLIP folder of `shape` with random weights, its image processor and a tokenizer."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    spec = SHAPES[shape]
+    words = ["<pad>", "<unk>", "<|startoftext|>", "<|endoftext|>"] + [f"w{i}" for i in range(996)]
+    vocab = {w: i for i, w in enumerate(words)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|startoftext|> $A <|endoftext|>",
+        special_tokens=[("<|startoftext|>", 2), ("<|endoftext|>", 3)],
+    )
+    text = dict(
+        spec["text"],
+        vocab_size=len(words),
+        max_position_embeddings=77,
+        bos_token_id=2,
+        eos_token_id=3,
+        pad_token_id=0,
+    )
+    config = transformers.CLIPConfig(
+        text_config=text, vision_config=spec["vision"], projection_dim=spec["projection_dim"]
+    )
+    torch.manual_seed(0)
+    model = transformers.CLIPModel(config)
+    model.save_pretrained(str(path), safe_serialization=True)
+    size = spec["vision"]["image_size"]
+    transformers.CLIPImageProcessorPil(
+        size={"shortest_edge": size}, crop_size={"height": size, "width": size}
+    ).save_pretrained(str(path))
+    tokenizer.save(str(path / "tokenizer.json"))
+
+
+def jpegs(count: int, width: int, height: int) -> list[bytes]:
+    """`count` different JPEG files: a gradient, shapes and noise, quality 90."""
+    from PIL import Image
+
+    gen = np.random.default_rng(0)
+    out = []
+    ramp = np.linspace(0, 255, width)[None, :, None] * np.ones((height, 1, 3))
+    for i in range(count):
+        noise = gen.integers(0, 64, size=(height, width, 3))
+        tint = np.array([i % 255, (3 * i) % 255, (7 * i) % 255])[None, None, :]
+        pixels = np.clip(0.5 * ramp + 0.3 * tint + noise, 0, 255).astype(np.uint8)
+        buffer = io.BytesIO()
+        Image.fromarray(pixels).save(buffer, format="JPEG", quality=90)
+        out.append(buffer.getvalue())
+    return out
+
+
+class Transformers:
+    """What a transformers (or sentence-transformers) user runs: batches decoded with Pillow,
+    the folder's AutoImageProcessor, get_image_features."""
+
+    def __init__(self, folder: Path, device: str, dtype: torch.dtype, batch_size: int):
+        import transformers
+
+        self.model = (
+            transformers.CLIPModel.from_pretrained(str(folder), dtype=dtype).to(device).eval()
+        )
+        self.processor = transformers.AutoImageProcessor.from_pretrained(str(folder))
+        self.device, self.dtype, self.batch_size = device, dtype, batch_size
+
+    def preprocess(self, files: list[bytes]) -> torch.Tensor:
+        from PIL import Image
+
+        images = [Image.open(io.BytesIO(b)).convert("RGB") for b in files]
+        return self.processor(images=images, return_tensors="pt")["pixel_values"]
+
+    @torch.inference_mode()
+    def embed(self, files: list[bytes]) -> np.ndarray:
+        out = []
+        for start in range(0, len(files), self.batch_size):
+            pixels = self.preprocess(files[start : start + self.batch_size])
+            pixels = pixels.to(self.device, self.dtype)
+            features = self.model.get_image_features(pixel_values=pixels)
+            features = getattr(features, "pooler_output", features)
+            out.append(features.float().cpu())
+        return torch.cat(out).numpy()
+
+
+def timed(fn: Any) -> tuple[float, Any]:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    value = fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - start, value
+
+
+def bench_shape(shape: str, args: argparse.Namespace, files: list[bytes]) -> dict[str, Any]:
+    dtype = getattr(torch, args.dtype)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / shape
+        build_folder(shape, folder)
+        engine = vecpool.Engine(folder, device=args.device, dtype=args.dtype, normalize=False)
+        baseline = Transformers(folder, args.device, dtype, args.batch_size)
+        reader = engine.context.inputs.images
+        assert reader is not None
+        items = list(enumerate(files))
+        # Warm both at full size (kernels, allocator, compiled shapes), then interleave.
+        ours = engine.embed(files)
+        theirs = baseline.embed(files)
+        rounds: dict[str, list[float]] = {k: [] for k in ("vecpool", "transformers")}
+        prep: dict[str, list[float]] = {k: [] for k in ("vecpool", "transformers")}
+        for _ in range(args.rounds):
+            rounds["vecpool"].append(timed(lambda: engine.embed(files))[0])
+            rounds["transformers"].append(timed(lambda: baseline.embed(files))[0])
+            prep["vecpool"].append(timed(lambda: reader.read_many(items))[0])
+            prep["transformers"].append(
+                timed(
+                    lambda: [
+                        baseline.preprocess(files[s : s + args.batch_size])
+                        for s in range(0, len(files), args.batch_size)
+                    ]
+                )[0]
+            )
+        cos = np.sum(ours * theirs, axis=1) / (
+            np.linalg.norm(ours, axis=1) * np.linalg.norm(theirs, axis=1)
+        )
+        n = len(files)
+
+        def per_second(seconds: list[float]) -> dict[str, Any]:
+            rates = [n / s for s in seconds]
+            return {"images_per_s": record.rounds(rates), "seconds": seconds}
+
+        vec = statistics.median(n / s for s in rounds["vecpool"])
+        ref = statistics.median(n / s for s in rounds["transformers"])
+        result = {
+            "shape": shape,
+            "images": n,
+            "end_to_end": {k: per_second(v) for k, v in rounds.items()},
+            "preprocessing_only": {k: per_second(v) for k, v in prep.items()},
+            "ratio_median": vec / ref,
+            "cosine_to_transformers": {"min": float(cos.min()), "median": float(np.median(cos))},
+        }
+        print(
+            f"{shape}: vecpool {vec:,.0f} images/s, transformers {ref:,.0f} images/s "
+            f"({vec / ref:.2f}x); preprocessing alone vecpool "
+            f"{statistics.median(n / s for s in prep['vecpool']):,.0f}/s, transformers "
+            f"{statistics.median(n / s for s in prep['transformers']):,.0f}/s; cosine min "
+            f"{cos.min():.5f}",
+            flush=True,
+        )
+        return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, else float32")
+    parser.add_argument("--models", nargs="+", default=["b16", "l14"], choices=sorted(SHAPES))
+    parser.add_argument("--images", type=int, default=1024)
+    parser.add_argument("--size", default="640x480", help="WIDTHxHEIGHT of the JPEG files")
+    parser.add_argument("--batch-size", type=int, default=128, help="the baseline's batches")
+    parser.add_argument("--rounds", type=int, default=record.MIN_ROUNDS)
+    parser.add_argument("--output", type=Path)
+    record.add_args(parser)
+    args = parser.parse_args(argv)
+    args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    width, height = (int(v) for v in args.size.split("x"))
+    files = jpegs(args.images, width, height)
+    report = {
+        **record.header(
+            "bench_images.py",
+            sys.argv if argv is None else argv,
+            device=args.device,
+            commit=args.commit,
+        ),
+        "dtype": args.dtype,
+        "jpeg_size": args.size,
+        "baseline_batch_size": args.batch_size,
+        "threads": torch.get_num_threads(),
+        "results": [],
+    }
+    for shape in args.models:  # one shape's engine and model are gone before the next
+        report["results"].append(bench_shape(shape, args, files))
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    if args.output is not None:
+        record.write(args.output, report)
+
+
+if __name__ == "__main__":
+    main()
