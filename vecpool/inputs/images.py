@@ -93,6 +93,6 @@ _POOL_LOCK = threading.Lock()
 def _pool() -> ThreadPoolExecutor:
     with _POOL_LOCK:
         if not _POOL:
-            workers = min(8, os.cpu_count() or 1)
+            workers = min(16, os.cpu_count() or 1)
             _POOL.append(ThreadPoolExecutor(workers, thread_name_prefix="vecpool-images"))
         return _POOL[0]
