@@ -145,6 +145,7 @@ def test_byte_forms(kind: Callable[[bytes], Any]) -> None:
         "data:;base64," + base64.b64encode(PNG).decode(),
         "data:image/png," + "".join(f"%{b:02X}" for b in PNG),  # percent-encoded
         base64.b64encode(PNG).decode(),  # bare
+        "  " + base64.b64encode(PNG).decode() + "\n",  # surrounding whitespace aside
         base64.b64encode(PNG).decode().rstrip("="),  # bare, padding left out
         base64.urlsafe_b64encode(PNG).decode(),  # the URL-safe alphabet
     ],
@@ -186,6 +187,19 @@ def test_exif_orientation_of_a_given_image_leaves_the_callers_image() -> None:
     image = load_image(given, MediaPolicy())
     np.testing.assert_array_equal(pixels(image), expected)
     assert given.size == (40, 20)
+
+
+def test_corrupt_exif_data_leaves_the_image_as_it_is() -> None:
+    broken = b"Exif\x00\x00MM\x00*\x00\x00\x00\x08\xff\xff\x01\x12\x00\x03"  # cut short
+    data = encoded(RGB, "JPEG", exif=broken)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        image = load_image(data, MediaPolicy())
+    assert not caught
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (Pillow's own, on the reference's decoding)
+        expected = pixels(Image.open(io.BytesIO(data)))
+    np.testing.assert_array_equal(pixels(image), expected)
 
 
 # --- local files ------------------------------------------------------------------------------
@@ -484,7 +498,7 @@ def web(**options: Any) -> MediaPolicy:
 
 
 def test_url_fetch(server: str) -> None:
-    for path in ("/cat.png", "/hop/3", "/absolute-hop"):
+    for path in ("/cat.png", "/hop/3", "/absolute-hop", "/cat.png\n"):
         image = within(load_image, server + path, web())
         np.testing.assert_array_equal(pixels(image), pixels(RGB))
     # the host is matched case aside

@@ -107,7 +107,7 @@ _FILTERS = {0: "nearest", 1: "lanczos", 2: "bilinear", 3: "bicubic", 4: "box", 5
 MAX_RESIZED_PIXELS = 1 << 25
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class ImageProcessor:
     """A checkpoint's image preprocessing; `__call__` turns a PIL image into patch rows.
 

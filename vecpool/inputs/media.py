@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import binascii
 import contextlib
+import functools
 import http.client
 import io
 import os
@@ -133,12 +134,13 @@ def decode_image(data: bytes, policy: MediaPolicy, *, what: str = "the image") -
         raise InputError(
             f"{what}: an SVG image, which is not a raster format; send {_FORMAT_NAMES}"
         )
-    # Pillow's own decompression-bomb guard (a process-wide limit) warns, or raises its own
-    # error, on sizes the policy's cap decides here; its warning is silenced for this block
-    # and its error becomes an InputError. (The warning filter is process state: two threads
-    # in this block at once may, rarely, let one such warning through.)
+    # Pillow's warnings are silenced here: its decompression-bomb guard (a process-wide
+    # limit) warns on sizes the policy's cap decides, and it warns of corrupt metadata (EXIF)
+    # in images that decode well; the failures that matter are errors, each an InputError.
+    # (The warning filters are process state: two threads in such a block at once may,
+    # rarely, let one warning through.)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        warnings.simplefilter("ignore")
         try:
             image = Image.open(io.BytesIO(data), formats=FORMATS)
         except UnidentifiedImageError:
@@ -156,15 +158,25 @@ def decode_image(data: bytes, policy: MediaPolicy, *, what: str = "the image") -
         kind = image.format or "image"
         try:
             image.load()
-            if image.getexif().get(_ORIENTATION, 1) != 1:
-                ImageOps.exif_transpose(image, in_place=True)
         except Image.DecompressionBombError as exc:
             raise InputError(f"{what}: {_too_many_pixels(exc, policy)}") from None
         except MemoryError:
             raise InputError(f"{what}: not enough memory to decode this {kind}") from None
         except Exception as exc:  # truncated data, a broken stream, a bad table: any error
             raise InputError(f"{what}: a corrupt or truncated {kind} ({_describe(exc)})") from None
+        if _orientation(image) != 1:
+            ImageOps.exif_transpose(image, in_place=True)
     return image
+
+
+def _orientation(image: Image.Image) -> int:
+    """The EXIF orientation of `image` (1, upright, where its EXIF data cannot be read: the
+    pixels are fine, the tag is lost)."""
+    try:
+        value = image.getexif().get(_ORIENTATION, 1)
+    except Exception:
+        return 1
+    return value if isinstance(value, int) and 1 <= value <= 8 else 1
 
 
 def _given_image(image: Image.Image, policy: MediaPolicy) -> Image.Image:
@@ -172,15 +184,13 @@ def _given_image(image: Image.Image, policy: MediaPolicy) -> Image.Image:
     read here, its errors named) and turned upright (a copy; the caller's image is left as it
     is)."""
     _check_pixels(image, policy, "the image")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+    with warnings.catch_warnings():  # as in `decode_image`
+        warnings.simplefilter("ignore")
         try:
             image.load()
-            if image.getexif().get(_ORIENTATION, 1) != 1:
-                return ImageOps.exif_transpose(image)
         except Exception as exc:
             raise InputError(f"the image cannot be read ({_describe(exc)})") from None
-    return image
+        return ImageOps.exif_transpose(image) if _orientation(image) != 1 else image
 
 
 def _check_pixels(image: Image.Image, policy: MediaPolicy, what: str) -> None:
@@ -246,6 +256,7 @@ _MAGIC = {
 
 
 def _load_string(text: str, policy: MediaPolicy, deadline: float | None) -> Image.Image:
+    text = text.strip()
     scheme = _SCHEME.match(text)
     name = scheme.group(1).lower() if scheme else ""
     if name == "data":
@@ -432,6 +443,13 @@ def _fetch(url: str, policy: MediaPolicy, deadline: float | None) -> bytes:
     )
 
 
+@functools.cache
+def _tls_context() -> ssl.SSLContext:
+    """The system's trusted certificates, hostnames checked (built once: loading the
+    certificates takes milliseconds)."""
+    return ssl.create_default_context()
+
+
 class _Watchdog:
     """Cuts a connection's socket at a moment, waking any read blocked on it: the bound on a
     whole response that per-read timeouts cannot give (a server may send one byte a second)."""
@@ -471,9 +489,8 @@ def _get(
     address = f"[{host}]" if ":" in host else host  # an IPv6 literal, as http.client takes it
     conn: http.client.HTTPConnection
     if parts.scheme.lower() == "https":
-        context = ssl.create_default_context()
         conn = http.client.HTTPSConnection(
-            address, parts.port, timeout=done_by - start, context=context
+            address, parts.port, timeout=done_by - start, context=_tls_context()
         )
     else:
         conn = http.client.HTTPConnection(address, parts.port, timeout=done_by - start)
