@@ -22,6 +22,16 @@ def front(tiny_bert_engine: vecpool.Engine):
     front.shutdown()
 
 
+async def _queued(front: AsyncEngine, n: int) -> None:
+    """Until `n` inputs are queued (a call's first steps, on this event loop); the 30,000
+    looks (30 s or more) only bound a failure."""
+    for _ in range(30_000):
+        if front.num_queued == n:
+            return
+        await asyncio.sleep(0.001)
+    raise AssertionError(f"{front.num_queued} inputs queued, not {n}")
+
+
 def test_concurrent_async_callers(front: AsyncEngine, tiny_bert_engine: vecpool.Engine) -> None:
     groups = [random_prompts(99, [3 + i, 11, 6], seed=40 + i) for i in range(2)]
     expected = [tiny_bert_engine.embed(g) for g in groups]
@@ -65,7 +75,7 @@ def test_cancelled_caller_drops_waiting_requests(
     async def main() -> None:
         requests = await front.make_requests(random_prompts(99, [5, 7]), PoolingParams())
         task = asyncio.ensure_future(front.run(requests))
-        await asyncio.sleep(0.05)
+        await _queued(front, 2)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -101,8 +111,8 @@ def test_an_engine_not_running_answers_at_once(
     async def at_shutdown() -> list[vecpool.PoolingOutput]:
         requests = await front.make_requests(prompts, PoolingParams())
         task = asyncio.ensure_future(front.run(requests))
-        await asyncio.sleep(0.05)
-        assert not task.done() and front.num_queued == 2
+        await _queued(front, 2)
+        assert not task.done()
         await asyncio.get_running_loop().run_in_executor(None, front.shutdown)
         outs = await asyncio.wait_for(task, 10)
         with pytest.raises(EngineDeadError, match="was shut down"):

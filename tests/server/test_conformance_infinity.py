@@ -83,7 +83,7 @@ def test_infinity_health_is_a_unix_timestamp(tiny_embed_engine: vecpool.Engine) 
     before = time.time()
     response = ask(tiny_embed_engine, "/health")
     assert response.status_code == 200
-    assert before - 1 <= response.json()["unix"] <= time.time() + 1
+    assert before <= response.json()["unix"] <= time.time()  # read meanwhile
 
 
 def test_infinity_rerank_example(cross_engine: vecpool.Engine) -> None:

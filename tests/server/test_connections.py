@@ -144,10 +144,11 @@ def test_a_client_gone_mid_upload_is_a_499_without_traceback(guarded: Server) ->
 
 
 def test_sigterm_drains_requests_in_flight(tmp_path: Path) -> None:
-    """Requests in flight when SIGTERM arrives are answered; the server exits within its
-    grace period. The engine is held until the API process is draining: the four are
-    certainly in flight then, and none is answered before the signal."""
-    grace = 20
+    """Requests in flight when SIGTERM arrives are answered; the server exits once they are,
+    within its grace period (uvicorn cancels what is left at its end, and says so). The
+    engine is held until the API process is draining: the four are certainly in flight then,
+    and none is answered before the signal."""
+    grace = 60  # only bounds a failure
     gate = EngineGate(tmp_path / "gate")
     srv = start_server(tmp_path, "--shutdown-timeout", str(grace), log_level="info", gate=gate)
     body = {"input": [f"passage {i} " + "word " * 20 for i in range(8)]}
@@ -179,9 +180,9 @@ def test_sigterm_drains_requests_in_flight(tmp_path: Path) -> None:
             srv.stop()
     assert results == [200] * 4, results
     assert srv.process.returncode == 0
-    assert exited < grace
+    log = srv.log.read_text()
+    assert "graceful shutdown exceeded" not in log, log[-2000:]  # drained, not cut at the grace
     # Nothing left for the interpreter to warn of (the engine process's progress-bar lock
     # was a named semaphore, reported leaked at every stop).
-    log = srv.log.read_text()
     assert "leaked" not in log and "Warning" not in log, log[-2000:]
     print(f"4 requests of 8 passages drained; exited {exited:.1f} s after SIGTERM")

@@ -89,34 +89,55 @@ def dp_server(
 
 
 def test_calls_spread_over_both_engines_by_tokens(
-    dp_server: Server, tiny_engine: vecpool.Engine
+    dp_server: Server, dp_gate: EngineGate, tiny_engine: vecpool.Engine
 ) -> None:
+    """32 calls sent while both engines are held (the gate): none is answered before the last
+    is placed, so each goes to the engine with fewer queued tokens, in whatever order they
+    come, and the two loads end at most one call's tokens apart. Opened, every call answers
+    what one engine answers."""
     assert len(_engine_pids(dp_server)) == 2
     rng = np.random.default_rng(5)
     bodies = [
         [" ".join(rng.choice(WORDS, size=int(rng.integers(2, 40)))) for _ in range(k)]
         for k in rng.integers(1, 6, size=32)
     ]
+    sizes = [sum(len(tiny_engine.tokenize(text)) for text in body) for body in bodies]
+    tokens = sum(sizes)
     before = _answered_tokens(dp_server)
 
-    async def main() -> list[httpx.Response]:
-        async with httpx.AsyncClient(base_url=dp_server.url, timeout=60) as http:
-            return await asyncio.gather(
-                *(http.post("/v1/embeddings", json={"input": body}) for body in bodies)
-            )
+    def queued() -> list[float]:
+        return [dp_server.metric("vecpool_engine_queued_tokens", engine=e) for e in ("0", "1")]
 
-    responses = asyncio.run(asyncio.wait_for(main(), 60))
+    async def main() -> tuple[list[float], list[httpx.Response]]:
+        async with httpx.AsyncClient(base_url=dp_server.url, timeout=60) as http:
+            with dp_gate.held():
+                calls = [
+                    asyncio.ensure_future(http.post("/v1/embeddings", json={"input": body}))
+                    for body in bodies
+                ]
+                # Until every call is placed (60 s only bound a failure).
+                await asyncio.to_thread(
+                    dp_server.wait_for,
+                    "vecpool_engine_queued_tokens",
+                    lambda _: sum(queued()) == tokens,
+                    60,
+                    engine="0",
+                )
+                placed = queued()
+            return placed, list(await asyncio.gather(*calls))
+
+    placed, responses = asyncio.run(asyncio.wait_for(main(), 120))
+    assert min(placed) > 0 and abs(placed[0] - placed[1]) <= max(sizes), (placed, max(sizes))
     expected = iter(tiny_engine.embed([text for body in bodies for text in body]))
-    tokens = 0
-    for body, response in zip(bodies, responses, strict=True):
+    for body, size, response in zip(bodies, sizes, responses, strict=True):
         assert response.status_code == 200, response.text
         got = np.array([d["embedding"] for d in response.json()["data"]], dtype=np.float32)
         one_engine = np.stack([next(expected) for _ in body])
         assert np.abs(got - one_engine).max() <= BATCHING_TOLERANCE
-        tokens += response.json()["usage"]["prompt_tokens"]
+        assert response.json()["usage"]["prompt_tokens"] == size
     served = [a - b for a, b in zip(_answered_tokens(dp_server), before, strict=True)]
-    assert sum(served) == tokens
-    assert min(served) >= 0.2 * tokens, served  # both served a share, counted in tokens
+    assert served == placed  # each engine answered what it was given
+    assert queued() == [0.0, 0.0]
     assert dp_server.client.get("/health").status_code == 200
 
 

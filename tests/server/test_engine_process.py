@@ -97,6 +97,18 @@ class DeclaredPauses:
         self.paused.set()
 
 
+class ClientClock:
+    """The engine client's `time.monotonic`, moved by the test alone: the wait a reply
+    reported runs down by exactly the seconds the test lets pass, however long the test's
+    own steps take."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, now: float = 1000.0):
+        self.now = now
+        proxy = type("time", (), {"__getattr__": lambda _, name: getattr(time, name)})()
+        proxy.monotonic = lambda: self.now
+        monkeypatch.setattr(engine_client, "time", proxy)
+
+
 async def _until(predicate: Callable[[], bool], timeout: float = 30) -> None:
     """Until `predicate()`: something the loop thread will do; `timeout` bounds a failure."""
     deadline = time.monotonic() + timeout
@@ -166,12 +178,13 @@ def test_a_full_queue_refuses(tiny_bert_engine: vecpool.Engine, address: str) ->
 
 
 def test_the_engine_admits_by_expected_wait_and_reports_it(
-    tiny_bert_engine: vecpool.Engine, address: str
+    tiny_bert_engine: vecpool.Engine, address: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """At 10 tokens/s and a bound of 1 s, with 20 tokens queued: a call of 5 tokens (2.5 s of
     work) is refused, and the API side learns the engine's expected wait (2 s) from the
     reply, to refuse before reading a body; with the queue empty, a call of any size runs."""
     ctx = tiny_bert_engine.context
+    ClientClock(monkeypatch)  # no time passes on the client's side
     loop = RunningLoop(tiny_bert_engine, address, max_wait=1.0)
     admission = loop.loop.admission
     admission.tokens_per_second = 10.0
@@ -180,11 +193,9 @@ def test_the_engine_admits_by_expected_wait_and_reports_it(
 
         async def scenario(client: EngineProcessClient) -> None:
             one = calls.make_requests(ctx, random_prompts(99, [5], seed=4), PoolingParams())
-            sent = time.monotonic()
             with pytest.raises(QueueFullError, match=r"about 2\.5 s of work"):
                 await client.run(one)
-            # 2 s as the reply said, less the time since it came (at most the time since sent).
-            assert 2.0 - (time.monotonic() - sent) <= client.expected_wait <= 2.0
+            assert client.expected_wait == 2.0  # as the reply said
             admission.add(-4, -20)
             many = calls.make_requests(ctx, random_prompts(99, [30] * 4, seed=5), PoolingParams())
             assert all(o.error is None for o in await client.run(many))  # 12 s of work alone
@@ -195,23 +206,28 @@ def test_the_engine_admits_by_expected_wait_and_reports_it(
         loop.stop()
 
 
-def test_the_reported_wait_runs_down_with_time() -> None:
+def test_the_reported_wait_runs_down_with_time(monkeypatch: pytest.MonkeyPatch) -> None:
     """The wait an engine reported runs down as it works the queue off. A process whose calls
     are all answered hears from the engine no more: past `STALE_WAIT` it stops acting on the
     engine's word and lets the next call ask, so one misjudged word (77.6 s reported once, on
     an engine whose queue held under a second of work) cannot refuse everyone for minutes."""
+    clock = ClientClock(monkeypatch)
     client = EngineProcessClient("ipc:///nowhere", None, max_queued=8)
     loop = asyncio.new_event_loop()
     client._pending[1] = loop.create_future()  # a call of ours waits
-    client._engine_wait, client._engine_wait_at = 5.0, time.monotonic() - 4.0
-    assert 0.9 < client.expected_wait <= 1.0
-    client._engine_wait_at -= 2.0
+    client._engine_wait, client._engine_wait_at = 5.0, clock.now
+    clock.now += 4.0
+    assert client.expected_wait == 1.0
+    clock.now += 2.0
     assert client.expected_wait == 0.0
-    client._engine_wait, client._engine_wait_at = 80.0, time.monotonic() - 0.5
-    assert 79.4 < client.expected_wait <= 79.5  # fresh: refused before the body is read
+    client._engine_wait, client._engine_wait_at = 80.0, clock.now
+    clock.now += 0.5
+    assert client.expected_wait == 79.5  # fresh: refused before the body is read
     del client._pending[1]
-    assert 79.4 < client.expected_wait <= 79.5  # within STALE_WAIT of the reply
-    client._engine_wait_at -= engine_client.STALE_WAIT
+    assert client.expected_wait == 79.5  # within STALE_WAIT of the reply
+    clock.now += engine_client.STALE_WAIT - 0.5
+    assert client.expected_wait == 80.0 - engine_client.STALE_WAIT  # at STALE_WAIT, still
+    clock.now += 0.25
     assert client.expected_wait == 0.0  # stale, and nothing of ours there: ask the engine
     loop.close()
     client._engine_queued = 8  # stale: no call of ours is pending
@@ -238,7 +254,7 @@ def test_an_engine_whose_steps_all_fail_exits(
             assert all(isinstance(o.error, EngineError) for o in outs)
 
         _run(address, scenario)
-        loop.thread.join(2)
+        loop.thread.join(60)  # only bounds a failure: the loop returns after that step
         assert not loop.thread.is_alive()
     finally:
         loop.stop()
@@ -340,8 +356,10 @@ def test_a_stuck_engine_fails_the_health_check_and_a_live_one_passes(
 ) -> None:
     """An engine whose process lives but does not answer (stopped, hung in a device call)
     fails the check; checks at once share one empty call; an engine that answers passes,
-    and one heard from within HEALTH_FRESH is not asked."""
-    monkeypatch.setattr(engine_client, "HEALTH_WAIT", 0.3)
+    and one heard from within HEALTH_FRESH is not asked. The engine is held while it must
+    not answer (0.3 s of waiting then fails), and given 60 s (which only bound a failure)
+    where it must."""
+    monkeypatch.setattr(engine_client, "HEALTH_WAIT", 60.0)
     serving = RunningLoop(tiny_bert_engine, address)
     held, holding = threading.Event(), threading.Event()
     taken: list[int] = []  # the empty calls the engine took
@@ -373,11 +391,13 @@ def test_a_stuck_engine_fails_the_health_check_and_a_live_one_passes(
         assert await client.health() is None  # heard from just now: not asked
         assert len(taken) == 1
         monkeypatch.setattr(engine_client, "HEALTH_FRESH", 0.0)
+        monkeypatch.setattr(engine_client, "HEALTH_WAIT", 0.3)
         held.set()
         problems = await asyncio.gather(client.health(), client.health(), client.health())
         assert holding.is_set()
         stuck = "the engine process did not answer within 0.3 s; it may be stuck"
         assert problems == [stuck] * 3
+        monkeypatch.setattr(engine_client, "HEALTH_WAIT", 60.0)
         held.clear()
         assert await client.health() is None
         assert len(taken) == 3  # one question for the three checks, one after

@@ -6,7 +6,6 @@ from __future__ import annotations
 import base64
 import io
 import pickle
-import time
 from typing import Any
 
 import numpy as np
@@ -119,12 +118,12 @@ def test_torch_save_embeds_declaring_more_than_they_carry_are_refused_at_once(
     server: Server, minilm: vecpool.Engine
 ) -> None:
     """A 4 KB body that declares a million rows (an expanded tensor) is a 400 naming the
-    input, answered without building those rows; the server then answers as before."""
+    input, answered without building those rows (the reader refuses what a tensor declares
+    beyond its storage before it copies a value: `test_floats`); the server then answers as
+    before."""
     expanded = torch.zeros(1, 384).expand(1_000_000, 384)
     body = {"input": ["a", {"prompt_embeds": torch_b64(expanded)}]}
-    started = time.perf_counter()
     message = assert_error(server.post("/v1/embeddings", body), 400, "input[1].prompt_embeds")
-    assert time.perf_counter() - started < 5  # building the rows took 13 s
     assert "more than its storage" in message and "contiguous" in message
     response = server.post("/v1/embeddings", {"input": ["a"], "encoding_format": "float"})
     assert response.status_code == 200

@@ -100,24 +100,22 @@ def test_a_broken_forward_errs_everyone_and_health_turns_503(
 
     monkeypatch.setattr(engine.core.model_runner, "forward", broken)
 
-    async def scenario() -> float:
+    async def scenario() -> None:
         async with serving(engine) as (client, _):
             assert (await client.get("/health")).status_code == 200
             bodies = [{"input": t} for t in TEXTS[:6]]
             responses = await asyncio.gather(
                 *(client.post("/v1/embeddings", json=b) for b in bodies)
             )
-            failed = time.perf_counter()
             for r in responses:
                 assert r.status_code >= 500 and "device lost" in r.text, r.text
                 error_shape(r)
                 assert r.headers["connection"] == "close"
-            while (await client.get("/health")).status_code != 503:
-                assert time.perf_counter() - failed < 1.0
-                await asyncio.sleep(0.01)
-            return time.perf_counter() - failed
+            # The engine marks itself at fault before it fails the step's requests: the first
+            # health check after their answers already sees it.
+            assert (await client.get("/health")).status_code == 503
 
-    assert asyncio.run(scenario()) < 1.0
+    asyncio.run(scenario())
 
 
 def test_overload_refuses_exactly_the_excess_at_once(
@@ -287,25 +285,32 @@ def test_a_request_past_its_deadline_is_dropped(
         async with serving(engine) as (client, state):
             held = asyncio.ensure_future(client.post("/v1/embeddings", json={"input": "a"}))
             await asyncio.to_thread(gate.entered.wait, 10)
-            start = time.perf_counter()
-            # The engine is held: only the deadline can answer (30 s only bound a failure).
+            # The engine is held: only a deadline can answer. Of two queued behind it, the one
+            # of 0.2 s is dropped while the one of 600 s still waits (which, and the 30 s
+            # here, only bound a failure).
+            patient = asyncio.ensure_future(
+                client.post(
+                    "/v1/embeddings", json={"input": "c"}, headers={"x-request-timeout": "600"}
+                )
+            )
             response = await asyncio.wait_for(
                 client.post(
                     "/v1/embeddings", json={"input": "b"}, headers={"x-request-timeout": "0.2"}
                 ),
                 30,
             )
-            assert time.perf_counter() - start >= 0.2
             assert response.status_code == 408, response.text
             assert response.json()["error"]["code"] == "deadline_exceeded"
-            assert state.client is not None
-            await _until(lambda: state.client is not None and state.client.num_queued == 1)
+            assert "x-request-timeout of 0.2 s" in response.json()["error"]["message"]
+            assert not patient.done()
+            await _until(lambda: state.client is not None and state.client.num_queued == 2)
             bad = await client.post(
                 "/v1/embeddings", json={"input": "b"}, headers={"x-request-timeout": "soon"}
             )
             assert bad.status_code == 400 and bad.json()["error"]["param"] == "x-request-timeout"
             gate.open.set()
             assert (await held).status_code == 200
+            assert (await patient).status_code == 200
 
     asyncio.run(scenario())
 
