@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ import torch
 import transformers
 
 import vecpool
-from tests.helpers import save_hf_model
+from tests.helpers import StopOnSigterm, save_hf_model
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -23,6 +24,11 @@ def pytest_configure(config: pytest.Config) -> None:
     # depend on it are compared with a stated tolerance). Two threads otherwise.
     threads = os.environ.get("OMP_NUM_THREADS")
     torch.set_num_threads(int(threads) if threads else 2)
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    # A SIGTERM stops the run after the running test, fixtures torn down (`StopOnSigterm`).
+    signal.signal(signal.SIGTERM, StopOnSigterm(session))
 
 
 @pytest.fixture(scope="session")

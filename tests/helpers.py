@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import numpy as np
@@ -113,3 +114,22 @@ def batch_sizes_of(monkeypatch: pytest.MonkeyPatch, cls: type, method: str) -> l
 
     monkeypatch.setattr(cls, method, counted)
     return sizes
+
+
+class StopOnSigterm:
+    """The test run's SIGTERM handler: the running test finishes, then the run stops as an
+    interrupted one does (exit status 2), every fixture torn down (servers stopped, Ray shut
+    down). A second SIGTERM interrupts the running test at once (`KeyboardInterrupt`, torn
+    down the same way). Python's default would end the process at once, leaving the servers
+    a test started; Ray's (`ray.init` installs one) raises `SystemExit` in the running test,
+    which pytest counts as that test's failure before it goes on with the next."""
+
+    def __init__(self, session: pytest.Session):
+        self.session = session
+        self.received = False
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        if self.received:
+            raise KeyboardInterrupt("a second SIGTERM")
+        self.received = True
+        self.session.shouldstop = "SIGTERM: stopped after the test that was running"

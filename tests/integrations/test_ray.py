@@ -1,13 +1,18 @@
 """Ray: a local cluster (2 CPUs) embeds a dataset through `vecpool.ray` with 2 engine actors, and
 the Ray Serve deployment answers the OpenAI client. Vectors are compared with `Engine.embed` on
-the same rows: the actors see other batch compositions, so equal within fp32 rounding (1e-6)."""
+the same rows: the actors see other batch compositions, so equal within fp32 rounding (1e-6).
+A SIGTERM to the test run still ends it cleanly once Ray has started (`StopOnSigterm`)."""
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import openai
@@ -17,6 +22,7 @@ import ray.data
 from ray import serve
 
 import vecpool.ray
+from tests.helpers import StopOnSigterm
 from vecpool import Engine, EngineArgs
 from vecpool.calls import EmbedOptions
 from vecpool.integrations.ray_data import EngineActor
@@ -32,7 +38,14 @@ TOLERANCE = 1e-6
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[None]:
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # ray.init points SIGTERM at Ray's handler (`SystemExit` in whatever test runs, which
+    # pytest counts as that test's failure before it goes on) and leaves it there after
+    # `ray.shutdown`: the run's own handler is put back.
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    finally:
+        signal.signal(signal.SIGTERM, handler)
     yield
     serve.shutdown()
     ray.shutdown()
@@ -142,3 +155,67 @@ def test_actor_hands_its_options_to_the_engine(engine: Engine) -> None:
     expected = engine.embed(TEXTS[:3], dimensions=64, truncate_prompt_tokens=8)
     assert np.abs(out["vec"] - expected).max() < TOLERANCE
     assert np.array_equal(out["id"], batch["id"])
+
+
+def test_the_runs_sigterm_handler_outlives_ray(cluster: None) -> None:
+    """After the cluster started (and Serve, and Ray Data's executions), a SIGTERM still goes
+    to the run's handler."""
+    assert isinstance(signal.getsignal(signal.SIGTERM), StopOnSigterm)
+
+
+def test_a_second_sigterm_interrupts_the_running_test() -> None:
+    session = SimpleNamespace(shouldstop=False)
+    handler = StopOnSigterm(session)  # type: ignore[arg-type]
+    handler(signal.SIGTERM, None)
+    assert session.shouldstop == "SIGTERM: stopped after the test that was running"
+    with pytest.raises(KeyboardInterrupt, match="a second SIGTERM"):
+        handler(signal.SIGTERM, None)
+
+
+SIGNALLED_RUN = """
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+MARKS = Path(os.environ["SIGTERM_MARKS"])
+
+
+@pytest.fixture(scope="session")
+def held():
+    yield
+    (MARKS / "torn_down").touch()
+
+
+def test_signalled(held):
+    os.kill(os.getpid(), signal.SIGTERM)
+    (MARKS / "finished").touch()
+
+
+def test_after():
+    (MARKS / "after").touch()
+"""
+
+
+def test_a_sigterm_stops_the_run_after_the_running_test(tmp_path: Path) -> None:
+    """A run with this suite's conftest, signalled inside its first test: that test finishes
+    and passes, the next never starts, the session's fixtures are torn down, and pytest exits
+    as interrupted (2), saying why."""
+    (tmp_path / "test_signalled.py").write_text(SIGNALLED_RUN)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "tests.conftest"]
+    done = subprocess.run(
+        [*command, "-p", "no:cacheprovider", str(tmp_path / "test_signalled.py")],
+        cwd=Path(__file__).parents[2],
+        env={**os.environ, "SIGTERM_MARKS": str(marks)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == pytest.ExitCode.INTERRUPTED, done.stdout + done.stderr
+    assert sorted(p.name for p in marks.iterdir()) == ["finished", "torn_down"]
+    assert "1 passed" in done.stdout
+    assert "SIGTERM: stopped after the test that was running" in done.stdout
