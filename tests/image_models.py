@@ -138,11 +138,16 @@ def hf_image_features(model: Any, path: Path, images: list[Image.Image]) -> np.n
 
 @torch.no_grad()
 def hf_text_features(model: Any, path: Path, texts: list[str]) -> np.ndarray:
-    """`get_text_features` of each text, tokenized by the folder's tokenizer (unpadded)."""
+    """`get_text_features` of each text, tokenized by the folder's tokenizer: unpadded for
+    CLIP; for SigLIP padded to the text length with its pad id, as its processor is told to
+    (padding="max_length") and as it was trained."""
     tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+    text_config = model.config.text_config
+    pad_to = text_config.max_position_embeddings if model.config.model_type == "siglip" else 0
     rows = []
     for text in texts:
-        ids = torch.tensor([tokenizer.encode(text).ids])
+        ids = tokenizer.encode(text).ids
+        ids = torch.tensor([ids + [text_config.pad_token_id] * (pad_to - len(ids))])
         out = model.get_text_features(input_ids=ids)
         rows.append(getattr(out, "pooler_output", out)[0].float().numpy())
     return np.stack(rows)

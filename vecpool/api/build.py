@@ -211,6 +211,10 @@ class EngineParts:
                 dtype=str(self.dtype).removeprefix("torch."),
                 enable_prompt_embeds=enable_prompt_embeds,
                 max_input_chars=args.input_char_limit(self.max_model_len),
+                pad_to=min(self.model.pad_prompts_to, self.max_model_len)
+                if self.model.pad_prompts_to
+                else None,
+                pad_id=self.model.pad_token_id,
             ),
             self.tokenizer,
             tokenizer_pool=self._tokenizer_pool(args.tokenizer_processes),

@@ -86,6 +86,10 @@ class InputLimits:
     # Longer texts are refused before they are tokenized (tokenizing costs time and memory in
     # proportion to the text, truncated or not); None: no limit.
     max_input_chars: int | None = None
+    # Texts and token-id prompts shorter than this are padded with `pad_id` to it, as the
+    # model was trained (SigLIP: 64); prompt embeds are taken as given. None: no padding.
+    pad_to: int | None = None
+    pad_id: int = 0
 
 
 @dataclass(frozen=True)
@@ -183,6 +187,13 @@ class InputProcessor:
         write them as that side of a late-interaction model."""
         if input_type is not None:
             return self._side(inputs, options, input_type)
+        prompts = self._process(inputs, options)
+        pad_to = self.limits.pad_to
+        if pad_to is None:
+            return prompts
+        return [_padded(p, pad_to, self.limits.pad_id) for p in prompts]
+
+    def _process(self, inputs: Sequence[Any], options: TextOptions) -> list[Prompt]:
         limit = self._limit(options)  # the call's option: checked once, before any input
         kinds: list[tuple[str, Any]] = [_classify(item, i) for i, item in enumerate(inputs)]
         prompts: list[Prompt | None] = [None] * len(kinds)
@@ -488,6 +499,15 @@ class InputProcessor:
                 "the tensor is not finite in the model dtype", index=index, field=field
             )
         return Prompt(token_ids=None, prompt_embeds=np.ascontiguousarray(value))
+
+
+def _padded(prompt: Prompt, length: int, pad_id: int) -> Prompt:
+    """`prompt`'s token ids padded with `pad_id` up to `length` (others as they are)."""
+    ids = prompt.token_ids
+    if ids is None or ids.shape[0] >= length:
+        return prompt
+    padding = np.full(length - ids.shape[0], pad_id, dtype=np.int64)
+    return replace(prompt, token_ids=np.concatenate((ids, padding)))
 
 
 def input_kind(item: Any, index: int) -> str:

@@ -97,6 +97,10 @@ class PoolingModel(nn.Module):
     # What the sequence classifier reads: the "CLS" or "LAST" row, or the "MEAN" of the rows
     classifier_pooler: str = "CLS"
     projection_dim: int = 0  # output size of `project_tokens`, when the model has it
+    # Token prompts shorter than this are padded with `pad_token_id` to it at the input stage,
+    # as the model was trained (SigLIP's texts: 64 tokens, pooled at the last); 0: none.
+    pad_prompts_to: int = 0
+    pad_token_id: int = 0
     # Width of the rows `forward` returns, where it differs from `hidden_size` (the width of
     # its input embeddings): a dual encoder's shared space. 0: `hidden_size`.
     output_size: int = 0

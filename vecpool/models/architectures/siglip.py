@@ -53,6 +53,7 @@ SIGLIP_TEXT_DEFAULTS: dict[str, Any] = {
     "hidden_act": "gelu_pytorch_tanh",
     "layer_norm_eps": 1e-6,
     "projection_size": None,  # the hidden size
+    "pad_token_id": 1,
 }
 SIGLIP_VISION_DEFAULTS: dict[str, Any] = {
     "hidden_size": 768,
@@ -74,6 +75,7 @@ class SiglipConfig:
     text: TextTowerConfig
     vision: VisionTowerConfig
     projection_size: int  # the text head's output: the shared space's width
+    pad_token_id: int  # texts are padded with it to the text tower's length, as trained
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], *, resized_positions: bool) -> SiglipConfig:
@@ -93,7 +95,8 @@ class SiglipConfig:
                 f"vision_config.hidden_size {vision.hidden_size}: texts and images would not "
                 "share one space"
             )
-        return cls(text=text, vision=vision, projection_size=projection)
+        pad = int(text_values["pad_token_id"])
+        return cls(text=text, vision=vision, projection_size=projection, pad_token_id=pad)
 
 
 class SiglipTextTransformer(TextTransformer):
@@ -238,6 +241,10 @@ class SiglipModel(DualEncoder):
     def __init__(self, c: SiglipConfig):
         super().__init__(c.text, c.vision, c.projection_size)
         self.config = c
+        # SigLIP was trained on texts padded to its text length and pools the last position:
+        # texts are padded so, as its processors are told to (padding="max_length").
+        self.pad_prompts_to = c.text.max_position_embeddings
+        self.pad_token_id = c.pad_token_id
         self.text_model = SiglipTextTransformer(c.text, c.projection_size)
         embeddings = (
             Siglip2VisionEmbeddings(c.vision)
