@@ -202,6 +202,25 @@ def test_corrupt_exif_data_leaves_the_image_as_it_is() -> None:
     np.testing.assert_array_equal(pixels(image), expected)
 
 
+def test_concurrent_loads_leave_the_warning_filters_as_they_were() -> None:
+    """Warning filters are process state; loads in threads (the CLI reads images on a pool)
+    silence Pillow's warnings one at a time, so the filters end as they began."""
+    data = encoded(RGB, "JPEG", exif=b"Exif\x00\x00MM\x00*\x00\x00\x00\x08\xff\xff")
+    before = list(warnings.filters)
+
+    def loads() -> None:
+        for _ in range(30):
+            load_image(data, MediaPolicy())
+
+    threads = [threading.Thread(target=loads) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(HANG_GUARD_S)
+    assert not any(thread.is_alive() for thread in threads)
+    assert warnings.filters == before
+
+
 # --- local files ------------------------------------------------------------------------------
 
 

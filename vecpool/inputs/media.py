@@ -26,6 +26,7 @@ import threading
 import time
 import urllib.parse
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -134,13 +135,7 @@ def decode_image(data: bytes, policy: MediaPolicy, *, what: str = "the image") -
         raise InputError(
             f"{what}: an SVG image, which is not a raster format; send {_FORMAT_NAMES}"
         )
-    # Pillow's warnings are silenced here: its decompression-bomb guard (a process-wide
-    # limit) warns on sizes the policy's cap decides, and it warns of corrupt metadata (EXIF)
-    # in images that decode well; the failures that matter are errors, each an InputError.
-    # (The warning filters are process state: two threads in such a block at once may,
-    # rarely, let one warning through.)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with _quiet():
         try:
             image = Image.open(io.BytesIO(data), formats=FORMATS)
         except UnidentifiedImageError:
@@ -154,26 +149,44 @@ def decode_image(data: bytes, policy: MediaPolicy, *, what: str = "the image") -
             raise InputError(f"{what}: {_too_many_pixels(exc, policy)}") from None
         except Exception as exc:  # a plugin's header parser on corrupt data: any error
             raise InputError(f"{what}: a corrupt image ({_describe(exc)})") from None
-        _check_pixels(image, policy, what)
-        kind = image.format or "image"
-        try:
-            image.load()
-        except Image.DecompressionBombError as exc:
-            raise InputError(f"{what}: {_too_many_pixels(exc, policy)}") from None
-        except MemoryError:
-            raise InputError(f"{what}: not enough memory to decode this {kind}") from None
-        except Exception as exc:  # truncated data, a broken stream, a bad table: any error
-            raise InputError(f"{what}: a corrupt or truncated {kind} ({_describe(exc)})") from None
-        if _orientation(image) != 1:
-            ImageOps.exif_transpose(image, in_place=True)
+    _check_pixels(image, policy, what)
+    kind = image.format or "image"
+    try:
+        image.load()  # the decoding itself, outside the lock (Pillow lets other threads run)
+    except Image.DecompressionBombError as exc:
+        raise InputError(f"{what}: {_too_many_pixels(exc, policy)}") from None
+    except MemoryError:
+        raise InputError(f"{what}: not enough memory to decode this {kind}") from None
+    except Exception as exc:  # truncated data, a broken stream, a bad table: any error
+        raise InputError(f"{what}: a corrupt or truncated {kind} ({_describe(exc)})") from None
+    if _orientation(image) != 1:
+        ImageOps.exif_transpose(image, in_place=True)
     return image
+
+
+_QUIET = threading.Lock()
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Pillow's warnings silenced: its decompression-bomb guard (a process-wide limit) warns
+    on sizes the policy's cap decides, and it warns of corrupt metadata (EXIF) in images that
+    decode well; what matters is an error, each an InputError. Warning filters are process
+    state, saved and restored by `warnings.catch_warnings`: one such block runs at a time, so
+    that two threads' blocks cannot interleave and leave the filters changed. (Only header
+    reading runs in it, ~0.1 ms; the decoding runs outside.)"""
+    with _QUIET, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
 
 
 def _orientation(image: Image.Image) -> int:
     """The EXIF orientation of `image` (1, upright, where its EXIF data cannot be read: the
-    pixels are fine, the tag is lost)."""
+    pixels are fine, the tag is lost). Read once; `ImageOps.exif_transpose` reads it again
+    from Pillow's cache."""
     try:
-        value = image.getexif().get(_ORIENTATION, 1)
+        with _quiet():
+            value = image.getexif().get(_ORIENTATION, 1)
     except Exception:
         return 1
     return value if isinstance(value, int) and 1 <= value <= 8 else 1
@@ -184,13 +197,11 @@ def _given_image(image: Image.Image, policy: MediaPolicy) -> Image.Image:
     read here, its errors named) and turned upright (a copy; the caller's image is left as it
     is)."""
     _check_pixels(image, policy, "the image")
-    with warnings.catch_warnings():  # as in `decode_image`
-        warnings.simplefilter("ignore")
-        try:
-            image.load()
-        except Exception as exc:
-            raise InputError(f"the image cannot be read ({_describe(exc)})") from None
-        return ImageOps.exif_transpose(image) if _orientation(image) != 1 else image
+    try:
+        image.load()
+    except Exception as exc:
+        raise InputError(f"the image cannot be read ({_describe(exc)})") from None
+    return ImageOps.exif_transpose(image) if _orientation(image) != 1 else image
 
 
 def _check_pixels(image: Image.Image, policy: MediaPolicy, what: str) -> None:
