@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import vecpool
-from benchmarks.bench_engine_loop import one_round as serve_single_queries
+from benchmarks.lab.bench_engine_loop import one_round as serve_single_queries
 from vecpool.api import heap
 from vecpool.api.async_engine import AsyncEngine
 from vecpool.runner.compiled import compile_blocks

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import vecpool
-from benchmarks.bench_api_request import AnsweringClient, call
+from benchmarks.lab.bench_api_request import AnsweringClient, call
 from vecpool.server import codec
 from vecpool.server.app import create_api_app
 from vecpool.server.config import ServerConfig
