@@ -29,7 +29,7 @@ from tests.image_models import (
     sample_images,
     save_tiny_dual_encoder,
 )
-from vecpool.errors import InputError
+from vecpool.errors import ConfigError, InputError
 
 TEXTS = ["a photo of a cat", "two red cars on the sea", "bird"]
 
@@ -158,3 +158,15 @@ def test_sentence_transformers_clip_folder(tmp_path: Path) -> None:
     assert engine.info().embed_normalize is False
     assert_rel_close(out[:1], hf_text_features(hf, inner, TEXTS[1:2]))
     assert_rel_close(out[1:], hf_image_features(hf, inner, images))
+
+
+def test_a_processor_that_does_not_match_the_model_is_refused_at_start(tmp_path: Path) -> None:
+    path = tmp_path / "clip"
+    save_tiny_dual_encoder(path, CLIP)
+    config = json.loads((path / "preprocessor_config.json").read_text())
+    config["crop_size"] = {"height": 48, "width": 48}  # 6x6 patches; the tower takes 4x4
+    (path / "preprocessor_config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        ConfigError, match=r"makes 6x6 patches of 192 values, but CLIPModel takes 4x4"
+    ):
+        vecpool.Engine(path, device="cpu")

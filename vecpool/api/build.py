@@ -232,6 +232,10 @@ class EngineParts:
             if self.image_processor_dir is not None
             else None,
         )
+        if self.inputs.images is not None:
+            self.inputs.images.check(
+                self.model.image_patch_dim, self.model.image_grid, self.folder.architecture
+            )
         if batch_invariant:  # the heads' products on [num_seqs, hidden] rows too
             heads = {name: InvariantHead(head) for name, head in heads.items()}
         self.core = EngineCore(

@@ -66,6 +66,22 @@ class ImageReader:
         except InputError as exc:
             raise exc.at(index) from None
 
+    def check(self, patch_dim: int, grid: tuple[int, int] | None, model: str) -> None:
+        """`ConfigError` unless the processor's patch rows are what the model reads: rows of
+        `patch_dim` values, in `grid` (None: any grid), on a probe picture."""
+        from PIL import Image
+
+        pixels = self.processor(Image.new("RGB", (37, 23), (120, 60, 30)))
+        width = pixels.patches.shape[1]
+        if width != patch_dim or (grid is not None and pixels.grid != grid):
+            rows, cols = pixels.grid
+            raise ConfigError(
+                f"the folder's image processor makes {rows}x{cols} patches of {width} values, "
+                f"but {model} takes "
+                + (f"{grid[0]}x{grid[1]} patches" if grid is not None else "patches")
+                + f" of {patch_dim}: preprocessor_config.json does not match config.json"
+            )
+
     def read_many(
         self, items: list[tuple[int, Any]], deadline: float | None = None
     ) -> list[ImagePixels | InputError]:

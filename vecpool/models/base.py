@@ -106,6 +106,7 @@ class PoolingModel(nn.Module):
     output_size: int = 0
     # A dual encoder's image input: the image processor its folder names, the patch size.
     image_patch_dim: int = 0  # channels * patch_size**2 of one patch row; 0: no image tower
+    image_grid: tuple[int, int] | None = None  # the one grid of patches it takes; None: any
     # A listwise reranker's prompt format and marker tokens (with `LISTWISE_RANKER`).
     listwise_reranker: ClassVar[ListwiseRerankerConfig | None] = None
 

@@ -375,6 +375,7 @@ class DualEncoder(PoolingModel):
         self.max_positions = text.max_position_embeddings
         self.output_size = output_size
         self.image_patch_dim = vision.patch_dim
+        self.image_grid = vision.grid if vision.image_size else None
 
     @property
     def default_pooler(self) -> str:
