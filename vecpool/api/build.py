@@ -36,6 +36,7 @@ from vecpool.models.loading.st import load_dense_stack
 from vecpool.models.quant.linear import check_quantization, has_fp8_layers, quantize_model
 from vecpool.pooling.build import PoolingDefaults, build_heads
 from vecpool.runner.compiled import compile_by_default
+from vecpool.runner.cpu_linear import RowwiseHead
 from vecpool.runner.model_runner import ModelRunner
 from vecpool.runner.pooling_runner import PoolingRunner
 from vecpool.runner.step import ScheduledChunk
@@ -238,6 +239,8 @@ class EngineParts:
             )
         if batch_invariant:  # the heads' products on [num_seqs, hidden] rows too
             heads = {name: InvariantHead(head) for name, head in heads.items()}
+        elif self.device.type == "cpu":  # a row's head output wherever it sits in a step
+            heads = {name: RowwiseHead(head) for name, head in heads.items()}
         self.core = EngineCore(
             Scheduler(
                 self.scheduler_config,

@@ -426,13 +426,17 @@ class LexicalSparseHead:
         exclude = torch.zeros(num_all, dtype=torch.bool, device=device)
         exclude[b.seqs] = b.flags("exclude_special_tokens", False)
         row_local = local[meta.seq_ids]  # [num_tokens]: index among the head's sequences
-        ids = meta.input_ids
-        dropped = self.unused[ids] | (exclude[meta.seq_ids] & self.special[ids])
-        rows = torch.nonzero((row_local >= 0) & ~dropped).squeeze(1)  # [num_kept]
-        weights = torch.relu(self.token_weight(b.hidden[rows]).float()).squeeze(1)  # [num_kept]
-        # Weights are >= 0, so the zeros `out` starts from change no maximum.
+        # Every row of the head's sequences is weighed, whatever is left out after: the same
+        # rows in the same product, so what a request leaves out changes no weight it keeps.
+        rows = torch.nonzero(row_local >= 0).squeeze(1)  # [num_rows]
+        weights = torch.relu(self.token_weight(b.hidden[rows]).float()).squeeze(1)  # [num_rows]
+        ids = meta.input_ids[rows]
+        dropped = self.unused[ids] | (exclude[meta.seq_ids[rows]] & self.special[ids])
+        # Weights are >= 0, so the zeros `out` starts from, and those of dropped rows, change
+        # no maximum.
         out = torch.zeros(b.num_seqs * vocab, dtype=torch.float32, device=device)
-        out.scatter_reduce_(0, row_local[rows] * vocab + ids[rows], weights, reduce="amax")
+        index = row_local[rows] * vocab + ids
+        out.scatter_reduce_(0, index, weights.masked_fill(dropped, 0.0), reduce="amax")
         merged = b.merge("weights", out.view(b.num_seqs, vocab), "max")
         return b.final_only(list(merged.cpu().numpy()))
 

@@ -10,17 +10,30 @@ Every linear of the model's repeated blocks is replaced by a `PackedLinear` hold
 weight and bias (still readable, as parameters) and its packed copy; a fused projection keeps
 returning its parts. A model whose layers call `layers.linear_activation` / `linear_residual`
 gets the activation (gelu, relu) or the residual add applied inside the kernel, as oneDNN
-post-ops, while the output is still in cache: one pass over memory less each. Both an input given as ids and as embeds run the same packed kernels, so
-they stay bit-exact; against the plain GEMM the sums run in another order (float32: relative
-differences around 1e-6).
+post-ops, while the output is still in cache: one pass over memory less each. Against the
+plain GEMM the sums run in another order (float32: relative differences around 1e-6).
+
+oneDNN's kernels also compute every output row from its own input row alone, in one order for
+every row: they tile the rows and walk K in the same order in each tile. MKL's GEMM does not
+promise it, and on Intel AVX-512 CPUs it does not: a product with one to three output columns
+(a classifier's labels, a reranker's score, BGE-M3's token weight) computes some rows with
+other kernels than their neighbours, and a product of fewer than 16 rows others than a larger
+one. So the task heads on the CPU run their products here too (`RowwiseHead`): an input given
+as prompt embeds and the same input given as ids get the same bits wherever they sit in a step.
 """
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
+import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from vecpool.models.layers.basic import FusedProjections
+from vecpool.models.layers.invariant import InvariantFunctions
 from vecpool.runner.compiled import repeated_blocks
 
 # Dtypes oneDNN's CPU linear serves (bfloat16 needs avx512_bf16 or AMX to be fast).
@@ -89,12 +102,73 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether linears on `device` in `dtype` can run through oneDNN's packed kernel (its
     bfloat16 path needs AVX-512 or newer: elsewhere bfloat16 linears stay `nn.Linear`)."""
+    return device.type == "cpu" and _onednn_serves(dtype)
+
+
+@functools.cache
+def _onednn_serves(dtype: torch.dtype) -> bool:
+    """Whether oneDNN's CPU linear serves `dtype` on this CPU (asked once per dtype)."""
     return (
-        device.type == "cpu"
-        and dtype in PACKED_DTYPES
+        dtype in PACKED_DTYPES
         and torch.backends.mkldnn.is_available()
         and (dtype != torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
     )
+
+
+def onednn_linear(
+    x: torch.Tensor,  # [..., K]
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:  # [..., N]
+    """`F.linear` through oneDNN's kernel, the weight laid out for this call (a head's weights
+    are small, or used once a step): every output row computed from its input row alone, the
+    same way at any position among the rows. Where oneDNN does not serve the tensors (another
+    device or dtype, or mixed dtypes) it is `F.linear`."""
+    if not (
+        x.device.type == "cpu"
+        and _onednn_serves(x.dtype)
+        and weight.dtype == x.dtype
+        and (bias is None or bias.dtype == x.dtype)
+    ):
+        return F.linear(x, weight, bias)
+    out = torch.ops.mkldnn._linear_pointwise(_rows(x), weight.contiguous(), bias, "none", [], "")
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+class RowwiseFunctions(InvariantFunctions):
+    """While active: `F.linear` runs `onednn_linear`, and the transcendental elementwise
+    functions (activations) run `piecewise` (every element by torch's vector code: its scalar
+    code, which rounds otherwise, takes the elements left at the end of a thread's range,
+    wherever that falls among the rows)."""
+
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        if func is F.linear:
+            return onednn_linear(*args, **(kwargs or {}))
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+class RowwiseHead:
+    """A task head on the CPU run under `RowwiseFunctions`: each of its output rows depends on
+    that row's input alone, not on where in the step the row sits (the heads' products,
+    `[num_seqs, hidden]` rows through a classifier, a projection or the vocabulary, and their
+    activations). Across steps of other sizes the sums may still differ by an ulp or so."""
+
+    def __init__(self, head: Any):
+        self.head = head
+        self.per_token: bool = head.per_token
+        self.needs_token_ids: bool = head.needs_token_ids
+        self.prefix_carry: tuple[str, ...] | None = head.prefix_carry
+
+    def __call__(self, b: Any, /) -> list[np.ndarray | None]:
+        with RowwiseFunctions():
+            out: list[np.ndarray | None] = self.head(b)
+        return out
 
 
 def pack_linears(model: nn.Module) -> int:
