@@ -152,12 +152,22 @@ def test_sentence_transformers_clip_folder(tmp_path: Path) -> None:
         }
     ]
     (tmp_path / "st" / "modules.json").write_text(json.dumps(modules))
+    # sentence-transformers reads the tokenizer through transformers' fast tokenizer class.
+    (inner / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "pad_token": "<pad>"})
+    )
     engine = vecpool.Engine(tmp_path / "st", device="cpu")
     images = sample_images(2)
     out = engine.embed([TEXTS[1], *images])
     assert engine.info().embed_normalize is False
     assert_rel_close(out[:1], hf_text_features(hf, inner, TEXTS[1:2]))
     assert_rel_close(out[1:], hf_image_features(hf, inner, images))
+    # And sentence-transformers itself on the folder (one call per modality, as it requires).
+    from sentence_transformers import SentenceTransformer
+
+    st = SentenceTransformer(str(tmp_path / "st"), device="cpu")
+    assert_rel_close(out[:1], st.encode(TEXTS[1:2]))
+    assert_rel_close(out[1:], st.encode(images))
 
 
 def test_a_processor_that_does_not_match_the_model_is_refused_at_start(tmp_path: Path) -> None:
