@@ -2,7 +2,7 @@
 made current: on CUDA, what torch and Triton put on the current device then lands on the
 model's, whichever device the calling thread had), from the caller's thread and from a thread
 of its own. On the CPU the scope is a no-op; two H200s are where it matters
-(`benchmarks/second_device_check.py`)."""
+(`benchmarks/lab/second_device_check.py`)."""
 
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ import functools
 import gc
 from collections.abc import Mapping
 
-# False: nothing is frozen (the baseline `benchmarks/gc_stalls.py` measures against).
+# False: nothing is frozen (the baseline `benchmarks/lab/gc_stalls.py` measures against).
 FREEZE = True
 
 # torch.compile's count of compiled frames at the last freeze (process-wide, as the collector

@@ -75,7 +75,7 @@ class EngineCore:
         # A step whose forward is queued and whose pooling waits for the next step's call.
         self._in_flight: _InFlight | None = None
         # False: every step is pooled before the next one's forward is queued (the order
-        # `benchmarks/ab_run_ahead.py` compares against).
+        # `benchmarks/lab/ab_run_ahead.py` compares against).
         self.run_ahead = True
         # Ids of requests that are done, whose runner state is freed once the step in flight
         # has pooled.

@@ -89,7 +89,7 @@ def is_float(x: Any) -> bool:
 
 
 # A list of ints packed straight into its array (`as_id_array`); False: numpy's conversion, the
-# baseline that `benchmarks/bench_prepare.py` times beside it.
+# baseline that `benchmarks/lab/bench_prepare.py` times beside it.
 PACK_ID_LISTS = True
 
 
