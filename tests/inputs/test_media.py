@@ -7,7 +7,6 @@ test if the call has not returned after a few seconds. Nothing else about time i
 from __future__ import annotations
 
 import base64
-import contextlib
 import http.server
 import io
 import os
@@ -430,6 +429,7 @@ def test_policy_validation(tmp_path: Path) -> None:
 # --- URLs -------------------------------------------------------------------------------------
 
 CAP = 50_000  # the byte cap of the URL tests' policy
+HUNG_UP: list[str] = []  # the paths whose client went away while they were being sent
 
 
 class Handler(http.server.BaseHTTPRequestHandler):
@@ -448,8 +448,10 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     def do_GET(self) -> None:
-        with contextlib.suppress(OSError):  # a client that hung up, as the tests make them
+        try:
             self.route(self.path)
+        except OSError:  # a client that hung up, as the tests make them
+            HUNG_UP.append(self.path)
 
     def route(self, path: str) -> None:
         if path == "/cat.png":
@@ -493,7 +495,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self.send_header("Content-Length", str(len(PNG)))
             self.end_headers()
 
-            for i in range(60):
+            for i in range(100):
                 self.wfile.write(PNG[i : i + 1])
                 self.wfile.flush()
                 time.sleep(0.05)
@@ -596,3 +598,16 @@ def test_the_deadline_bounds_a_fetch(server: str) -> None:
         within(load_image, server + "/cat.png", patient, deadline=time.monotonic() - 1)
     image = within(load_image, server + "/cat.png", patient, deadline=time.monotonic() + 30)
     np.testing.assert_array_equal(pixels(image), pixels(RGB))
+
+
+def test_a_fetch_cut_off_closes_its_connection(server: str) -> None:
+    """The server sees the connection closed once the fetch gives up, while its error is
+    still held (as a caller holds a failed input's error until it answers)."""
+    before = HUNG_UP.count("/drip")
+    with pytest.raises(InputError, match=r"no complete response") as caught:
+        within(load_image, server + "/drip", web())
+    guard = time.monotonic() + HANG_GUARD_S
+    while HUNG_UP.count("/drip") == before:
+        assert time.monotonic() < guard, "the dripping server's client never went away"
+        time.sleep(0.01)
+    assert caught.value.reason.startswith("fetching an image from 127.0.0.1")

@@ -461,32 +461,18 @@ def _tls_context() -> ssl.SSLContext:
     return ssl.create_default_context()
 
 
-class _Watchdog:
-    """Cuts a connection's socket at a moment, waking any read blocked on it: the bound on a
-    whole response that per-read timeouts cannot give (a server may send one byte a second)."""
-
-    def __init__(self, conn: http.client.HTTPConnection, seconds: float):
-        self.conn = conn
-        self.fired = False
-        self.timer = threading.Timer(max(seconds, 0.0), self._fire)
-        self.timer.daemon = True
-        self.timer.start()
-
-    def _fire(self) -> None:
-        self.fired = True
-        sock = self.conn.sock
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                socket.socket.shutdown(sock, socket.SHUT_RDWR)
-
-    def cancel(self) -> None:
-        self.timer.cancel()
+def _abort(sock: socket.socket) -> None:
+    """Ends `sock`'s connection now (a blocked read wakes with end of file; the server sees
+    it closed), whoever else holds the socket object."""
+    with contextlib.suppress(OSError):
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)  # below TLS: no closing handshake
 
 
 def _get(
     parts: urllib.parse.SplitResult, policy: MediaPolicy, deadline: float | None
 ) -> bytes | str:
-    """One GET: the body (bytes), or a redirect's Location (str)."""
+    """One GET: the body (bytes), or a redirect's Location (str). The connection is ended
+    when this returns or raises, however it ends."""
     host = parts.hostname or ""
     what = f"fetching an image from {host}"
     start = time.monotonic()
@@ -505,33 +491,41 @@ def _get(
         )
     else:
         conn = http.client.HTTPConnection(address, parts.port, timeout=done_by - start)
-    watchdog: _Watchdog | None = None
+    sock: socket.socket | None = None
+    watchdog: threading.Timer | None = None
     try:
         conn.connect()
+        # The socket itself, kept: http.client lets go of it once a response will close
+        # the connection (as every one here does), so `conn.sock` is None from then on.
+        sock = conn.sock
         now = time.monotonic()
         done_by = now + policy.read_timeout
         cause = f"no complete response within {policy.read_timeout:g} s"
         if deadline is not None and deadline < done_by:
             done_by, cause = deadline, "the request's deadline passed before the image arrived"
-        watchdog = _Watchdog(conn, done_by - now)
-        body = _exchange(conn, parts, policy, done_by, what)
-        if watchdog.fired:  # cut off: what came is not the whole body
-            raise TimeoutError
-        return body
+        # Per-read timeouts cannot bound a whole response (a server may send a byte a
+        # second); this timer ends the connection at `done_by`, waking any blocked read.
+        watchdog = threading.Timer(max(done_by - now, 0.0), _abort, (sock,))
+        watchdog.daemon = True
+        watchdog.start()
+        return _exchange(conn, sock, parts, policy, done_by, what)
     except InputError:
         raise
     except (OSError, http.client.HTTPException) as exc:  # DNS, refused, TLS, cut off
-        if isinstance(exc, TimeoutError) or (watchdog is not None and watchdog.fired):
+        if isinstance(exc, TimeoutError) or time.monotonic() >= done_by:
             raise InputError(f"{what}: {cause}") from None
         raise InputError(f"{what}: {_describe(exc)}") from None
     finally:
         if watchdog is not None:
             watchdog.cancel()
+        if sock is not None:
+            _abort(sock)
         conn.close()
 
 
 def _exchange(
     conn: http.client.HTTPConnection,
+    sock: socket.socket,
     parts: urllib.parse.SplitResult,
     policy: MediaPolicy,
     done_by: float,
@@ -540,7 +534,7 @@ def _exchange(
     target = parts.path or "/"
     if parts.query:
         target = f"{target}?{parts.query}"
-    _set_timeout(conn, done_by)
+    _set_timeout(sock, done_by)
     conn.request(
         "GET",
         target,
@@ -552,6 +546,19 @@ def _exchange(
         },
     )
     response = conn.getresponse()
+    try:
+        return _body(response, sock, policy, done_by, what)
+    finally:
+        response.close()
+
+
+def _body(
+    response: http.client.HTTPResponse,
+    sock: socket.socket,
+    policy: MediaPolicy,
+    done_by: float,
+    what: str,
+) -> bytes | str:
     if response.status in _REDIRECTS:
         location = response.getheader("Location")
         if not location:
@@ -571,24 +578,24 @@ def _exchange(
     chunks: list[bytes] = []
     received = 0
     while True:
-        _set_timeout(conn, done_by)
+        _set_timeout(sock, done_by)
         chunk = response.read1(_CHUNK)
         if not chunk:
             break
         received += len(chunk)
         if received > cap:
+            chunks.clear()
             raise InputError(f"{what}: over the limit of {cap:,} bytes")
         chunks.append(chunk)
-    if time.monotonic() >= done_by:  # cut off by the watchdog: not the whole body
+    if time.monotonic() >= done_by:  # cut off at `done_by`: not the whole body
         raise TimeoutError
     if response.length:  # the connection closed before Content-Length bytes came
         raise InputError(f"{what}: the response ended after {received:,} of {length} bytes")
     return b"".join(chunks)
 
 
-def _set_timeout(conn: http.client.HTTPConnection, done_by: float) -> None:
+def _set_timeout(sock: socket.socket, done_by: float) -> None:
     left = done_by - time.monotonic()
     if left <= 0:
         raise TimeoutError
-    if conn.sock is not None:
-        conn.sock.settimeout(left)
+    sock.settimeout(left)
