@@ -1,6 +1,12 @@
 """Reading a corpus for `vecpool embed`: text lines, JSONL or Parquet, as chunks of a fixed
 number of lines (rows), so that a chunk's place in the input never depends on a previous run.
 
+With `--image-field`, a JSONL field or Parquet column holds images (a path, URL, data: URI or
+base64 string; in Parquet also binary bytes, or a `{bytes, path}` struct as Hugging Face
+datasets store images). An image enters a chunk as `{"image": value}`, its value as read: where
+it may point is decided where it is loaded (`images.py`). A line (row) holds one input: the
+text field or the image field, and a file may mix the two.
+
 A reader starts from a `Position` (where a previous run stopped: a byte offset for text, a row
 for Parquet) and yields `Chunk`s; each chunk records the position after it, which is what a
 resumed run starts from.
@@ -84,12 +90,13 @@ def read_line_chunks(
     chunk_size: int = 4096,
     start: Position = Position(),
     id_kind: str | None = None,
+    image_field: str | None = None,
 ) -> Iterator[Chunk]:
     """Chunks of `chunk_size` lines from `source`, positioned at `start` (its byte offset is
     where the caller has already sought to). A bad line raises `CommandError` naming it.
     `id_kind`: the JSON type of the ids of the lines before `start` (a resumed run's), which
-    every id must share."""
-    parser = _LineParser(jsonl, text_field, id_field)
+    every id must share. `image_field`: the JSONL field of images, if any."""
+    parser = _LineParser(jsonl, text_field, id_field, image_field)
     parser.id_kind = id_kind
     chunk = Chunk(start=start, end=start)
     number, offset = start.lines, start.offset
@@ -131,12 +138,16 @@ def _add(
 
 
 class _LineParser:
-    """(input, id) of one text or JSONL line; the input is None when the text is blank."""
+    """(input, id) of one text or JSONL line; the input is None when the text (image) is
+    blank."""
 
-    def __init__(self, jsonl: bool, text_field: str, id_field: str | None):
+    def __init__(
+        self, jsonl: bool, text_field: str, id_field: str | None, image_field: str | None = None
+    ):
         self.jsonl = jsonl
         self.text_field = text_field
         self.id_field = id_field
+        self.image_field = image_field
         self.id_kind: str | None = None  # JSON type of the first id; every id must share it
 
     def parse(self, text: str) -> tuple[str | dict[str, Any] | None, str | int | None]:
@@ -154,7 +165,17 @@ class _LineParser:
                 f"expected a JSON object{'' if id_field else ' or string'}, got {json_type(value)}"
             )
         item: str | dict[str, Any] | None
-        if "prompt_token_ids" in value:
+        image_field = self.image_field
+        image = value.get(image_field) if image_field is not None else None
+        if image_field is not None and image is not None:
+            item = _json_image(value, image, image_field, text_field)
+        elif (
+            image_field in value
+            and value.get(text_field) is None
+            and ("prompt_token_ids" not in value)
+        ):
+            item = None  # a null image, and no other input: a blank one
+        elif "prompt_token_ids" in value:
             ids = value["prompt_token_ids"]
             # JSON's true and false are not token ids (Python reads them as 1 and 0), as a
             # Parquet list<bool> column is not.
@@ -167,7 +188,10 @@ class _LineParser:
         elif text_field in value:
             raise ValueError(f"{text_field!r} must be a string, got {json_type(value[text_field])}")
         else:
-            raise ValueError(f"the object has no {text_field!r} field (nor 'prompt_token_ids')")
+            also = f"{image_field!r}, " if image_field is not None else ""
+            raise ValueError(
+                f"the object has no {text_field!r} field (nor {also}'prompt_token_ids')"
+            )
         if id_field is None:
             return item, None
         id_value = value.get(id_field)
@@ -181,6 +205,23 @@ class _LineParser:
         if kind != self.id_kind:
             raise ValueError(f"{id_field!r} is a {kind}; earlier ids are {self.id_kind}s")
         return item, id_value
+
+
+def _json_image(
+    value: dict[str, Any], image: Any, image_field: str, text_field: str
+) -> dict[str, Any] | None:
+    """The image input of a JSONL object whose `image_field` is set (None: blank)."""
+    for other in ("prompt_token_ids", text_field):
+        if other != image_field and value.get(other) is not None:
+            raise ValueError(
+                f"both {image_field!r} and {other!r} are given; a line holds one input"
+            )
+    if not isinstance(image, str):
+        raise ValueError(
+            f"{image_field!r} must be a string (a path, URL, data: URI or base64), got "
+            f"{json_type(image)}"
+        )
+    return {"image": image} if image.strip() else None
 
 
 def check_id(field: str, value: str | int) -> None:
@@ -205,10 +246,18 @@ def json_type(value: Any) -> str:
 
 class ParquetInput:
     """A Parquet file read by record batches: the text column (--field, or a list<int>
-    `prompt_token_ids` column) and the --id-field column. Checked when opened, before any
-    model loads."""
+    `prompt_token_ids` column), the image column (--image-field) and the --id-field column.
+    Checked when opened, before any model loads.
 
-    def __init__(self, path: str, text_field: str, id_field: str | None):
+    `text_field` None: the column "text", which a file of images need not have."""
+
+    def __init__(
+        self,
+        path: str,
+        text_field: str | None,
+        id_field: str | None,
+        image_field: str | None = None,
+    ):
         import pyarrow as pa
         import pyarrow.parquet as pq
 
@@ -218,19 +267,31 @@ class ParquetInput:
             raise CommandError(f"cannot read {path!r} as Parquet: {exc}") from None
         schema = self.file.schema_arrow
         names = schema.names
-        if text_field in names:
-            self.text_column = text_field
-            column_type = _values_type(schema.field(text_field).type)
+        self.image_column = image_field
+        if image_field is not None:
+            if image_field not in names:
+                raise CommandError(
+                    f"{path!r} has no column {image_field!r} (--image-field); its columns: "
+                    f"{', '.join(names)}"
+                )
+            _check_image_type(image_field, _values_type(schema.field(image_field).type))
+        text = text_field or "text"
+        self.text_column: str | None
+        if text in names and text != image_field:
+            self.text_column = text
+            column_type = _values_type(schema.field(text).type)
             if not (pa.types.is_string(column_type) or pa.types.is_large_string(column_type)):
-                raise CommandError(f"column {text_field!r} is {column_type}, not a string column")
+                raise CommandError(f"column {text!r} is {column_type}, not a string column")
         elif "prompt_token_ids" in names:
             self.text_column = "prompt_token_ids"
             column_type = schema.field("prompt_token_ids").type
             if not (pa.types.is_list(column_type) or pa.types.is_large_list(column_type)):
                 raise CommandError(f"column 'prompt_token_ids' is {column_type}, not a list")
+        elif image_field is not None and text_field is None:
+            self.text_column = None  # images only
         else:
             raise CommandError(
-                f"{path!r} has no column {text_field!r} (nor 'prompt_token_ids'); "
+                f"{path!r} has no column {text!r} (nor 'prompt_token_ids'); "
                 f"its columns: {', '.join(names)} (--field names the text column)"
             )
         self.id_field = id_field
@@ -256,29 +317,33 @@ class ParquetInput:
         start: Position = Position(),
     ) -> Iterator[Chunk]:
         """Chunks of `chunk_size` rows from row `start.offset` on; memory holds about two."""
-        # The ids may be the texts themselves (--id-field naming the text column, as JSONL
-        # allows): the column is read once.
-        own_ids = self.id_field is not None and self.id_field != self.text_column
-        columns = [self.text_column] + ([self.id_field] if own_ids else [])
+        # A column is read once, whatever roles it has (the ids may be the texts themselves,
+        # or an image column's paths, as JSONL allows).
+        roles = (self.text_column, self.image_column, self.id_field)
+        columns = list(dict.fromkeys(name for name in roles if name is not None))
         first_group, skip = self._row_group_of(start.offset)
         groups = range(first_group, self.file.metadata.num_row_groups)
         batch_size = min(chunk_size, max(self.num_rows, 1))  # (Arrow's size is an int64)
         batches = self.file.iter_batches(batch_size=batch_size, row_groups=groups, columns=columns)
-        texts: list[Any] = []
-        ids: list[Any] = []
+        rows: list[list[Any]] = [[] for _ in roles]  # texts, images, ids
+        where = [columns.index(name) if name is not None else None for name in roles]
+        read = rows[0] if self.text_column is not None else rows[1]  # as many as rows read
         row = start.offset
         for batch in batches:
             drop = min(skip, batch.num_rows)  # rows before `start` in its row group
             skip -= drop
-            texts.extend(batch.column(0).to_pylist()[drop:])
-            if self.id_field:
-                ids.extend(batch.column(1 if own_ids else 0).to_pylist()[drop:])
-            while len(texts) >= chunk_size:
-                yield self._chunk(texts[:chunk_size], ids[:chunk_size], row, skip_empty)
-                del texts[:chunk_size], ids[:chunk_size]
+            values = [batch.column(i).to_pylist()[drop:] for i in range(len(columns))]
+            for kept, at in zip(rows, where, strict=True):
+                if at is not None:
+                    kept.extend(values[at])
+            while len(read) >= chunk_size:
+                texts, images, ids = (kept[:chunk_size] for kept in rows)
+                yield self._chunk(texts, images, ids, row, skip_empty)
+                for kept in rows:
+                    del kept[:chunk_size]
                 row += chunk_size
-        if texts:
-            yield self._chunk(texts, ids, row, skip_empty)
+        if read:
+            yield self._chunk(rows[0], rows[1], rows[2], row, skip_empty)
 
     def _row_group_of(self, row: int) -> tuple[int, int]:
         """(row group holding `row`, rows of that group before it)."""
@@ -290,10 +355,14 @@ class ParquetInput:
             first += size
         return self.file.metadata.num_row_groups, 0
 
-    def _chunk(self, texts: list[Any], ids: list[Any], row: int, skip_empty: bool) -> Chunk:
-        chunk = Chunk(start=Position(row, row), end=Position(row + len(texts), row + len(texts)))
-        for i, value in enumerate(texts):
+    def _chunk(
+        self, texts: list[Any], images: list[Any], ids: list[Any], row: int, skip_empty: bool
+    ) -> Chunk:
+        size = max(len(texts), len(images))
+        chunk = Chunk(start=Position(row, row), end=Position(row + size, row + size))
+        for i in range(size):
             number = row + i + 1
+            value = texts[i] if texts else None
             item: str | dict[str, Any] | None
             if isinstance(value, str):
                 item = value if value.strip() else None
@@ -301,6 +370,14 @@ class ParquetInput:
                 item = {"prompt_token_ids": value} if value else None
             else:
                 item = None  # a null
+            image = _parquet_image(images[i]) if images else None
+            if image is not None:
+                if item is not None:
+                    raise CommandError(
+                        f"row {number}: both {self.image_column!r} and {self.text_column!r} "
+                        "hold a value; a row holds one input"
+                    )
+                item = {"image": image}
             id_value = ids[i] if self.id_field else None
             if self.id_field and id_value is None and item is not None:
                 raise CommandError(f"row {number}: {self.id_field!r} is null")
@@ -311,6 +388,48 @@ class ParquetInput:
                     raise CommandError(f"row {number}: {exc}") from None
             _add(chunk, item, id_value, number, skip_empty, "row")
         return chunk
+
+
+def _check_image_type(name: str, column_type: Any) -> None:
+    """`CommandError` unless an image column is strings, binary, or a struct of `bytes`
+    and/or `path` (Hugging Face datasets' Image feature)."""
+    import pyarrow as pa
+
+    def plain(t: Any) -> bool:
+        return bool(
+            pa.types.is_string(t)
+            or pa.types.is_large_string(t)
+            or pa.types.is_binary(t)
+            or pa.types.is_large_binary(t)
+            or pa.types.is_fixed_size_binary(t)
+        )
+
+    if plain(column_type):
+        return
+    if pa.types.is_struct(column_type):
+        fields = {
+            column_type.field(i).name: column_type.field(i).type
+            for i in range(column_type.num_fields)
+        }
+        known = {k: t for k, t in fields.items() if k in ("bytes", "path")}
+        if known and all(plain(t) for t in known.values()):
+            return
+    raise CommandError(
+        f"column {name!r} (--image-field) is {column_type}; an image column holds strings "
+        "(paths, URLs, data: URIs, base64), binary (encoded images), or a struct of 'bytes' "
+        "and 'path'"
+    )
+
+
+def _parquet_image(value: Any) -> str | bytes | None:
+    """The image of one row's image column (None: blank): a string or bytes as they are; of
+    a `{bytes, path}` struct its bytes, else its path."""
+    if isinstance(value, dict):
+        data, path = value.get("bytes"), value.get("path")
+        value = data if data else path
+    if isinstance(value, str):
+        return value if value.strip() else None
+    return bytes(value) if value else None
 
 
 def _values_type(column_type: Any) -> Any:

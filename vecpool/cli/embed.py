@@ -1,9 +1,10 @@
-"""`vecpool embed`: a corpus of texts or token ids (text lines, JSONL or Parquet) into .npy,
-.parquet or .jsonl, streamed in chunks, resumable after an interruption, written atomically;
-with no input, example sentences and how they compare.
+"""`vecpool embed`: a corpus of texts, token ids or images (text lines, JSONL or Parquet) into
+.npy, .parquet or .jsonl, streamed in chunks, resumable after an interruption, written
+atomically; with no input, example sentences and how they compare.
 
-Reading is in `corpus.py`, the work folder and the output files in `output.py`, the engines
-(one here, or one process per GPU) in `parallel.py`.
+Reading is in `corpus.py`, where images may come from and how they are read in `images.py`,
+the work folder and the output files in `output.py`, the engines (one here, or one process
+per GPU) in `parallel.py`.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from vecpool.cli.corpus import (
     open_lines,
     read_line_chunks,
 )
+from vecpool.cli.images import IMAGE_CHUNK_SIZE, ImageField, is_image_item
 from vecpool.cli.output import WorkFolder, check_output
 from vecpool.cli.parallel import LocalEmbedder, ProcessEmbedder
 from vecpool.errors import InputError
@@ -55,12 +57,17 @@ UNRELATED = (
     ("The train to Paris was delayed by an hour.", "Fresh bread is baked here every morning."),
 )
 EMBED_HELP = """\
-Embed a corpus of texts or token ids, streamed in chunks (memory holds a few chunks, not the
-corpus). With no --input, embed a few example sentences and compare them.
+Embed a corpus of texts, token ids or images, streamed in chunks (memory holds a few chunks,
+not the corpus). With no --input, embed a few example sentences and compare them.
 
 input:  one text per line; JSONL (--format jsonl, or a .jsonl file): per line a JSON string,
         or an object with a text field (--field) or "prompt_token_ids"; or Parquet (a
         .parquet file): a string column (--field) or a list<int> "prompt_token_ids" column
+images: with --image-field NAME (a CLIP or SigLIP model), the JSONL field or Parquet column
+        NAME holds an image per line (row): a path, an http(s) URL (--allowed-media-domains),
+        a data: URI, base64, or (Parquet) binary bytes; lines with the text field instead
+        are texts. Local files only under the input file's folder, or the folder
+        --allowed-local-media-path names instead; relative paths from the input's folder
 output: .npy, float32 [n, dim] in input order (with --skip-empty, NAME.index.npy beside NAME.npy
         holds each row's 0-based line); .parquet, columns `index` (the input's 0-based line
         or row), the --id-field if given, and `embedding` (list<float32>); or .jsonl, one
@@ -79,6 +86,7 @@ examples:
   vecpool embed --input corpus.parquet --field body --output vectors.parquet \\
       --data-parallel-size 2 --dtype bfloat16
   cat texts.txt | vecpool embed --input - --output vectors.npy --dimensions 256
+  vecpool embed CLIP_DIR --input photos.jsonl --image-field image --output photos.parquet
 """
 
 
@@ -91,15 +99,27 @@ def add_embed_arguments(parser: argparse.ArgumentParser) -> None:
     )
     io.add_argument("-o", "--output", metavar="FILE", help="the .npy, .parquet or .jsonl to write")
     io.add_argument("--format", choices=INPUT_FORMATS, help="input format (default: by suffix)")
-    io.add_argument("--field", default="text", help="JSONL field or Parquet column of the text")
+    io.add_argument("--field", help="JSONL field or Parquet column of the text (default: text)")
+    io.add_argument(
+        "--image-field",
+        metavar="NAME",
+        help="JSONL field or Parquet column of images (paths, URLs, data: URIs, base64, bytes)",
+    )
     io.add_argument("--id-field", metavar="NAME", help="JSONL field or Parquet column to keep")
     io.add_argument("--skip-empty", action="store_true", help="skip blank inputs, not fail")
     io.add_argument(
         "--chunk-size",
         type=int,
-        default=DEFAULT_CHUNK_SIZE,
         metavar="N",
-        help="lines (rows) per chunk, the unit of work and of resuming (default: %(default)s)",
+        help="lines (rows) per chunk, the unit of work and of resuming (default: "
+        f"{DEFAULT_CHUNK_SIZE}; {IMAGE_CHUNK_SIZE} with --image-field)",
+    )
+    io.add_argument(
+        "--image-threads",
+        type=int,
+        metavar="N",
+        help="threads that load and preprocess images, per engine process (default: the CPU "
+        "cores, shared among --data-parallel-size processes)",
     )
     io.add_argument("--overwrite", action="store_true", help="replace an existing output")
     io.add_argument(
@@ -150,8 +170,10 @@ def _check_embed_args(args: argparse.Namespace, engine: Engine | None) -> Path |
     )
     if args.input != "-" and output.exists() and os.path.samefile(args.input, output):
         raise CommandError(f"--output {str(output)!r} is the input file")
-    if args.chunk_size < 1:
+    if args.chunk_size is not None and args.chunk_size < 1:
         raise CommandError(f"--chunk-size must be at least 1, got {args.chunk_size}")
+    if args.image_threads is not None and args.image_threads < 1:
+        raise CommandError(f"--image-threads must be at least 1, got {args.image_threads}")
     if args.data_parallel_size < 1:
         raise CommandError(
             f"--data-parallel-size must be at least 1, got {args.data_parallel_size}"
@@ -159,6 +181,15 @@ def _check_embed_args(args: argparse.Namespace, engine: Engine | None) -> Path |
     if args.data_parallel_size > 1 and engine is not None:
         raise CommandError("--data-parallel-size loads its own engines; none may be given")
     fmt = input_format(args.input, args.format)
+    if args.image_field is not None:
+        if fmt == "text":
+            raise CommandError("--image-field needs JSONL or Parquet input (a field per line)")
+        if args.image_field == text_field(args):
+            raise CommandError(
+                f"--image-field and --field name the same field {args.image_field!r}"
+            )
+    elif args.image_threads is not None:
+        raise CommandError("--image-threads needs --image-field (the images to read)")
     if args.id_field is not None:
         if fmt == "text" or output.suffix == ".npy":
             raise CommandError(
@@ -174,6 +205,26 @@ def _check_embed_args(args: argparse.Namespace, engine: Engine | None) -> Path |
         except ImportError:
             raise CommandError("Parquet needs pyarrow: pip install 'vecpool[parquet]'") from None
     return output
+
+
+def text_field(args: argparse.Namespace) -> str:
+    """The JSONL field or Parquet column of texts: --field, else "text"."""
+    return args.field if args.field is not None else "text"
+
+
+def chunk_size(args: argparse.Namespace) -> int:
+    """Lines (rows) per chunk: --chunk-size, else the default of texts or of images."""
+    if args.chunk_size is not None:
+        return int(args.chunk_size)
+    return IMAGE_CHUNK_SIZE if args.image_field is not None else DEFAULT_CHUNK_SIZE
+
+
+def image_threads(args: argparse.Namespace) -> int:
+    """Threads reading images in each engine process: --image-threads, else this process's
+    cores shared among the engine processes."""
+    if args.image_threads is not None:
+        return int(args.image_threads)
+    return max(1, len(os.sched_getaffinity(0)) // args.data_parallel_size)
 
 
 def _manifest(args: argparse.Namespace, engine_args: EngineArgs, fmt: str) -> dict[str, Any]:
@@ -199,10 +250,11 @@ def _manifest(args: argparse.Namespace, engine_args: EngineArgs, fmt: str) -> di
         "dimensions": args.dimensions,
         "prompt_name": args.prompt_name,
         "truncate": args.truncate,
-        "field": args.field,
+        "field": text_field(args),
+        "image_field": args.image_field,
         "id_field": args.id_field,
         "skip_empty": args.skip_empty,
-        "chunk_size": args.chunk_size,
+        "chunk_size": chunk_size(args),
     }
 
 
@@ -211,7 +263,12 @@ def _embed_corpus(args: argparse.Namespace, engine: Engine | None, output: Path)
     fmt = input_format(args.input, args.format)
     engine_args = engine.args if engine is not None else EngineArgs.from_cli_args(args)
     unit = "row" if fmt == "parquet" else "line"
-    parquet = ParquetInput(args.input, args.field, args.id_field) if fmt == "parquet" else None
+    images = None
+    if args.image_field is not None:
+        images = ImageField.from_args(args, image_threads(args))
+    parquet = None
+    if fmt == "parquet":
+        parquet = ParquetInput(args.input, args.field, args.id_field, args.image_field)
     source = open_lines(args.input) if parquet is None else None
     work = WorkFolder.open(
         output, _manifest(args, engine_args, fmt), id_field=args.id_field, restart=args.restart
@@ -227,15 +284,17 @@ def _embed_corpus(args: argparse.Namespace, engine: Engine | None, output: Path)
     try:
         options = embed_options(args, engine_args.windowed_embed)
         if args.data_parallel_size > 1:
-            embedder = ProcessEmbedder(engine_args, options, args.data_parallel_size, unit)
+            size = args.data_parallel_size
+            embedder = ProcessEmbedder(engine_args, options, size, unit, images)
         else:
             from vecpool.api import Engine
 
-            embedder = LocalEmbedder(engine or Engine.from_args(engine_args), options, unit)
+            engine = engine or Engine.from_args(engine_args)
+            embedder = LocalEmbedder(engine, options, unit, images)
         if parquet is not None:
             total: int | None = parquet.num_rows
             chunks = parquet.chunks(
-                skip_empty=args.skip_empty, chunk_size=args.chunk_size, start=start
+                skip_empty=args.skip_empty, chunk_size=chunk_size(args), start=start
             )
         else:
             assert source is not None
@@ -245,12 +304,13 @@ def _embed_corpus(args: argparse.Namespace, engine: Engine | None, output: Path)
             chunks = read_line_chunks(
                 source,
                 jsonl=fmt == "jsonl",
-                text_field=args.field,
+                text_field=text_field(args),
                 id_field=args.id_field,
                 skip_empty=args.skip_empty,
-                chunk_size=args.chunk_size,
+                chunk_size=chunk_size(args),
                 start=start,
                 id_kind=work.id_kind,
+                image_field=args.image_field,
             )
         _embed_chunks(embedder, chunks, work, args, total, unit)
         work.finish(embedder.output_dim)
@@ -285,28 +345,37 @@ def _embed_chunks(
     total: int | None,
     unit: str,
 ) -> None:
-    """Embed and commit every chunk, showing lines done, inputs/s and tokens/s."""
-    start, inputs, tokens = time.perf_counter(), 0, 0
+    """Embed and commit every chunk, showing lines done, inputs/s, images/s (with
+    --image-field) and tokens/s."""
+    start, inputs, images, tokens = time.perf_counter(), 0, 0, 0
     initial = work.resume_from.lines
     with tqdm(total=total, initial=initial, unit=unit, desc="embed", disable=args.quiet) as bar:
         for chunk, vectors, num_tokens in embedder.run(chunks):
             work.add_part(chunk, vectors, num_tokens)
             inputs += len(vectors)
+            if args.image_field is not None:
+                images += sum(map(is_image_item, chunk.inputs))
             tokens += num_tokens
             seconds = max(time.perf_counter() - start, 1e-9)
-            bar.set_postfix_str(
-                f"{inputs / seconds:,.0f} inputs/s, {tokens / seconds:,.0f} tokens/s",
-                refresh=False,
-            )
+            bar.set_postfix_str(_rates(args, inputs, images, tokens, seconds), refresh=False)
             bar.update(chunk.num_lines)
     if not args.quiet:
         seconds = time.perf_counter() - start
+        what = f"{inputs:,} inputs" + (f" ({images:,} images)" if args.image_field else "")
         print(
             f"wrote {work.rows:,} embeddings of {embedder.output_dim} dims to {work.output} "
-            f"({inputs:,} inputs, {tokens:,} tokens embedded in {seconds:.1f} s: "
-            f"{inputs / max(seconds, 1e-9):,.0f} inputs/s, {tokens / max(seconds, 1e-9):,.0f} tokens/s)",
+            f"({what}, {tokens:,} tokens embedded in {seconds:.1f} s: "
+            f"{_rates(args, inputs, images, tokens, max(seconds, 1e-9))})",
             file=sys.stderr,
         )
+
+
+def _rates(args: argparse.Namespace, inputs: int, images: int, tokens: int, seconds: float) -> str:
+    rates = [f"{inputs / seconds:,.0f} inputs/s"]
+    if args.image_field is not None:
+        rates.append(f"{images / seconds:,.1f} images/s")
+    rates.append(f"{tokens / seconds:,.0f} tokens/s")
+    return ", ".join(rates)
 
 
 def _total_lines(args: argparse.Namespace) -> int | None:

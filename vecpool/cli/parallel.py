@@ -1,7 +1,8 @@
 """Who embeds the chunks of `vecpool embed`: one engine in this process, or, with
 `--data-parallel-size N`, N engine processes (one per GPU: `cuda:0` .. `cuda:N-1`; on the CPU, N
 processes sharing the cores). Either way each chunk is embedded whole, on its own, by one engine,
-and results come back in input order.
+and results come back in input order. A chunk with images has them read on a pool of threads
+of the engine's process (`images.py`).
 """
 
 from __future__ import annotations
@@ -22,11 +23,13 @@ import numpy as np
 from vecpool import calls
 from vecpool.api.args import EngineArgs, Replica
 from vecpool.calls import EmbedOptions, PreparedCall, windowed
+from vecpool.calls.outputs import PoolingOutput, PromptRequest, output_data
 
 if TYPE_CHECKING:  # torch loads where a model runs
     from vecpool.api import Engine
 from vecpool.cli.common import CommandError
 from vecpool.cli.corpus import Chunk
+from vecpool.cli.images import ImageField, ImageReading, is_image_item
 from vecpool.errors import ConfigError, EngineError, InputError, ModelLoadError, VecpoolError
 from vecpool.inputs.prompts import TRUNCATE_ADVICE
 
@@ -45,21 +48,85 @@ Result = tuple[Chunk, np.ndarray, int]  # a chunk, its vectors [rows, dim] float
 
 
 def prepare_chunk(
-    engine: Engine, options: EmbedOptions, inputs: list[Any]
+    engine: Engine,
+    options: EmbedOptions,
+    inputs: list[Any],
+    images: ImageReading | None = None,
 ) -> PreparedCall[Any] | None:
     """The embed call of one chunk's inputs (None: no inputs): windowed (`--windowed-embed`)
-    as `Engine.embed` windows, else as its plain calls."""
+    as `Engine.embed` windows, else as its plain calls. A chunk with images (`images`: how
+    they are read) is one call of both: its texts prepared here, its images on the pool."""
     if not inputs:
         return None
+    if images is not None:
+        at = [i for i, item in enumerate(inputs) if is_image_item(item)]
+        if at:
+            return _prepare_with_images(engine, options, inputs, at, images)
     if options.windowed:
         return windowed.prepare_embed_windowed(engine.context, inputs, options)
     return engine.prepare_encode(inputs, **options.encode().keywords())
 
 
-def output_dim(engine: Engine, options: EmbedOptions) -> int:
+def _prepare_with_images(
+    engine: Engine,
+    options: EmbedOptions,
+    inputs: list[Any],
+    image_at: list[int],
+    images: ImageReading,
+) -> PreparedCall[np.ndarray]:
+    """One call of a chunk's texts and images: `[n, dim]` vectors in input order. An input
+    that cannot be prepared raises `InputError` at its index: the first one in the chunk."""
+    keywords = options.encode().keywords()
+    reading = images.submit(engine, keywords, [(i, inputs[i]["image"]) for i in image_at])
+    chosen = set(image_at)
+    text_at = [i for i in range(len(inputs)) if i not in chosen]
+    errors: list[InputError] = []
+    texts: PreparedCall[Any] | None = None
+    try:
+        texts = prepare_chunk(engine, options, [inputs[i] for i in text_at])
+    except InputError as exc:
+        errors.append(exc if exc.index is None else exc.at(text_at[exc.index]))
+    requests: list[PromptRequest] = []
+    if texts is not None:
+        requests = [PromptRequest(text_at[r.index], r.prompt, r.params) for r in texts.requests]
+    num_texts = len(requests)
+    for future in reading:
+        try:
+            requests.append(future.result())
+        except InputError as exc:
+            errors.append(exc)
+    if errors:
+        raise _first(errors)
+    dim = engine.info().embed_dim(options.dimensions)
+
+    def finish(outputs: list[PoolingOutput]) -> np.ndarray:
+        failed = [out.error for out in outputs if out.error is not None]
+        if failed:
+            raise _first(failed)
+        vectors = np.zeros((len(inputs), dim), np.float32)
+        if texts is not None:
+            vectors[text_at] = np.asarray(texts.finish(outputs[:num_texts]), np.float32)
+        vectors[image_at] = np.stack(output_data(outputs[num_texts:]))
+        return vectors
+
+    return PreparedCall(requests, finish)
+
+
+def _first(errors: list[Any]) -> Any:
+    """The error to report of several: one of the whole call, else the first input's."""
+    return min(errors, key=lambda e: -1 if getattr(e, "index", None) is None else e.index)
+
+
+def output_dim(engine: Engine, options: EmbedOptions, images: ImageField | None = None) -> int:
     """The width of the vectors `options` ask of `engine`, once the options every input's call
     would check are checked (`dimensions`, the prompt): a run with no input refuses them too
-    (`CommandError`, worded as for an input), rather than writing `[0, -4]` vectors."""
+    (`CommandError`, worded as for an input), rather than writing `[0, -4]` vectors. With
+    `images` (--image-field), the model must have an image tower."""
+    if images is not None and engine.info().image_processor_dir is None:
+        raise CommandError(
+            "--image-field: this model has no image tower (it embeds text only; CLIP and "
+            "SigLIP models embed images)"
+        )
     try:
         calls.check_dimensions(engine.info(), options.dimensions)
         calls.instruction(engine.context, options.prompt_name, options.prompt)
@@ -71,11 +138,12 @@ def output_dim(engine: Engine, options: EmbedOptions) -> int:
 def run_chunk(
     engine: Engine, options: EmbedOptions, call: PreparedCall[Any] | None
 ) -> tuple[np.ndarray, int]:
-    """(vectors `[n, dim]` float32, prompt tokens) of a prepared call (None: no inputs)."""
+    """(vectors `[n, dim]` float32, prompt tokens) of a prepared call (None: no inputs); an
+    image counts no tokens."""
     dim = engine.info().embed_dim(options.dimensions)
     if call is None or not call.requests:
         return np.zeros((0, dim), np.float32), 0
-    tokens = sum(request.prompt.num_tokens for request in call.requests)
+    tokens = sum(r.prompt.num_tokens for r in call.requests if r.prompt.image is None)
     vectors = engine.run(call, show_progress=False)  # windowed: already `[n, dim]`
     return (vectors if isinstance(vectors, np.ndarray) else np.stack(vectors)), tokens
 
@@ -92,13 +160,20 @@ def located(exc: InputError, chunk: Chunk, unit: str) -> CommandError:
 
 class LocalEmbedder:
     """One engine in this process. The next chunk is read and tokenized on a helper thread
-    while the engine runs the current one."""
+    (its images on a pool) while the engine runs the current one."""
 
-    def __init__(self, engine: Engine, options: EmbedOptions, unit: str):
+    def __init__(
+        self,
+        engine: Engine,
+        options: EmbedOptions,
+        unit: str,
+        images: ImageField | None = None,
+    ):
         self.engine = engine
         self.options = options
         self.unit = unit
-        self.output_dim = output_dim(engine, options)
+        self.output_dim = output_dim(engine, options, images)
+        self.images = ImageReading(images) if images is not None else None
 
     def run(self, chunks: Iterator[Chunk]) -> Iterator[Result]:
         def prepare() -> tuple[Chunk, PreparedCall[list[np.ndarray]] | None] | None:
@@ -106,7 +181,7 @@ class LocalEmbedder:
             if chunk is None:
                 return None
             try:
-                call = prepare_chunk(self.engine, self.options, chunk.inputs)
+                call = prepare_chunk(self.engine, self.options, chunk.inputs, self.images)
             except InputError as exc:
                 raise located(exc, chunk, self.unit) from None
             return chunk, call
@@ -123,7 +198,8 @@ class LocalEmbedder:
                 yield chunk, vectors, tokens
 
     def close(self) -> None:
-        pass
+        if self.images is not None:
+            self.images.close()
 
 
 class ProcessEmbedder:
@@ -132,7 +208,14 @@ class ProcessEmbedder:
     A process that dies is reported (`EngineError`) at once, never waited on; the processes
     leave when the parent closes them, and by themselves when the parent is gone."""
 
-    def __init__(self, engine_args: EngineArgs, options: EmbedOptions, size: int, unit: str):
+    def __init__(
+        self,
+        engine_args: EngineArgs,
+        options: EmbedOptions,
+        size: int,
+        unit: str,
+        images: ImageField | None = None,
+    ):
         self.options = options
         self.unit = unit
         replicas = replace(engine_args, data_parallel_size=size).replicas()
@@ -143,7 +226,7 @@ class ProcessEmbedder:
         self.processes = [
             context.Process(
                 target=_worker_main,
-                args=(replica, options, self.tasks, self.results, os.getpid()),
+                args=(replica, options, self.tasks, self.results, os.getpid(), images),
                 name=f"vecpool-embed-{replica.rank}",
                 daemon=True,
             )
@@ -223,6 +306,7 @@ def _worker_main(
     tasks: Any,
     results: Any,
     parent_pid: int,
+    images: ImageField | None = None,
 ) -> None:
     """An engine process: load the engine, then embed the chunks it is sent until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides what an interrupt means
@@ -237,7 +321,7 @@ def _worker_main(
     torch.set_num_threads(replica.threads)
     try:
         engine = Engine.from_args(replica.args)
-        dim = output_dim(engine, options)
+        dim = output_dim(engine, options, images)
     except CommandError as exc:  # an option the model refuses
         results.put(("failed", "CommandError", str(exc)))
         return
@@ -250,8 +334,9 @@ def _worker_main(
     # of the time: two H200s ran 1.80x one). Daemonic: a worker that leaves on a failure
     # must not wait for it, blocked on the task queue.
     prepared: queue.Queue[tuple[int, Any, Exception | None] | None] = queue.Queue(maxsize=1)
+    reading = ImageReading(images) if images is not None else None
     threading.Thread(
-        target=_read_tasks, args=(engine, options, tasks, prepared), daemon=True
+        target=_read_tasks, args=(engine, options, tasks, prepared, reading), daemon=True
     ).start()
     while (item := prepared.get()) is not None:
         seq, call, error = item
@@ -268,13 +353,23 @@ def _worker_main(
         results.put(("done", seq, vectors, tokens))
 
 
-def _read_tasks(engine: Engine, options: EmbedOptions, tasks: Any, prepared: queue.Queue) -> None:
+def _read_tasks(
+    engine: Engine,
+    options: EmbedOptions,
+    tasks: Any,
+    prepared: queue.Queue,
+    images: ImageReading | None = None,
+) -> None:
     """An engine process's reader: each task's call prepared (or why it could not be), in
-    order, then None once the parent says stop."""
+    order, then None once the parent says stop. `images`: how a chunk's images are read."""
     while (task := tasks.get()) is not None:
         seq, inputs = task
         try:
-            prepared.put((seq, prepare_chunk(engine, options, inputs), None))
+            if images is None:
+                call = prepare_chunk(engine, options, inputs)
+            else:
+                call = prepare_chunk(engine, options, inputs, images)
+            prepared.put((seq, call, None))
         except Exception as exc:  # the worker reports it (an input's error, or a failure)
             prepared.put((seq, None, exc))
     prepared.put(None)
