@@ -31,7 +31,7 @@ from tests.helpers import (
     random_prompts,
     save_hf_model,
 )
-from vecpool.models.loading.registry import model_class
+from vecpool.models.loading.loader import model_class
 
 LENGTHS = [3, 9, 17, 30]
 VOCAB = 101

@@ -1,4 +1,4 @@
-"""The shared encoder heads (vecpool.models.layers.encoder_heads) keep each family's checkpoint names:
+"""The shared encoder heads (vecpool.models.architectures.encoder_heads) keep each family's checkpoint names:
 every head class holds exactly the parameters transformers' class of the same name holds (the
 base model's under the family prefix), and the masked-LM heads read `tie_word_embeddings`.
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 import transformers
 
-from vecpool.models.loading.registry import model_class
+from vecpool.models.loading.loader import model_class
 
 _SIZES: dict[str, Any] = {
     "vocab_size": 99,

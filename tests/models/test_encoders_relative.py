@@ -37,7 +37,7 @@ from tests.helpers import (
     random_prompts,
     save_hf_model,
 )
-from vecpool.models.loading.registry import model_class
+from vecpool.models.loading.loader import model_class
 
 LENGTHS = [5, 17, 3, 30, 11]
 VOCAB = 99

@@ -550,7 +550,7 @@ def test_nomic_search_prompts_and_matryoshka(nomic, dimensions: int | None) -> N
 )
 def test_unsupported_config_raises(arch: str, config: dict[str, Any], named: str) -> None:
     from vecpool.errors import ConfigError
-    from vecpool.models.loading.registry import model_class
+    from vecpool.models.loading.loader import model_class
 
     base = {
         "ModernBertModel": _modernbert_config().to_dict(),

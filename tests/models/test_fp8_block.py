@@ -4,7 +4,7 @@ exact product of its operands, fused parts, and checkpoints written in those for
 transformers on the dequantized weights.
 
 The CPU runs the dequantized float32 arithmetic; the cuBLAS block-scaled product that replaces
-it on Hopper is checked on the GPU by benchmarks/fp8_block_check.py.
+it on Hopper is checked on the GPU by benchmarks/lab/fp8_block_check.py.
 """
 
 from __future__ import annotations
@@ -30,16 +30,12 @@ from tests.models.test_quant import (
     assert_ops_path_equal,
 )
 from vecpool.errors import ConfigError, ModelLoadError
+from vecpool.models.architectures.decoder import SumInNormLayer
 from vecpool.models.quant import fp8_block
 from vecpool.models.quant import linear as quant
-from vecpool.models.quant.fp8_block import (
-    Fp8BlockLinear,
-    dequantize_blocks,
-    dequantize_groups,
-    quantize_blocks,
-    quantize_groups,
-)
-from vecpool.models.quant.linear import FP8_DTYPE, FP8_MAX, Fp8GatedMLP, Fp8NormLinear
+from vecpool.models.quant.fp8_block import Fp8BlockLinear, dequantize_blocks, quantize_blocks
+from vecpool.models.quant.linear import Fp8GatedMLP, Fp8NormLinear
+from vecpool.models.quant.quantize import FP8_DTYPE, FP8_MAX, dequantize_groups, quantize_groups
 
 
 def test_groups_scale_by_their_own_amax() -> None:
@@ -306,10 +302,10 @@ def test_group_ops_path_equals_the_reference_and_compiles_whole(
     assert_ops_path_equal(ops, plain, prompts, (5, 19))
     # Its residual sums added by the group norms' op (`Fp8SumInNormLayer`): the bits of the
     # layers that add their own.
-    assert all(type(layer) is quant.Fp8SumInNormLayer for layer in ops.model.layers)
+    assert all(type(layer) is SumInNormLayer for layer in ops.model.layers)
     monkeypatch.setattr(quant, "SUM_IN_NORM", False)
     own = vecpool.Engine(tmp_path / "fp8", device="cpu")
-    assert not any(type(layer) is quant.Fp8SumInNormLayer for layer in own.model.layers)
+    assert not any(type(layer) is SumInNormLayer for layer in own.model.layers)
     for got, want in zip(engine_hidden(ops, prompts), engine_hidden(own, prompts), strict=True):
         assert np.array_equal(got, want)
 

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
+from vecpool.models.architectures.decoder import DecoderAttention, DecoderConfig
 from vecpool.models.layers import qk_rotary
 from vecpool.models.layers.attention import AttentionMetadata
 from vecpool.models.layers.basic import RMSNorm, Rotary, apply_rotary
-from vecpool.models.layers.decoder import DecoderAttention, DecoderConfig
 
 # (query heads, key/value heads, head size, norm, unit offset, tokens)
 CASES = [

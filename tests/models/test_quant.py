@@ -4,7 +4,7 @@ in FP8 (compressed-tensors) against transformers on the dequantized weights.
 
 The CPU runs FP8 through torch's FP8 casts with the products accumulated in float32, the path
 `torch._scaled_mm` replaces on CUDA; the Triton kernels are checked on the GPU by
-benchmarks/fp8_check.py.
+benchmarks/lab/fp8_check.py.
 """
 
 from __future__ import annotations
@@ -24,21 +24,19 @@ from safetensors.torch import load_file, save_file
 import vecpool
 from tests.helpers import engine_hidden, hf_last_hidden, random_prompts, save_hf_model
 from vecpool.errors import ConfigError, ModelLoadError
+from vecpool.models.architectures.decoder import SumInNormLayer
 from vecpool.models.layers.basic import FusedProjections
 from vecpool.models.loading.folder import ModelFolder
 from vecpool.models.loading.loader import load_model
 from vecpool.models.quant import linear as quant
 from vecpool.models.quant.linear import (
-    FP8_DTYPE,
-    FP8_MAX,
     Fp8GatedMLP,
     Fp8Linear,
     Fp8NormLinear,
     Int8Linear,
-    dequantize_rows,
     quantize_model,
-    quantize_rows,
 )
+from vecpool.models.quant.quantize import FP8_DTYPE, FP8_MAX, dequantize_rows, quantize_rows
 from vecpool.runner.compiled import compile_blocks
 
 # e4m3 keeps 3 mantissa bits: rounding to nearest is off by at most 2^-4 of the value (a
@@ -320,9 +318,9 @@ def test_residual_sums_in_the_norms_give_the_same_bits(
     monkeypatch.setattr(quant, "SUM_IN_NORM", False)
     own = vecpool.Engine(qwen3[0], device="cpu", quantization="fp8")
     layers = list(summed.model.layers)
-    assert all(type(layer) is quant.Fp8SumInNormLayer for layer in layers)
+    assert all(type(layer) is SumInNormLayer for layer in layers)
     assert [layer.hands_on_sum for layer in layers] == [True] * (len(layers) - 1) + [False]
-    assert not any(isinstance(layer, quant.Fp8SumInNormLayer) for layer in own.model.layers)
+    assert not any(isinstance(layer, SumInNormLayer) for layer in own.model.layers)
     assert layers[0].self_attn.qkv_proj.linear.kernels == ops_path
     want = engine_hidden(own, prompts)
     for got, expected in zip(engine_hidden(summed, prompts), want, strict=True):

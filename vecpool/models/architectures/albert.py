@@ -23,12 +23,12 @@ from vecpool.models.architectures.bert import (
     vocab_logits,
 )
 from vecpool.models.architectures.electra import embedding_width
+from vecpool.models.architectures.encoder import EncoderModel
+from vecpool.models.architectures.encoder_heads import MaskedLM, TokenClassifier
 from vecpool.models.base import Capability, PoolingModel
 from vecpool.models.hf import hf_get
 from vecpool.models.layers.attention import AttentionMetadata
 from vecpool.models.layers.basic import activation
-from vecpool.models.layers.encoder_blocks import EncoderModel
-from vecpool.models.layers.encoder_heads import MaskedLM, TokenClassifier
 
 
 class AlbertAttention(BertSelfAttention):

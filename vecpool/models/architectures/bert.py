@@ -15,6 +15,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from vecpool.errors import ConfigError
+from vecpool.models.architectures.encoder import EncoderModel
+from vecpool.models.architectures.encoder_heads import (
+    HeadSequenceClassifier,
+    MaskedLM,
+    PooledSequenceClassifier,
+    TokenClassifier,
+)
 from vecpool.models.base import Capability, PoolingModel, hf_num_labels
 from vecpool.models.layers.attention import AttentionMetadata
 from vecpool.models.layers.basic import (
@@ -22,13 +29,7 @@ from vecpool.models.layers.basic import (
     activation_name,
     linear_activation,
 )
-from vecpool.models.layers.encoder_blocks import DenseNorm, EncoderModel, FusedSelfAttention
-from vecpool.models.layers.encoder_heads import (
-    HeadSequenceClassifier,
-    MaskedLM,
-    PooledSequenceClassifier,
-    TokenClassifier,
-)
+from vecpool.models.layers.encoder_blocks import DenseNorm, FusedSelfAttention
 
 
 @dataclass(frozen=True)

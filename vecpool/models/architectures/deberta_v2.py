@@ -20,11 +20,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from vecpool.errors import ConfigError
+from vecpool.models.architectures.encoder import EncoderModel
+from vecpool.models.architectures.encoder_heads import TokenClassifier
 from vecpool.models.base import Capability, PoolingModel, hf_num_labels
 from vecpool.models.layers.attention import AttentionMetadata, GraphUnsupported, flat_attention
 from vecpool.models.layers.basic import FusedProjections, activation, activation_name, fuse
-from vecpool.models.layers.encoder_blocks import DenseNorm, EncoderModel
-from vecpool.models.layers.encoder_heads import TokenClassifier
+from vecpool.models.layers.encoder_blocks import DenseNorm
 from vecpool.models.layers.invariant import tiled_matmul
 
 _POS_ATT_TYPES = ("c2p", "p2c")

@@ -14,12 +14,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from vecpool.models.architectures.bert import BertConfig, vocab_logits
+from vecpool.models.architectures.encoder import EncoderModel
+from vecpool.models.architectures.encoder_heads import MaskedLM, TokenClassifier
 from vecpool.models.base import Capability, PoolingModel, hf_num_labels
 from vecpool.models.hf import hf_get
 from vecpool.models.layers.attention import AttentionMetadata
 from vecpool.models.layers.basic import activation
-from vecpool.models.layers.encoder_blocks import EncoderModel, FusedSelfAttention
-from vecpool.models.layers.encoder_heads import MaskedLM, TokenClassifier
+from vecpool.models.layers.encoder_blocks import FusedSelfAttention
 
 _LAYER_NORM_EPS = 1e-12  # fixed in transformers' DistilBERT, not read from the config
 

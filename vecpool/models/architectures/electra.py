@@ -19,11 +19,15 @@ from torch import nn
 
 from vecpool.errors import ConfigError
 from vecpool.models.architectures.bert import BertConfig, BertEmbeddings, BertEncoder, vocab_logits
+from vecpool.models.architectures.encoder import EncoderModel
+from vecpool.models.architectures.encoder_heads import (
+    HeadSequenceClassifier,
+    MaskedLM,
+    TokenClassifier,
+)
 from vecpool.models.base import PoolingModel
 from vecpool.models.hf import hf_get
 from vecpool.models.layers.attention import AttentionMetadata
-from vecpool.models.layers.encoder_blocks import EncoderModel
-from vecpool.models.layers.encoder_heads import HeadSequenceClassifier, MaskedLM, TokenClassifier
 
 
 def embedding_width(hf: dict[str, Any], hidden_size: int, family: str) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vecpool.models.layers.decoder import (
+from vecpool.models.architectures.decoder import (
     DecoderConfig,
     DecoderForCausalLM,
     DecoderForSequenceClassification,

@@ -10,9 +10,7 @@ from typing import Any
 
 import torch
 
-from vecpool.models.layers.attention import AttentionMetadata
-from vecpool.models.layers.basic import RMSNorm
-from vecpool.models.layers.decoder import (
+from vecpool.models.architectures.decoder import (
     FULL_ATTENTION,
     SLIDING_ATTENTION,
     DecoderConfig,
@@ -23,6 +21,8 @@ from vecpool.models.layers.decoder import (
     DecoderModel,
     read_config,
 )
+from vecpool.models.layers.attention import AttentionMetadata
+from vecpool.models.layers.basic import RMSNorm
 
 # Hugging Face's Gemma2Config defaults, for keys a config.json leaves out.
 _DEFAULTS: dict[str, Any] = {

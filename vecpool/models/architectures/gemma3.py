@@ -13,11 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vecpool.models.architectures.gemma2 import Gemma2DecoderLayer, gemma2_options
-from vecpool.models.base import PoolingModel
-from vecpool.models.hf import hf_get
-from vecpool.models.layers.basic import Rotary
-from vecpool.models.layers.decoder import (
+from vecpool.models.architectures.decoder import (
     FULL_ATTENTION,
     SLIDING_ATTENTION,
     DecoderConfig,
@@ -26,6 +22,10 @@ from vecpool.models.layers.decoder import (
     DecoderModel,
     read_config,
 )
+from vecpool.models.architectures.gemma2 import Gemma2DecoderLayer, gemma2_options
+from vecpool.models.base import PoolingModel
+from vecpool.models.hf import hf_get
+from vecpool.models.layers.basic import Rotary
 
 # Hugging Face's Gemma3TextConfig defaults, for keys a config.json leaves out.
 _DEFAULTS: dict[str, Any] = {

@@ -18,11 +18,12 @@ import torch
 from torch import nn
 
 from vecpool.errors import ConfigError
+from vecpool.models.architectures.encoder import EncoderModel
+from vecpool.models.architectures.encoder_heads import PooledSequenceClassifier
 from vecpool.models.base import PoolingModel, hf_num_labels
 from vecpool.models.layers.attention import AttentionMetadata
 from vecpool.models.layers.basic import Rotary, activation
-from vecpool.models.layers.encoder_blocks import EncoderModel, packed_rotary_attention
-from vecpool.models.layers.encoder_heads import PooledSequenceClassifier
+from vecpool.models.layers.encoder_blocks import packed_rotary_attention
 
 
 @dataclass(frozen=True)

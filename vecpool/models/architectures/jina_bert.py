@@ -25,10 +25,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from vecpool.errors import ConfigError
+from vecpool.models.architectures.encoder import EncoderModel
+from vecpool.models.architectures.encoder_heads import PooledSequenceClassifier
 from vecpool.models.base import PoolingModel, hf_num_labels
 from vecpool.models.layers.attention import AttentionMetadata
-from vecpool.models.layers.encoder_blocks import DenseNorm, EncoderModel, FusedSelfAttention
-from vecpool.models.layers.encoder_heads import PooledSequenceClassifier
+from vecpool.models.layers.encoder_blocks import DenseNorm, FusedSelfAttention
 
 _QK_NORM_KEY = "encoder.layer.0.attention.self.layer_norm_q.weight"
 _GLU_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {

@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from vecpool.config import ListwiseRerankerConfig
+from vecpool.models.architectures.decoder import DecoderConfig, LayerRotary
 from vecpool.models.architectures.qwen3 import Qwen3Model
 from vecpool.models.base import Capability
-from vecpool.models.layers.decoder import DecoderConfig, LayerRotary
 
 PROJECTOR_DIM = 512  # fixed by the model's code, not read from config.json
 

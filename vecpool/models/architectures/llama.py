@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vecpool.models.layers.decoder import (
+from vecpool.models.architectures.decoder import (
     SLIDING_ATTENTION,
     DecoderConfig,
     DecoderForCausalLM,

@@ -22,11 +22,16 @@ from vecpool.models.architectures.bert import (
     RobertaLMHead,
     vocab_logits,
 )
+from vecpool.models.architectures.encoder import EncoderModel
+from vecpool.models.architectures.encoder_heads import (
+    HeadSequenceClassifier,
+    MaskedLM,
+    TokenClassifier,
+)
 from vecpool.models.base import Capability, PoolingModel, hf_num_labels
 from vecpool.models.hf import hf_get
 from vecpool.models.layers.attention import AttentionMetadata
-from vecpool.models.layers.encoder_blocks import DenseNorm, EncoderModel, FusedSelfAttention
-from vecpool.models.layers.encoder_heads import HeadSequenceClassifier, MaskedLM, TokenClassifier
+from vecpool.models.layers.encoder_blocks import DenseNorm, FusedSelfAttention
 
 # transformers' MPNet fixes the padding index at 1 (whatever pad_token_id says) and always
 # buckets distances into 32 buckets up to 128 apart, whatever relative_attention_num_buckets

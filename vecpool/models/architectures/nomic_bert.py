@@ -22,10 +22,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from vecpool.errors import ConfigError
+from vecpool.models.architectures.encoder import EncoderModel
 from vecpool.models.base import PoolingModel
 from vecpool.models.layers.attention import AttentionMetadata
 from vecpool.models.layers.basic import FusedProjections, Rotary, fuse
-from vecpool.models.layers.encoder_blocks import EncoderModel, packed_rotary_attention
+from vecpool.models.layers.encoder_blocks import packed_rotary_attention
 
 # The gated activations: the gate (fc12's output) goes through this, as in the reference.
 _GATES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {

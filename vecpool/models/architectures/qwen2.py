@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vecpool.models.architectures.qwen3 import qwen_sliding_layers
-from vecpool.models.layers.decoder import (
+from vecpool.models.architectures.decoder import (
     DecoderConfig,
     DecoderForCausalLM,
     DecoderForSequenceClassification,
@@ -17,6 +16,7 @@ from vecpool.models.layers.decoder import (
     DecoderModel,
     read_config,
 )
+from vecpool.models.architectures.qwen3 import qwen_sliding_layers
 
 # Hugging Face's Qwen2Config defaults, for keys a config.json leaves out.
 _DEFAULTS: dict[str, Any] = {

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vecpool.models.layers.decoder import (
+from vecpool.models.architectures.decoder import (
     FULL_ATTENTION,
     SLIDING_ATTENTION,
     DecoderConfig,

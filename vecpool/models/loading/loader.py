@@ -10,10 +10,12 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from vecpool.errors import ModelLoadError
+from vecpool.config import MODEL_IMPLS
+from vecpool.errors import ConfigError, ModelLoadError
 from vecpool.models.base import PoolingModel
 from vecpool.models.loading.folder import ModelFolder
-from vecpool.models.loading.registry import model_class
+from vecpool.models.loading.registry import native_class, supported_architectures
+from vecpool.models.loading.transformers_fallback import TransformersModel
 from vecpool.models.quant.linear import finish_fp8, restore_fp8_dtypes
 from vecpool.models.quant.quant_checkpoint import fp8_checkpoint_layers
 
@@ -29,8 +31,8 @@ def load_model(
 
     Every name is matched from the files' headers before any memory is allocated: a missing,
     unexpected or mis-shaped tensor fails the load before anything is read. `model_impl`
-    chooses between the native class and the transformers fallback (`registry.model_class`),
-    which loads itself.
+    chooses between the native class and the transformers fallback (`model_class`), which
+    loads itself.
     """
     cls = model_class(folder.architecture, model_impl)
     if cls.implementation != "vecpool":
@@ -71,6 +73,24 @@ def load_model(
     if fp8_layers:
         finish_fp8(model, device)
     return model.eval().requires_grad_(False)
+
+
+def model_class(architecture: str, model_impl: str = "auto") -> type[PoolingModel]:
+    """The class serving `architecture`: its native class; with `model_impl` "auto" the
+    transformers fallback when there is none, with "transformers" the fallback always, with
+    "vecpool" a `ConfigError` listing the supported ones when there is none."""
+    if model_impl not in MODEL_IMPLS:
+        raise ConfigError(f"model_impl {model_impl!r} is not one of {MODEL_IMPLS}")
+    native = None if model_impl == "transformers" else native_class(architecture)
+    if native is not None:
+        return native
+    if model_impl == "vecpool":
+        raise ConfigError(
+            f"architecture {architecture!r} is not supported natively (model_impl="
+            f"{model_impl!r}; model_impl='auto' runs it through transformers); supported: "
+            f"{', '.join(supported_architectures())}"
+        )
+    return TransformersModel
 
 
 def load_module(module: torch.nn.Module, path: Path, what: str) -> None:

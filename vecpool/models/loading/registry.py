@@ -1,14 +1,13 @@
-"""Architectures by the `architectures[0]` entry of config.json, imported lazily."""
+"""Native classes by the `architectures[0]` entry of config.json, imported lazily. Which class
+serves a folder, native or the transformers fallback, is `loader.model_class`'s choice."""
 
 from __future__ import annotations
 
 import importlib
 
-from vecpool.config import MODEL_IMPLS
-from vecpool.errors import ConfigError
 from vecpool.models.base import PoolingModel
 
-# architecture name -> (module under vecpool.models, class name)
+# architecture name -> (module under vecpool.models.architectures, class name)
 _REGISTRY: dict[str, tuple[str, str]] = {
     "BertModel": ("bert", "BertModel"),
     "BertForSequenceClassification": ("bert", "BertForSequenceClassification"),
@@ -100,31 +99,16 @@ _REGISTRY: dict[str, tuple[str, str]] = {
 }
 
 
-# How an architecture is run: "auto" (its native class, else the transformers fallback),
-# "vecpool" (native only) or "transformers" (the fallback, even where a native class exists).
-
-
 def supported_architectures() -> list[str]:
+    """The architectures with a native class, sorted."""
     return sorted(_REGISTRY)
 
 
-def model_class(architecture: str, model_impl: str = "auto") -> type[PoolingModel]:
-    """The class serving `architecture`: its native class; with `model_impl` "auto" the
-    transformers fallback when there is none, with "transformers" the fallback always, with
-    "vecpool" a `ConfigError` listing the supported ones when there is none."""
-    if model_impl not in MODEL_IMPLS:
-        raise ConfigError(f"model_impl {model_impl!r} is not one of {MODEL_IMPLS}")
+def native_class(architecture: str) -> type[PoolingModel] | None:
+    """The native class of `architecture` (its module imported on first use), or None."""
     entry = _REGISTRY.get(architecture)
-    if model_impl == "transformers" or (entry is None and model_impl == "auto"):
-        from vecpool.models.loading.transformers_fallback import TransformersModel
-
-        return TransformersModel
     if entry is None:
-        raise ConfigError(
-            f"architecture {architecture!r} is not supported natively (model_impl="
-            f"{model_impl!r}; model_impl='auto' runs it through transformers); supported: "
-            f"{', '.join(supported_architectures())}"
-        )
+        return None
     module = importlib.import_module(f"vecpool.models.architectures.{entry[0]}")
     cls: type[PoolingModel] = getattr(module, entry[1])
     return cls

@@ -29,12 +29,16 @@ from torch import nn
 
 from vecpool.errors import ConfigError
 from vecpool.models.layers.basic import RMSNorm
-from vecpool.models.quant.linear import (
+from vecpool.models.quant.quantize import (
     FP8_DTYPE,
     FP8_MAX,
     MIN_AMAX,
+    ROW_ALIGN,
     QuantizedRows,
     bias_and_input_scale,
+    cdiv,
+    dequantize_groups,
+    quantize_groups,
 )
 
 # The block factors' name in each form: Hugging Face's fine-grained FP8, compressed-tensors'
@@ -48,24 +52,6 @@ CUBLAS_CAPABILITY = (9, 0)
 # `benchmarks/results/fp8_block_bert-base_h200.json`; not diagnosed further: the suspect is its
 # 768-wide layers' rows of 6 factors, 24 bytes, which no layer measured right had).
 CUBLAS_ALIGN = 512
-# The row count of a cuBLAS block-scaled product is padded to a multiple of this (it needs 4).
-ROW_ALIGN = 16
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def quantize_groups(x: torch.Tensor, group: int) -> QuantizedRows:
-    """`[M, K]` rows -> FP8 values and one float32 scale per row and group of `group` inputs
-    (`[M, ceil(K / group)]`, the group's amax / 448); a last, shorter group scales alone."""
-    m, k = x.shape
-    pad = _cdiv(k, group) * group - k
-    x32 = (F.pad(x.float(), (0, pad)) if pad else x.float()).view(m, -1, group)  # [M, G, group]
-    amax = torch.linalg.vector_norm(x32, ord=float("inf"), dim=-1, keepdim=True)
-    scale = amax.clamp_(min=MIN_AMAX) / FP8_MAX  # [M, G, 1]
-    data = (x32 / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view(m, -1)[:, :k]
-    return QuantizedRows(data, scale.view(m, -1))
 
 
 def quantize_blocks(
@@ -75,11 +61,11 @@ def quantize_blocks(
     `[ceil(N / bn), ceil(K / bk)]` float32 factors, each block's amax / 448). For tests and
     benchmarks that write such checkpoints; the engine reads them as they are."""
     (n, k), (bn, bk) = weight.shape, block
-    w = F.pad(weight.float(), (0, _cdiv(k, bk) * bk - k, 0, _cdiv(n, bn) * bn - n))
-    blocks = w.view(_cdiv(n, bn), bn, _cdiv(k, bk), bk)
+    w = F.pad(weight.float(), (0, cdiv(k, bk) * bk - k, 0, cdiv(n, bn) * bn - n))
+    blocks = w.view(cdiv(n, bn), bn, cdiv(k, bk), bk)
     scale = blocks.abs().amax(dim=(1, 3), keepdim=True).clamp_(min=MIN_AMAX) / FP8_MAX
     data = (blocks / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view_as(w)[:n, :k]
-    return data.contiguous(), scale.view(_cdiv(n, bn), _cdiv(k, bk))
+    return data.contiguous(), scale.view(cdiv(n, bn), cdiv(k, bk))
 
 
 def dequantize_blocks(
@@ -89,14 +75,6 @@ def dequantize_blocks(
     (n, k), (bn, bk) = data.shape, block
     factors = scale.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
     return data.float() * factors
-
-
-def dequantize_groups(rows: QuantizedRows, group: int) -> torch.Tensor:
-    """The float32 `[M, K]` rows that group-quantized `rows` stand for."""
-    m, k = rows.data.shape
-    if k % group == 0:  # each group times its scale, without spreading the scales out
-        return (rows.data.float().view(m, -1, group) * rows.scale.unsqueeze(-1)).view(m, k)
-    return rows.data.float() * rows.scale.repeat_interleave(group, 1)[:, :k]
 
 
 def cublas_block_fp8(device: torch.device) -> bool:
@@ -151,7 +129,7 @@ class Fp8BlockLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.block = block
         self.scale_name = scale_name
-        # The dtypes of the parameters as loaded (`quant.restore_fp8_dtypes`).
+        # The dtypes of the parameters as loaded (`linear.restore_fp8_dtypes`).
         self.PARAM_DTYPES = {
             "weight": FP8_DTYPE,
             scale_name: torch.float32,
@@ -168,8 +146,8 @@ class Fp8BlockLinear(nn.Module):
             scale_name,
             nn.Parameter(
                 torch.empty(
-                    _cdiv(out_features, block[0]),
-                    _cdiv(in_features, block[1]),
+                    cdiv(out_features, block[0]),
+                    cdiv(in_features, block[1]),
                     dtype=torch.float32,
                 ),
                 requires_grad=False,

@@ -6,7 +6,7 @@ the rows in separate kernels (amax, divide, cast) costs as much as the FP8 matmu
 each row is read once, its amax reduced in registers, and the FP8 values and the scale written
 straight away. Two kernels also compute the row first: an RMSNorm (the input of q/k/v and of
 gate/up in a pre-norm decoder) and SiLU(gate) * up (the input of down); the RMSNorm can add
-the layer's residual sum first, writing the sum too (`quant.Fp8SumInNormLayer`), so that no
+the layer's residual sum first, writing the sum too (`decoder.SumInNormLayer`), so that no
 separate kernel writes the sum for the norm to read it back. Each has a variant with one
 scale per group of inputs (block-wise FP8 weights): it writes the rows padded to a multiple of
 16 (zeros) and the scales of a group side by side for all rows.
@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from vecpool.models.quant import fp8_ops
-from vecpool.models.quant.linear import FP8_DTYPE, FP8_MAX, MIN_AMAX
+from vecpool.models.quant.quantize import FP8_DTYPE, FP8_MAX, MIN_AMAX
 
 # Kernels read module constants only as constexprs.
 _FP8_MAX = tl.constexpr(FP8_MAX)

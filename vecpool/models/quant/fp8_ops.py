@@ -1,8 +1,8 @@
 """The FP8 row-quantization steps as `torch.library` custom ops (`vecpool::fp8_*`).
 
-Each op turns rows into FP8 rows and one float32 scale per row (`quant.quantize_rows`), after
+Each op turns rows into FP8 rows and one float32 scale per row (`quantize.quantize_rows`), after
 computing them: as they are, as an RMSNorm, or as SiLU(gate) * up. The `*_groups` ops do the
-same with one scale per row and group of inputs (`fp8_block.quantize_groups`), for block-wise
+same with one scale per row and group of inputs (`quantize.quantize_groups`), for block-wise
 FP8 weights: their rows padded with zeros to a multiple of 16 and their scales laid out with
 the rows adjacent, as cuBLAS's block-scaled product reads them. Being ops, torch.compile
 traces each as one step (with the shapes of `register_fake`), and CUDA graphs record them.
@@ -15,8 +15,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from vecpool.models.quant.fp8_block import ROW_ALIGN, quantize_groups
-from vecpool.models.quant.linear import FP8_DTYPE, QuantizedRows, quantize_rows
+from vecpool.models.quant.quantize import (
+    FP8_DTYPE,
+    ROW_ALIGN,
+    QuantizedRows,
+    quantize_groups,
+    quantize_rows,
+)
 
 
 def _fake(rows: torch.Tensor, cols: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,17 +8,17 @@ linears inside the repeated layers are swapped (`quantize_model`).
 FP8 (`float8_e4m3fn`, largest value 448) multiplies through `torch._scaled_mm` with row-wise
 scales; on CUDA the rows are quantized by the Triton kernels of `fp8_kernels`, fused into the
 RMSNorm or SiLU * up that produces them where a pre-norm decoder layer allows, and a stack of
-such layers adds each residual sum in the norm that reads it (`Fp8SumInNormLayer`). Off CUDA
-the same math runs in torch (`quantize_rows`, and the product of the FP8 values accumulated in
-float32, then scaled), which is what the tests check. Int8 multiplies through `torch._int_mm` (int32
-accumulation), then scales. Checkpoints stored with one FP8 scale per block of the weight load
+such layers adds each residual sum in the norm that reads it (`decoder.SumInNormLayer`). Off
+CUDA the same math runs in torch (`quantize.quantize_rows`, and the product of the FP8 values
+accumulated in float32, then scaled), which is what the tests check. Int8 multiplies through
+`torch._int_mm` (int32 accumulation), then scales. Checkpoints stored with one FP8 scale per block of the weight load
 into `fp8_block.Fp8BlockLinear`, which takes the same norm folding.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, ClassVar, NamedTuple
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -26,24 +26,22 @@ from torch import nn
 
 from vecpool.config import QUANTIZATIONS
 from vecpool.errors import ConfigError
-from vecpool.models.layers.attention import AttentionMetadata
+from vecpool.models.architectures.decoder import DecoderLayer, SumInNormLayer
 from vecpool.models.layers.basic import FusedProjections, GatedMLP, RMSNorm
-from vecpool.models.layers.decoder import DecoderLayer
+from vecpool.models.quant.fp8_block import Fp8BlockLinear
+from vecpool.models.quant.quantize import (
+    FP8_DTYPE,
+    QuantizedRows,
+    bias_and_input_scale,
+    quantize_rows,
+)
 
-if TYPE_CHECKING:
-    from vecpool.models.quant.fp8_block import Fp8BlockLinear
-
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0  # torch.finfo(float8_e4m3fn).max
-INT8_MAX = 127.0
-# The amax of an all-zero row is raised to this, so its scale is not zero.
-MIN_AMAX = 1e-12
 FP8_MIN_CAPABILITY = (8, 9)  # Ada and Hopper multiply FP8
 # torch._scaled_mm needs both dimensions of the weight to be multiples of 16.
 _FP8_ALIGN = 16
 # Whether decoder stacks whose norms all fold into FP8 projections add their residual sums in
-# the norms' kernels (`Fp8SumInNormLayer`); False keeps a sum per layer output (the baseline
-# of `benchmarks/ab_run_ahead.py --against sum-outside-norm`).
+# the norms' kernels (`decoder.SumInNormLayer`); False keeps a sum per layer output (the baseline
+# of `benchmarks/lab/ab_run_ahead.py --against sum-outside-norm`).
 SUM_IN_NORM = True
 
 
@@ -78,34 +76,6 @@ def _version(capability: tuple[int, int]) -> str:
     return f"{capability[0]}.{capability[1]}"
 
 
-class QuantizedRows(NamedTuple):
-    """Rows quantized one scale each: `data * scale` is the row."""
-
-    data: torch.Tensor  # [M, K] float8_e4m3fn or int8
-    scale: torch.Tensor  # [M, 1] float32
-
-
-def quantize_rows(x: torch.Tensor, dtype: torch.dtype = FP8_DTYPE) -> QuantizedRows:
-    """`[M, K]` rows -> one float32 scale per row (amax / largest value of `dtype`) and the
-    rows divided by it and cast (FP8: clamped to +-448; int8: rounded to nearest). The reference the
-    FP8 kernels follow, and the int8 path itself."""
-    limit = INT8_MAX if dtype == torch.int8 else FP8_MAX
-    x32 = x.float()
-    # The largest magnitude of each row, in one pass (no |x| copy).
-    amax = torch.linalg.vector_norm(x32, ord=float("inf"), dim=-1, keepdim=True)
-    scale = amax.clamp_(min=MIN_AMAX) / limit  # [M, 1]
-    scaled = x32 / scale
-    if dtype == torch.int8:  # |scaled| <= 127 (+ an ulp) already: rounding keeps it in range
-        return QuantizedRows(scaled.round_().to(dtype), scale)
-    # FP8 has no infinity: a value past 448 by more than half a step would become NaN.
-    return QuantizedRows(scaled.clamp_(-limit, limit).to(dtype), scale)
-
-
-def dequantize_rows(rows: QuantizedRows) -> torch.Tensor:
-    """The float32 rows `rows` stands for."""
-    return rows.data.float() * rows.scale
-
-
 def fused_fp8_ops(device: torch.device) -> bool:
     """Whether FP8 rows are quantized by the one-pass Triton kernels on `device` (CUDA with
     FP8, Triton installed); they are the CUDA kernels of `fp8_ops`'s custom ops."""
@@ -124,21 +94,6 @@ def _fp8_rows(x: torch.Tensor, kernels: bool) -> QuantizedRows:
     if kernels:
         return QuantizedRows(*torch.ops.vecpool.fp8_quant_rows(x))
     return quantize_rows(x, FP8_DTYPE)
-
-
-def bias_and_input_scale(
-    out_features: int, bias: bool, out_dtype: torch.dtype, input_scale_shape: tuple[int, ...] | None
-) -> tuple[nn.Parameter | None, nn.Parameter | None]:
-    """An FP8 linear's optional parameters, unfilled: its bias (`[N]` in `out_dtype`) and a
-    checkpoint's static input scale (float32, of the stored shape)."""
-    return (
-        nn.Parameter(torch.empty(out_features, dtype=out_dtype), requires_grad=False)
-        if bias
-        else None,
-        nn.Parameter(torch.empty(input_scale_shape, dtype=torch.float32), requires_grad=False)
-        if input_scale_shape is not None
-        else None,
-    )
 
 
 class Fp8Linear(nn.Module):
@@ -365,40 +320,6 @@ class Fp8GatedMLP(nn.Module):
         return residual + self(x)
 
 
-class Fp8SumInNormLayer(DecoderLayer):
-    """A pre-norm decoder layer whose norms are folded into FP8 projections (`Fp8NormLinear`,
-    `Fp8GatedMLP`), each residual sum added by the kernel of the norm that reads it: the
-    residual stream goes from layer to layer as a pair (the sum so far, what to add to it),
-    so no layer writes a sum only for the next to read it back. The first layer takes the
-    embeddings as they are; the last adds its own sum (`hands_on_sum` False) for the final
-    norm. On CUDA this saves a kernel and a pass over the rows per sum; elsewhere the sums are
-    the same additions in another place."""
-
-    hands_on_sum = True  # False in the last layer
-
-    def forward(  # type: ignore[override]
-        self,
-        x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],  # [n, hidden], or two of them
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        attn: AttentionMetadata,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        self_attn, mlp = self.self_attn, self.mlp
-        qkv_proj = self_attn.qkv_proj
-        assert isinstance(qkv_proj, Fp8NormLinear) and isinstance(mlp, Fp8GatedMLP)
-        assert isinstance(mlp.gate_up_proj, Fp8NormLinear)
-        if isinstance(x, tuple):
-            residual, qkv = qkv_proj.add_forward(*x)
-        else:
-            residual, qkv = x, qkv_proj(x)
-        assert isinstance(qkv, tuple)  # q, k, v
-        out = self_attn.o_proj(self_attn.attend_projected(qkv, cos, sin, attn))
-        residual, gate_up = mlp.gate_up_proj.add_forward(residual, out)
-        assert isinstance(gate_up, torch.Tensor)  # gate | up, one tensor
-        delta = mlp.down(gate_up)
-        return (residual, delta) if self.hands_on_sum else residual + delta
-
-
 class Int8Linear(nn.Module):
     """A linear layer whose weight is int8 with one float32 scale per output channel; inputs
     are quantized per row as they come; `torch._int_mm` accumulates in int32."""
@@ -474,8 +395,6 @@ def finish_fp8(model: nn.Module, device: torch.device) -> None:
     kernels = fused_fp8_ops(device)
     if kernels:
         import vecpool.models.quant.fp8_ops  # noqa: F401 - registers the ops
-    from vecpool.models.quant.fp8_block import Fp8BlockLinear
-
     for module in model.modules():
         if isinstance(module, Fp8BlockLinear):
             module.choose_backend(device, kernels)
@@ -495,7 +414,7 @@ def finish_fp8(model: nn.Module, device: torch.device) -> None:
         whole = layers and len(layers) == len(stack) and all(folded)
         if SUM_IN_NORM and whole and all(type(layer) is DecoderLayer for layer in layers):
             for layer in layers:
-                layer.__class__ = Fp8SumInNormLayer
+                layer.__class__ = SumInNormLayer
             setattr(layers[-1], "hands_on_sum", False)  # noqa: B010
 
 
@@ -503,8 +422,6 @@ def _fold_decoder_norms(layer: DecoderLayer) -> bool:
     """In a pre-norm layer (`x + attn(norm1(x))`, `x + mlp(norm2(x))`) each norm's output
     feeds one projection only: compute it there, emitting FP8 rows, and leave an identity.
     Whether both norms were folded."""
-    from vecpool.models.quant.fp8_block import Fp8BlockLinear
-
     attn, mlp = layer.self_attn, layer.mlp
     norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
     if isinstance(attn.qkv_proj, (Fp8Linear, Fp8BlockLinear)) and isinstance(norm1, RMSNorm):
@@ -531,8 +448,6 @@ def _fold_decoder_norms(layer: DecoderLayer) -> bool:
 
 def has_fp8_layers(model: nn.Module) -> bool:
     """Whether `model` multiplies in FP8 anywhere (quantized here or stored so)."""
-    from vecpool.models.quant.fp8_block import Fp8BlockLinear
-
     return any(isinstance(m, (Fp8Linear, Fp8BlockLinear)) for m in model.modules())
 
 

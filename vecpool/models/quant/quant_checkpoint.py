@@ -21,8 +21,10 @@ from safetensors import safe_open
 from torch import nn
 
 from vecpool.errors import ModelLoadError
+from vecpool.models.hf import CHECKPOINT_QUANT_METHODS
+from vecpool.models.quant.fp8_block import Fp8BlockLinear
+from vecpool.models.quant.linear import Fp8Linear
 
-CHECKPOINT_QUANT_METHODS = ("compressed-tensors", "fp8")
 _FP8_SAFETENSORS = "F8_E4M3"
 # The weight scale's name in each form.
 _SCALES = {"compressed-tensors": ".weight_scale", "fp8": ".weight_scale_inv"}
@@ -49,9 +51,6 @@ def fp8_checkpoint_layers(
             f"({', '.join(CHECKPOINT_QUANT_METHODS)} with FP8 weights)"
         )
     block = _check_schemes(config)
-    from vecpool.models.quant.fp8_block import Fp8BlockLinear
-    from vecpool.models.quant.linear import Fp8Linear
-
     suffix = _SCALES[method]
     fp8_weights = _fp8_weights(stored)
     scaled = {key[: -len(suffix)] for key in stored if key.endswith(suffix)}

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -18,7 +18,7 @@ from torch import nn
 
 from vecpool.errors import ConfigError
 from vecpool.models.base import Capability, PoolingModel, hf_num_labels
-from vecpool.models.hf import hf_get
+from vecpool.models.hf import CHECKPOINT_QUANT_METHODS, hf_get
 from vecpool.models.layers import qk_rotary
 from vecpool.models.layers.attention import AttentionMetadata, flat_attention
 from vecpool.models.layers.basic import (
@@ -30,7 +30,6 @@ from vecpool.models.layers.basic import (
     apply_rotary,
     fuse,
 )
-from vecpool.models.quant.quant_checkpoint import CHECKPOINT_QUANT_METHODS
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
@@ -274,6 +273,61 @@ class DecoderLayer(nn.Module):
         # layer's input is the layer before's output, or the step's fresh embedding lookup.
         x = self.self_attn.add_to(x, self.input_layernorm(x), cos, sin, attn)
         return self.mlp.add_to(x, self.post_attention_layernorm(x))
+
+
+class NormFoldedProjection(Protocol):
+    """A projection of its input's RMSNorm with the norm inside it (`quant.linear.Fp8NormLinear`)."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]: ...
+
+    def add_forward(
+        self, residual: torch.Tensor, delta: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | tuple[torch.Tensor, ...]]:
+        """(`residual + delta`, this projection of the sum's norm)."""
+        ...
+
+
+class NormFoldedMLP(Protocol):
+    """A gated MLP whose norm is folded into `gate_up_proj` (`quant.linear.Fp8GatedMLP`)."""
+
+    gate_up_proj: NormFoldedProjection
+
+    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The MLP's output from its gate | up projection."""
+        ...
+
+
+class SumInNormLayer(DecoderLayer):
+    """A pre-norm layer whose norms are folded into the projections they feed (FP8 models:
+    `quant.linear.finish_fp8` turns a stack of `DecoderLayer`s into these), each residual sum
+    added by the norm that reads it: the residual stream goes from layer to layer as a pair
+    (the sum so far, what to add to it), so no layer writes a sum only for the next to read it
+    back. The first layer takes the embeddings as they are; the last adds its own sum
+    (`hands_on_sum` False) for the final norm. On CUDA this saves a kernel and a pass over the
+    rows per sum; elsewhere the sums are the same additions in another place."""
+
+    hands_on_sum = True  # False in the last layer
+
+    def forward(  # type: ignore[override]
+        self,
+        x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],  # [n, hidden], or two of them
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn: AttentionMetadata,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        self_attn = self.self_attn
+        qkv_proj = cast(NormFoldedProjection, self_attn.qkv_proj)
+        mlp = cast(NormFoldedMLP, self.mlp)
+        if isinstance(x, tuple):
+            residual, qkv = qkv_proj.add_forward(*x)
+        else:
+            residual, qkv = x, qkv_proj(x)
+        assert isinstance(qkv, tuple)  # q, k, v
+        out = self_attn.o_proj(self_attn.attend_projected(qkv, cos, sin, attn))
+        residual, gate_up = mlp.gate_up_proj.add_forward(residual, out)
+        assert isinstance(gate_up, torch.Tensor)  # gate | up, one tensor
+        delta = mlp.down(gate_up)
+        return (residual, delta) if self.hands_on_sum else residual + delta
 
 
 class DecoderModel(PoolingModel):
