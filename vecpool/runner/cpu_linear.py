@@ -14,12 +14,14 @@ post-ops, while the output is still in cache: one pass over memory less each. Ag
 plain GEMM the sums run in another order (float32: relative differences around 1e-6).
 
 oneDNN's kernels also compute every output row from its own input row alone, in one order for
-every row: they tile the rows and walk K in the same order in each tile. MKL's GEMM does not
-promise it, and on Intel AVX-512 CPUs it does not: a product with one to three output columns
-(a classifier's labels, a reranker's score, BGE-M3's token weight) computes some rows with
-other kernels than their neighbours, and a product of fewer than 16 rows others than a larger
-one. So the task heads on the CPU run their products here too (`RowwiseHead`): an input given
-as prompt embeds and the same input given as ids get the same bits wherever they sit in a step.
+every row of a product: they tile the rows and walk K in the same order in each tile (only a
+product of a single row may take a kernel of its own). MKL's GEMM does not promise it, and on
+Intel AVX-512 CPUs it does not: a product with one to three output columns (a classifier's
+labels, a reranker's score, BGE-M3's token weight) computes some rows with other kernels than
+their neighbours, and a product of fewer than 16 rows others than a larger one; capped at AVX2
+(`MKL_ENABLE_INSTRUCTIONS`), its tails of six rows do too. So the task heads on the CPU run
+their products here as well (`RowwiseHead`): an input given as prompt embeds and the same input
+given as ids get the same bits wherever they sit in one step.
 """
 
 from __future__ import annotations
