@@ -5,7 +5,7 @@ and tokenizing for the `/tokenize` family. Model-free: no torch, no engine."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,11 @@ class CallContext:
     @property
     def tokenizer(self) -> TextTokenizer | None:
         return self.inputs.tokenizer
+
+    def until(self, deadline: float | None) -> CallContext:
+        """This context for one call that must be done by `deadline` (a `time.monotonic()`
+        value; None: no deadline): an image the call fetches from a URL is cut off then."""
+        return self if deadline is None else replace(self, inputs=self.inputs.until(deadline))
 
 
 # ---- inputs ----------------------------------------------------------------------------

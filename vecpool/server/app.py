@@ -129,20 +129,29 @@ def create_api_app(
     return _build(state, lifespan)
 
 
+# Threads that prepare calls with images: mostly waiting on image hosts (up to the media
+# policy's timeouts each), so more than the cores; made as calls come, none before.
+MEDIA_THREADS = 16
+
+
 @asynccontextmanager
 async def _executor(state: ServerState) -> AsyncIterator[None]:
-    """The thread pool that decodes and tokenizes inputs, for the app's lifetime."""
+    """The thread pools that decode and tokenize inputs, and that read images, for the app's
+    lifetime."""
     executor = ThreadPoolExecutor(
         state.config.tokenizer_threads, thread_name_prefix="vecpool-server-inputs"
     )
-    for model in state.each_model():  # several models share it
+    media = ThreadPoolExecutor(MEDIA_THREADS, thread_name_prefix="vecpool-server-media")
+    for model in state.each_model():  # several models share them
         model.executor = executor
+        model.media_executor = media
     try:
         yield
     finally:
         for model in state.each_model():
-            model.executor = None
+            model.executor = model.media_executor = None
         executor.shutdown(wait=False, cancel_futures=True)
+        media.shutdown(wait=False, cancel_futures=True)
 
 
 class App(FastAPI):
@@ -151,7 +160,7 @@ class App(FastAPI):
     endpoint, the same `ServerMiddleware` around it, the same exception handlers. Those layers
     (routing, dependency solving, an exit stack, telemetry and body-limit middleware) have
     nothing to do for such an endpoint, and took a third of the app's CPU for a single-query
-    request (FastAPI's path 1.5x the fast one, `benchmarks/bench_api_request.py`). Any other request, one to a path
+    request (FastAPI's path 1.5x the fast one, `benchmarks/lab/bench_api_request.py`). Any other request, one to a path
     under a root path, and every request once a middleware has been added to the app after it
     was built, goes through FastAPI whole."""
 

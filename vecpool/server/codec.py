@@ -1,10 +1,18 @@
-"""Wire formats: request inputs in (strings, token arrays, base64 prompt embeds), vectors out.
+"""Wire formats: request inputs in (strings, token arrays, base64 prompt embeds, images in each
+peer's shape), vectors out.
 
 Prompt embeds arrive as base64 of a `.npy` file (read with `allow_pickle=False`) or of a
 `torch.save` tensor (the vLLM client convention; read without torch by `torch_save`, which
 knows only what a plain tensor holds). Vectors leave
 as float lists, or as bytes (base64, or the raw body of vLLM's `bytes` format) of float32 /
 float16 / bfloat16 / fp8 values in the byte order asked for, or of quantized int8 / uint8.
+
+Images come as the peers write them: Jina's `{"image": ...}` item, a content part
+`{"type": "image_url", "image_url": {"url": ...}}` (vLLM's messages, score and rerank items;
+Cohere's `inputs`), a list of sources (Infinity's `modality: "image"`, Cohere's `images`), or a
+`data:image/` URI string anywhere a text goes. Each becomes an `ImageItem` holding its source (a
+URL, a data: URI, base64 or a path) as sent: the model's image reader loads it under the media
+policy when the call is prepared, off the event loop (`carries_images`).
 """
 
 from __future__ import annotations
@@ -19,6 +27,8 @@ from typing import Any
 import numpy as np
 
 from vecpool.errors import InputError
+from vecpool.inputs.images import DATA_IMAGE_PREFIX
+from vecpool.server.errors import ApiError
 from vecpool.server.floats import FORMATS, format_bytes, round_to_format
 from vecpool.server.protocol import INPUT_DOC, EmbedDtype, EncodingFormat, Endianness
 from vecpool.server.torch_save import FLOAT_DTYPES, SavedTensor, TorchSaveError, read_torch_save
@@ -54,11 +64,27 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-Item = str | list[int] | dict[str, Any] | EncodedEmbeds
+@dataclass(frozen=True)
+class ImageItem:
+    """An input the request's shape says is an image, not read yet: its source as sent (a
+    URL, a data: URI, base64 or a local path)."""
+
+    source: str
 
 
-def parse_inputs(value: Any, name: str = "input") -> list[Item]:
-    """The items of an `input` field, in order; `InputError` naming the first bad one."""
+Item = str | list[int] | dict[str, Any] | EncodedEmbeds | ImageItem
+
+_OBJECT_INPUTS = (
+    '{"prompt_embeds": "<base64>"}, {"text": ..., "text_pair": ...} or '
+    '{"image": "<URL, data: URI or base64>"} ({"text": ...} beside images, for a model with '
+    "an image tower)"
+)
+
+
+def parse_inputs(value: Any, name: str = "input", *, text_objects: bool = False) -> list[Item]:
+    """The items of an `input` field, in order; `InputError` naming the first bad one.
+    `text_objects`: Jina's `{"text": ...}` items are texts (its multimodal form, beside
+    `{"image": ...}` items, for a model with an image tower); else they are refused."""
     if isinstance(value, str):
         return [value]
     if not isinstance(value, list):
@@ -80,11 +106,15 @@ def parse_inputs(value: Any, name: str = "input") -> list[Item]:
             items.append(item)
         elif isinstance(item, dict) and set(item) == {"text", "text_pair"}:
             items.append(item)  # a text pair (cross-encoders, pair classifiers)
+        elif isinstance(item, dict) and set(item) in ({"text"} if text_objects else (), {"image"}):
+            ((key, data),) = item.items()
+            if not isinstance(data, str):
+                raise InputError(f"expected a string, got {json_type(data)}", index=i, field=key)
+            items.append(data if key == "text" else ImageItem(data))
         elif isinstance(item, dict):
             if set(item) != {"prompt_embeds"}:
                 raise InputError(
-                    'an object input must be {"prompt_embeds": "<base64>"} or '
-                    f'{{"text": ..., "text_pair": ...}}, got keys {sorted(item)}',
+                    f"an object input must be {_OBJECT_INPUTS}, got keys {sorted(item)}",
                     index=i,
                 )
             data = item["prompt_embeds"]
@@ -106,13 +136,124 @@ def parse_inputs(value: Any, name: str = "input") -> list[Item]:
 
 
 def decode_inputs(items: list[Item]) -> list[Any]:
-    """Engine inputs: prompt embeds decoded to `{"prompt_embeds": tensor}`, the rest as is."""
+    """Engine inputs: prompt embeds decoded to `{"prompt_embeds": tensor}`, an image to
+    `{"image": source}` (read by the input stage), the rest as is."""
     return [
         {"prompt_embeds": decode_prompt_embeds(item.data, i)}
         if isinstance(item, EncodedEmbeds)
-        else item
+        else engine_input(item)
         for i, item in enumerate(items)
     ]
+
+
+def engine_input(item: Any) -> Any:
+    """An item as the engine's input stage takes it: an `ImageItem` as `{"image": source}`."""
+    return {"image": item.source} if isinstance(item, ImageItem) else item
+
+
+def carries_images(items: Any) -> bool:
+    """Whether any of `items` is an image (an `ImageItem`, or a `data:image/` URI string, which
+    the input stage reads as one): such a call is prepared off the event loop, whatever its
+    size, and its URL fetches end at the request's deadline."""
+    return any(
+        isinstance(item, ImageItem)
+        or (isinstance(item, str) and item.startswith(DATA_IMAGE_PREFIX))
+        for item in items
+    )
+
+
+def image_sources(value: Any, name: str) -> list[ImageItem]:
+    """A list of image sources (Infinity's `input` with `modality: "image"`, Cohere's
+    `images`): each a string; a 400 naming the first that is not."""
+    values = [value] if isinstance(value, str) else value
+    if not isinstance(values, list) or not values:
+        raise ApiError(
+            400,
+            f"{name}: expected a list of image URLs, data: URIs or base64 strings",
+            param=name,
+            code="invalid_input",
+        )
+    for i, source in enumerate(values):
+        if not isinstance(source, str):
+            raise ApiError(
+                400,
+                f"{name}[{i}]: expected an image URL, data: URI or base64 string, got "
+                f"{json_type(source)}",
+                param=f"{name}[{i}]",
+                code="invalid_input",
+            )
+    return [ImageItem(source) for source in values]
+
+
+def content_item(parts: Any, where: str) -> str | ImageItem:
+    """One input written as content parts (vLLM's message content and `{"content": [...]}`
+    score and rerank items, Cohere's `inputs`): text parts `{"type": "text", "text": ...}`
+    are one text, joined by new lines (as vLLM joins them); one image part
+    `{"type": "image_url", "image_url": {"url": ...}}` is an image. A dual encoder embeds a
+    text or an image, so an image with anything else beside it is a 400 naming `where`."""
+    if isinstance(parts, str):
+        return parts
+    if not isinstance(parts, list) or not parts:
+        raise ApiError(
+            400,
+            f"{where}: expected a string or a non-empty list of content parts",
+            param=where,
+            code="invalid_input",
+        )
+    read = [_content_part(part, f"{where}[{j}]") for j, part in enumerate(parts)]
+    images = [j for j, part in enumerate(read) if isinstance(part, ImageItem)]
+    if not images:
+        return "\n".join(read)  # type: ignore[arg-type]  # text parts only
+    if len(read) > 1:
+        at = f"{where}[{images[0]}]"
+        raise ApiError(
+            400,
+            f"{at}: an image part must be an input's only part: the model embeds a text or "
+            f"an image, not several parts together ({len(read)} parts here); send each as "
+            "an input of its own",
+            param=at,
+            code="invalid_input",
+        )
+    return read[0]
+
+
+def _content_part(part: Any, where: str) -> str | ImageItem:
+    if isinstance(part, dict) and part.get("type") == "text":
+        text = part.get("text")
+        if set(part) != {"type", "text"} or not isinstance(text, str):
+            raise ApiError(
+                400,
+                f'{where}: a text part is {{"type": "text", "text": "<string>"}}',
+                param=where,
+                code="invalid_input",
+            )
+        return text
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "image_url":
+        image = part.get("image_url") if set(part) == {"type", "image_url"} else None
+        if isinstance(image, str):  # the URL alone, as vLLM also takes it
+            return ImageItem(image)
+        # OpenAI's {"url", "detail"}: "detail" tunes a chat model's tiling, which a dual
+        # encoder's fixed-size input has none of; accepted and not used.
+        if isinstance(image, dict) and set(image) <= {"url", "detail"}:
+            url = image.get("url")
+            if isinstance(url, str):
+                return ImageItem(url)
+        raise ApiError(
+            400,
+            f'{where}: an image part is {{"type": "image_url", "image_url": {{"url": '
+            '"<URL, data: URI or base64>"}}',
+            param=where,
+            code="invalid_input",
+        )
+    raise ApiError(
+        400,
+        f'{where}: a content part is {{"type": "text", "text": ...}} or {{"type": '
+        f'"image_url", "image_url": {{"url": ...}}}}, got '
+        + (f"type {kind!r}" if isinstance(kind, str) else json_type(part)),
+        param=where,
+        code="invalid_input",
+    )
 
 
 def decode_prompt_embeds(data: str, index: int) -> np.ndarray:

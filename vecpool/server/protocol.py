@@ -20,7 +20,9 @@ Precision = Literal["float32", "int8", "uint8", "binary", "ubinary"]
 
 INPUT_DOC = (
     "a string, a list of strings, a token array, a list of token arrays, or a list mixing "
-    'strings, token arrays and {"prompt_embeds": "<base64 of .npy or torch.save>"} objects'
+    'strings, token arrays and {"prompt_embeds": "<base64 of .npy or torch.save>"} objects; '
+    'for a model with an image tower also images: {"image": "<URL, data: URI or base64>"} '
+    '(Jina\'s; {"text": ...} beside them) or "data:image/..." strings'
 )
 
 
@@ -70,7 +72,8 @@ class ChatFields(ApiModel):
     messages: list[dict[str, Any]] = Field(
         ...,
         description='[{"role", "content"}], content a string or a list of {"type": "text", '
-        '"text"} parts',
+        '"text"} parts; for a model with an image tower (CLIP, SigLIP) one text or one '
+        '{"type": "image_url", "image_url": {"url"}} part, read without a chat template',
     )
     add_generation_prompt: bool = False
     continue_final_message: bool = Field(False, description="refused when true")
@@ -116,6 +119,15 @@ class EmbeddingRequest(EmbeddingParams):
     input: Any = Field(..., description=INPUT_DOC)
     add_special_tokens: bool = Field(
         True, description="vLLM's: false: texts become their own tokens only"
+    )
+
+
+class InfinityEmbeddingRequest(EmbeddingRequest):
+    """`POST /embeddings`, Infinity's path: OpenAI's shape and Infinity's `modality`."""
+
+    modality: Literal["text", "image"] = Field(
+        "text",
+        description="image: each item of `input` is an image URL, data: URI or base64 string",
     )
 
 
@@ -171,12 +183,27 @@ class RerankDocument(BaseModel):
     text: str
 
 
+class ImageDocument(BaseModel):
+    """Jina's image document: `image` (a URL, data: URI or base64), and any other fields
+    (returned as given)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    image: str
+
+
+class ContentInput(ApiModel):
+    """vLLM's multimodal item: one input written as content parts, `{"type": "text", "text"}`
+    or `{"type": "image_url", "image_url": {"url"}}` (a dual encoder: one text or one image)."""
+
+    content: list[Any]
+
+
 class RerankRequest(TextParams):
     """`POST /rerank`, `/v1/rerank`, `/v2/rerank`: the Cohere, Jina, vLLM and Infinity
     shape (`query` and `documents`)."""
 
-    query: str
-    documents: list[str | RerankDocument]
+    query: str | ContentInput
+    documents: list[str | RerankDocument | ImageDocument | ContentInput]
     top_n: int | None = Field(None, description="how many to return; null or 0: every document")
     return_documents: bool = True
     use_activation: bool | None = Field(
@@ -200,7 +227,8 @@ class ScoreParams(TextParams):
     use_activation: bool | None = None
 
 
-ScoreSide = str | list[str]
+# A side of a score call: one item or a list; an item is a text or vLLM's content parts.
+ScoreSide = str | ContentInput | list[str | ContentInput]
 
 
 class TextScoreRequest(ScoreParams):
@@ -287,12 +315,18 @@ CohereEmbeddingType = Literal["float", "int8", "uint8", "binary", "ubinary", "ba
 
 
 class CohereEmbedRequest(ApiModel):
-    """`POST /v1/embed`, `/v2/embed`: Cohere's shape (text only)."""
+    """`POST /v1/embed`, `/v2/embed`: Cohere's shape (one of `texts`, `images`, `inputs`)."""
 
     model: str | None = None
     texts: list[str] | None = None
-    images: list[str] | None = Field(None, description="refused: vecpool embeds text")
-    inputs: list[Any] | None = Field(None, description="refused: vecpool embeds texts")
+    images: list[str] | None = Field(
+        None, description="images as data: URIs (or URLs to allowed hosts), one vector each"
+    )
+    inputs: list[ContentInput] | None = Field(
+        None,
+        description='[{"content": [parts]}]: each input one text ({"type": "text", "text"} '
+        'parts) or one image ({"type": "image_url", "image_url": {"url"}}), one vector each',
+    )
     input_type: (
         Literal["search_document", "search_query", "classification", "clustering", "image"] | None
     ) = Field(

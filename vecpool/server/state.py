@@ -71,6 +71,8 @@ class ServerState:
     metrics: ServerMetrics
     client: EngineClient | None = None  # set at startup
     executor: Executor | None = None  # decodes and tokenizes inputs; set at startup
+    # Prepares the calls that read images (fetching, decoding, resizing); set at startup.
+    media_executor: Executor | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     # Every served name -> its model's state, where the server runs engine processes (set at
     # startup); empty for an engine in this process (one model: `check_model` decides).

@@ -1,5 +1,6 @@
-"""Cohere's embed API: `POST /v1/embed` and `/v2/embed` (texts). Cohere's rerank shares
-`/v1/rerank` and `/v2/rerank` with Jina and vLLM (`scores.py`).
+"""Cohere's embed API: `POST /v1/embed` and `/v2/embed`: `texts`, or for a model with an image
+tower (CLIP, SigLIP) `images` (data: URIs) or `inputs` (content lists, each one text or one
+image). Cohere's rerank shares `/v1/rerank` and `/v2/rerank` with Jina and vLLM (`scores.py`).
 
 `input_type` picks the model's instruction prompt of that role (`calls.role_prompt_name`);
 `embedding_types` are the vectors' float values and their quantized forms
@@ -20,10 +21,18 @@ from starlette.responses import Response
 from vecpool import calls
 from vecpool.calls import EmbedOptions, PreparedCall, postprocess
 from vecpool.errors import InputError
-from vecpool.server.codec import to_bytes
+from vecpool.server.codec import (
+    ImageItem,
+    carries_images,
+    content_item,
+    engine_input,
+    image_sources,
+    to_bytes,
+)
 from vecpool.server.errors import ApiError, answered_as, cohere_error, input_error
 from vecpool.server.protocol import CohereEmbedRequest, openapi_body
 from vecpool.server.routes.common import (
+    call_context,
     dumps,
     json_response,
     read_json,
@@ -31,7 +40,7 @@ from vecpool.server.routes.common import (
     run_call,
     validate,
 )
-from vecpool.server.state import get_state
+from vecpool.server.state import ServerState, get_state
 
 router = APIRouter()
 
@@ -56,30 +65,29 @@ async def create_embed_v2(request: Request) -> Response:
     return await embed(request, await _read(request), version=2)
 
 
-def texts_error(exc: InputError) -> ApiError:
-    error = input_error(exc, "texts")
-    param = _PARAMS.get(error.param or "")
+def texts_error(exc: InputError, list_name: str = "texts") -> ApiError:
+    """An input's error as a 400 whose message starts with the field it names, by Cohere's
+    names (Cohere's error body has no field of its own for it): `texts[2]`, `images[0]`,
+    `max_tokens`."""
+    error = input_error(exc, list_name)
+    param = _PARAMS.get(error.param or "", error.param)
     if param is None:
         return error
     return ApiError(400, f"{param}: {exc.reason}", param=param, code=error.code)
 
 
+# Said where a model without an image tower is sent images.
+_TEXT_ONLY = "this model has no image tower: it embeds texts only (CLIP and SigLIP embed images)"
+
+
 @answered_as(cohere_error)
 async def embed(request: Request, data: dict[str, Any], *, version: int) -> Response:
-    """One embedding per text, in each of `embedding_types` (v1 without them: Cohere's
-    "embeddings_floats" answer, a list of float vectors)."""
+    """One embedding per text, image or input, in each of `embedding_types` (v1 without
+    them: Cohere's "embeddings_floats" answer, a list of float vectors)."""
     state = get_state(request)
     body = validate(CohereEmbedRequest, data)
     state = state.for_model(body.model)
-    for name in ("images", "inputs"):
-        if getattr(body, name) is not None:
-            raise ApiError(400, f"{name}: vecpool embeds texts only; send texts", param=name)
-    if body.input_type == "image":
-        raise ApiError(400, "input_type image: vecpool embeds texts only", param="input_type")
-    if not body.texts:
-        raise ApiError(400, "texts: give at least one text", param="texts", code="invalid_input")
-    texts = body.texts
-    state.check_count(len(texts), "texts")
+    name, items = _inputs(state, body)
     if body.truncate == "NONE" and body.max_tokens is not None:
         raise ApiError(
             400, "max_tokens cuts texts: it needs truncate START or END", param="max_tokens"
@@ -91,18 +99,32 @@ async def embed(request: Request, data: dict[str, Any], *, version: int) -> Resp
         prompt_name=calls.role_prompt_name(state.info, ROLES.get(body.input_type or "")),
     )
 
+    media = carries_images(items)
+    ctx = call_context(state, request, media)
+
     def prepare() -> PreparedCall[list[np.ndarray]]:
-        return calls.prepare_encode(state.context, texts, options.encode())
+        return calls.prepare_encode(ctx, [engine_input(i) for i in items], options.encode())
 
     vectors, timings = await run_call(
-        state, request, request.scope["path"], prepare, len(texts), texts_error
+        state,
+        request,
+        request.scope["path"],
+        prepare,
+        len(items),
+        lambda exc: texts_error(exc, name),
+        media=media,
     )
     stacked = np.stack(vectors)
+    billed: dict[str, int] = {"input_tokens": timings.prompt_tokens}
+    num_images = sum(isinstance(i, ImageItem) for i in items)
+    if num_images:
+        billed["images"] = num_images
     meta = {
         "api_version": {"version": str(version)},
-        "billed_units": {"input_tokens": timings.prompt_tokens},
+        "billed_units": billed,
         "tokens": {"input_tokens": timings.prompt_tokens},  # as vLLM's Cohere route counts
     }
+    texts = body.texts or []  # Cohere's clients read a list, empty for images
     content: dict[str, Any] = {"id": response_id("embed"), "texts": texts, "meta": meta}
     if version == 1 and body.embedding_types is None:
         content |= {"response_type": "embeddings_floats", "embeddings": stacked.tolist()}
@@ -111,6 +133,39 @@ async def embed(request: Request, data: dict[str, Any], *, version: int) -> Resp
         embeddings = {kind: typed(stacked, kind) for kind in types}
         content |= {"response_type": "embeddings_by_type", "embeddings": embeddings}
     return json_response(dumps(content), timings.headers())
+
+
+def _inputs(state: ServerState, body: CohereEmbedRequest) -> tuple[str, list[str | ImageItem]]:
+    """The field the body's inputs came in (`texts`, `images` or `inputs`: exactly one), and
+    its items: texts, images, or per input one text or one image."""
+    given = [n for n in ("texts", "images", "inputs") if getattr(body, n) is not None]
+    if len(given) > 1:
+        raise ApiError(
+            400,
+            f"{given[1]}: give one of texts, images and inputs, not {' and '.join(given)}",
+            param=given[1],
+        )
+    has_tower = state.info.image_processor_dir is not None
+    name = given[0] if given else "texts"
+    if name != "texts" and not has_tower:
+        raise ApiError(400, f"{name}: {_TEXT_ONLY}; send texts", param=name)
+    if name == "texts" and body.input_type == "image":
+        what = "send the images in images" if has_tower else _TEXT_ONLY
+        raise ApiError(400, f"input_type image is for images: {what}", param="input_type")
+    items: list[str | ImageItem]
+    if name == "texts":
+        if not body.texts:
+            raise ApiError(
+                400, "texts: give at least one text", param="texts", code="invalid_input"
+            )
+        items = list(body.texts)
+    elif name == "images":
+        items = list(image_sources(body.images, "images"))
+    else:
+        assert body.inputs is not None
+        items = [content_item(i.content, f"inputs[{j}].content") for j, i in enumerate(body.inputs)]
+    state.check_count(len(items), name)
+    return name, items
 
 
 def typed(vectors: np.ndarray, kind: str) -> Any:

@@ -4,6 +4,11 @@ A call goes: read and validate the body → check the model name and the counts 
 call (decode and tokenize, off the event loop) → run its requests on the engine client → wait,
 racing the client's disconnect (which cancels the call's requests, so waiting ones never run)
 → finish it → timings.
+
+A call with images is prepared in its own thread pool (`ServerState.media_executor`), whatever
+its size: reading an image may wait on a URL, and decodes and resizes pixels; a slow host then
+holds a media thread, never the event loop or the tokenizer threads that text calls use. Its
+URL fetches end at the request's deadline (`x-request-timeout`), when it has one.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HttpRequest
 from starlette.responses import Response
 
-from vecpool.calls import PreparedCall
+from vecpool.calls import CallContext, PreparedCall
 from vecpool.calls.outputs import PromptRequest, RunTimes
 from vecpool.errors import EngineDeadError, InputError, QueueFullError, VecpoolError
 from vecpool.server.codec import encode_array, to_bytes
@@ -320,9 +325,13 @@ def _small(request: HttpRequest) -> bool:
     return length is not None and length.isdigit() and int(length) <= _PREPARE_INLINE_BYTES
 
 
-async def off_loop(state: ServerState, request: HttpRequest, fn: Callable[[], T]) -> T:
+async def off_loop(
+    state: ServerState, request: HttpRequest, fn: Callable[[], T], *, media: bool = False
+) -> T:
     """`fn()` (decoding, tokenizing): on the event loop for a small body, else in the input
-    thread pool."""
+    thread pool; with `media` (the call reads images), always in the media thread pool."""
+    if media:
+        return await asyncio.get_running_loop().run_in_executor(state.media_executor, fn)
     if _small(request):
         return fn()
     return await asyncio.get_running_loop().run_in_executor(state.executor, fn)
@@ -355,19 +364,42 @@ async def run_call(
     to_api_error: Callable[[InputError], ApiError] = input_error,
     *,
     per_token: bool = False,
+    media: bool = False,
 ) -> tuple[T, Timings]:
     """Prepare a call in the input thread pool (decoding, tokenizing), run its requests on the
     engine, finish it; racing the client's disconnect throughout. `num_inputs` (the requests
     the call will queue) is checked against the free room of the queue first. `per_token`: the
     answer holds each token's row, so its size is checked once the call is tokenized
-    (`check_answer_size`)."""
-    timeout = request_timeout(request)
+    (`check_answer_size`). `media`: the call reads images (`prepare` uses `call_context`'s
+    context): prepared in the media thread pool."""
+    deadline = request_deadline(request)
     client = state.running_client()
     _check_queue(client, num_inputs)
-    work = _run_call(state, client, request, endpoint, prepare, to_api_error, per_token)
-    if timeout is not None:
-        work = _within(timeout, work)
+    work = _run_call(state, client, request, endpoint, prepare, to_api_error, per_token, media)
+    if deadline is not None:
+        work = _within(deadline, work, request)
     return await until_disconnected(request, work)
+
+
+def call_context(state: ServerState, request: HttpRequest, media: bool) -> CallContext:
+    """The context a call is prepared with: for a call that reads images (`media`), one whose
+    URL fetches end at the request's deadline."""
+    return state.context.until(request_deadline(request)) if media else state.context
+
+
+_DEADLINE = "vecpool.deadline"  # the request's deadline, in its ASGI scope once computed
+
+
+def request_deadline(request: HttpRequest) -> float | None:
+    """The `time.monotonic()` moment the client's `x-request-timeout` ends, counted from the
+    first time it is asked (once the body is read); None without the header. One value per
+    request: the image fetches and the wait on the engine end together."""
+    scope = request.scope
+    if _DEADLINE not in scope:
+        timeout = request_timeout(request)
+        scope[_DEADLINE] = None if timeout is None else time.monotonic() + timeout
+    deadline: float | None = scope[_DEADLINE]
+    return deadline
 
 
 def request_timeout(request: HttpRequest) -> float | None:
@@ -389,18 +421,23 @@ def request_timeout(request: HttpRequest) -> float | None:
     return seconds
 
 
-async def _within(seconds: float, work: Awaitable[T]) -> T:
-    """`work`, cancelled (its waiting requests dropped from the queue) after `seconds`."""
+async def _within(deadline: float, work: Awaitable[T], request: HttpRequest) -> T:
+    """`work`, cancelled (its waiting requests dropped from the queue) at `deadline` (a
+    `time.monotonic()` value)."""
     try:
-        async with asyncio.timeout(seconds):
+        async with asyncio.timeout(deadline - time.monotonic()):
             return await work
     except TimeoutError:
-        raise ApiError(
-            408,
-            f"the request was not done within its {TIMEOUT_HEADER} of {seconds:g} s; "
-            "its inputs were dropped",
-            code="deadline_exceeded",
-        ) from None
+        raise _deadline_exceeded(request) from None
+
+
+def _deadline_exceeded(request: HttpRequest) -> ApiError:
+    return ApiError(
+        408,
+        f"the request was not done within its {TIMEOUT_HEADER} of "
+        f"{request_timeout(request):g} s; its inputs were dropped",
+        code="deadline_exceeded",
+    )
 
 
 async def _run_call(
@@ -411,11 +448,15 @@ async def _run_call(
     prepare: Callable[[], PreparedCall[T]],
     to_api_error: Callable[[InputError], ApiError],
     per_token: bool,
+    media: bool,
 ) -> tuple[T, Timings]:
     start = time.perf_counter()
     try:
-        call = await off_loop(state, request, prepare)
+        call = await off_loop(state, request, prepare, media=media)
     except InputError as exc:
+        deadline = request_deadline(request)
+        if deadline is not None and time.monotonic() >= deadline:  # an image fetch cut off
+            raise _deadline_exceeded(request) from None
         raise to_api_error(exc) from None
     if per_token:
         check_answer_size(state, call.requests)

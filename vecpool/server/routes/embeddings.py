@@ -1,4 +1,10 @@
-"""OpenAI `POST /v1/embeddings`: one vector per input, in input order."""
+"""OpenAI `POST /v1/embeddings`: one vector per input, in input order; Infinity's
+`/embeddings` (its `modality: "image"` too).
+
+A model with an image tower (CLIP, SigLIP) embeds images beside texts, in each peer's shape:
+Jina's `{"image": ...}` items and `data:image/` strings in `input`, Infinity's image modality,
+and vLLM's `messages` of one text or one `image_url` part.
+"""
 
 from __future__ import annotations
 
@@ -12,16 +18,32 @@ from starlette.responses import Response
 from vecpool import calls
 from vecpool.calls import EmbedOptions, PreparedCall, chat, postprocess, windowed
 from vecpool.errors import InputError
-from vecpool.server.codec import Item, decode_inputs, parse_inputs
-from vecpool.server.errors import ApiError, answered_as, infinity_error, input_error
+from vecpool.server.codec import (
+    ImageItem,
+    Item,
+    carries_images,
+    content_item,
+    decode_inputs,
+    image_sources,
+    parse_inputs,
+)
+from vecpool.server.errors import ApiError, answered_as, infinity_error, input_code, input_error
 from vecpool.server.protocol import (
     ChatFields,
     EmbeddingChatRequest,
     EmbeddingParams,
     EmbeddingRequest,
+    InfinityEmbeddingRequest,
     openapi_body,
 )
-from vecpool.server.routes.common import read_json, render, render_vectors, run_call, validate
+from vecpool.server.routes.common import (
+    call_context,
+    read_json,
+    render,
+    render_vectors,
+    run_call,
+    validate,
+)
 from vecpool.server.routes.system import capabilities
 from vecpool.server.state import ServerState, get_state
 
@@ -38,19 +60,65 @@ UNTRUSTED_TEMPLATE = (
 
 
 class TextInputs:
-    """The inputs of a body: its `input` items (parsed and counted), or its `messages`
-    (vLLM's chat input: one conversation, rendered to one text when the call is prepared)."""
+    """The inputs of a body: its `input` items (parsed and counted; with Infinity's
+    `modality: "image"`, image sources), or its `messages` (vLLM's chat input: one
+    conversation, rendered to one text when the call is prepared; for a model with an image
+    tower, one text or one image, read without a chat template)."""
 
     def __init__(self, state: ServerState, body: Any):
         self.state = state
         self.chat: ChatFields | None = body if isinstance(body, ChatFields) else None
         if self.chat is not None and self.chat.chat_template is not None:
             raise ApiError(400, UNTRUSTED_TEMPLATE, param="chat_template")
-        self.items = [] if self.chat is not None else parse_items(state, body.input)
         self.add_special_tokens: bool = body.add_special_tokens
+        self.list_name = "input"  # the body's field the inputs' errors name
+        self.items: list[Item] = []
+        has_tower = state.info.image_processor_dir is not None
+        if self.chat is not None and has_tower:
+            if self.chat.continue_final_message:
+                raise ApiError(
+                    400,
+                    "continue_final_message: a pooling model reads the whole conversation; it "
+                    "continues no message",
+                    param="continue_final_message",
+                )
+            self.items = [message_input(self.chat.messages)]
+            self.chat, self.list_name = None, "messages"
+            # No template writes the special tokens: the text is tokenized as `input` texts
+            # are (CLIP pools its end token), unless the body says otherwise.
+            if "add_special_tokens" not in body.model_fields_set:
+                self.add_special_tokens = True
+        elif self.chat is not None:
+            refuse_image_parts(self.chat.messages)
+        elif getattr(body, "modality", "text") == "image":
+            if not has_tower:
+                raise ApiError(
+                    400,
+                    f"model={body.model or state.config.model_name!r} does not support "
+                    "image_embed: it has no image tower (it embeds text only; CLIP and SigLIP "
+                    "models embed images)",
+                    code="unsupported_by_model",
+                )
+            self.items = list(image_sources(body.input, "input"))
+            state.check_count(len(self.items))
+        else:
+            self.items = parse_items(state, body.input, text_objects=has_tower)
+        self.media = carries_images(self.items)  # read images: prepared off the event loop
 
     def __len__(self) -> int:
         return 1 if self.chat is not None else len(self.items)
+
+    def context(self, request: Request) -> calls.CallContext:
+        """The context the call is prepared with (`call_context`)."""
+        return call_context(self.state, request, self.media)
+
+    def to_api_error(self, exc: InputError) -> ApiError:
+        """An input's error as a 400 naming the body's field: `input[i]`, or `messages` for
+        the one input a dual encoder reads from them."""
+        if self.list_name == "messages" and exc.index is not None:
+            reason, code = exc.reason, input_code(exc)
+            return ApiError(400, f"messages: {reason}", param="messages", code=code)
+        return input_error(exc)
 
     def decode(self) -> list[Any]:
         """The inputs for a `prepare_*` call (off the event loop: decoding, rendering)."""
@@ -67,10 +135,51 @@ class TextInputs:
         ]
 
 
-def parse_items(state: ServerState, value: Any) -> list[Item]:
-    """The items of an `input` field: parsed (wire format), and counted."""
+def message_input(messages: list[Any]) -> str | ImageItem:
+    """vLLM's `messages` for a dual encoder (CLIP, SigLIP: vLLM's own example): one message
+    whose content is one text (a string, or text parts joined by new lines) or one
+    `image_url` part; read without a chat template (such folders have none)."""
+    if len(messages) != 1:
+        raise ApiError(
+            400,
+            f"messages: a model with an image tower embeds one message, one text or one "
+            f"image, got {len(messages)} messages",
+            param="messages",
+            code="invalid_input",
+        )
+    (message,) = messages
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise ApiError(
+            400,
+            'messages[0]: a message is an object with a string "role"',
+            param="messages[0]",
+            code="invalid_input",
+        )
+    return content_item(message.get("content"), "messages[0].content")
+
+
+def refuse_image_parts(messages: list[Any]) -> None:
+    """A 400 naming the first `image_url` part of `messages` sent to a model without an image
+    tower (the chat template reads text parts only)."""
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        for j, part in enumerate(content if isinstance(content, list) else ()):
+            if isinstance(part, dict) and part.get("type") == "image_url":
+                where = f"messages[{i}].content[{j}]"
+                raise ApiError(
+                    400,
+                    f"{where}: an image, but this model has no image tower (it embeds text "
+                    "only; CLIP and SigLIP models embed images)",
+                    param=where,
+                    code="invalid_input",
+                )
+
+
+def parse_items(state: ServerState, value: Any, *, text_objects: bool = False) -> list[Item]:
+    """The items of an `input` field: parsed (wire format), and counted. `text_objects`:
+    Jina's `{"text": ...}` items taken (a model with an image tower)."""
     try:
-        items = parse_inputs(value)
+        items = parse_inputs(value, text_objects=text_objects)
     except InputError as exc:
         raise input_error(exc) from None
     state.check_count(len(items))
@@ -78,7 +187,8 @@ def parse_items(state: ServerState, value: Any) -> list[Item]:
 
 
 @router.post("/v1/embeddings", openapi_extra=openapi_body(EmbeddingRequest, EmbeddingChatRequest))
-@router.post("/embeddings", openapi_extra=openapi_body(EmbeddingRequest))  # Infinity's, TEI's
+# Infinity's path, and TEI's
+@router.post("/embeddings", openapi_extra=openapi_body(InfinityEmbeddingRequest))
 async def create_embeddings(request: Request) -> Response:
     state = get_state(request)
     if request.scope["path"] == INFINITY_EMBEDDINGS:
@@ -108,11 +218,13 @@ async def embeddings(request: Request, data: dict[str, Any]) -> Response:
     """OpenAI embeddings of a parsed body (also reached through `/invocations`); with
     `messages`, vLLM's embedding of one conversation."""
     state = get_state(request)
-    body = validate(EmbeddingChatRequest if "messages" in data else EmbeddingRequest, data)
+    infinity = request.scope["path"] == INFINITY_EMBEDDINGS
+    shape = InfinityEmbeddingRequest if infinity else EmbeddingRequest
+    body = validate(EmbeddingChatRequest if "messages" in data else shape, data)
     state = state.for_model(body.model)
     inputs = TextInputs(state, body)
     # vLLM and OpenAI refuse `dimensions` for a model not trained for it; Infinity cuts any.
-    matryoshka_only = request.scope["path"] != INFINITY_EMBEDDINGS
+    matryoshka_only = not infinity
     ranges = quantization(state, body)
     normalize = body.normalize
     if body.use_activation is not None:
@@ -137,22 +249,25 @@ async def embeddings(request: Request, data: dict[str, Any]) -> Response:
         matryoshka_only=matryoshka_only,
     )
 
+    ctx = inputs.context(request)
+
     def prepare() -> PreparedCall[list[np.ndarray]]:
-        return calls.prepare_encode(state.context, inputs.decode(), options.encode())
+        return calls.prepare_encode(ctx, inputs.decode(), options.encode())
 
     info = state.info
+    path, errors, media = request.scope["path"], inputs.to_api_error, inputs.media
     if options.windowed if options.windowed is not None else info.windowed_embed:
 
         def prepare_windowed() -> PreparedCall[np.ndarray]:
-            return windowed.prepare_embed_windowed(state.context, inputs.decode(), options)
+            return windowed.prepare_embed_windowed(ctx, inputs.decode(), options)
 
         array, timings = await run_call(
-            state, request, request.scope["path"], prepare_windowed, len(inputs)
+            state, request, path, prepare_windowed, len(inputs), errors, media=media
         )
         vectors = list(array)
     else:
         vectors, timings = await run_call(
-            state, request, request.scope["path"], prepare, len(inputs)
+            state, request, path, prepare, len(inputs), errors, media=media
         )
 
     if options.precision != "float32":

@@ -46,15 +46,25 @@ async def pooling(request: Request, data: dict[str, Any]) -> Response:
         {
             **dict(body),
             "truncate_prompt_tokens": state.truncate(body),
+            "add_special_tokens": inputs.add_special_tokens,  # chat's default is the inputs'
             "matryoshka_only": True,  # vLLM's rule for `dimensions`
         }
     )
 
+    ctx = inputs.context(request)
+
     def prepare() -> PreparedCall[list[np.ndarray]]:
-        return calls.prepare_encode(state.context, inputs.decode(), options)
+        return calls.prepare_encode(ctx, inputs.decode(), options)
 
     vectors, timings = await run_call(
-        state, request, "/pooling", prepare, len(inputs), per_token=options.task in PER_TOKEN
+        state,
+        request,
+        "/pooling",
+        prepare,
+        len(inputs),
+        inputs.to_api_error,
+        per_token=options.task in PER_TOKEN,
+        media=inputs.media,
     )
     return await render(
         vectors,

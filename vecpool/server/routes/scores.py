@@ -6,6 +6,11 @@ and runs it like any other (queue, cancellation on disconnect, timings); the rul
 and ranking are the api layer's, whose errors name the side at fault ("query" or "documents"
 of rerank, "text_1" or "text_2" of score): this file only renames those to the request's
 fields.
+
+A model that scores by embeddings and has an image tower (CLIP, SigLIP: the cosine of a text's
+and an image's vectors in the shared space) ranks images too, in the shapes that have a form
+for them: Jina's `{"image": ...}` documents, and vLLM's `{"content": [parts]}` items on either
+side of rerank and score. Infinity's and TEI's rerank bodies have none (texts only).
 """
 
 from __future__ import annotations
@@ -21,11 +26,14 @@ from starlette.responses import Response
 
 from vecpool import calls
 from vecpool.calls import ClassifyOptions, PreparedCall, RerankOptions, ScoreOptions
+from vecpool.server.codec import ImageItem, carries_images, content_item, engine_input
 from vecpool.server.errors import ApiError, answered_as, infinity_error, side_errors
 from vecpool.server.protocol import (
     SCORE_SHAPES,
     ClassifyChatRequest,
     ClassifyRequest,
+    ContentInput,
+    ImageDocument,
     InfinityClassifyRequest,
     InfinityRerankRequest,
     RerankDocument,
@@ -36,6 +44,7 @@ from vecpool.server.protocol import (
 )
 from vecpool.server.routes import tei as tei_routes
 from vecpool.server.routes.common import (
+    call_context,
     dumps,
     json_response,
     read_json,
@@ -88,16 +97,25 @@ async def infinity_rerank(request: Request, data: dict[str, Any]) -> Response:
     state = state.for_model(body.model)
     state.check_count(len(body.documents), "documents")
 
+    media = carries_images([body.query, *body.documents])  # a data:image/ string is an image
+    ctx = call_context(state, request, media)
+
     def prepare() -> PreparedCall[list[tuple[int, float]]]:
         options = RerankOptions(  # built here: its checks answer as the call's errors
             top_n=body.top_n,
             use_activation=activation(None, body.raw_scores),
             truncate_prompt_tokens=state.truncate(),  # Infinity's bodies: --auto-truncate decides
         )
-        return calls.prepare_rerank(state.context, body.query, body.documents, options=options)
+        return calls.prepare_rerank(ctx, body.query, body.documents, options=options)
 
     ranked, timings = await run_call(
-        state, request, request.scope["path"], prepare, len(body.documents) + 1, RERANK_ERRORS
+        state,
+        request,
+        request.scope["path"],
+        prepare,
+        len(body.documents) + 1,
+        RERANK_ERRORS,
+        media=media,
     )
     results = [
         {
@@ -137,9 +155,12 @@ async def rerank(request: Request, data: dict[str, Any]) -> Response:
             param="max_chunks_per_doc",
         )
     use_activation = activation(body.use_activation, body.raw_scores)
-    texts = [d if isinstance(d, str) else d.text for d in body.documents]
+    query = score_item(body.query, "query")
+    documents = [rerank_document(d, i) for i, d in enumerate(body.documents)]
     if body.return_documents:
         _check_echoed(body.documents)
+    media = carries_images([query, *documents])
+    ctx = call_context(state, request, media)
 
     def prepare() -> PreparedCall[list[tuple[int, float]]]:
         options = RerankOptions(  # built here: its checks answer as the call's errors
@@ -149,10 +170,17 @@ async def rerank(request: Request, data: dict[str, Any]) -> Response:
             truncate_prompt_tokens=state.truncate(body),
             truncation_side=body.truncation_side,
         )
-        return calls.prepare_rerank(state.context, body.query, texts, options=options)
+        inputs = [engine_input(d) for d in documents]
+        return calls.prepare_rerank(ctx, engine_input(query), inputs, options=options)
 
     ranked, timings = await run_call(
-        state, request, request.scope["path"], prepare, len(texts) + 1, RERANK_ERRORS
+        state,
+        request,
+        request.scope["path"],
+        prepare,
+        len(documents) + 1,
+        RERANK_ERRORS,
+        media=media,
     )
     results = []
     for index, score in ranked:
@@ -176,7 +204,31 @@ async def rerank(request: Request, data: dict[str, Any]) -> Response:
     return json_response(dumps(content), timings.headers())
 
 
-def _check_echoed(documents: list[str | RerankDocument]) -> None:
+def rerank_document(
+    document: str | RerankDocument | ImageDocument | ContentInput, index: int
+) -> str | ImageItem:
+    """A rerank document as an input: a string or `{"text", ...}` a text, Jina's
+    `{"image", ...}` an image, vLLM's `{"content": [parts]}` one text or one image."""
+    if isinstance(document, RerankDocument):
+        if document.model_extra and "image" in document.model_extra:
+            where = f"documents[{index}]"
+            raise ApiError(
+                400,
+                f"{where}: a document is a text or an image, not both ('text' and 'image')",
+                param=where,
+            )
+        return document.text
+    if isinstance(document, ImageDocument):
+        return ImageItem(document.image)
+    return score_item(document, f"documents[{index}]")
+
+
+def score_item(item: str | ContentInput, where: str) -> str | ImageItem:
+    """A text, or vLLM's `{"content": [parts]}` item (one text or one image)."""
+    return item if isinstance(item, str) else content_item(item.content, f"{where}.content")
+
+
+def _check_echoed(documents: list[str | RerankDocument | ImageDocument | ContentInput]) -> None:
     """A 400 naming the first field of a document object that its answer could not return:
     one with a lone surrogate (JSON's escapes let a body carry one; UTF-8 cannot). Its text
     is the engine's to refuse, as any input's."""
@@ -240,10 +292,12 @@ async def score(request: Request, data: dict[str, Any]) -> Response:
     body = validate(model, data)
     state = state.for_model(body.model)
     first, second = getattr(body, first_name), getattr(body, second_name)
-    firsts = [first] if isinstance(first, str) else first
-    seconds = [second] if isinstance(second, str) else second
+    firsts = score_side(first, first_name)
+    seconds = score_side(second, second_name)
     state.check_count(len(firsts), first_name)
     state.check_count(len(seconds), second_name)
+    media = carries_images(firsts + seconds)
+    ctx = call_context(state, request, media)
     options = ScoreOptions(
         use_activation=body.use_activation,
         truncate_prompt_tokens=state.truncate(body),
@@ -252,14 +306,21 @@ async def score(request: Request, data: dict[str, Any]) -> Response:
     )
 
     def prepare() -> PreparedCall[np.ndarray]:
-        return calls.prepare_score(state.context, firsts, seconds, options)
+        lefts, rights = [engine_input(a) for a in firsts], [engine_input(b) for b in seconds]
+        return calls.prepare_score(ctx, lefts, rights, options)
 
     to_api_error = side_errors(
         {"text_1": first_name, "text_2": second_name},
-        {"text_1": not isinstance(first, str), "text_2": not isinstance(second, str)},
+        {"text_1": isinstance(first, list), "text_2": isinstance(second, list)},
     )
     scores, timings = await run_call(
-        state, request, request.scope["path"], prepare, len(firsts) + len(seconds), to_api_error
+        state,
+        request,
+        request.scope["path"],
+        prepare,
+        len(firsts) + len(seconds),
+        to_api_error,
+        media=media,
     )
     content = {
         "id": response_id("score"),
@@ -270,6 +331,14 @@ async def score(request: Request, data: dict[str, Any]) -> Response:
         "usage": timings.usage(),
     }
     return json_response(dumps(content), timings.headers())
+
+
+def score_side(side: Any, name: str) -> list[str | ImageItem]:
+    """A side of a score body as its items: one item (a text or `{"content": [parts]}`), or
+    a list of them."""
+    if isinstance(side, list):
+        return [score_item(item, f"{name}[{i}]") for i, item in enumerate(side)]
+    return [score_item(side, name)]
 
 
 @router.post(
@@ -297,10 +366,20 @@ async def classify(request: Request, data: dict[str, Any]) -> Response:
         add_special_tokens=inputs.add_special_tokens,
     )
 
-    def prepare() -> PreparedCall[np.ndarray]:
-        return calls.prepare_classify(state.context, inputs.decode(), options)
+    ctx = inputs.context(request)
 
-    probs, timings = await run_call(state, request, request.scope["path"], prepare, len(inputs))
+    def prepare() -> PreparedCall[np.ndarray]:
+        return calls.prepare_classify(ctx, inputs.decode(), options)
+
+    probs, timings = await run_call(
+        state,
+        request,
+        request.scope["path"],
+        prepare,
+        len(inputs),
+        inputs.to_api_error,
+        media=inputs.media,
+    )
     rendered = await asyncio.to_thread(_classes, probs, state.info.id2label)
     content = {
         "id": response_id("classify"),
@@ -352,10 +431,15 @@ async def infinity_classify(request: Request, data: dict[str, Any]) -> Response:
         truncate_prompt_tokens=state.truncate(),  # Infinity's bodies: --auto-truncate decides
     )
 
-    def prepare() -> PreparedCall[np.ndarray]:
-        return calls.prepare_classify(state.context, texts, options)
+    media = carries_images(texts)
+    ctx = call_context(state, request, media)
 
-    scores, timings = await run_call(state, request, request.scope["path"], prepare, len(texts))
+    def prepare() -> PreparedCall[np.ndarray]:
+        return calls.prepare_classify(ctx, texts, options)
+
+    scores, timings = await run_call(
+        state, request, request.scope["path"], prepare, len(texts), media=media
+    )
     labels = [info.id2label.get(i, f"LABEL_{i}") for i in range(scores.shape[1])]
     data_out = [
         [{"score": float(row[j]), "label": labels[j]} for j in np.argsort(-row, kind="stable")]

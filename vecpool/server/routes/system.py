@@ -82,14 +82,17 @@ async def metrics(request: Request) -> Response:
 
 def capabilities(info: EngineInfo) -> list[str]:
     """What the model is for, in Infinity's words (what its routes serve it for): `embed`
-    (an embedding model), `rerank` (a one-score cross-encoder, an LLM or listwise reranker),
-    `classify` (a classifier with several labels)."""
+    (an embedding model), `image_embed` (one with an image tower: CLIP, SigLIP), `rerank` (a
+    one-score cross-encoder, an LLM or listwise reranker), `classify` (a classifier with
+    several labels)."""
     reranker = info.score_mode in ("llm", "listwise") or (
         info.score_mode == "cross_encoder" and info.num_labels == 1
     )
     out = []
     if "embed" in info.tasks and not reranker and info.num_labels == 0:
         out.append("embed")
+        if info.image_processor_dir is not None:
+            out.append("image_embed")
     if reranker:
         out.append("rerank")
     if "classify" in info.tasks and info.num_labels > 1:

@@ -29,7 +29,7 @@ from vecpool.calls import (
     SparseOptions,
 )
 from vecpool.errors import InputError
-from vecpool.server.codec import json_type, parse_inputs
+from vecpool.server.codec import carries_images, json_type, parse_inputs
 from vecpool.server.errors import ApiError, answered_as, input_error, side_errors, tei_error
 from vecpool.server.protocol import (
     TeiDecodeRequest,
@@ -43,6 +43,7 @@ from vecpool.server.protocol import (
 )
 from vecpool.server.routes.common import (
     PER_TOKEN,
+    call_context,
     dumps,
     in_executor,
     json_response,
@@ -165,8 +166,11 @@ async def _encode(
     """`calls.prepare_encode` of `items` with `options`, answered as TEI does: an array (of
     arrays) per input."""
 
+    media = carries_images(items)  # a data:image/ string is an image
+    ctx = call_context(state, request, media)
+
     def prepare() -> PreparedCall[list[np.ndarray]]:
-        return calls.prepare_encode(state.context, items, options)
+        return calls.prepare_encode(ctx, items, options)
 
     arrays, timings = await run_call(
         state,
@@ -176,6 +180,7 @@ async def _encode(
         len(items),
         inputs_error,
         per_token=options.task in PER_TOKEN,
+        media=media,
     )
     content = await asyncio.to_thread(lambda: dumps([a.tolist() for a in arrays]))
     return json_response(content, timings.headers())
@@ -198,11 +203,14 @@ async def embed_sparse(request: Request, data: dict[str, Any]) -> Response:
         prompt_name=body.prompt_name,
     )
 
+    media = carries_images(items)
+    ctx = call_context(state, request, media)
+
     def prepare() -> PreparedCall[calls.SparseResult]:
-        return calls.prepare_embed_sparse(state.context, items, options)
+        return calls.prepare_embed_sparse(ctx, items, options)
 
     vectors, timings = await run_call(
-        state, request, request.scope["path"], prepare, len(items), inputs_error
+        state, request, request.scope["path"], prepare, len(items), inputs_error, media=media
     )
     content = [[{"index": i, "value": w} for i, w in sorted(vector.items())] for vector in vectors]
     return json_response(dumps(content), timings.headers())
@@ -227,11 +235,14 @@ async def predict(request: Request, data: dict[str, Any]) -> Response:
         truncation_side=side(body),
     )
 
+    media = carries_images(items)
+    ctx = call_context(state, request, media)
+
     def prepare() -> PreparedCall[np.ndarray]:
-        return calls.prepare_classify(state.context, items, options)
+        return calls.prepare_classify(ctx, items, options)
 
     scores, timings = await run_call(
-        state, request, request.scope["path"], prepare, len(items), inputs_error
+        state, request, request.scope["path"], prepare, len(items), inputs_error, media=media
     )
     labels = state.info.id2label
     predictions = [
@@ -289,11 +300,20 @@ async def rerank(request: Request, data: dict[str, Any]) -> Response:
         truncation_side=side(body),
     )
 
+    media = carries_images([body.query, *body.texts])
+    ctx = call_context(state, request, media)
+
     def prepare() -> PreparedCall[list[tuple[int, float]]]:
-        return calls.prepare_rerank(state.context, body.query, body.texts, options=options)
+        return calls.prepare_rerank(ctx, body.query, body.texts, options=options)
 
     ranked, timings = await run_call(
-        state, request, request.scope["path"], prepare, len(body.texts) + 1, RERANK_ERRORS
+        state,
+        request,
+        request.scope["path"],
+        prepare,
+        len(body.texts) + 1,
+        RERANK_ERRORS,
+        media=media,
     )
     ranks = []
     for index, score in ranked:
