@@ -190,7 +190,7 @@ def test_parquet_image_columns(
     assert_rel_close(vectors[[1]], text_reference(clip, TEXTS[:1]))
 
 
-def test_parquet_both_text_and_image_in_a_row_is_refused(
+def test_a_line_or_row_holding_both_a_text_and_an_image_is_refused(
     clip: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     png = encoded(sample_images(1)[0])
@@ -198,11 +198,37 @@ def test_parquet_both_text_and_image_in_a_row_is_refused(
     table = pa.table({"image": pa.array([png, png], pa.binary()), "text": [None, "a cat"]})
     pq.write_table(table, source)
     out = tmp_path / "out.npy"
-    assert embed(clip[0], "-i", str(source), "-o", str(out), "--image-field", "image", "-q") == 2
+    args = ["-o", str(out), "--image-field", "image", "-q"]
+    assert embed(clip[0], "-i", str(source), *args) == 2
     err = capsys.readouterr().err
     assert err == (
         "vecpool: error: row 2: both 'image' and 'text' hold a value; a row holds one input\n"
     )
+    jsonl = write_jsonl(tmp_path / "both.jsonl", [{"image": b64(png), "text": "a cat"}])
+    assert embed(clip[0], "-i", str(jsonl), *args) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "vecpool: error: line 1: both 'image' and 'text' are given; a line holds one input\n"
+    )
+
+
+def test_windowed_texts_beside_images(clip: Any, tmp_path: Path) -> None:
+    """With --windowed-embed, a chunk's long texts are windowed and its images are not."""
+    _, _, path = clip
+    engine = vecpool.Engine(path, device="cpu", windowed_embed=True)
+    images = sample_images(2, seed=7)
+    long_text = " ".join(["a photo of a cat on the sea"] * 12)  # over 32 positions
+    rows = [
+        {"image": b64(encoded(images[0]))},
+        {"text": long_text},
+        {"image": b64(encoded(images[1]))},
+    ]
+    source = write_jsonl(tmp_path / "list.jsonl", rows)
+    out = tmp_path / "out.npy"
+    assert embed(engine, "-i", str(source), "-o", str(out), "--image-field", "image", "-q") == 0
+    vectors = np.load(out)
+    assert_rel_close(vectors[[1]], engine.embed([long_text]))
+    assert_rel_close(vectors[[0, 2]], image_reference(clip, images))
 
 
 def interrupt_after(monkeypatch: pytest.MonkeyPatch, parts: int) -> None:
