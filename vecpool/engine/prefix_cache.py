@@ -98,11 +98,12 @@ class PrefixCache:
 
     def may_share(self, request: Request) -> bool:
         """Whether `request` takes part: its prompt came as token ids (a prompt given as
-        embeds has no ids to be known by), attends to all of them, and its head needs no row
-        of the prefix."""
+        embeds has no ids to be known by) with no images (whose placeholder ids say nothing
+        of the picture), attends to all of them, and its head needs no row of the prefix."""
         prompt = request.prompt
         return (
             prompt.token_ids is not None
+            and not prompt.images
             and prompt.num_attended is None
             and request.task.head in self.heads
         )

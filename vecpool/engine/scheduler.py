@@ -84,11 +84,11 @@ class Scheduler:
     def can_chunk(self, request: Request) -> bool:
         """Whether `request` may run in chunks: the cache could hold its whole prompt, and every
         token of it is attended to (query expansion not attended to needs the whole prompt).
-        An image runs whole."""
+        A prompt with an image or images runs whole."""
         return (
             request.num_prompt_tokens <= self.config.max_cached_tokens
             and request.prompt.num_attended is None
-            and request.prompt.image is None
+            and not request.prompt.runs_whole
         )
 
     def schedule(self) -> SchedulerOutput:
@@ -117,8 +117,8 @@ class Scheduler:
             if self.prefix_cache is not None and not self.prefix_cache.admit(request):
                 break  # its prefix is computed in this step: it reads it in the next
             n = request.num_unscheduled_tokens  # the whole prompt, less a cached prefix
-            # What it costs the step: its tokens, or an image's patches (run whole).
-            cost = n if request.prompt.image is None else request.prompt.cost
+            # What it costs the step: its tokens, and its images' patches (run whole).
+            cost = request.prompt.cost if request.prompt.runs_whole else n
             if cost <= short_budget - step.num_tokens:
                 step.take(self.waiting.popleft(), n, cost)
             elif cost <= short_budget:  # fits a later step whole: wait for it

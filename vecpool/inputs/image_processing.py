@@ -1,5 +1,5 @@
 """Image preprocessing equal to the checkpoint's Hugging Face image processor, in Pillow and
-numpy: CLIP, SigLIP and SigLIP2 (NaFlex).
+numpy: CLIP, SigLIP, SigLIP2 (NaFlex) and Qwen2-VL (Qwen2.5-VL's too).
 
 `load_image_processor(folder)` reads the folder's processor settings (what the Hugging Face
 processor reads: `processor_config.json`'s "image_processor", else `preprocessor_config.json`)
@@ -8,7 +8,8 @@ and the model's patch size (`config.json`), and returns an `ImageProcessor`; cal
 
 Every step is the one transformers' PIL processors (`CLIPImageProcessorPil`,
 `SiglipImageProcessorPil`, `Siglip2ImageProcessorPil`) take, with the same Pillow calls and the
-same float operations, so the values agree with theirs (tests hold them to 1e-6): conversion
+same float operations (`Qwen2VLImageProcessorPil` likewise), so the values agree with theirs
+(tests hold them to 1e-6): conversion
 to RGB (transparency composited onto white), resizing by Pillow with the configured filter,
 center cropping (zero padding where the crop is larger), rescaling (float64 product, rounded
 to float32) and normalization (in float32). Rescaling and normalization act on each 8-bit
@@ -36,12 +37,14 @@ KINDS = {
     "CLIPFeatureExtractor": "clip",
     "SiglipImageProcessor": "siglip",
     "Siglip2ImageProcessor": "siglip2",
+    "Qwen2VLImageProcessor": "qwen2_vl",  # Qwen2.5-VL's processor too
 }
 _MODEL_TYPES = {
     name: kind for kind in ("clip", "siglip", "siglip2") for name in (kind, f"{kind}_vision_model")
 }
+_MODEL_TYPES.update({"qwen2_vl": "qwen2_vl", "qwen2_5_vl": "qwen2_vl"})
 # The vision configs' default patch sizes (CLIPVisionConfig, SiglipVisionConfig, ...).
-_PATCH_DEFAULTS = {"clip": 32, "siglip": 16, "siglip2": 16}
+_PATCH_DEFAULTS = {"clip": 32, "siglip": 16, "siglip2": 16, "qwen2_vl": 14}
 
 _OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 _OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -88,6 +91,20 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "patch_size": 16,
         "max_num_patches": 256,
     },
+    "qwen2_vl": {
+        "do_convert_rgb": True,
+        "do_resize": True,
+        "size": {"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 1280},  # pixel counts
+        "resample": 3,
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "image_mean": _OPENAI_CLIP_MEAN,
+        "image_std": _OPENAI_CLIP_STD,
+        "patch_size": 14,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+    },
 }
 
 # The size dictionaries transformers accepts, and the filters of PIL's numbering.
@@ -123,9 +140,16 @@ class ImageProcessor:
       row-major order, each row laid out (y in patch, x in patch, channel), as its model's
       linear patch embedding reads them; `grid` is the processor's `spatial_shapes` entry.
       Only the image's own patches: none of the padding up to `max_num_patches`.
+    - Qwen2-VL (`kind` "qwen2_vl"): the image resized to multiples of `patch_size *
+      merge_size` holding between `min_pixels` and `max_pixels` pixels (`smart_resize`), its
+      `grid` (rows, columns) of patches ordered by merge block: block after block in row-major
+      order, the `merge_size**2` patches of a block in row-major order within it. Each row is
+      laid out (channel, frame, y in patch, x in patch), the picture repeated over the
+      `temporal_patch_size` frames, as the model's Conv3d patch embedding reads it; `patch_dim`
+      is `3 * temporal_patch_size * patch_size**2`.
     """
 
-    kind: str  # "clip" | "siglip" | "siglip2"
+    kind: str  # "clip" | "siglip" | "siglip2" | "qwen2_vl"
     patch_size: int
     convert_rgb: bool  # composite transparency onto white, as the processor does
     resize: bool  # whether the image is resized (to `size`; SigLIP2: by `max_num_patches`)
@@ -135,12 +159,25 @@ class ImageProcessor:
     pad: tuple[int, int] | None  # (height, width) padded to with zeros after normalizing
     max_num_patches: int  # SigLIP2's patch budget (0 for the others)
     values: np.ndarray  # [3, 256] float32: channel c's 8-bit value v becomes values[c, v]
+    # Qwen2-VL: patches merged into one row of the language model per `merge_size**2`, frames
+    # per patch, and the pixel counts the resized image keeps between (1 and 0 for the others).
+    merge_size: int = 1
+    temporal_patch_size: int = 1
+    min_pixels: int = 0
+    max_pixels: int = 0
+
+    @property
+    def patch_dim(self) -> int:
+        """Values of one patch row."""
+        return 3 * self.temporal_patch_size * self.patch_size**2
 
     def __call__(self, image: Image.Image) -> ImagePixels:
         """`image` preprocessed and cut into patch rows (see the class docstring)."""
         rgb = _to_rgb(image, self.convert_rgb)
         if self.kind == "siglip2":
             return self._naflex(rgb)
+        if self.kind == "qwen2_vl":
+            return self._qwen2_vl(rgb)
         if self.resize:
             rgb = _resized(rgb, self._target_size(rgb.height, rgb.width), self.resample)
         pixels = np.asarray(rgb)  # [height, width, 3] uint8
@@ -175,6 +212,29 @@ class ImageProcessor:
         patches = floats.reshape(rows, p, cols, p, 3).transpose(0, 2, 1, 3, 4)
         return ImagePixels(
             np.ascontiguousarray(patches.reshape(rows * cols, p * p * 3)), (rows, cols)
+        )
+
+    def _qwen2_vl(self, rgb: Image.Image) -> ImagePixels:
+        p, m, frames = self.patch_size, self.merge_size, self.temporal_patch_size
+        factor = p * m
+        if self.resize:
+            target = smart_resize(rgb.height, rgb.width, factor, self.min_pixels, self.max_pixels)
+            rgb = _resized(rgb, target, self.resample)
+        elif rgb.height % factor or rgb.width % factor:
+            raise InputError(
+                f"an image of {rgb.width}x{rgb.height} pixels does not divide into blocks of "
+                f"{factor}x{factor} pixels, and the model's processor does not resize (do_resize "
+                "is false)"
+            )
+        floats = self._lookup(np.asarray(rgb))  # [height, width, 3]
+        rows, cols = rgb.height // p, rgb.width // p
+        # (block row, y in block, y in patch, block column, x in block, x in patch, channel)
+        blocks = floats.reshape(rows // m, m, p, cols // m, m, p, 3)
+        # -> (block row, block column, y in block, x in block, channel, y in patch, x in patch)
+        blocks = blocks.transpose(0, 3, 1, 4, 6, 2, 5).reshape(rows * cols, 3, 1, p * p)
+        patches = np.broadcast_to(blocks, (rows * cols, 3, frames, p * p))
+        return ImagePixels(
+            np.ascontiguousarray(patches).reshape(rows * cols, 3 * frames * p * p), (rows, cols)
         )
 
     def _lookup(self, pixels: np.ndarray) -> np.ndarray:
@@ -271,7 +331,7 @@ def _build(
         key: _flag(get(key), key, source)
         for key in ("do_convert_rgb", "do_resize", "do_center_crop", "do_rescale", "do_normalize")
     }
-    if kind != "siglip2":
+    if kind not in ("siglip2", "qwen2_vl"):
         flags["do_pad"] = _flag(get("do_pad"), "do_pad", source)
     square = _flag(get("default_to_square"), "default_to_square", source)
     resample = get("resample")
@@ -290,6 +350,8 @@ def _build(
         vision = model
     # A config saved as a difference from its class's defaults may leave the default out.
     model_patch = vision.get("patch_size", _PATCH_DEFAULTS[kind])
+    if kind == "qwen2_vl":
+        return _qwen2_vl(get, flags, resample, values, vision, source, str(config_path))
     if kind == "siglip2":
         patch_size = _positive(get("patch_size"), "patch_size", source)
         if model_patch != patch_size:
@@ -350,6 +412,57 @@ def _build(
         pad=pad,
         max_num_patches=0,
         values=values,
+    )
+
+
+def _qwen2_vl(
+    get: Any,  # the setting of a key: the config's, else the class default
+    flags: dict[str, bool],
+    resample: int,
+    values: np.ndarray,
+    vision: dict[str, Any],  # the model's vision_config
+    source: str,
+    config_path: str,
+) -> ImageProcessor:
+    """Qwen2-VL's processor: its patch, frame and merge sizes, which must be the model's, and
+    the pixel counts it resizes between (`min_pixels` / `max_pixels` where the config gives
+    them, as transformers lets them override `size`)."""
+    sizes = {}
+    for key, model_key, default in (
+        ("patch_size", "patch_size", 14),
+        ("temporal_patch_size", "temporal_patch_size", 2),
+        ("merge_size", "spatial_merge_size", 2),
+    ):
+        sizes[key] = _positive(get(key), key, source)
+        model_value = vision.get(model_key, default)
+        if model_value != sizes[key]:
+            raise ConfigError(
+                f"{source}: {key} {sizes[key]} differs from the model's vision_config."
+                f"{model_key} {model_value} ({config_path})"
+            )
+    size = get("size")
+    size = dict(size) if isinstance(size, dict) else {}
+    low = get("min_pixels") or size.get("shortest_edge") or size.get("min_pixels")
+    high = get("max_pixels") or size.get("longest_edge") or size.get("max_pixels")
+    min_pixels = _positive(low, "min_pixels (size.shortest_edge)", source)
+    max_pixels = _positive(high, "max_pixels (size.longest_edge)", source)
+    if min_pixels > max_pixels:
+        raise ConfigError(f"{source}: min_pixels {min_pixels} is over max_pixels {max_pixels}")
+    return ImageProcessor(
+        kind="qwen2_vl",
+        patch_size=sizes["patch_size"],
+        convert_rgb=flags["do_convert_rgb"],
+        resize=flags["do_resize"],
+        size={},
+        resample=resample,
+        crop=None,
+        pad=None,
+        max_num_patches=0,
+        values=values,
+        merge_size=sizes["merge_size"],
+        temporal_patch_size=sizes["temporal_patch_size"],
+        min_pixels=min_pixels,
+        max_pixels=max_pixels,
     )
 
 
@@ -477,6 +590,30 @@ def _size_with_aspect_ratio(height: int, width: int, size: int, max_size: int) -
     if width < height:
         return int(scaled_short * height / width), size
     return size, int(scaled_short * width / height)
+
+
+def smart_resize(
+    height: int, width: int, factor: int, min_pixels: int, max_pixels: int
+) -> tuple[int, int]:
+    """transformers' Qwen2-VL `smart_resize`: (height, width) as multiples of `factor`, the
+    aspect ratio kept as closely as may be, scaled into [`min_pixels`, `max_pixels`] pixels.
+    `InputError` for an aspect ratio over 200, which the processor refuses too."""
+    if max(height, width) / min(height, width) > 200:
+        raise InputError(
+            f"an image of {width}x{height} pixels has an aspect ratio over 200, which the "
+            "model's processor refuses"
+        )
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
 
 
 def _naflex_size(height: int, width: int, patch: int, max_patches: int) -> tuple[int, int]:

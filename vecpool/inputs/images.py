@@ -20,6 +20,7 @@ from vecpool.inputs.pixels import ImagePixels
 if TYPE_CHECKING:
     from vecpool.inputs.image_processing import ImageProcessor
     from vecpool.inputs.media import MediaPolicy
+    from vecpool.inputs.vision_prompts import VisionFormat
 
 DATA_IMAGE_PREFIX = "data:image/"
 
@@ -46,17 +47,29 @@ def image_reader(processor_dir: str | None, policy: MediaPolicy | None) -> Image
             f"the model has an image tower, but {processor_dir} has no preprocessor_config.json "
             "(its image processor's settings)"
         )
-    return ImageReader(processor, policy if policy is not None else MediaPolicy())
+    vision = None
+    if processor.kind == "qwen2_vl":  # a vision-language model: images go into prompts
+        from vecpool.inputs.vision_prompts import read_vision_format
+
+        vision = read_vision_format(Path(processor_dir), processor.merge_size)
+    return ImageReader(processor, policy if policy is not None else MediaPolicy(), vision)
 
 
 class ImageReader:
     """Reads one image input into the patch rows its model runs: loaded under the media policy
     (`vecpool.inputs.media`), preprocessed as the checkpoint's image processor does
-    (`vecpool.inputs.image_processing`). Model-free: it runs where texts are tokenized."""
+    (`vecpool.inputs.image_processing`). Model-free: it runs where texts are tokenized.
 
-    def __init__(self, processor: ImageProcessor, policy: MediaPolicy):
+    `vision` is set for a vision-language model, whose images sit in prompts at placeholder
+    tokens (`vecpool.inputs.vision_prompts`); None for a dual encoder, whose image is an input
+    of its own."""
+
+    def __init__(
+        self, processor: ImageProcessor, policy: MediaPolicy, vision: VisionFormat | None = None
+    ):
         self.processor = processor
         self.policy = policy
+        self.vision = vision
 
     def __call__(self, value: Any, index: int, deadline: float | None = None) -> ImagePixels:
         from vecpool.inputs.media import load_image

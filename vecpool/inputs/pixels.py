@@ -29,3 +29,24 @@ class ImagePixels:
                 f"patches of shape {tuple(self.patches.shape)} do not fill a {rows}x{cols} grid"
             )
         object.__setattr__(self, "num_patches", int(self.patches.shape[0]))
+
+
+@dataclass(frozen=True)
+class ImageSpan:
+    """One image of a vision-language prompt: the run of placeholder tokens it fills, and what
+    fills them, the image's patch rows (which the model's vision tower turns into the span's
+    rows) or those rows themselves, computed before (a client's own tower run)."""
+
+    start: int  # prompt position of its first placeholder token
+    num_tokens: int  # placeholder tokens: the grid's patches / merge_size**2
+    grid: tuple[int, int]  # (rows, columns) of patches, before merging
+    pixels: ImagePixels | None  # the patch rows, for the vision tower; None: `rows` given
+    # [num_tokens, hidden] float32: the rows as given, as the input stage checked them (rows of
+    # a bfloat16 or float16 tower widened exactly); the model runner rounds them to the model
+    # dtype, as it does prompt embeds. None: `pixels` given.
+    rows: np.ndarray | None = None
+
+    @property
+    def end(self) -> int:
+        """Prompt position one past its last placeholder token."""
+        return self.start + self.num_tokens

@@ -3,7 +3,9 @@
 An input is a string, a list of token ids, a 2-D prompt-embeds tensor wrapped as
 `{"prompt_embeds": tensor}`, the dict forms `{"prompt": str}` / `{"prompt_token_ids": [...]}`,
 or a text pair `{"text": str, "text_pair": str}` (a cross-encoder's query and document, joined
-by the tokenizer's pair template, with segment ids). Every error names the input's index in the
+by the tokenizer's pair template, with segment ids). A model with an image tower also takes
+images: a dual encoder's as inputs of their own, a vision-language model's inside prompts
+(`vecpool.inputs.vision_prompts` lists those forms). Every error names the input's index in the
 call and what was wrong with it.
 
 A late-interaction (ColBERT) model writes its queries and documents differently: inputs of one
@@ -33,9 +35,22 @@ from vecpool.inputs.arrays import (
     truncate,
 )
 from vecpool.inputs.images import DATA_IMAGE_PREFIX, ImageReader, is_image
-from vecpool.inputs.pixels import ImagePixels
+from vecpool.inputs.pixels import ImagePixels, ImageSpan
 from vecpool.inputs.tokenizer import TextTokenizer, id_arrays
 from vecpool.inputs.tokenizer_pool import TokenizerPool
+from vecpool.inputs.vision_prompts import (
+    ImageRows,
+    VisionFormat,
+    VisionInput,
+    image_rows,
+    is_parts,
+    is_precomputed,
+    is_vision_dict,
+    mrope_positions,
+    parse_vision_input,
+    place_images,
+    render,
+)
 
 __all__ = ["TextTokenizer", "TruncationSide", "is_tensor"]  # re-exported: their old home
 
@@ -44,7 +59,9 @@ __all__ = ["TextTokenizer", "TruncationSide", "is_tensor"]  # re-exported: their
 class Prompt:
     """One validated input: token ids, prompt embeds that replace the embedding lookup, or an
     image for a dual encoder's image tower (one row of the flat batch, which the model fills
-    with the image's embedding)."""
+    with the image's embedding). A vision-language model's prompt is token ids with `images`:
+    each image fills its run of placeholder tokens, and the prompt carries its multimodal
+    rotary positions. A prompt with an image or images runs whole, in one step."""
 
     token_ids: np.ndarray | None  # [num_tokens] int64; None for prompt embeds
     # [num_tokens, hidden]: a float numpy array as the input stage checked it (a bfloat16
@@ -57,6 +74,11 @@ class Prompt:
     # model does not attend to); None: every token is.
     num_attended: int | None = None
     image: ImagePixels | None = None  # an image input (token_ids and prompt_embeds None)
+    # A vision-language prompt's images, in order of their placeholder spans in `token_ids`.
+    images: tuple[ImageSpan, ...] = ()
+    # [3, num_tokens] int64 (temporal, height, width) positions of a prompt with `images`, for
+    # a model with multimodal rotary positions (M-RoPE); None: the positions 0, 1, 2, ...
+    mrope_positions: np.ndarray | None = None
     # Rows of the prompt: read several times per step, so set once.
     num_tokens: int = field(init=False, repr=False, compare=False)
 
@@ -70,8 +92,17 @@ class Prompt:
 
     @property
     def cost(self) -> int:
-        """Rows of work the prompt brings to a step: its tokens, and an image's patches."""
-        return self.num_tokens if self.image is None else self.image.num_patches + 1
+        """Rows of work the prompt brings to a step: its tokens, and its images' patches."""
+        if self.image is not None:
+            return self.image.num_patches + 1
+        patches = (s.pixels.num_patches for s in self.images if s.pixels is not None)
+        return self.num_tokens + sum(patches)
+
+    @property
+    def runs_whole(self) -> bool:
+        """Whether the prompt runs in one step, never in chunks: an image, or a prompt with
+        images (their tower's rows are not kept from one chunk to the next)."""
+        return self.image is not None or bool(self.images)
 
 
 @dataclass(frozen=True)
@@ -134,6 +165,9 @@ class SideFormat:
 # How a too-long error says to truncate, in the API's terms; `vecpool embed` words it as its
 # own option.
 TRUNCATE_ADVICE = "pass truncate_prompt_tokens (-1 for the limit) to truncate it"
+# vLLM's closing words of a too-long error (before its renderer's "... input prompt."), which
+# clients match on.
+REDUCE_LENGTH = "Please reduce the length of the input."
 
 
 def too_long(n: int, limit: int, index: int | None, side: str | None = None) -> InputError:
@@ -145,7 +179,7 @@ def too_long(n: int, limit: int, index: int | None, side: str | None = None) -> 
     scope = "" if side is None else f" for a {side}"
     return InputTooLongError(
         f"the {what} has {n} tokens, more than the model's maximum context length{scope} of "
-        f"{limit} tokens; {TRUNCATE_ADVICE}. Please reduce the length of the input.",
+        f"{limit} tokens; {TRUNCATE_ADVICE}. {REDUCE_LENGTH}",
         index=index,
     )
 
@@ -213,10 +247,18 @@ class InputProcessor:
             for i, prompt in zip(others, checked, strict=True):
                 prompts[i] = prompt
         else:  # one by one, in input order: the first bad input raises
-            images = self._read_images(kinds, others)
+            vision = self.images.vision if self.images is not None else None
+            in_prompts = [i for i in others if _in_prompt(kinds[i][0], vision)]
+            made = self._vision_prompts(kinds, in_prompts, options, limit)
+            images = self._read_images(kinds, [i for i in others if i not in made])
             for i in others:
                 kind, value = kinds[i]
-                if kind == "token_ids":
+                if i in made:
+                    result = made[i]
+                    if isinstance(result, InputError):
+                        raise result
+                    prompts[i] = result
+                elif kind == "token_ids":
                     prompts[i] = self._token_ids(value, i, limit, side)
                 elif kind == "image":
                     pixels = images.get(i)
@@ -299,13 +341,118 @@ class InputProcessor:
         if not indices:
             return {}
         if self.images is None:
-            reason = (
-                "an image, but this model has no image tower (it embeds text only; CLIP and "
-                "SigLIP models embed images)"
-            )
-            return {i: InputError(reason, index=i) for i in indices}
+            return {i: InputError(_NO_TOWER, index=i) for i in indices}
         read = self.images.read_many([(i, kinds[i][1]) for i in indices], self.deadline)
         return dict(zip(indices, read, strict=True))
+
+    def _vision_prompts(
+        self,
+        kinds: list[tuple[str, Any]],
+        indices: list[int],
+        options: TextOptions,
+        limit: int | None,
+    ) -> dict[int, Prompt | InputError]:
+        """The prompts of the inputs that hold images in a prompt (`vecpool.inputs.
+        vision_prompts`), or each one's error, by input index; their images read together."""
+        if not indices:
+            return {}
+        reader = self.images
+        if reader is None or reader.vision is None:
+            reason = (
+                _NO_TOWER
+                if reader is None
+                else "text with images, but this model embeds texts and images apart (a dual "
+                "encoder): give the text and the image as two inputs"
+            )
+            return {i: InputError(reason, index=i) for i in indices}
+        out: dict[int, Prompt | InputError] = {}
+        parsed: dict[int, VisionInput] = {}
+        for i in indices:
+            try:
+                parsed[i] = parse_vision_input(kinds[i][1], i)
+            except InputError as exc:
+                out[i] = exc
+        to_read = [
+            (i, j, value)
+            for i, given in parsed.items()
+            for j, value in enumerate(given.images)
+            if not is_precomputed(value)
+        ]
+        read = reader.read_many([(i, value) for i, _, value in to_read], self.deadline)
+        pixels = {(i, j): got for (i, j, _), got in zip(to_read, read, strict=True)}
+        for i, given in parsed.items():
+            try:
+                out[i] = self._vision_prompt(given, i, reader.vision, pixels, options, limit)
+            except InputError as exc:
+                out[i] = exc
+        return dict(sorted(out.items()))
+
+    def _vision_prompt(
+        self,
+        given: VisionInput,
+        index: int,
+        fmt: VisionFormat,
+        pixels: dict[tuple[int, int], ImagePixels | InputError],
+        options: TextOptions,
+        limit: int | None,
+    ) -> Prompt:
+        limits = self.limits
+        images: list[ImagePixels | ImageRows] = []
+        for j, value in enumerate(given.images):
+            if not is_precomputed(value):
+                got = pixels[(index, j)]
+                if isinstance(got, InputError):
+                    raise got
+                images.append(got)
+            elif not limits.enable_prompt_embeds:
+                raise InputError(
+                    "precomputed image rows are prompt embeds, which are disabled on this "
+                    "engine (enable_prompt_embeds=False; a server accepts them when started "
+                    "with --enable-prompt-embeds)",
+                    index=index,
+                    field="image_embeds",
+                )
+            else:
+                images.append(image_rows(value, index, fmt, limits.hidden_size, limits.dtype))
+        if given.token_ids is not None:
+            ids = as_id_array(given.token_ids, index)
+            self._check_vocabulary(ids, index, "prompt_token_ids")
+        else:
+            if self.tokenizer is None:
+                raise InputError(
+                    "text input needs a tokenizer, and the model folder has no tokenizer.json; "
+                    "pass token ids with image placeholders instead",
+                    index=index,
+                )
+            written = given.text is not None  # a prompt written by the caller
+            text = given.text
+            if text is None:
+                text = render(fmt, given.parts or [], options.prompt)
+            self.check_text_size(text, index)
+            specials = options.add_special_tokens and written  # a template writes its own
+            try:
+                (ids,) = self.tokenizer.encode_ids([text], None, "right", specials)
+            except InputError as exc:
+                raise exc.at(index) from None
+        ids, spans = place_images(ids, images, fmt, index)
+        n = int(ids.shape[0])
+        if limit is not None and n > limit:
+            raise InputError(
+                f"the input has {n} tokens with its images' placeholders, more than "
+                f"truncate_prompt_tokens={limit}; an input with images is not truncated (a cut "
+                "could split an image's placeholders)",
+                index=index,
+                field="truncate_prompt_tokens",
+            )
+        self._check_length(n, index)
+        if not spans:
+            return Prompt(token_ids=ids, prompt_embeds=None)
+        return Prompt(
+            token_ids=ids,
+            prompt_embeds=None,
+            images=spans,
+            mrope_positions=mrope_positions(n, spans, fmt.merge_size),
+        )
 
     def check_text_size(self, text: str | tuple[str, str], index: int | None = None) -> None:
         """`InputError` for a text over the character limit, before any tokenizing."""
@@ -344,7 +491,7 @@ class InputProcessor:
                 f"truncate_prompt_tokens={t} is more than the model's limit of "
                 f"{self.limits.max_model_len} tokens; pass -1 to truncate to the limit "
                 f"(as vLLM words it: truncate_prompt_tokens value ({t}) is greater than "
-                f"max_model_len ({self.limits.max_model_len}). Please, select a smaller "
+                f"max_model_len ({self.limits.max_model_len}). Please request a smaller "
                 "truncation size.)",
                 field="truncate_prompt_tokens",
             )
@@ -501,6 +648,18 @@ class InputProcessor:
         return Prompt(token_ids=None, prompt_embeds=np.ascontiguousarray(value))
 
 
+_NO_TOWER = (
+    "an image, but this model has no image tower (it embeds text only; CLIP and SigLIP models "
+    "embed images, Qwen2-VL models text with images)"
+)
+
+
+def _in_prompt(kind: str, vision: VisionFormat | None) -> bool:
+    """Whether an input of `kind` becomes a prompt with images (a vision-language model's
+    image, or text with images for any model, which refuses it unless it is one)."""
+    return kind in ("vision", "parts") or (kind == "image" and vision is not None)
+
+
 def _padded(prompt: Prompt, length: int, pad_id: int) -> Prompt:
     """`prompt`'s token ids padded with `pad_id` up to `length` (others as they are)."""
     ids = prompt.token_ids
@@ -511,26 +670,31 @@ def _padded(prompt: Prompt, length: int, pad_id: int) -> Prompt:
 
 
 def input_kind(item: Any, index: int) -> str:
-    """The form of one input: "text", "pair", "token_ids", "prompt_embeds" or "image"."""
+    """The form of one input: "text", "pair", "token_ids", "prompt_embeds", "image", or, with
+    images in a prompt, "vision" (a dict) or "parts" (a list of parts)."""
     return _classify(item, index)[0]
 
 
 def _classify(item: Any, index: int) -> tuple[str, Any]:
-    """(kind, value) of one input: kind is "text", "pair", "token_ids", "prompt_embeds" or
-    "image" (see `vecpool.inputs.images.is_image` for the forms an image takes)."""
+    """(kind, value) of one input: kind is "text", "pair", "token_ids", "prompt_embeds",
+    "image" (see `vecpool.inputs.images.is_image` for the forms an image takes), "vision" or
+    "parts" (see `vecpool.inputs.vision_prompts`)."""
     if type(item) is list:  # the common cases first: ABC isinstance checks cost microseconds
-        return "token_ids", item
+        return ("parts", item) if is_parts(item) else ("token_ids", item)
     if isinstance(item, str):
         return ("image", item) if item.startswith(DATA_IMAGE_PREFIX) else ("text", item)
     if isinstance(item, Mapping):
         keys = set(item)
         if keys == {"text", "text_pair"}:
             return "pair", _text_pair(item, index)
+        if is_vision_dict(item):
+            return "vision", item
         known = {"prompt", "prompt_token_ids", "prompt_embeds", "image"}
         if len(keys) != 1 or not keys <= known:
             raise InputError(
-                f"a dict input needs exactly one of the keys {sorted(known)}, or the two keys "
-                f"'text' and 'text_pair'; got {sorted(map(str, keys))}",
+                f"a dict input needs exactly one of the keys {sorted(known)}, the two keys "
+                "'text' and 'text_pair', or 'image' with one of 'text', 'prompt', "
+                f"'prompt_token_ids'; got {sorted(map(str, keys))}",
                 index=index,
             )
         (key,) = keys

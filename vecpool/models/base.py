@@ -30,7 +30,9 @@ class Capability(enum.Enum):
     CAUSAL_LM = "causal_lm"  # `compute_logits`
     TOKEN_PROJECTION = "token_projection"  # `project_tokens`
     LISTWISE_RANKER = "listwise_ranker"  # `project_listwise`: a listwise reranker's vectors
-    IMAGE_TOWER = "image_tower"  # `forward(..., images=...)`: a dual encoder's image side
+    # `forward(..., images=...)`: a dual encoder's image side, or a vision-language model's
+    # vision tower
+    IMAGE_TOWER = "image_tower"
 
 
 @dataclass
@@ -39,13 +41,17 @@ class ImageBatch:
     concatenates texts' tokens. Built by the model runner; read by a model with an image tower.
 
     A dual encoder (CLIP, SigLIP) gives each image one row of the step's flat batch: its
-    forward writes the image's pooled, projected embedding there (`rows`)."""
+    forward writes the image's pooled, projected embedding there (`rows`). A vision-language
+    model (Qwen2-VL) gives each image the rows of its placeholder tokens: its forward writes
+    the vision tower's rows there, into the input embeddings, before the language model."""
 
     pixel_values: torch.Tensor  # [num_patches, patch_dim] model dtype
     cu_patches: torch.Tensor  # [num_images + 1] int32: where each image's patches start
     max_patches: int  # the most patches of one image
     grids: list[tuple[int, int]]  # [num_images] (rows, columns) of patches
-    rows: torch.Tensor  # [num_images] int64: the flat batch row each image's output goes to
+    # [num_images] int64: the flat batch row each image's output goes to; a vision-language
+    # model's: [num_image_tokens], every placeholder row, image after image
+    rows: torch.Tensor
 
     @property
     def num_images(self) -> int:
@@ -134,8 +140,10 @@ class PoolingModel(nn.Module):
         attn: AttentionMetadata,
         token_type_ids: torch.Tensor | None = None,  # [num_tokens] int64, encoders only
     ) -> torch.Tensor:  # [num_tokens, hidden] final hidden states
-        """A model with `Capability.IMAGE_TOWER` also takes `images: ImageBatch | None` and
-        returns `[num_tokens, output_size]` rows in its shared space (see `ImageBatch`)."""
+        """A model with `Capability.IMAGE_TOWER` also takes `images: ImageBatch | None`: a
+        dual encoder returns `[num_tokens, output_size]` rows in its shared space, a
+        vision-language model fills its images' placeholder rows (see `ImageBatch`). A model
+        with multimodal rotary positions (M-RoPE) may get `[3, num_tokens]` positions."""
         raise NotImplementedError
 
     def classify(self, pooled: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ from vecpool.models.layers.attention import AttentionMetadata
 from vecpool.models.layers.kv_blocks import BlockPool, ChunkedKV, PrefixKV, SharedPrefixes
 from vecpool.pooling.methods import PoolingMetadata
 from vecpool.runner.kv_cache import KVCache
-from vecpool.runner.step import StepInput
+from vecpool.runner.step import ScheduledChunk, StepInput
 
 
 @dataclass
@@ -31,8 +31,13 @@ class FlatBatch:
     attn: AttentionMetadata
     pooling: PoolingMetadata
     has_token_ids: list[bool]  # [num_seqs]: False where the prompt came as embeddings or an image
-    # The step's images (one row each in the flat batch; the model fills it); None: no image.
+    # The step's images (a dual encoder's: one row each; a vision-language model's: the rows
+    # of their placeholder tokens; the model fills them); None: no image.
     images: ImageBatch | None = None
+    # Multimodal rotary positions (temporal, height, width), when some prompt of the step has
+    # them (a vision-language prompt with images); the other prompts' positions repeated on
+    # the three axes. None: `positions` serve.
+    mrope_positions: torch.Tensor | None = None  # [3, num_tokens] int64
     # Shared-prefix caching: each sequence's cached prefix's float32 hidden-state sum (zero
     # where it has none). Set by the model runner's forward; None: no sequence reads the pool.
     prefix_sums: torch.Tensor | None = None  # [num_seqs, hidden] float32
@@ -69,7 +74,9 @@ def build_flat_batch(
     type_parts: list[np.ndarray] = []
     embeds_parts: list[torch.Tensor] = []
     embeds_rows_parts: list[np.ndarray] = []
-    images: list[tuple[ImagePixels, int]] = []  # (pixels, batch row) of the step's images
+    # The step's images: (pixels, first batch row, rows) that the model fills from them
+    images: list[tuple[ImagePixels, int, int]] = []
+    mrope = any(c.prompt.mrope_positions is not None for c in chunks)
     key_lengths: np.ndarray | None = None  # [num_seqs]: set when some keys are left out
     # Token types: zeros for the whole step unless some prompt has its own (a text pair).
     own_types = with_token_types and any(c.prompt.token_type_ids is not None for c in chunks)
@@ -80,11 +87,21 @@ def build_flat_batch(
             if key_lengths is None:
                 key_lengths = lengths.copy()
             key_lengths[i] = min(max(prompt.num_attended - c.start, 1), c.num_tokens)
+        if prompt.images:  # the images' spans, filled by the model or from rows given
+            if c.start != 0 or c.num_tokens != prompt.num_tokens:
+                raise EngineError("a prompt with images runs whole, but a step holds part of it")
+            for span in prompt.images:
+                first = int(offset) + span.start
+                if span.pixels is not None:
+                    images.append((span.pixels, first, span.num_tokens))
+                else:
+                    embeds_parts.append(torch.from_numpy(span.rows))
+                    embeds_rows_parts.append(np.arange(first, first + span.num_tokens))
         if prompt.token_ids is not None:
             ids_parts.append(prompt.token_ids[c.start : end])
         elif prompt.image is not None:  # one row, which the model fills with the image's output
             ids_parts.append(_IMAGE_ROW_ID)
-            images.append((prompt.image, int(offset)))
+            images.append((prompt.image, int(offset), 1))
         else:
             assert prompt.prompt_embeds is not None
             ids_parts.append(np.zeros(c.num_tokens, dtype=np.int64))
@@ -116,10 +133,13 @@ def build_flat_batch(
         )
     if embeds_parts:
         arrays.append(np.concatenate(embeds_rows_parts))
+    if mrope:
+        arrays.append(_mrope_positions(chunks, cu, positions).reshape(-1))
     on_device = upload(arrays, device)
     cu32_words, input_ids, cu_device, seq_ids_device, starts_device = on_device[:5]
     positions_device, pos_device, lengths_device, last_rows = on_device[5:9]
     token_types = on_device[9] if with_token_types else None
+    mrope_positions = on_device.pop().view(3, num_tokens) if mrope else None
     embeds_rows = on_device[-1] if embeds_parts else None
     key_rows: torch.Tensor | None = None
     cu_seqlens_k: torch.Tensor | None = None
@@ -162,24 +182,40 @@ def build_flat_batch(
         ),
         has_token_ids=[c.prompt.token_ids is not None for c in chunks],
         images=_image_batch(images, device) if images else None,
+        mrope_positions=mrope_positions,
     )
 
 
 _IMAGE_ROW_ID = np.zeros(1, dtype=np.int64)
 
 
-def _image_batch(images: list[tuple[ImagePixels, int]], device: torch.device) -> ImageBatch:
+def _mrope_positions(
+    chunks: list[ScheduledChunk],
+    cu: np.ndarray,  # [num_seqs + 1] int64: the chunks' rows in the batch
+    positions: np.ndarray,  # [num_tokens] int64
+) -> np.ndarray:  # [3, num_tokens] int64
+    """Each chunk's multimodal rotary positions, its plain positions on the three axes where
+    its prompt has none."""
+    out = np.repeat(positions[None, :], 3, axis=0)
+    for c, first, last in zip(chunks, cu[:-1], cu[1:], strict=True):
+        own = c.prompt.mrope_positions
+        if own is not None:
+            out[:, first:last] = own[:, c.start : c.start + c.num_tokens]
+    return out
+
+
+def _image_batch(images: list[tuple[ImagePixels, int, int]], device: torch.device) -> ImageBatch:
     """The step's images, flat: their patch rows concatenated (float32 here; the model runner
-    casts them to the model dtype), with where each starts and the batch row it fills."""
-    counts = np.fromiter((p.num_patches for p, _ in images), np.int64, len(images))
-    pixels = torch.from_numpy(np.concatenate([p.patches for p, _ in images]))
-    rows = np.fromiter((row for _, row in images), np.int64, len(images))
+    casts them to the model dtype), with where each starts and the batch rows it fills."""
+    counts = np.fromiter((p.num_patches for p, _, _ in images), np.int64, len(images))
+    pixels = torch.from_numpy(np.concatenate([p.patches for p, _, _ in images]))
+    rows = np.concatenate([np.arange(first, first + n) for _, first, n in images])
     cu_patches, rows_device = upload([_cumsum0(counts), rows], device)
     return ImageBatch(
         pixel_values=pixels.to(device, non_blocking=True),
         cu_patches=cu_patches.to(torch.int32),
         max_patches=int(counts.max()),
-        grids=[p.grid for p, _ in images],
+        grids=[p.grid for p, _, _ in images],
         rows=rows_device,
     )
 

@@ -10,7 +10,8 @@ import contextlib
 import torch
 
 from vecpool.errors import EngineError
-from vecpool.models.base import PoolingModel
+from vecpool.inputs.pixels import ImagePixels
+from vecpool.models.base import ImageBatch, PoolingModel
 from vecpool.models.layers import packed_attention
 from vecpool.models.layers.attention import cached_step, varlen_available
 from vecpool.models.layers.invariant import InvariantFunctions, make_batch_invariant
@@ -109,6 +110,27 @@ class ModelRunner:
         """`[n]` ids -> `[n, hidden]`: the model's own input embeddings (model dtype)."""
         return self.model.embed_input_ids(token_ids.to(self.device))
 
+    @torch.inference_mode()
+    def image_rows(self, pixels: ImagePixels) -> torch.Tensor:
+        """`[num_tokens, hidden]` (CPU, model dtype): a vision-language model's rows for one
+        image's placeholder tokens, its vision tower run on the image alone. Sent back as the
+        image's precomputed rows (`vecpool.inputs.vision_prompts`), they give what the image
+        gives, bit for bit."""
+        vision_rows = getattr(self.model, "vision_rows", None)
+        if vision_rows is None:
+            raise EngineError("this model has no vision tower that writes prompt rows")
+        patches = torch.from_numpy(pixels.patches).to(self.device, self.dtype)
+        images = ImageBatch(
+            pixel_values=patches,
+            cu_patches=torch.tensor([0, pixels.num_patches], dtype=torch.int32, device=self.device),
+            max_patches=pixels.num_patches,
+            grids=[pixels.grid],
+            rows=torch.zeros(0, dtype=torch.int64, device=self.device),
+        )
+        with self.on_device():
+            rows: torch.Tensor = vision_rows(images, self.use_varlen, self.batch_invariant)
+        return rows.cpu()
+
     def prepare(self, step: StepInput) -> FlatBatch:
         """Build the flat batch of a step and copy it to the device."""
         batch = build_flat_batch(
@@ -125,6 +147,8 @@ class ModelRunner:
             if not self.model.image_patch_dim:
                 raise EngineError("a step holds an image, but this model has no image tower")
             batch.images.pixel_values = batch.images.pixel_values.to(self.dtype)
+        if batch.prompt_embeds is not None:  # image rows given as float32 join in the model dtype
+            batch.prompt_embeds = batch.prompt_embeds.to(self.dtype)
         return batch
 
     def release(self, request_ids: list[str]) -> None:
@@ -143,9 +167,11 @@ class ModelRunner:
             assert batch.embeds_rows is not None
             x.index_copy_(0, batch.embeds_rows, batch.prompt_embeds)
         hidden = None
-        # A step with images runs plain: the image tower beside the text tower.
+        # A step with images runs plain: the image tower beside the text tower, or before the
+        # language model; so does one with multimodal rotary positions.
         images = {} if batch.images is None else {"images": batch.images}
-        if self.graphs is not None and not images:
+        positions = batch.positions if batch.mrope_positions is None else batch.mrope_positions
+        if self.graphs is not None and not images and batch.mrope_positions is None:
             hidden = self.graphs.run(x, batch.positions, batch.attn, batch.token_type_ids)
         if hidden is None:
             # On the CPU the invariant mode also needs its elementwise functions.
@@ -154,7 +180,7 @@ class ModelRunner:
                 InvariantFunctions() if invariant_cpu else contextlib.nullcontext(),
                 cached_step(batch.attn) if kv is not None else contextlib.nullcontext(),
             ):
-                hidden = self.model(x, batch.positions, batch.attn, batch.token_type_ids, **images)
+                hidden = self.model(x, positions, batch.attn, batch.token_type_ids, **images)
         if kv is not None and kv.prefix is not None:  # blocks written, prefixes read
             batch.prefix_sums = kv.prefix.pool.hidden_sums(hidden, kv.prefix)
         return hidden

@@ -96,6 +96,11 @@ _REGISTRY: dict[str, tuple[str, str]] = {
     "CLIPModel": ("clip", "CLIPModel"),
     "SiglipModel": ("siglip", "SiglipModel"),
     "Siglip2Model": ("siglip", "Siglip2Model"),
+    # -- vision-language models (images into the prompt) --
+    "Qwen2VLForConditionalGeneration": ("qwen2_vl", "Qwen2VLForConditionalGeneration"),
+    "Qwen2VLModel": ("qwen2_vl", "Qwen2VLModel"),
+    "Qwen2_5_VLForConditionalGeneration": ("qwen2_vl", "Qwen2_5_VLForConditionalGeneration"),
+    "Qwen2_5_VLModel": ("qwen2_vl", "Qwen2_5_VLModel"),
 }
 
 
