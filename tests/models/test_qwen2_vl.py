@@ -407,8 +407,12 @@ def test_text_models_and_dual_encoders_refuse_text_with_images(
     minilm: vecpool.Engine, tmp_path: Path
 ) -> None:
     (image,) = sample_images(SIZES[:1])
-    for item in ({"text": "a", "image": image}, [{"type": "image", "image": image}]):
-        with pytest.raises(InputError, match="input 1: an image, but this model has no image"):
+    for item, what in (
+        ({"text": "a", "image": image}, "text with images"),
+        ([{"type": "image", "image": image}], "a list of parts"),
+        ([{"type": "text", "text": "a"}], "a list of parts"),
+    ):
+        with pytest.raises(InputError, match=f"input 1: {what}, but this model has no image"):
             minilm.embed(["text", item])
     save_tiny_dual_encoder(tmp_path / "clip")
     clip = vecpool.Engine(tmp_path / "clip", device="cpu")

@@ -358,13 +358,7 @@ class InputProcessor:
             return {}
         reader = self.images
         if reader is None or reader.vision is None:
-            reason = (
-                _NO_TOWER
-                if reader is None
-                else "text with images, but this model embeds texts and images apart (a dual "
-                "encoder): give the text and the image as two inputs"
-            )
-            return {i: InputError(reason, index=i) for i in indices}
+            return {i: InputError(_no_vision(kinds[i][0], reader), index=i) for i in indices}
         out: dict[int, Prompt | InputError] = {}
         parsed: dict[int, VisionInput] = {}
         for i in indices:
@@ -652,6 +646,22 @@ _NO_TOWER = (
     "an image, but this model has no image tower (it embeds text only; CLIP and SigLIP models "
     "embed images, Qwen2-VL models text with images)"
 )
+
+
+def _no_vision(kind: str, reader: ImageReader | None) -> str:
+    """Why a model that is not a vision-language model refuses an input of `kind`."""
+    what = "a list of parts" if kind == "parts" else "text with images"
+    if reader is not None:
+        return (
+            f"{what}, but this model embeds texts and images apart (a dual encoder): give "
+            "each text and each image as an input of its own"
+        )
+    if kind == "image":
+        return _NO_TOWER
+    return (
+        f"{what}, but this model has no image tower (it embeds text only; Qwen2-VL models "
+        "embed text with images)"
+    )
 
 
 def _in_prompt(kind: str, vision: VisionFormat | None) -> bool:
