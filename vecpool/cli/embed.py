@@ -366,20 +366,26 @@ def _embed_chunks(
             bar.update(chunk.num_lines)
     if not args.quiet:
         seconds = time.perf_counter() - start
-        what = f"{inputs:,} inputs" + (f" ({images:,} images)" if args.image_field else "")
+        what = f"{inputs:,} inputs"
+        if args.image_field is not None:
+            what += f" ({images:,} images)"
+        if tokens or args.image_field is None:
+            what += f", {tokens:,} tokens"
         print(
             f"wrote {work.rows:,} embeddings of {embedder.output_dim} dims to {work.output} "
-            f"({what}, {tokens:,} tokens embedded in {seconds:.1f} s: "
+            f"({what} embedded in {seconds:.1f} s: "
             f"{_rates(args, inputs, images, tokens, max(seconds, 1e-9))})",
             file=sys.stderr,
         )
 
 
 def _rates(args: argparse.Namespace, inputs: int, images: int, tokens: int, seconds: float) -> str:
+    """The progress line's rates; tokens/s left out of a run of images alone."""
     rates = [f"{inputs / seconds:,.0f} inputs/s"]
     if args.image_field is not None:
         rates.append(f"{images / seconds:,.1f} images/s")
-    rates.append(f"{tokens / seconds:,.0f} tokens/s")
+    if tokens or args.image_field is None:
+        rates.append(f"{tokens / seconds:,.0f} tokens/s")
     return ", ".join(rates)
 
 
