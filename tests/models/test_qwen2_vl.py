@@ -419,3 +419,17 @@ def test_text_models_and_dual_encoders_refuse_text_with_images(
     with pytest.raises(InputError, match=r"input 0: text with images, but .*a dual encoder"):
         clip.embed([{"text": "a photo", "image": image}])
     assert minilm.embed(["text"]).shape[0] == 1
+
+
+def test_the_base_model_class_loads(vlm: Any, tmp_path: Path) -> None:
+    """`Qwen2VLModel` / `Qwen2_5_VLModel` folders (`visual.`, `language_model.`, no head)."""
+    engine, hf, path = vlm
+    base = tmp_path / "base"
+    base.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "preprocessor_config.json"):
+        (base / name).write_bytes((path / name).read_bytes())
+    hf.model.save_pretrained(str(base))
+    (image,) = sample_images(SIZES[:1])
+    item = {"text": "a cat", "image": image}
+    base_engine = vecpool.Engine(base, device="cpu", normalize=False)
+    np.testing.assert_array_equal(base_engine.embed([item]), engine.embed([item]))
