@@ -18,21 +18,48 @@ from tests.server.conftest import start_server
 
 POISON = 9947  # "poison" in the MiniLM vocabulary; not among the probe's tokens
 
+# The fault goes in where the BERT module is first imported (the engine process, as it builds
+# the model): importing it at every interpreter's start put torch into each of the server's
+# processes, and tripled its start.
 _SITECUSTOMIZE = """
+import importlib.abc
+import importlib.util
 import os
+import sys
+
+_TARGET = "vecpool.models.architectures.bert"
+
+
+def _install(bert):
+    poison = int(os.environ["VECPOOL_TEST_POISON_ID"])
+    lookup = bert.BertModel.embed_input_ids
+
+    def faulty_lookup(self, input_ids):
+        if bool((input_ids == poison).any()):
+            raise RuntimeError(f"injected fault on token id {poison}")
+        return lookup(self, input_ids)
+
+    bert.BertModel.embed_input_ids = faulty_lookup
+
+
+class _Faulty(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != _TARGET:
+            return None
+        sys.meta_path.remove(self)  # the module's own spec, found as without this finder
+        spec = importlib.util.find_spec(name)
+        exec_module = spec.loader.exec_module
+
+        def exec_and_install(module):
+            exec_module(module)
+            _install(module)
+
+        spec.loader.exec_module = exec_and_install
+        return spec
+
 
 if os.environ.get("VECPOOL_TEST_POISON_ID"):
-    import vecpool.models.architectures.bert as bert
-
-    _poison = int(os.environ["VECPOOL_TEST_POISON_ID"])
-    _lookup = bert.BertModel.embed_input_ids
-
-    def _faulty_lookup(self, input_ids):
-        if bool((input_ids == _poison).any()):
-            raise RuntimeError(f"injected fault on token id {_poison}")
-        return _lookup(self, input_ids)
-
-    bert.BertModel.embed_input_ids = _faulty_lookup
+    sys.meta_path.insert(0, _Faulty())
 """
 
 

@@ -136,12 +136,43 @@ class Load:
             assert not thread.is_alive(), "a request hung"
 
 
-@pytest.fixture
-def server(tiny_dir: Path, tmp_path: Path) -> Iterator[Server]:
-    srv = start_server(tmp_path, str(tiny_dir), log_level="info")
+@pytest.fixture(scope="module")
+def server(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """One server for the two tests below, in their order: the stopped engine (continued, no
+    restart), then the killed one (restarted)."""
+    srv = start_server(tmp_path_factory.mktemp("restart_server"), str(tiny_dir), log_level="info")
     yield srv
     os.kill(srv.process.pid, signal.SIGCONT)  # in case a test left the supervisor held
     srv.stop()
+
+
+def test_a_stopped_engine_fails_health_and_serves_again_when_continued(
+    server: Server, tiny_engine: vecpool.Engine
+) -> None:
+    """An engine process that lives but does not answer (SIGSTOP: as one hung in a device
+    call) turns /health to 503 once HEALTH_WAIT has passed, naming it; continued, it answers
+    what waited and /health is 200 again, with no restart."""
+    engine_pid, _ = _pids(server)
+    assert _health(server).status_code == 200
+    pool = ThreadPoolExecutor(1)
+    os.kill(engine_pid, signal.SIGSTOP)
+    try:
+        waiting = pool.submit(server.post, "/v1/embeddings", {"input": TEXTS[0]})
+        time.sleep(engine_client.HEALTH_FRESH)  # what an API process heard before is older
+        message = assert_error(_health(server), 503)
+        # The check asked the engine and gave up after HEALTH_WAIT (5 s), the engine stopped.
+        assert "the engine process did not answer within 5 s; it may be stuck" in message
+        assert not waiting.done()
+    finally:
+        os.kill(engine_pid, signal.SIGCONT)
+        pool.shutdown(wait=False)
+    answered = waiting.result(timeout=WAIT)
+    assert answered.status_code == 200, answered.text
+    vector = np.array(answered.json()["data"][0]["embedding"], np.float32)
+    assert np.abs(vector - tiny_engine.embed(TEXTS[:1])[0]).max() <= BATCHING_TOLERANCE
+    _until("/health 200 again", lambda: _health(server).status_code == 200, log=server.log)
+    assert server.metric("vecpool_engine_restarts_total", engine="0") == 0
+    assert _alive(engine_pid)
 
 
 def test_sigkill_under_load_restarts_the_engine(
@@ -187,35 +218,6 @@ def test_sigkill_under_load_restarts_the_engine(
     new_pid, same_apis = _pids_after_restart(server)
     assert new_pid != engine_pid and _alive(new_pid) and not _alive(engine_pid)
     assert same_apis == api_pids and all(_alive(pid) for pid in api_pids)
-
-
-def test_a_stopped_engine_fails_health_and_serves_again_when_continued(
-    server: Server, tiny_engine: vecpool.Engine
-) -> None:
-    """An engine process that lives but does not answer (SIGSTOP: as one hung in a device
-    call) turns /health to 503 once HEALTH_WAIT has passed, naming it; continued, it answers
-    what waited and /health is 200 again, with no restart."""
-    engine_pid, _ = _pids(server)
-    assert _health(server).status_code == 200
-    pool = ThreadPoolExecutor(1)
-    os.kill(engine_pid, signal.SIGSTOP)
-    try:
-        waiting = pool.submit(server.post, "/v1/embeddings", {"input": TEXTS[0]})
-        time.sleep(engine_client.HEALTH_FRESH)  # what an API process heard before is older
-        message = assert_error(_health(server), 503)
-        # The check asked the engine and gave up after HEALTH_WAIT (5 s), the engine stopped.
-        assert "the engine process did not answer within 5 s; it may be stuck" in message
-        assert not waiting.done()
-    finally:
-        os.kill(engine_pid, signal.SIGCONT)
-        pool.shutdown(wait=False)
-    answered = waiting.result(timeout=WAIT)
-    assert answered.status_code == 200, answered.text
-    vector = np.array(answered.json()["data"][0]["embedding"], np.float32)
-    assert np.abs(vector - tiny_engine.embed(TEXTS[:1])[0]).max() <= BATCHING_TOLERANCE
-    _until("/health 200 again", lambda: _health(server).status_code == 200, log=server.log)
-    assert server.metric("vecpool_engine_restarts_total", engine="0") == 0
-    assert _alive(engine_pid)
 
 
 def _pids_after_restart(server: Server) -> tuple[int, list[int]]:
