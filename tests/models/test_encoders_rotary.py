@@ -83,7 +83,8 @@ def modernbert_cls(request, tmp_path_factory) -> tuple[vecpool.Engine, Any]:
     cfg = _modernbert_config(classifier_pooling=request.param, norm_bias=True)
     hf = _randomize(transformers.ModernBertForSequenceClassification(cfg), seed=1)
     folder = _save(hf, tmp_path_factory.mktemp(f"modernbert_{request.param}"))
-    return vecpool.Engine(folder, device="cpu"), hf
+    # Its hidden states are read too: token_embed, which a classifier serves only when asked.
+    return vecpool.Engine(folder, device="cpu", tasks=("token_embed",)), hf
 
 
 def test_modernbert_hidden_states_and_classifier(modernbert_cls) -> None:
@@ -356,7 +357,8 @@ def gte(tmp_path_factory, default_model_dir) -> tuple[vecpool.Engine, dict[str, 
         weights,
         default_model_dir,
     )
-    return vecpool.Engine(folder, device="cpu"), weights
+    # Its hidden states are read too: token_embed, which a reranker serves only when asked.
+    return vecpool.Engine(folder, device="cpu", tasks=("token_embed",)), weights
 
 
 def test_gte_hidden_states_and_classifier(gte) -> None:

@@ -87,8 +87,9 @@ def _hf_load(cls: Any, folder: Path, **kwargs: Any) -> tuple[Any, dict[str, set[
 
 
 def _compare(folder: Path, hf: Any, lengths: list[int], head: str | None = None) -> vecpool.Engine:
-    """Engine and `hf` agree on hidden states and, for `head`, on its logits."""
-    engine = vecpool.Engine(folder, device="cpu")
+    """Engine and `hf` agree on hidden states and, for `head`, on its logits (the hidden
+    states through token_embed, which a classifier's engine serves only when asked)."""
+    engine = vecpool.Engine(folder, device="cpu", tasks=("token_embed",))
     prompts = random_prompts(engine.model.vocab_size, lengths, seed=len(lengths))
     for prompt, hidden in zip(prompts, engine_hidden(engine, prompts), strict=True):
         assert_rel_close(hidden, hf_last_hidden(hf, prompt), rtol=RTOL)

@@ -66,10 +66,11 @@ def _hf(arch: str, head: str, seed: int = 0, **overrides: Any) -> Any:
 
 @pytest.fixture(scope="module", params=ARCHS)
 def classifier(request, tmp_path_factory) -> tuple[vecpool.Engine, Any]:
-    """(engine, HF model) of a `*ForSequenceClassification` with no native vecpool class."""
+    """(engine, HF model) of a `*ForSequenceClassification` with no native vecpool class,
+    asked to embed too (its base model's states, which the tests compare)."""
     hf = _hf(request.param, "ForSequenceClassification")
     folder = save_hf_model(hf, tmp_path_factory.mktemp(request.param))
-    return vecpool.Engine(folder, device="cpu"), hf
+    return vecpool.Engine(folder, device="cpu", tasks=("embed", "token_embed")), hf
 
 
 @torch.no_grad()
@@ -198,7 +199,7 @@ def test_prompts_run_whole_without_step_optimizations(classifier) -> None:
     """No chunked prefill, CUDA graphs or compile: a prompt over the step budget runs alone."""
     engine, hf = classifier
     folder = engine.info().model_path
-    small = vecpool.Engine(folder, device="cpu", max_num_batched_tokens=8)
+    small = vecpool.Engine(folder, device="cpu", max_num_batched_tokens=8, tasks=("token_embed",))
     assert small.scheduler_config.max_cached_tokens == 0
     assert small.model_runner.kv_cache is None
     assert small.model_runner.graphs is None and not small.model_runner.compiled
@@ -223,9 +224,10 @@ def bert_classifier(tmp_path_factory) -> Path:
 
 
 def test_native_bert_through_transformers_equals_native(bert_classifier: Path, caplog) -> None:
-    native = vecpool.Engine(bert_classifier, device="cpu")
+    both = {"device": "cpu", "tasks": ("embed", "token_embed")}  # their states compared too
+    native = vecpool.Engine(bert_classifier, **both)
     with caplog.at_level(logging.WARNING, logger="vecpool.models.loading.transformers_fallback"):
-        forced = vecpool.Engine(bert_classifier, device="cpu", model_impl="transformers")
+        forced = vecpool.Engine(bert_classifier, model_impl="transformers", **both)
     said = [r.getMessage() for r in caplog.records if "through transformers" in r.getMessage()]
     assert said == [
         "running BertForSequenceClassification through transformers: slower; native "

@@ -205,12 +205,13 @@ def test_lexical_weights_are_read_from_the_same_rows_whatever_is_left_out() -> N
 
 @pytest.fixture(scope="module", params=[1, 3])
 def classifier(request: Any, tmp_path_factory: pytest.TempPathFactory) -> vecpool.Engine:
-    """A tiny BERT sequence classifier with one label (sigmoid) or three (softmax)."""
+    """A tiny BERT sequence classifier with one label (sigmoid) or three (softmax), asked to
+    serve token_embed too (its hidden states, which a classifier is not made to give)."""
     torch.manual_seed(request.param)
     cfg = tiny_bert_config(num_labels=request.param)
     hf = transformers.BertForSequenceClassification(cfg).eval()
     folder = save_hf_model(hf, tmp_path_factory.mktemp(f"bert_labels_{request.param}"))
-    return vecpool.Engine(folder, device="cpu")
+    return vecpool.Engine(folder, device="cpu", tasks=("token_embed",))
 
 
 def test_ids_and_embeds_of_one_prompt_in_one_call_classify_alike(

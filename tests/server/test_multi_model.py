@@ -60,6 +60,12 @@ def emb_engine(emb_dir: Path) -> vecpool.Engine:
 
 
 @pytest.fixture(scope="module")
+def cross_engine(cross_encoder_dir: Path) -> vecpool.Engine:
+    """The cross-encoder as "ce" is served: asked to embed too (`--task embed`)."""
+    return vecpool.Engine(cross_encoder_dir, device="cpu", tasks=["embed"])
+
+
+@pytest.fixture(scope="module")
 def mm_gate(tmp_path_factory: pytest.TempPathFactory) -> EngineGate:
     return EngineGate(tmp_path_factory.mktemp("multi_gate"))
 
@@ -82,6 +88,8 @@ def mm_server(
         "--served-model-name",
         "ce",
         "reranker",
+        "--task",  # the cross-encoder embeds too, asked (once for both: the embedder's own)
+        "embed",
         log_level="info",
         gate=mm_gate,
     )

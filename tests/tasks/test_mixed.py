@@ -21,9 +21,11 @@ TAG = 42
 
 @pytest.fixture(scope="module")
 def classifier_engine(tmp_path_factory: pytest.TempPathFactory) -> vecpool.Engine:
-    """A BertForSequenceClassification (3 labels): embed, classify, score, token_embed."""
+    """A BertForSequenceClassification (3 labels): embed, classify, score, token_embed (the
+    embedding tasks asked for: a classifier is not made for them)."""
     hf = tiny_bert_head(transformers.BertForSequenceClassification, num_labels=3)
-    return vecpool.Engine(save_hf_model(hf, tmp_path_factory.mktemp("cls")), device="cpu")
+    folder = save_hf_model(hf, tmp_path_factory.mktemp("cls"))
+    return vecpool.Engine(folder, device="cpu", tasks=("embed", "token_embed"))
 
 
 def _run_together(engine: vecpool.Engine, groups: list[list[Request]]) -> None:

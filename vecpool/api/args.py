@@ -23,6 +23,7 @@ from vecpool.config import (
 )
 from vecpool.devices import cpu_threads, cuda_device_count, device_index, device_type
 from vecpool.errors import ConfigError
+from vecpool.tasks import TASKS
 
 if TYPE_CHECKING:  # types only: the launcher reads these options without loading torch
     import torch
@@ -52,6 +53,7 @@ PER_MODEL_OPTIONS = (
     "score_mode",
     "llm_reranker",
     "gpu_memory_fraction",
+    "tasks",
 )
 _AS_THE_MODEL_SAYS = ("auto", "none")
 
@@ -109,6 +111,13 @@ class EngineArgs:
     allowed_local_media_path: str | Path | None = None
     allowed_media_domains: tuple[str, ...] = ()
     max_image_bytes: int | None = None
+    # Tasks to serve that the model was not made for, which are refused otherwise: "embed" or
+    # "token_embed" on a classifier or cross-encoder (its base model's hidden states),
+    # "token_classify" on a sequence classifier (its head on every token). vLLM's --task.
+    tasks: tuple[str, ...] = ()
+    # The Jinja chat template `messages` are rendered by, for a folder without one or in place
+    # of its own: a file, or the template's text (vLLM's --chat-template). None: the folder's.
+    chat_template: str | Path | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -152,6 +161,14 @@ class EngineArgs:
                 "allowed_media_domains must be a list of host names, got the string "
                 f"{self.allowed_media_domains!r}"
             )
+        if isinstance(self.tasks, str):
+            raise ConfigError(f"tasks must be a list of task names, got the string {self.tasks!r}")
+        object.__setattr__(self, "tasks", tuple(self.tasks))  # a list given is kept as a tuple
+        for task in self.tasks:
+            if task not in TASKS:
+                raise ConfigError(
+                    f"tasks: unknown task {task!r}; known tasks: {', '.join(sorted(TASKS))}"
+                )
 
     def scheduler_config(
         self, device: torch.device, max_model_len: int, *, causal: bool
@@ -442,6 +459,24 @@ class EngineArgs:
             **each,
         )
         eng.add_argument(
+            "--task",
+            dest="tasks",
+            type=_task_list,
+            metavar="TASK[,TASK]",
+            help="also serve these tasks, which the model was not made for and which are "
+            "refused otherwise: embed or token_embed on a classifier or cross-encoder (its "
+            "base model's hidden states), token_classify on a sequence classifier (its head "
+            "on every token); comma-separated (default, none: the model's own tasks)",
+            **each,
+        )
+        eng.add_argument(
+            "--chat-template",
+            metavar="FILE",
+            help="the Jinja chat template vLLM's `messages` are rendered by, for every model "
+            "(one without a template of its own, or in place of it): a file, or the "
+            "template's text (default: each model folder's own)",
+        )
+        eng.add_argument(
             "--gpu-memory-fraction",
             type=float,
             metavar="F",
@@ -453,9 +488,10 @@ class EngineArgs:
         if several_models:
             parser.epilog = (
                 "Several models: `vecpool serve A B [options]`. With several models, --"
-                + ", --".join(name.replace("_", "-") for name in PER_MODEL_OPTIONS)
+                + ", --".join(_flag(name)[2:] for name in PER_MODEL_OPTIONS)
                 + " may be given once per model, in their order ('auto', or 'none' for "
-                "--llm-reranker: as the folder says); given once, they apply to every model "
+                "--llm-reranker and --task: as the folder says); given once, they apply to every "
+                "model "
                 "(--gpu-memory-fraction: split evenly). Every other option applies to all."
             )
 
@@ -473,6 +509,7 @@ class EngineArgs:
         name = values["llm_reranker"]
         values["llm_reranker"] = LLM_RERANKERS[name]() if name is not None else None
         values["allowed_media_domains"] = tuple(values["allowed_media_domains"])
+        values["tasks"] = values["tasks"] or ()
         return cls(**values)
 
     @classmethod
@@ -505,13 +542,20 @@ class EngineArgs:
         ]
 
 
+def _task_list(text: str) -> tuple[str, ...] | str:
+    """`--task`'s value: task names, comma-separated, or "auto" / "none" (the model's own)."""
+    if text in _AS_THE_MODEL_SAYS:
+        return text
+    return tuple(name.strip() for name in text.split(",") if name.strip())
+
+
 def _int_or_auto(text: str) -> int | str:
     """An integer flag's value, or "auto" (as the model says) for `PER_MODEL_OPTIONS`."""
     return text if text == "auto" else int(text)
 
 
 def _flag(option: str) -> str:
-    return "--" + option.replace("_", "-")
+    return "--task" if option == "tasks" else "--" + option.replace("_", "-")
 
 
 @dataclass(frozen=True)

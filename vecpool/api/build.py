@@ -16,6 +16,7 @@ from vecpool.api.args import DEFAULT_MODEL_PACKAGE, EngineArgs
 from vecpool.api.device import resolve_device, resolve_dtype
 from vecpool.api.late_interaction import side_formats, skiplist_ids
 from vecpool.calls import CallContext
+from vecpool.calls.chat import check_chat_template, read_chat_template
 from vecpool.calls.info import EngineInfo
 from vecpool.config import LLMRerankerConfig
 from vecpool.engine.core import EngineCore
@@ -298,6 +299,12 @@ class EngineParts:
         unavailable = {
             name: missing[spec.head] for name, spec in TASKS.items() if spec.head in missing
         }
+        for task in args.tasks:
+            if task in unavailable:
+                raise ConfigError(
+                    f"tasks: {self.folder.architecture} cannot serve {task!r}: {unavailable[task]}"
+                )
+        opt_in = self._opt_in_tasks(args)
         late = self.late_interaction
         tokenizer_file = self.folder.tokenizer_file
         return EngineInfo(
@@ -315,8 +322,12 @@ class EngineParts:
             num_labels=self.num_labels,
             id2label=dict(self.id2label),
             score_mode=self.score_mode,
-            tasks=tuple(sorted(name for name in TASKS if name not in unavailable)),
+            tasks=tuple(sorted(n for n in TASKS if n not in unavailable and n not in opt_in)),
             unavailable_tasks=unavailable,
+            opt_in_tasks=opt_in,
+            chat_template=check_chat_template(read_chat_template(str(args.chat_template)))
+            if args.chat_template is not None
+            else None,
             matryoshka_dimensions=self.matryoshka_dimensions,
             is_matryoshka=self.matryoshka_dimensions is not None
             or bool(self.folder.hf_config.get("is_matryoshka")),
@@ -339,6 +350,36 @@ class EngineParts:
             image_processor_dir=self.image_processor_dir,
             media_policy=self.inputs.images.policy if self.inputs.images is not None else None,
         )
+
+    def _opt_in_tasks(self, args: EngineArgs) -> dict[str, str]:
+        """The tasks this model can compute but was not made for, each with why, less those
+        `args.tasks` asks for: a classifier's or cross-encoder's base model is not trained to
+        embed (vLLM and Infinity refuse it), and a sequence classifier's head is trained on
+        one pooled row, not on each token (vLLM serves that only once switched to it). An
+        explicit score_mode of "embed" or "late_interaction" asks for the task it scores by."""
+        capabilities, arch = self.model.capabilities, self.folder.architecture
+        sequence = Capability.SEQUENCE_CLASSIFIER in capabilities
+        tokens = Capability.TOKEN_CLASSIFIER in capabilities
+        out: dict[str, str] = {}
+        if sequence or tokens:
+            kind = "a sequence classifier"
+            if tokens:
+                kind = "a token classifier"
+            elif self.num_labels == 1:
+                kind = "a cross-encoder"
+            why = f"{arch} is {kind}, whose base model's hidden states are not trained as "
+            out["embed"] = why + "embeddings"
+            out["token_embed"] = why + "token embeddings"
+        if sequence and not tokens:
+            out["token_classify"] = (
+                f"{arch} is a sequence classifier: asked for, its classification head (trained "
+                "on one pooled row) is applied to every token's hidden state"
+            )
+        asked = set(args.tasks)
+        scored_by = {"embed": "embed", "late_interaction": "token_embed"}.get(args.score_mode or "")
+        if scored_by is not None:
+            asked.add(scored_by)
+        return {name: why for name, why in out.items() if name not in asked}
 
     @property
     def image_processor_dir(self) -> str | None:

@@ -79,6 +79,12 @@ class Engine(EngineRunner):
     `gpu_memory_fraction` caps the share of its CUDA device's memory the process's allocator
     may take (`torch.cuda.set_per_process_memory_fraction`): past it, an allocation fails
     instead of taking memory another engine on the device counts on.
+    `tasks` names tasks to serve that the model was not made for, which are refused otherwise
+    (an `InputError` naming the task and this option): "embed" or "token_embed" on a
+    classifier or cross-encoder (its base model's hidden states, pooled as the folder says),
+    "token_classify" on a sequence classifier (its classification head on every token's
+    hidden state). `chat_template` (a file, or the Jinja text) renders vLLM's `messages` for
+    a folder without a chat template, or in place of its own (the HTTP server's chat input).
     Once built, and after a call that compiled, an engine moves the process's live objects out
     of the collector's full passes (`gc.freeze`; see `vecpool.api.heap` for what that costs).
     """
@@ -114,6 +120,8 @@ class Engine(EngineRunner):
         allowed_local_media_path: str | Path | None = None,
         allowed_media_domains: tuple[str, ...] = (),
         max_image_bytes: int | None = None,
+        tasks: tuple[str, ...] = (),
+        chat_template: str | Path | None = None,
     ):
         # The keywords are `EngineArgs`' fields, in its order and with its defaults (a test
         # holds them so): they become one, checked there.

@@ -1,16 +1,19 @@
 """Chat-format inputs (vLLM's `messages`): a conversation rendered to one text by the chat
 template of the model folder, as `transformers`' `apply_chat_template` renders it.
 
-The template is the folder's own: `chat_template.jinja`, else the `chat_template` entry of
-`tokenizer_config.json` (a string, or named templates of which "default" is taken). It runs
-in Jinja's sandbox (the template is data of the folder, never code we trust), with the
-tokenizer's special tokens (`bos_token`, `eos_token`, ...) as variables. A folder without one
-is refused with vLLM's words: no default template is made up.
+The template is the engine's `chat_template` option when given (vLLM's `--chat-template`:
+for a folder without one, or to replace it), else the folder's own: `chat_template.jinja`,
+else the `chat_template` entry of `tokenizer_config.json` (a string, or named templates of
+which "default" is taken). It runs in Jinja's sandbox (a template is data, never code we
+trust), with the tokenizer's special tokens (`bos_token`, `eos_token`, ...) as variables. A
+folder without one, and no option, is refused with vLLM's words: no default template is made
+up.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -18,7 +21,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from vecpool.errors import InputError
+from vecpool.errors import ConfigError, InputError
 
 # vLLM's (and transformers') refusal for a tokenizer without a chat template.
 NO_TEMPLATE = (
@@ -66,11 +69,54 @@ class ChatTemplate:
             raise InputError(f"the chat template failed: {exc}", field="messages") from None
 
 
-def load_chat_template(tokenizer_file: str | None) -> ChatTemplate | None:
-    """The chat template of the folder holding `tokenizer_file`, or None."""
+def load_chat_template(
+    tokenizer_file: str | None, chat_template: str | None = None
+) -> ChatTemplate | None:
+    """The chat template of the folder holding `tokenizer_file` (`chat_template`, the Jinja
+    text, in place of the folder's own when given), or None."""
     if tokenizer_file is None:
-        return None
-    return _load(str(Path(tokenizer_file).parent))
+        return None if chat_template is None else ChatTemplate(chat_template, {})
+    folder = str(Path(tokenizer_file).parent)
+    if chat_template is not None:
+        return ChatTemplate(chat_template, _special_tokens(folder))
+    return _load(folder)
+
+
+def read_chat_template(value: str) -> str:
+    """The Jinja text the `chat_template` option names, as vLLM reads `--chat-template`: the
+    file at that path, else the text itself when it holds Jinja's characters (`{`, `}` or a
+    new line), its backslash escapes (`\\n`, `\\t`, ...) read as such; anything else is a
+    path that could not be read (`ConfigError` naming it)."""
+    try:
+        return Path(value).read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"chat_template {value!r} is not a UTF-8 text file") from None
+    except (OSError, ValueError) as exc:  # no such file (ValueError: a NUL in the text)
+        if not any(c in value for c in "{}\n"):
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+            raise ConfigError(
+                f"chat_template {value!r} looks like a file path, but it could not be read: "
+                f"{reason}"
+            ) from None
+    return _ESCAPE.sub(lambda m: _ESCAPES.get(m[1], m[0]), value)
+
+
+def check_chat_template(source: str) -> str:
+    """`source` if Jinja can compile it, else a `ConfigError` saying where it is wrong (a
+    template given to the engine is checked when it starts, not at its first call)."""
+    from jinja2 import TemplateSyntaxError
+
+    try:
+        _compile(source)
+    except TemplateSyntaxError as exc:
+        raise ConfigError(f"chat_template: line {exc.lineno}: {exc.message}") from None
+    return source
+
+
+# The escapes a template given as text may use (vLLM decodes it with Python's escapes; these
+# are the ones a template needs, without reading other characters as Latin-1 as that does).
+_ESCAPE = re.compile(r"\\(.)", re.DOTALL)
+_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\", "'": "'", '"': '"'}
 
 
 def render_chat(
@@ -80,9 +126,11 @@ def render_chat(
     add_generation_prompt: bool = False,
     continue_final_message: bool = False,
     template_kwargs: Mapping[str, Any] | None = None,
+    chat_template: str | None = None,
 ) -> str:
-    """`messages` as one text by the folder's chat template; `InputError` naming `messages`
-    for a folder without one (vLLM's words) or a conversation that is not one."""
+    """`messages` as one text by the folder's chat template (`chat_template`, the engine's
+    option, in its place when given); `InputError` naming `messages` for a folder without one
+    (vLLM's words) or a conversation that is not one."""
     if continue_final_message:
         raise InputError(
             "continue_final_message: a pooling model reads the whole conversation; it "
@@ -91,7 +139,7 @@ def render_chat(
         )
     if template_kwargs is not None and not isinstance(template_kwargs, Mapping):
         raise InputError("must be an object", field="chat_template_kwargs")
-    template = load_chat_template(tokenizer_file)
+    template = load_chat_template(tokenizer_file, chat_template)
     if template is None:
         raise InputError(NO_TEMPLATE, field="messages")
     return template.render(
@@ -134,21 +182,24 @@ def _plain_messages(messages: Any) -> list[dict[str, Any]]:
 @cache
 def _load(folder: str) -> ChatTemplate | None:
     path = Path(folder)
-    config: dict[str, Any] = {}
-    config_file = path / "tokenizer_config.json"
-    if config_file.is_file():
-        config = json.loads(config_file.read_text(encoding="utf-8"))
     jinja_file = path / "chat_template.jinja"
     source: Any = (
         jinja_file.read_text(encoding="utf-8")
         if jinja_file.is_file()
-        else config.get("chat_template")
+        else _tokenizer_config(folder).get("chat_template")
     )
     if isinstance(source, list):  # named templates: the default one
         named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
         source = named.get("default")
     if not isinstance(source, str) or not source:
         return None
+    return ChatTemplate(source, _special_tokens(folder))
+
+
+@cache
+def _special_tokens(folder: str) -> dict[str, str]:
+    """bos_token, eos_token, ... as the folder's tokenizer_config.json writes them."""
+    config = _tokenizer_config(folder)
     special = {}
     for name in _SPECIAL_TOKENS:
         value = config.get(name)
@@ -156,7 +207,15 @@ def _load(folder: str) -> ChatTemplate | None:
             value = value.get("content")
         if isinstance(value, str):
             special[name] = value
-    return ChatTemplate(source, special)
+    return special
+
+
+def _tokenizer_config(folder: str) -> dict[str, Any]:
+    config_file = Path(folder) / "tokenizer_config.json"
+    if not config_file.is_file():
+        return {}
+    config: dict[str, Any] = json.loads(config_file.read_text(encoding="utf-8"))
+    return config
 
 
 @cache

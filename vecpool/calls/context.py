@@ -97,14 +97,7 @@ def make_requests(
     task = get_task(params.task)
     # Parameters belong to the whole call: checked once, before any input is touched.
     task.check_params(params)
-    reason = ctx.info.unavailable_tasks.get(task.name)
-    if reason is not None:
-        served = ", ".join(ctx.info.tasks)
-        raise InputError(
-            f"Unsupported task: {task.name!r}: this model cannot serve task {task.name!r}: "
-            f"{reason}. Supported tasks: {served}",
-            field="task",
-        )
+    check_task(ctx.info, task.name)
     _check_dimensions(ctx.info, params, matryoshka_only)
     tag, vocab = params.step_tag_id, ctx.info.vocab_size
     if tag is not None and tag >= vocab:  # no position could hold it: an empty answer
@@ -113,6 +106,37 @@ def make_requests(
         )
     prompts = ctx.inputs.process(items, options or TextOptions(), params.input_type)
     return [PromptRequest(index, prompt, params) for index, prompt in enumerate(prompts)]
+
+
+def check_task(info: EngineInfo, name: str) -> None:
+    """`InputError` naming `task` unless the engine serves task `name`: one it cannot serve,
+    or one it was not made for (embed on a classifier) and was not asked to serve, with how
+    to ask. The words lead with vLLM's: "Unsupported task", and for a task vLLM serves once a
+    model's pooling task is switched (token_classify on a sequence classifier), "Try
+    switching the model's pooling_task"."""
+    served = ", ".join(info.tasks)
+    reason = info.unavailable_tasks.get(name)
+    if reason is not None:
+        raise InputError(
+            f"Unsupported task: {name!r}: this model cannot serve task {name!r}: {reason}. "
+            f"Supported tasks: {served}",
+            field="task",
+        )
+    reason = info.opt_in_tasks.get(name)
+    if reason is None:
+        return
+    how = f"start the engine with tasks=[{name!r}] (`vecpool serve --task {name}`)"
+    if name == "token_classify":
+        message = (
+            f"Try switching the model's pooling_task via the engine's tasks option: {how}. "
+            f"{reason}. Supported tasks: {served}"
+        )
+    else:
+        message = (
+            f"Unsupported task: {name!r}: {reason}. Supported tasks: {served}. To serve it "
+            f"anyway, {how}"
+        )
+    raise InputError(message, field="task")
 
 
 def instruction(ctx: CallContext, prompt_name: str | None, prompt: str | None) -> str | None:

@@ -35,7 +35,7 @@ class EngineInfo:
     id2label: dict[int, str]
     score_mode: str  # how score / rerank compare inputs (one of `SCORE_MODES`)
     tasks: tuple[str, ...]  # the tasks this engine serves, sorted
-    unavailable_tasks: dict[str, str]  # every other task, with why it is not served
+    unavailable_tasks: dict[str, str]  # the tasks it cannot serve, with why
     matryoshka_dimensions: tuple[int, ...] | None  # the dimensions `dimensions` may take
     enable_prompt_embeds: bool  # whether prompt-embeds inputs are accepted
     max_input_chars: int | None  # longer texts are refused before they are tokenized
@@ -61,6 +61,12 @@ class EngineInfo:
     # image inputs may be fetched (`vecpool.inputs.media.MediaPolicy`); None: text only.
     image_processor_dir: str | None = None
     media_policy: Any = None
+    # The tasks it could serve but was not made for (embed on a classifier, token_classify on a
+    # sequence classifier), with why: refused unless the engine's `tasks` option names them.
+    opt_in_tasks: dict[str, str] = field(default_factory=dict)
+    # The chat template `messages` are rendered by in place of the folder's (`chat_template`
+    # option: vLLM's --chat-template); None: the folder's own.
+    chat_template: str | None = None
 
     @property
     def input_limits(self) -> InputLimits:

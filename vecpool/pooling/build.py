@@ -92,6 +92,10 @@ def build_heads(
         )
     if Capability.TOKEN_CLASSIFIER in model.capabilities:
         heads[Head.TOKEN_CLASSIFIER] = TokenClassifierHead(model.classify_tokens, activation)
+    elif Capability.SEQUENCE_CLASSIFIER in model.capabilities:
+        # A sequence classifier's head on every token's row (what vLLM's token_classify of
+        # such a model computes): served only when the engine is asked to (`tasks`).
+        heads[Head.TOKEN_CLASSIFIER] = TokenClassifierHead(model.classify, activation)
     else:
         missing[Head.TOKEN_CLASSIFIER] = (
             f"{arch} has no token-classification head (a *ForTokenClassification checkpoint "

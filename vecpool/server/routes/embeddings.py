@@ -131,6 +131,7 @@ class TextInputs:
                 add_generation_prompt=self.chat.add_generation_prompt,
                 continue_final_message=self.chat.continue_final_message,
                 template_kwargs=self.chat.chat_template_kwargs,
+                chat_template=self.state.info.chat_template,
             )
         ]
 

@@ -89,7 +89,8 @@ def capabilities(info: EngineInfo) -> list[str]:
         info.score_mode == "cross_encoder" and info.num_labels == 1
     )
     out = []
-    if "embed" in info.tasks and not reranker and info.num_labels == 0:
+    # A classifier or cross-encoder serves embed only when asked to (`--task embed`).
+    if "embed" in info.tasks and (info.num_labels > 0 or not reranker):
         out.append("embed")
         if info.image_processor_dir is not None:
             out.append("image_embed")
