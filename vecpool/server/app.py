@@ -32,6 +32,7 @@ from vecpool.server.errors import (
     ApiError,
     ClientDisconnectedError,
     http_error,
+    in_dialect,
     input_error,
     release_frames,
     validation_param,
@@ -260,12 +261,12 @@ def _add_error_handlers(app: FastAPI, state: ServerState) -> None:
     async def on_api_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ApiError)
         release_frames(exc)
-        return error_response(exc)
+        return error_response(in_dialect(request.scope["path"], exc))
 
     async def on_input_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, InputError)
         release_frames(exc)
-        return error_response(input_error(exc))
+        return error_response(in_dialect(request.scope["path"], input_error(exc)))
 
     async def on_http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)

@@ -1,8 +1,11 @@
 """Errors as the OpenAI API shapes them: `{"error": {"message", "type", "param", "code"}}`.
 
-Every request the server refuses gets one of these bodies. Bad input is a 4xx that names the
-field and, for a list input, its index (`param` is e.g. `"input[2].prompt_embeds"`); request
-validation errors (malformed JSON, wrong types, unknown fields) are 400, never 422.
+Every request the server refuses gets one of these bodies, in the dialect of the API its route
+belongs to (`in_dialect`): OpenAI's on OpenAI's routes, vLLM's on vLLM's own (`type` vLLM's
+exception name, `code` the status), and the peers' own shapes on theirs (`PeerError`: TEI,
+Cohere, Infinity). Bad input is a 4xx that names the field and, for a list input, its index
+(`param` is e.g. `"input[2].prompt_embeds"`); request validation errors (malformed JSON, wrong
+types, unknown fields) are 400, never 422, except where a peer answers 422.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from http import HTTPStatus
 from typing import Any, TypeVar, cast
 
 from vecpool.errors import InputError, InputTooLongError
+from vecpool.inputs.prompts import REDUCE_LENGTH
 
 # InputError fields that are request parameters rather than parts of one input.
 _PARAM_FIELDS = frozenset(
@@ -75,6 +79,19 @@ class ApiError(Exception):
 
     def content(self) -> bytes:
         return json.dumps(self.body()).encode()
+
+
+class BodyError(ApiError):
+    """A 400 for a body its route's model refuses (a field of the wrong type, not one of the
+    allowed values, missing or unknown): pydantic's error `kind` (e.g. `literal_error`) and
+    the value refused, which vLLM's answer names (FastAPI's validation error, which it
+    reports)."""
+
+    def __init__(self, message: str, *, param: str | None, kind: str, value: Any):
+        super().__init__(400, message, param=param, code=kind)
+        self.kind = kind
+        shown = repr(value)
+        self.value = shown if len(shown) <= 100 else shown[:97] + "..."
 
 
 class ClientDisconnectedError(Exception):
@@ -170,6 +187,27 @@ def _is_union_member(part: str) -> bool:
 
 # ---- the peers' own error shapes ---------------------------------------------------------
 
+# The paths whose API is vLLM's (`/rerank` and `/classify` are also the paths of other peers'
+# shapes: their routes answer those in the peers' shapes, as `PeerError`s, which are kept).
+VLLM_PATHS = frozenset(
+    {
+        "/pooling",
+        "/score",
+        "/v1/score",
+        "/classify",
+        "/rerank",
+        "/v1/rerank",
+        "/v2/rerank",
+        "/tokenize",
+        "/detokenize",
+    }
+)
+# vLLM's error types by status: the exception its serving code raises (vLLM's
+# `create_error_response`), the class name the OpenAI client raises for that status.
+_VLLM_TYPES = {400: "BadRequestError", 404: "NotFoundError", 501: "NotImplementedError"}
+# vLLM's words for an input over the model's length (since its renderer checks lengths).
+VLLM_REDUCE_LENGTH = "Please reduce the length of the input prompt."
+
 
 class PeerError(ApiError):
     """An `ApiError` answered in a peer API's body shape, on that peer's routes."""
@@ -221,6 +259,46 @@ def tei_error(error: ApiError) -> ApiError:
     return PeerError(error, status, {"error": error.message, "error_type": kind})
 
 
+def in_dialect(path: str, error: ApiError) -> ApiError:
+    """`error` as the API of the route at `path` answers it: vLLM's shape on vLLM's paths
+    (`vllm_error`); a peer's shape already given (`PeerError`) and every other path as is."""
+    if path in VLLM_PATHS and not isinstance(error, PeerError):
+        return vllm_error(error)
+    return error
+
+
+def vllm_error(error: ApiError) -> ApiError:
+    """`error` as vLLM answers it: `{"error": {"message", "type", "param", "code"}}` with
+    `type` vLLM's name for it ("BadRequestError" for a 400, "NotFoundError", ...;
+    "Bad Request" for a body its models refuse, whose message then carries pydantic's error
+    type and the value, as FastAPI's validation error does) and `code` the HTTP status. An
+    input over the model's length says so in vLLM's words; a route the model does not serve
+    (score and rerank for a model that scores no pairs, where vLLM has no route) also carries
+    FastAPI's `{"detail": "Not Found"}`."""
+    if isinstance(error, PeerError):
+        return error
+    message = error.message
+    if isinstance(error, BodyError):
+        kind = "Bad Request"
+        message += f" [type={error.kind}, input_value={error.value}]"
+    elif error.status >= 500:
+        kind = _VLLM_TYPES.get(error.status, "InternalServerError")
+    else:
+        kind = _VLLM_TYPES.get(error.status, error.type)
+    if error.code == "input_too_long":
+        message = message.replace(REDUCE_LENGTH, VLLM_REDUCE_LENGTH)
+    if error.param == "task":  # a task refused: vLLM's words ("Unsupported task: ...") first
+        message = message.removeprefix("task: ")
+    body: dict[str, Any] = {
+        "error": {"message": message, "type": kind, "param": error.param, "code": error.status}
+    }
+    if error.status == 404 and error.code == "unsupported_by_model":
+        body["detail"] = "Not Found"
+    answer = PeerError(error, error.status, body)
+    answer.message, answer.type = message, kind
+    return answer
+
+
 def cohere_error(error: ApiError) -> ApiError:
     """`error` as Cohere answers: `{"id": ..., "message": ...}`, the same status."""
     if isinstance(error, PeerError):
@@ -231,18 +309,19 @@ def cohere_error(error: ApiError) -> ApiError:
 def infinity_error(error: ApiError) -> ApiError:
     """`error` as Infinity answers (FastAPI's): a body it cannot validate, or an input it
     refuses (too long, an empty list), is a 422; a task the model does not serve a 400
-    "ModelNotDeployedError"; the body keeps the OpenAI shape, as Infinity's own errors do."""
-    if isinstance(error, PeerError) or error.status != 400:
+    "ModelNotDeployedError"; the body keeps the OpenAI shape, as Infinity's own errors do
+    (a `PeerError`: on a path it shares with vLLM, it stays in this shape)."""
+    if isinstance(error, PeerError):
         return error
-    if error.param == "task" or error.code == "unsupported_by_model":
-        return ApiError(
-            400,
-            f"ModelNotDeployedError: {error.message}",
-            param=error.param,
-            code=error.code,
-            headers=error.headers,
-        )
-    return ApiError(422, error.message, param=error.param, code=error.code, headers=error.headers)
+    status, message = error.status, error.message
+    if status == 400 and (error.param == "task" or error.code == "unsupported_by_model"):
+        message = f"ModelNotDeployedError: {message}"
+    elif status == 400:
+        status = 422
+    shaped = ApiError(
+        status, message, param=error.param, code=error.code, type=error.type, headers=error.headers
+    )
+    return PeerError(shaped, status, shaped.body())
 
 
 Handler = TypeVar("Handler", bound=Callable[..., Awaitable[Any]])

@@ -33,7 +33,13 @@ from vecpool.calls import CallContext, PreparedCall
 from vecpool.calls.outputs import PromptRequest, RunTimes
 from vecpool.errors import EngineDeadError, InputError, QueueFullError, VecpoolError
 from vecpool.server.codec import encode_array, to_bytes
-from vecpool.server.errors import ApiError, ClientDisconnectedError, input_error, validation_param
+from vecpool.server.errors import (
+    ApiError,
+    BodyError,
+    ClientDisconnectedError,
+    input_error,
+    validation_param,
+)
 from vecpool.server.protocol import OutputParams
 from vecpool.server.state import EngineClient, ServerState, unavailable
 
@@ -277,11 +283,11 @@ def validate(model: type[M], data: dict[str, Any]) -> M:
     except ValidationError as exc:
         error = exc.errors(include_url=False)[0]
         param = validation_param(tuple(error["loc"]))
-        raise ApiError(
-            400,
+        raise BodyError(
             f"{param}: {error['msg']}" if param else error["msg"],
             param=param,
-            code=error["type"],
+            kind=error["type"],
+            value=error.get("input"),
         ) from None
 
 
