@@ -1,16 +1,16 @@
-"""A row's result on the CPU does not depend on where in a step it sits: the promise that an
-input given as prompt embeds gives, to the bit, what the same input gives as token ids holds
-when both share one call, on any CPU.
+"""The task heads on the CPU compute a row's output from that row alone, wherever it sits in
+a step, so that an input given as prompt embeds and the same input given as ids, in one call,
+are answered alike to the bit.
 
-The layer stack computes each row by the same kernels wherever it sits (oneDNN's products,
-attention per sequence). The task heads used to run `F.linear`, that is MKL's GEMM, which on
-Intel AVX-512 CPUs computes a product with one to three output columns (a reranker's score, a
-classifier's labels, BGE-M3's token weight) with kernels that treat neighbouring rows
-differently, and a product of fewer than 16 rows with other kernels than a larger one; torch's
-activations compute the elements left at the end of a thread's range by scalar code that
-rounds otherwise. So on the CPU the heads run their products through oneDNN and their
-activations piece by piece (`RowwiseHead`), and a head whose rows a request's parameters
-select weighs the same rows whatever they are (BGE-M3's lexical weights).
+The heads used to run `F.linear`, that is MKL's GEMM, which on Intel AVX-512 CPUs computes a
+product with one to three output columns (a reranker's score, a classifier's labels, BGE-M3's
+token weight) with kernels that treat neighbouring rows differently, and a product of fewer
+than 16 rows with other kernels than a larger one; torch's activations compute the elements
+left at the end of a thread's range by scalar code that rounds otherwise. So on the CPU the
+heads run their products through oneDNN, whose kernels compute each row alone (as the layer
+stack's packed linears do), and their activations piece by piece (`RowwiseHead`); a head
+whose rows a request's parameters select weighs the same rows whatever they are (BGE-M3's
+lexical weights).
 """
 
 from __future__ import annotations

@@ -21,7 +21,11 @@ labels, a reranker's score, BGE-M3's token weight) computes some rows with other
 their neighbours, and a product of fewer than 16 rows others than a larger one; capped at AVX2
 (`MKL_ENABLE_INSTRUCTIONS`), its tails of six rows do too. So the task heads on the CPU run
 their products here as well (`RowwiseHead`): an input given as prompt embeds and the same input
-given as ids get the same bits wherever they sit in one step.
+given as ids get the same bits wherever they sit in one step. What this does not cover: an
+activation that no linear applies inside its kernel (a gated MLP's silu or gelu, on the gate
+half) runs torch's elementwise kernel, which with several threads computes the last elements
+of a thread's range by scalar code; a row that such a range ends inside can then round
+otherwise (the batch-invariant mode pads those functions, `invariant.piecewise`).
 """
 
 from __future__ import annotations
