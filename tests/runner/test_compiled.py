@@ -196,3 +196,27 @@ def test_compiled_cuda_ops_path_matches_eager_and_keeps_embeds_bit_exact(
             assert np.array_equal(a, b) and np.array_equal(a, c)
     op = "add_linear_" if model == "qwen3" else "gelu"
     assert any(op in name for name in traced_ops), traced_ops
+
+
+def test_every_tower_is_a_stack_of_blocks() -> None:
+    """A model of two towers (a dual encoder's text and image encoders) has both stacks
+    compiled and prepacked; a list inside a block is not a stack of its own; a model whose
+    only list holds one block (ALBERT's shared group) has that block."""
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.parts = torch.nn.ModuleList(torch.nn.Linear(2, 2) for _ in range(3))
+
+    class TwoTowers(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.text = torch.nn.ModuleList(Block() for _ in range(2))
+            self.vision = torch.nn.ModuleList(Block() for _ in range(4))
+            self.heads = torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.ReLU()])
+
+    model = TwoTowers()
+    assert repeated_blocks(model) == [*model.text, *model.vision]
+    shared = torch.nn.Module()
+    shared.groups = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(2, 2))])
+    assert repeated_blocks(shared) == [shared.groups[0]]

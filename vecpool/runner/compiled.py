@@ -20,15 +20,30 @@ from torch import nn
 
 
 def repeated_blocks(model: nn.Module) -> list[nn.Module]:
-    """The blocks of the model's layer stack: the longest `nn.ModuleList` whose entries all
-    have one type (`layers` of a decoder, `encoder.layer` of BERT); empty if it has none."""
-    best: list[nn.Module] = []
-    for module in model.modules():
-        if isinstance(module, nn.ModuleList) and len(module) > len(best):
-            blocks = list(module)
-            if len({type(b) for b in blocks}) == 1:
-                best = blocks
-    return best
+    """The blocks of the model's layer stacks: each `nn.ModuleList` of at least
+    `MIN_STACK` entries of one type (`layers` of a decoder, `encoder.layer` of BERT; a dual
+    encoder's or a vision-language model's text and vision towers both), not inside another
+    stack's block; where there is none, the one block of a one-entry list (ALBERT's shared
+    layer group); empty if it has none."""
+    blocks: list[nn.Module] = []
+    single: list[nn.Module] = []
+    inside: set[int] = set()  # ids of the modules within the blocks taken so far
+    for module in model.modules():  # parents before their children
+        if id(module) in inside or not isinstance(module, nn.ModuleList):
+            continue
+        stack = list(module)
+        if not stack or len({type(b) for b in stack}) != 1:
+            continue
+        if len(stack) >= MIN_STACK:
+            blocks += stack
+            inside.update(id(m) for block in stack for m in block.modules())
+        elif not single:
+            single = stack
+    return blocks or single
+
+
+# A list of fewer modules is not a layer stack (a pair of heads, a projection's parts).
+MIN_STACK = 2
 
 
 def compile_blocks(model: nn.Module, *, backend: str = "inductor") -> int:
