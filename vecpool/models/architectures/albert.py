@@ -20,12 +20,16 @@ from vecpool.models.architectures.bert import (
     BertConfig,
     BertEmbeddings,
     BertSelfAttention,
-    vocab_logits,
 )
 from vecpool.models.architectures.electra import embedding_width
 from vecpool.models.architectures.encoder import EncoderModel
-from vecpool.models.architectures.encoder_heads import MaskedLM, TokenClassifier
-from vecpool.models.base import Capability, PoolingModel
+from vecpool.models.architectures.encoder_heads import (
+    LMHeadNames,
+    MaskedLM,
+    PooledSequenceClassifier,
+    TokenClassifier,
+)
+from vecpool.models.base import PoolingModel
 from vecpool.models.hf import hf_get
 from vecpool.models.layers.attention import AttentionMetadata
 from vecpool.models.layers.basic import activation
@@ -118,70 +122,35 @@ class AlbertModel(EncoderModel):
             )
         return c, embedding_width(hf, c.hidden_size, "ALBERT"), groups, inner
 
-    def encode(
-        self,
-        inputs_embeds: torch.Tensor,
-        positions: torch.Tensor,
-        attn: AttentionMetadata,
-        token_type_ids: torch.Tensor,
+    def embed(
+        self, inputs_embeds: torch.Tensor, positions: torch.Tensor, types: torch.Tensor | None
     ) -> torch.Tensor:
-        x = inputs_embeds[:, : self.embedding_size]  # [T, embedding_size]
-        x = self.embeddings(x, positions, token_type_ids)
-        x = self.encoder.embedding_hidden_mapping_in(x)  # [T, hidden]
+        x = self.embeddings(inputs_embeds[:, : self.embedding_size], positions, types)
+        return self.encoder.embedding_hidden_mapping_in(x)  # [T, embedding_size] -> [T, hidden]
+
+    def layer_stack(self) -> list[nn.Module]:
         groups = self.encoder.albert_layer_groups
-        for group in self.encoder.schedule:
-            x = groups[group](x, attn)
-        return x
+        return [groups[group] for group in self.encoder.schedule]
 
 
-class AlbertForSequenceClassification(AlbertModel):
+class AlbertForSequenceClassification(PooledSequenceClassifier, AlbertModel):
     """The first row through ALBERT's `pooler` (a linear, then tanh), then `classifier`."""
 
-    capabilities = frozenset({Capability.SEQUENCE_CLASSIFIER})
-
-    def __init__(self, c: BertConfig, embedding_size: int, groups: int, inner_group_num: int):
-        super().__init__(c, embedding_size, groups, inner_group_num)
-        self.num_labels = c.num_labels
-        self.pooler = nn.Linear(c.hidden_size, c.hidden_size)
-        self.classifier = nn.Linear(c.hidden_size, c.num_labels)
-
-    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
-        return self.classifier(torch.tanh(self.pooler(pooled)))
+    classifier_names = ("pooler", "classifier")
 
 
 class AlbertForTokenClassification(TokenClassifier, AlbertModel):
     """`classifier` on every token row."""
 
 
-class AlbertMLMHead(nn.Module):
-    def __init__(self, c: BertConfig, embedding_size: int):
-        super().__init__()
-        self.dense = nn.Linear(c.hidden_size, embedding_size)
-        self.act = activation(c.hidden_act)
-        self.LayerNorm = nn.LayerNorm(embedding_size, eps=c.layer_norm_eps)
-        self.bias = nn.Parameter(torch.empty(c.vocab_size))
-        # Tied (the usual case), `decoder` is the word embeddings and `bias`, as in transformers.
-        self.decoder = nn.Linear(embedding_size, c.vocab_size)
-
-    def transform(self, x: torch.Tensor) -> torch.Tensor:
-        return self.LayerNorm(self.act(self.dense(x)))
-
-
 class AlbertForMaskedLM(MaskedLM, AlbertModel):
     """ALBERT with its masked-LM head `predictions` (to the embedding width, then the tied
     decoder)."""
 
-    tied_weights: ClassVar[dict[str, str]] = {
-        "predictions.decoder.weight": "embeddings.word_embeddings.weight",
-        "predictions.decoder.bias": "predictions.bias",
-    }
-
-    def __init__(self, c: BertConfig, embedding_size: int, groups: int, inner_group_num: int):
-        super().__init__(c, embedding_size, groups, inner_group_num)
-        self.predictions = AlbertMLMHead(c, embedding_size)
-
-    def compute_logits(
-        self, rows: torch.Tensor, vocab_ids: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        head = self.predictions
-        return vocab_logits(head.transform(rows), head.decoder, vocab_ids)
+    lm_names = LMHeadNames(
+        dense="predictions.dense",
+        norm="predictions.LayerNorm",
+        decoder="predictions.decoder",
+        bias="predictions.bias",
+    )
+    tied_weights = lm_names.ties()

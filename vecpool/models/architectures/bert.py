@@ -8,32 +8,41 @@ the rows it selected.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from vecpool.errors import ConfigError
 from vecpool.models.architectures.encoder import EncoderModel
 from vecpool.models.architectures.encoder_heads import (
     HeadSequenceClassifier,
+    LMHeadNames,
     MaskedLM,
     PooledSequenceClassifier,
     TokenClassifier,
 )
 from vecpool.models.base import Capability, PoolingModel, hf_num_labels
+from vecpool.models.hf import hf_get
 from vecpool.models.layers.attention import AttentionMetadata
 from vecpool.models.layers.basic import (
-    activation,
     activation_name,
     linear_activation,
 )
-from vecpool.models.layers.encoder_blocks import DenseNorm, FusedSelfAttention
+from vecpool.models.layers.encoder_blocks import DenseNorm, FusedSelfAttention, LayerSizes
+
+# transformers' BertConfig defaults, for the keys a config.json may leave out.
+_BERT_DEFAULTS: dict[str, Any] = {
+    "hidden_act": "gelu",
+    "type_vocab_size": 2,
+    "layer_norm_eps": 1e-12,
+}
 
 
 @dataclass(frozen=True)
 class BertConfig:
+    """The sizes of BERT's layers, which the families built of them read too."""
+
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -41,10 +50,11 @@ class BertConfig:
     intermediate_size: int
     hidden_act: str
     max_position_embeddings: int
-    type_vocab_size: int
+    type_vocab_size: int  # 0: no token types (MPNet, DistilBERT)
     layer_norm_eps: float
     position_offset: int  # RoBERTa numbers positions from padding_idx + 1
     num_labels: int  # outputs of a classification head
+    absolute_positions: bool = True  # position embeddings added to the rows (not Jina BERT's)
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], position_offset: int = 0) -> BertConfig:
@@ -57,36 +67,65 @@ class BertConfig:
             raise ConfigError(
                 f"position_embedding_type {hf['position_embedding_type']!r} is not supported"
             )
-        return cls(
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            num_layers=hf["num_hidden_layers"],
-            num_heads=hf["num_attention_heads"],
-            intermediate_size=hf["intermediate_size"],
-            hidden_act=hf.get("hidden_act", "gelu"),
-            max_position_embeddings=hf["max_position_embeddings"],
-            type_vocab_size=hf.get("type_vocab_size", 2),
-            layer_norm_eps=hf.get("layer_norm_eps", 1e-12),
-            position_offset=position_offset,
-            num_labels=hf_num_labels(hf),
-        )
+        return cls.read(hf, position_offset=position_offset)
+
+    @classmethod
+    def read(
+        cls, hf: dict[str, Any], defaults: dict[str, Any] | None = None, **fields: Any
+    ) -> Self:
+        """The fields from `hf`'s BERT keys, where `defaults` gives what a key left out means
+        (BERT's own defaults otherwise; a key without one is required), `fields` the rest (a
+        subclass's among them)."""
+        defaults = {**_BERT_DEFAULTS, **(defaults or {})}
+
+        def get(key: str) -> Any:
+            value = hf_get(hf, key, default=defaults.get(key))
+            if value is None:
+                raise ConfigError(f"config.json has no {key!r}")
+            return value
+
+        read = {
+            "vocab_size": get("vocab_size"),
+            "hidden_size": get("hidden_size"),
+            "num_layers": get("num_hidden_layers"),
+            "num_heads": get("num_attention_heads"),
+            "intermediate_size": get("intermediate_size"),
+            "hidden_act": get("hidden_act"),
+            "max_position_embeddings": get("max_position_embeddings"),
+            "type_vocab_size": get("type_vocab_size"),
+            "layer_norm_eps": get("layer_norm_eps"),
+            "position_offset": 0,
+            "num_labels": hf_num_labels(hf),
+        }
+        return cls(**{**read, **fields})
 
 
 class BertEmbeddings(nn.Module):
+    """The rows, plus their token types' embeddings (where `type_vocab_size` is positive: not
+    MPNet's, DistilBERT's) and their positions' (counted from `position_offset`; not Jina
+    BERT's), normed."""
+
     def __init__(self, c: BertConfig):
         super().__init__()
         self.word_embeddings = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.position_embeddings = nn.Embedding(c.max_position_embeddings, c.hidden_size)
-        self.token_type_embeddings = nn.Embedding(c.type_vocab_size, c.hidden_size)
+        self.position_embeddings: nn.Embedding | None = None
+        if c.absolute_positions:
+            self.position_embeddings = nn.Embedding(c.max_position_embeddings, c.hidden_size)
+        self.token_type_embeddings: nn.Embedding | None = None
+        if c.type_vocab_size > 0:
+            self.token_type_embeddings = nn.Embedding(c.type_vocab_size, c.hidden_size)
         self.LayerNorm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
         self.position_offset = c.position_offset
 
     def forward(
-        self, inputs_embeds: torch.Tensor, positions: torch.Tensor, token_type_ids: torch.Tensor
+        self, inputs_embeds: torch.Tensor, positions: torch.Tensor, types: torch.Tensor | None
     ) -> torch.Tensor:
         # Same order of additions as the reference, so that results match to the last bit.
-        x = inputs_embeds + self.token_type_embeddings(token_type_ids)
-        x = x + self.position_embeddings(positions + self.position_offset)
+        x = inputs_embeds
+        if self.token_type_embeddings is not None:
+            x = x + self.token_type_embeddings(types)
+        if self.position_embeddings is not None:
+            x = x + self.position_embeddings(positions + self.position_offset)
         return self.LayerNorm(x)
 
 
@@ -95,17 +134,22 @@ class BertSelfAttention(FusedSelfAttention):
 
 
 class BertAttention(nn.Module):
-    def __init__(self, c: BertConfig):
-        super().__init__()
-        self.self = BertSelfAttention(c)
-        self.output = DenseNorm(c.hidden_size, c)
+    """`self`, the self-attention (BERT's, or a family's own: DeBERTa-v2's), then `output`,
+    `LayerNorm(dense(x) + x)` from the attention's `width` outputs."""
 
-    def forward(self, x: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
-        return self.output(self.self(x, attn), x)
+    def __init__(self, c: LayerSizes, self_attention: nn.Module | None = None, width: int = 0):
+        super().__init__()
+        self.self = BertSelfAttention(c) if self_attention is None else self_attention
+        self.output = DenseNorm(width or c.hidden_size, c)
+
+    def forward(
+        self, x: torch.Tensor, attn: AttentionMetadata, *extra: torch.Tensor
+    ) -> torch.Tensor:
+        return self.output(self.self(x, attn, *extra), x)
 
 
 class BertIntermediate(nn.Module):
-    def __init__(self, c: BertConfig):
+    def __init__(self, c: LayerSizes):
         super().__init__()
         self.dense = nn.Linear(c.hidden_size, c.intermediate_size)
         self.act = activation_name(c.hidden_act)
@@ -115,14 +159,20 @@ class BertIntermediate(nn.Module):
 
 
 class BertLayer(nn.Module):
-    def __init__(self, c: BertConfig):
+    """BERT's post-norm layer: `attention` (BERT's, or a family's own: MPNet's, DeBERTa-v2's),
+    then `output(intermediate(x), x)`. `extra` are what the family's attention reads besides
+    `attn` (a position bias)."""
+
+    def __init__(self, c: LayerSizes, attention: nn.Module | None = None):
         super().__init__()
-        self.attention = BertAttention(c)
+        self.attention = BertAttention(c) if attention is None else attention
         self.intermediate = BertIntermediate(c)
         self.output = DenseNorm(c.intermediate_size, c)
 
-    def forward(self, x: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
-        x = self.attention(x, attn)
+    def forward(
+        self, x: torch.Tensor, attn: AttentionMetadata, *extra: torch.Tensor
+    ) -> torch.Tensor:
+        x = self.attention(x, attn, *extra)
         return self.output(self.intermediate(x), x)
 
 
@@ -159,18 +209,6 @@ class BertModel(EncoderModel):
     def from_hf_config(cls, hf: dict[str, Any]) -> PoolingModel:
         return cls(cls.config_from_hf(hf))
 
-    def encode(
-        self,
-        inputs_embeds: torch.Tensor,
-        positions: torch.Tensor,
-        attn: AttentionMetadata,
-        token_type_ids: torch.Tensor,
-    ) -> torch.Tensor:
-        x = self.embeddings(inputs_embeds, positions, token_type_ids)
-        for layer in self.encoder.layer:
-            x = layer(x, attn)
-        return x
-
 
 class RobertaModel(BertModel):
     """RoBERTa / XLM-RoBERTa: BERT with positions counted from `pad_token_id + 1`."""
@@ -199,93 +237,30 @@ class RobertaForTokenClassification(BertForTokenClassification, RobertaModel):
     """RoBERTa with `classifier` on every token row."""
 
 
-class BertPredictionHeadTransform(nn.Module):
-    def __init__(self, c: BertConfig):
-        super().__init__()
-        self.dense = nn.Linear(c.hidden_size, c.hidden_size)
-        self.act = activation(c.hidden_act)
-        self.LayerNorm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.LayerNorm(self.act(self.dense(x)))
-
-
-class BertLMPredictionHead(nn.Module):
-    def __init__(self, c: BertConfig):
-        super().__init__()
-        self.transform = BertPredictionHeadTransform(c)
-        self.bias = nn.Parameter(torch.empty(c.vocab_size))
-        # Tied (the usual case), `decoder` is the word embeddings and `bias`, as in transformers.
-        self.decoder = nn.Linear(c.hidden_size, c.vocab_size)
-
-
-class BertOnlyMLMHead(nn.Module):
-    def __init__(self, c: BertConfig):
-        super().__init__()
-        self.predictions = BertLMPredictionHead(c)
-
-
 class BertForMaskedLM(MaskedLM, BertModel):
-    """BERT with its masked-LM head: vocabulary logits per token row (SPLADE)."""
+    """BERT with its masked-LM head `cls.predictions`: vocabulary logits per token row (SPLADE)."""
 
-    tied_weights: ClassVar[dict[str, str]] = {
-        "cls.predictions.decoder.weight": "embeddings.word_embeddings.weight",
-        "cls.predictions.decoder.bias": "cls.predictions.bias",
-    }
-
-    def __init__(self, c: BertConfig):
-        super().__init__(c)
-        self.cls = BertOnlyMLMHead(c)
-
-    def compute_logits(
-        self, rows: torch.Tensor, vocab_ids: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        head = self.cls.predictions
-        return vocab_logits(head.transform(rows), head.decoder, vocab_ids)
-
-
-class RobertaLMHead(nn.Module):
-    """dense, gelu, `layer_norm`, then `decoder` (tied: the word embeddings and `bias`)."""
-
-    def __init__(self, c: BertConfig):
-        super().__init__()
-        self.dense = nn.Linear(c.hidden_size, c.hidden_size)
-        self.layer_norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
-        self.decoder = nn.Linear(c.hidden_size, c.vocab_size)
-        self.bias = nn.Parameter(torch.empty(c.vocab_size))
-
-    def transform(self, x: torch.Tensor) -> torch.Tensor:
-        # Exact gelu whatever `hidden_act` says, as transformers' RobertaLMHead.
-        return self.layer_norm(F.gelu(self.dense(x)))
+    lm_names = LMHeadNames(
+        dense="cls.predictions.transform.dense",
+        norm="cls.predictions.transform.LayerNorm",
+        decoder="cls.predictions.decoder",
+        bias="cls.predictions.bias",
+    )
+    tied_weights = lm_names.ties()
 
 
 class RobertaForMaskedLM(MaskedLM, RobertaModel):
-    """RoBERTa / XLM-RoBERTa with the masked-LM head `lm_head` (SPLADE)."""
+    """RoBERTa / XLM-RoBERTa with the masked-LM head `lm_head` (SPLADE): exact gelu whatever
+    `hidden_act` says, as transformers' RobertaLMHead."""
 
-    tied_weights: ClassVar[dict[str, str]] = {
-        "lm_head.decoder.weight": "embeddings.word_embeddings.weight",
-        "lm_head.decoder.bias": "lm_head.bias",
-    }
-
-    def __init__(self, c: BertConfig):
-        super().__init__(c)
-        self.lm_head = RobertaLMHead(c)
-
-    def compute_logits(
-        self, rows: torch.Tensor, vocab_ids: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        return vocab_logits(self.lm_head.transform(rows), self.lm_head.decoder, vocab_ids)
-
-
-def vocab_logits(
-    x: torch.Tensor, decoder: nn.Linear, vocab_ids: torch.Tensor | None
-) -> torch.Tensor:
-    """`decoder(x)`, or only its `vocab_ids` columns."""
-    weight: torch.Tensor = decoder.weight
-    bias: torch.Tensor = decoder.bias
-    if vocab_ids is not None:
-        weight, bias = weight[vocab_ids], bias[vocab_ids]
-    return F.linear(x, weight, bias)
+    lm_names = LMHeadNames(
+        dense="lm_head.dense",
+        norm="lm_head.layer_norm",
+        decoder="lm_head.decoder",
+        bias="lm_head.bias",
+    )
+    lm_act = "gelu"
+    tied_weights = lm_names.ties()
 
 
 class ColBERTModel(BertModel):

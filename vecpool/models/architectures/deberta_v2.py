@@ -16,16 +16,20 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from vecpool.errors import ConfigError
+from vecpool.models.architectures.bert import BertAttention, BertLayer
 from vecpool.models.architectures.encoder import EncoderModel
-from vecpool.models.architectures.encoder_heads import TokenClassifier
-from vecpool.models.base import Capability, PoolingModel, hf_num_labels
+from vecpool.models.architectures.encoder_heads import (
+    LMHeadNames,
+    MaskedLM,
+    PooledSequenceClassifier,
+    TokenClassifier,
+)
+from vecpool.models.base import PoolingModel, hf_num_labels
 from vecpool.models.layers.attention import AttentionMetadata, GraphUnsupported, flat_attention
 from vecpool.models.layers.basic import FusedProjections, activation, activation_name, fuse
-from vecpool.models.layers.encoder_blocks import DenseNorm
 from vecpool.models.layers.invariant import tiled_matmul
 
 _POS_ATT_TYPES = ("c2p", "p2c")
@@ -146,14 +150,14 @@ class DebertaV2Embeddings(nn.Module):
         self.config = c
 
     def forward(
-        self, inputs_embeds: torch.Tensor, positions: torch.Tensor, token_type_ids: torch.Tensor
+        self, inputs_embeds: torch.Tensor, positions: torch.Tensor, types: torch.Tensor | None
     ) -> torch.Tensor:
         # Same order of additions as the reference, so that results match to the last bit.
         x = inputs_embeds[:, : self.config.embedding_size]  # the lookup's own columns
         if self.config.position_biased_input:
             x = x + self.position_embeddings(positions)
         if self.config.type_vocab_size > 0:
-            x = x + self.token_type_embeddings(token_type_ids)
+            x = x + self.token_type_embeddings(types)
         if self.config.embedding_size != self.config.hidden_size:
             x = self.embed_proj(x)
         return self.LayerNorm(x)
@@ -234,8 +238,8 @@ class DisentangledSelfAttention(nn.Module):
         self,
         x: torch.Tensor,
         attn: AttentionMetadata,
-        rel_embeddings: torch.Tensor | None,
-        rel_pos: torch.Tensor | None,
+        rel_embeddings: torch.Tensor | None = None,  # without relative attention: none
+        rel_pos: torch.Tensor | None = None,
     ) -> torch.Tensor:
         shape = (x.shape[0], self.num_heads, self.head_dim)
         assert self.qkv is not None, "projections are fused when the weights load"
@@ -249,45 +253,16 @@ class DisentangledSelfAttention(nn.Module):
         return out.reshape(x.shape[0], -1)
 
 
-class DebertaV2Attention(nn.Module):
-    def __init__(self, c: DebertaV2Config):
-        super().__init__()
-        self.self = DisentangledSelfAttention(c)
-        self.output = DenseNorm(c.num_heads * c.head_dim, c)
-
-
-class DebertaV2Intermediate(nn.Module):
-    def __init__(self, c: DebertaV2Config):
-        super().__init__()
-        self.dense = nn.Linear(c.hidden_size, c.intermediate_size)
-        self.act = activation(c.hidden_act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.act(self.dense(x))
-
-
-class DebertaV2Layer(nn.Module):
-    def __init__(self, c: DebertaV2Config):
-        super().__init__()
-        self.attention = DebertaV2Attention(c)
-        self.intermediate = DebertaV2Intermediate(c)
-        self.output = DenseNorm(c.intermediate_size, c)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        attn: AttentionMetadata,
-        rel_embeddings: torch.Tensor | None,
-        rel_pos: torch.Tensor | None,
-    ) -> torch.Tensor:
-        x = self.attention.output(self.attention.self(x, attn, rel_embeddings, rel_pos), x)
-        return self.output(self.intermediate(x), x)
+def deberta_v2_layer(c: DebertaV2Config) -> BertLayer:
+    """BERT's post-norm layer around the disentangled self-attention."""
+    attention = BertAttention(c, DisentangledSelfAttention(c), width=c.num_heads * c.head_dim)
+    return BertLayer(c, attention)
 
 
 class DebertaV2Encoder(nn.Module):
     def __init__(self, c: DebertaV2Config):
         super().__init__()
-        self.layer = nn.ModuleList(DebertaV2Layer(c) for _ in range(c.num_layers))
+        self.layer = nn.ModuleList(deberta_v2_layer(c) for _ in range(c.num_layers))
         if c.relative_attention:
             self.rel_embeddings = nn.Embedding(2 * c.att_span, c.hidden_size)
             if c.norm_rel_ebd:
@@ -299,6 +274,7 @@ class DebertaV2Model(EncoderModel):
     folder says otherwise."""
 
     checkpoint_prefixes = ("deberta.",)
+    embeddings: DebertaV2Embeddings
     unused_checkpoint_keys: ClassVar[tuple[str, ...]] = (
         "embeddings.position_ids",
         # Kept in some checkpoints whose config turns absolute positions off (as transformers).
@@ -315,131 +291,71 @@ class DebertaV2Model(EncoderModel):
     def from_hf_config(cls, hf: dict[str, Any]) -> PoolingModel:
         return cls(DebertaV2Config.from_hf(hf))
 
-    def encode(
-        self,
-        inputs_embeds: torch.Tensor,
-        positions: torch.Tensor,
-        attn: AttentionMetadata,
-        token_type_ids: torch.Tensor,
-    ) -> torch.Tensor:
+    def layer_inputs(
+        self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata
+    ) -> tuple[torch.Tensor, ...]:
+        """With relative attention, the relative embeddings (`[2 * att_span, hidden]`, normed
+        if the config says) and the step's bucketed relative positions (`[L, L]`)."""
         c = self.config
-        x = self.embeddings(inputs_embeds, positions, token_type_ids)
-        rel_embeddings = rel_pos = None
-        if c.relative_attention:
-            rel_embeddings = self.encoder.rel_embeddings.weight  # [2 * att_span, hidden]
-            if c.norm_rel_ebd:
-                rel_embeddings = self.encoder.LayerNorm(rel_embeddings)
-            rel_pos = relative_positions(attn.max_seqlen, c, x.device)  # [L, L]
-        for layer in self.encoder.layer:
-            x = layer(x, attn, rel_embeddings, rel_pos)
-        return x
+        if not c.relative_attention:
+            return ()
+        rel_embeddings = self.encoder.rel_embeddings.weight
+        if c.norm_rel_ebd:
+            rel_embeddings = self.encoder.LayerNorm(rel_embeddings)
+        return rel_embeddings, relative_positions(attn.max_seqlen, c, x.device)
 
 
-class ContextPooler(nn.Module):
-    def __init__(self, c: DebertaV2Config):
-        super().__init__()
-        self.dense = nn.Linear(c.pooler_hidden_size, c.pooler_hidden_size)
-        self.act = activation(c.pooler_hidden_act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.act(self.dense(x))
-
-
-class DebertaV2ForSequenceClassification(DebertaV2Model):
-    """The first row through the context pooler (dense, `pooler_hidden_act`), then
+class DebertaV2ForSequenceClassification(PooledSequenceClassifier, DebertaV2Model):
+    """The first row through the context pooler (`pooler.dense`, `pooler_hidden_act`), then
     `classifier` (NLI and quality classifiers, mxbai-rerank-v1 cross-encoders)."""
 
-    capabilities = frozenset({Capability.SEQUENCE_CLASSIFIER})
-
     def __init__(self, c: DebertaV2Config):
-        super().__init__(c)
         if c.pooler_hidden_size != c.hidden_size:
             raise ConfigError(
                 f"pooler_hidden_size {c.pooler_hidden_size} differs from hidden_size "
                 f"{c.hidden_size}: the context pooler reads the hidden states"
             )
-        self.num_labels = c.num_labels
-        self.pooler = ContextPooler(c)
-        self.classifier = nn.Linear(c.hidden_size, c.num_labels)
-
-    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
-        return self.classifier(self.pooler(pooled))
+        super().__init__(c)
+        self.classifier_activation = activation(c.pooler_hidden_act)
 
 
 class DebertaV2ForTokenClassification(TokenClassifier, DebertaV2Model):
     """`classifier` on every token row."""
 
 
-class DebertaV2PredictionHeadTransform(nn.Module):
-    def __init__(self, c: DebertaV2Config, out_features: int):
-        super().__init__()
-        self.dense = nn.Linear(c.hidden_size, out_features)
-        self.act = activation(c.hidden_act)
-        self.LayerNorm = nn.LayerNorm(out_features, eps=c.layer_norm_eps)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.LayerNorm(self.act(self.dense(x)))
-
-
-class LegacyDebertaV2LMPredictionHead(nn.Module):
-    """`cls.predictions`: transform to the embedding width, then `decoder` (tied: the word
-    embeddings and `bias`)."""
-
-    def __init__(self, c: DebertaV2Config):
-        super().__init__()
-        self.transform = DebertaV2PredictionHeadTransform(c, c.embedding_size)
-        self.decoder = nn.Linear(c.embedding_size, c.vocab_size)
-        self.bias = nn.Parameter(torch.empty(c.vocab_size))
-
-
-class LegacyDebertaV2OnlyMLMHead(nn.Module):
-    def __init__(self, c: DebertaV2Config):
-        super().__init__()
-        self.predictions = LegacyDebertaV2LMPredictionHead(c)
-
-
-class DebertaV2LMPredictionHead(DebertaV2PredictionHeadTransform):
-    """`lm_predictions.lm_head`: dense, act, LayerNorm, then the word embeddings and `bias`."""
-
-    def __init__(self, c: DebertaV2Config):
-        super().__init__(c, c.hidden_size)
-        self.bias = nn.Parameter(torch.empty(c.vocab_size))
-
-
-class DebertaV2OnlyMLMHead(nn.Module):
-    def __init__(self, c: DebertaV2Config):
-        super().__init__()
-        self.lm_head = DebertaV2LMPredictionHead(c)
-
-
-class DebertaV2ForMaskedLM(DebertaV2Model):
+class DebertaV2ForMaskedLM(MaskedLM, DebertaV2Model):
     """DeBERTa-v2 with its masked-LM head: vocabulary logits per token row (SPLADE). The head
-    is transformers' legacy `cls.predictions` unless the config sets `legacy: false`, then
-    `lm_predictions.lm_head`, which always reads the word embeddings."""
+    is transformers' legacy `cls.predictions` (to the embedding width, then the tied decoder)
+    unless the config sets `legacy: false`, then `lm_predictions.lm_head`, which always reads
+    the word embeddings (with a bias of its own)."""
 
-    tied_weights: ClassVar[dict[str, str]] = {
-        "cls.predictions.decoder.weight": "embeddings.word_embeddings.weight",
-        "cls.predictions.decoder.bias": "cls.predictions.bias",
-    }
     # The replaced-token-detection head of pre-training checkpoints (as transformers).
     unused_checkpoint_keys: ClassVar[tuple[str, ...]] = (
         *DebertaV2Model.unused_checkpoint_keys,
         "mask_predictions.*",
     )
-    capabilities = frozenset({Capability.MASKED_LM})
+    LEGACY_HEAD = LMHeadNames(
+        dense="cls.predictions.transform.dense",
+        norm="cls.predictions.transform.LayerNorm",
+        decoder="cls.predictions.decoder",
+        bias="cls.predictions.bias",
+    )
+    tied_weights = LEGACY_HEAD.ties()  # the other head reads the embeddings themselves
+    HEAD = LMHeadNames(
+        dense="lm_predictions.lm_head.dense",
+        norm="lm_predictions.lm_head.LayerNorm",
+        decoder=None,
+        bias="lm_predictions.lm_head.bias",
+    )
 
     def __init__(self, c: DebertaV2Config, legacy: bool, tied: bool):
+        if not legacy and c.embedding_size != c.hidden_size:
+            raise ConfigError(
+                "legacy: false (lm_predictions) needs embedding_size equal to hidden_size"
+            )
+        self.lm_names = self.LEGACY_HEAD if legacy else self.HEAD  # read as the head is built
         super().__init__(c)
-        self.legacy = legacy
         self.tie_word_embeddings = tied and legacy
-        if legacy:
-            self.cls = LegacyDebertaV2OnlyMLMHead(c)
-        else:
-            if c.embedding_size != c.hidden_size:
-                raise ConfigError(
-                    "legacy: false (lm_predictions) needs embedding_size equal to hidden_size"
-                )
-            self.lm_predictions = DebertaV2OnlyMLMHead(c)
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any]) -> PoolingModel:
@@ -448,19 +364,3 @@ class DebertaV2ForMaskedLM(DebertaV2Model):
             legacy=bool(hf.get("legacy", True)),
             tied=bool(hf.get("tie_word_embeddings", True)),
         )
-
-    def compute_logits(
-        self, rows: torch.Tensor, vocab_ids: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        if self.legacy:
-            head = self.cls.predictions
-            x = head.transform(rows)
-            weight: torch.Tensor = head.decoder.weight
-            bias: torch.Tensor = head.decoder.bias
-        else:
-            x = self.lm_predictions.lm_head(rows)
-            weight = self.embeddings.word_embeddings.weight
-            bias = self.lm_predictions.lm_head.bias
-        if vocab_ids is not None:
-            weight, bias = weight[vocab_ids], bias[vocab_ids]
-        return F.linear(x, weight, bias)

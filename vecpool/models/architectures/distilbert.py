@@ -10,13 +10,17 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from vecpool.models.architectures.bert import BertConfig, vocab_logits
+from vecpool.models.architectures.bert import BertConfig, BertEmbeddings
 from vecpool.models.architectures.encoder import EncoderModel
-from vecpool.models.architectures.encoder_heads import MaskedLM, TokenClassifier
-from vecpool.models.base import Capability, PoolingModel, hf_num_labels
+from vecpool.models.architectures.encoder_heads import (
+    LMHeadNames,
+    MaskedLM,
+    PooledSequenceClassifier,
+    TokenClassifier,
+)
+from vecpool.models.base import PoolingModel, hf_num_labels
 from vecpool.models.hf import hf_get
 from vecpool.models.layers.attention import AttentionMetadata
 from vecpool.models.layers.basic import activation
@@ -42,31 +46,11 @@ def distilbert_config(hf: dict[str, Any]) -> BertConfig:
     )
 
 
-class DistilBertEmbeddings(nn.Module):
-    def __init__(self, c: BertConfig):
-        super().__init__()
-        self.word_embeddings = nn.Embedding(c.vocab_size, c.hidden_size)
-        # Learned or sinusoidal (`sinusoidal_pos_embds`): either way a stored table.
-        self.position_embeddings = nn.Embedding(c.max_position_embeddings, c.hidden_size)
-        self.LayerNorm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
-
-    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.LayerNorm(inputs_embeds + self.position_embeddings(positions))
-
-
 class DistilBertSelfAttention(FusedSelfAttention):
     """`q_lin`, `k_lin`, `v_lin`, then `out_lin`."""
 
     qkv_names = ("q_lin", "k_lin", "v_lin")
-
-    def __init__(self, c: BertConfig):
-        super().__init__(c)
-        self.out_lin = nn.Linear(c.hidden_size, c.hidden_size)
-
-    def forward(
-        self, x: torch.Tensor, attn: AttentionMetadata, bias: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        return self.out_lin(super().forward(x, attn, bias))
+    out_name = "out_lin"
 
 
 class DistilBertFFN(nn.Module):
@@ -110,39 +94,23 @@ class DistilBertModel(EncoderModel):
     def __init__(self, c: BertConfig):
         super().__init__(c, c.max_position_embeddings)
         self.config = c
-        self.embeddings = DistilBertEmbeddings(c)
+        # Positions learned or sinusoidal (`sinusoidal_pos_embds`): either way a stored table.
+        self.embeddings = BertEmbeddings(c)
         self.transformer = DistilBertTransformer(c)
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any]) -> PoolingModel:
         return cls(distilbert_config(hf))
 
-    def forward(
-        self,
-        inputs_embeds: torch.Tensor,
-        positions: torch.Tensor,
-        attn: AttentionMetadata,
-        token_type_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        x = self.embeddings(inputs_embeds, positions)
-        for layer in self.transformer.layer:
-            x = layer(x, attn)
-        return x
+    def layer_stack(self) -> nn.ModuleList:
+        return self.transformer.layer
 
 
-class DistilBertForSequenceClassification(DistilBertModel):
+class DistilBertForSequenceClassification(PooledSequenceClassifier, DistilBertModel):
     """The first row through `pre_classifier`, relu, `classifier`."""
 
-    capabilities = frozenset({Capability.SEQUENCE_CLASSIFIER})
-
-    def __init__(self, c: BertConfig):
-        super().__init__(c)
-        self.num_labels = c.num_labels
-        self.pre_classifier = nn.Linear(c.hidden_size, c.hidden_size)
-        self.classifier = nn.Linear(c.hidden_size, c.num_labels)
-
-    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
-        return self.classifier(F.relu(self.pre_classifier(pooled)))
+    classifier_names = ("pre_classifier", "classifier")
+    classifier_act = "relu"
 
 
 class DistilBertForTokenClassification(TokenClassifier, DistilBertModel):
@@ -153,19 +121,7 @@ class DistilBertForMaskedLM(MaskedLM, DistilBertModel):
     """DistilBERT with its masked-LM head: `vocab_transform`, the config's activation,
     `vocab_layer_norm`, `vocab_projector` (tied: the word embeddings, with its own bias)."""
 
-    tied_weights: ClassVar[dict[str, str]] = {
-        "vocab_projector.weight": "embeddings.word_embeddings.weight"
-    }
-
-    def __init__(self, c: BertConfig):
-        super().__init__(c)
-        self.vocab_transform = nn.Linear(c.hidden_size, c.hidden_size)
-        self.act = activation(c.hidden_act)
-        self.vocab_layer_norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
-        self.vocab_projector = nn.Linear(c.hidden_size, c.vocab_size)
-
-    def compute_logits(
-        self, rows: torch.Tensor, vocab_ids: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        x = self.vocab_layer_norm(self.act(self.vocab_transform(rows)))
-        return vocab_logits(x, self.vocab_projector, vocab_ids)
+    lm_names = LMHeadNames(
+        dense="vocab_transform", norm="vocab_layer_norm", decoder="vocab_projector"
+    )
+    tied_weights = lm_names.ties()

@@ -14,20 +14,19 @@ from dataclasses import replace
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from vecpool.errors import ConfigError
-from vecpool.models.architectures.bert import BertConfig, BertEmbeddings, BertEncoder, vocab_logits
+from vecpool.models.architectures.bert import BertConfig, BertEmbeddings, BertEncoder
 from vecpool.models.architectures.encoder import EncoderModel
 from vecpool.models.architectures.encoder_heads import (
     HeadSequenceClassifier,
+    LMHeadNames,
     MaskedLM,
     TokenClassifier,
 )
 from vecpool.models.base import PoolingModel
 from vecpool.models.hf import hf_get
-from vecpool.models.layers.attention import AttentionMetadata
 
 
 def embedding_width(hf: dict[str, Any], hidden_size: int, family: str) -> int:
@@ -65,19 +64,12 @@ class ElectraModel(EncoderModel):
         c = BertConfig.from_hf(hf)
         return cls(c, embedding_width(hf, c.hidden_size, "ELECTRA"))
 
-    def encode(
-        self,
-        inputs_embeds: torch.Tensor,
-        positions: torch.Tensor,
-        attn: AttentionMetadata,
-        token_type_ids: torch.Tensor,
+    def embed(
+        self, inputs_embeds: torch.Tensor, positions: torch.Tensor, types: torch.Tensor | None
     ) -> torch.Tensor:
-        x = inputs_embeds[:, : self.embedding_size]  # [T, embedding_size]
-        x = self.embeddings(x, positions, token_type_ids)
+        x = self.embeddings(inputs_embeds[:, : self.embedding_size], positions, types)
         if self.embeddings_project is not None:
-            x = self.embeddings_project(x)  # [T, hidden]
-        for layer in self.encoder.layer:
-            x = layer(x, attn)
+            x = self.embeddings_project(x)  # [T, embedding_size] -> [T, hidden]
         return x
 
 
@@ -92,31 +84,15 @@ class ElectraForTokenClassification(TokenClassifier, ElectraModel):
     """`classifier` on every token row."""
 
 
-class ElectraGeneratorPredictions(nn.Module):
-    def __init__(self, c: BertConfig, embedding_size: int):
-        super().__init__()
-        self.dense = nn.Linear(c.hidden_size, embedding_size)
-        self.LayerNorm = nn.LayerNorm(embedding_size, eps=c.layer_norm_eps)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.LayerNorm(F.gelu(self.dense(x)))  # exact gelu whatever hidden_act says
-
-
 class ElectraForMaskedLM(MaskedLM, ElectraModel):
     """The generator's masked-LM head: `generator_predictions` (dense to the embedding width,
-    gelu, LayerNorm), then `generator_lm_head` (tied: the word embeddings, own bias)."""
+    gelu, LayerNorm), then `generator_lm_head` (tied: the word embeddings, own bias). Exact
+    gelu whatever `hidden_act` says, as transformers."""
 
-    tied_weights: ClassVar[dict[str, str]] = {
-        "generator_lm_head.weight": "embeddings.word_embeddings.weight"
-    }
-
-    def __init__(self, c: BertConfig, embedding_size: int):
-        super().__init__(c, embedding_size)
-        self.generator_predictions = ElectraGeneratorPredictions(c, embedding_size)
-        self.generator_lm_head = nn.Linear(embedding_size, c.vocab_size)
-
-    def compute_logits(
-        self, rows: torch.Tensor, vocab_ids: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        x = self.generator_predictions(rows)
-        return vocab_logits(x, self.generator_lm_head, vocab_ids)
+    lm_names = LMHeadNames(
+        dense="generator_predictions.dense",
+        norm="generator_predictions.LayerNorm",
+        decoder="generator_lm_head",
+    )
+    lm_act = "gelu"
+    tied_weights = lm_names.ties()

@@ -25,9 +25,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from vecpool.errors import ConfigError
+from vecpool.models.architectures.bert import BertConfig, BertEmbeddings
 from vecpool.models.architectures.encoder import EncoderModel
 from vecpool.models.architectures.encoder_heads import PooledSequenceClassifier
-from vecpool.models.base import PoolingModel, hf_num_labels
+from vecpool.models.base import PoolingModel
 from vecpool.models.layers.attention import AttentionMetadata
 from vecpool.models.layers.encoder_blocks import DenseNorm, FusedSelfAttention
 
@@ -39,21 +40,14 @@ _GLU_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 
 
 @dataclass(frozen=True)
-class JinaBertConfig:
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    intermediate_size: int
-    max_position_embeddings: int
-    type_vocab_size: int
-    layer_norm_eps: float
-    feed_forward_type: str  # "geglu" or "reglu"
-    qk_post_norm: bool  # the jina-bert-v2-qk-post-norm layout
-    num_labels: int
+class JinaBertConfig(BertConfig):
+    """BERT's sizes, without position embeddings, and the MLP's layout."""
+
+    feed_forward_type: str = "geglu"  # or "reglu"
+    qk_post_norm: bool = False  # the jina-bert-v2-qk-post-norm layout
 
     @classmethod
-    def from_hf(cls, hf: dict[str, Any]) -> JinaBertConfig:
+    def from_hf(cls, hf: dict[str, Any], position_offset: int = 0) -> JinaBertConfig:
         position_type = hf.get("position_embedding_type", "absolute")
         if position_type != "alibi":
             raise ConfigError(
@@ -63,19 +57,12 @@ class JinaBertConfig:
         feed_forward = hf.get("feed_forward_type", "original")
         if feed_forward not in _GLU_ACTIVATIONS:
             raise ConfigError(f"feed_forward_type {feed_forward!r} is not supported (geglu, reglu)")
-        shapes = hf.get("checkpoint_shapes") or {}
-        return cls(
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            num_layers=hf["num_hidden_layers"],
-            num_heads=hf["num_attention_heads"],
-            intermediate_size=hf["intermediate_size"],
-            max_position_embeddings=hf.get("max_position_embeddings", 8192),
-            type_vocab_size=hf.get("type_vocab_size", 2),
-            layer_norm_eps=hf.get("layer_norm_eps", 1e-12),
+        return cls.read(
+            hf,
+            defaults={"max_position_embeddings": 8192},
+            absolute_positions=False,
             feed_forward_type=feed_forward,
-            qk_post_norm=bool(shapes),
-            num_labels=hf_num_labels(hf),
+            qk_post_norm=bool(hf.get("checkpoint_shapes")),
         )
 
 
@@ -92,17 +79,6 @@ def alibi_slopes(num_heads: int) -> list[float]:
         return power_of_two(num_heads)
     below = 2 ** math.floor(math.log2(num_heads))
     return power_of_two(below) + alibi_slopes(2 * below)[0::2][: num_heads - below]
-
-
-class JinaBertEmbeddings(nn.Module):
-    def __init__(self, c: JinaBertConfig):
-        super().__init__()
-        self.word_embeddings = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.token_type_embeddings = nn.Embedding(c.type_vocab_size, c.hidden_size)
-        self.LayerNorm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
-
-    def forward(self, inputs_embeds: torch.Tensor, token_type_ids: torch.Tensor) -> torch.Tensor:
-        return self.LayerNorm(inputs_embeds + self.token_type_embeddings(token_type_ids))
 
 
 class JinaBertSelfAttention(FusedSelfAttention):
@@ -205,6 +181,7 @@ class JinaBertModel(EncoderModel):
     unused). Mean pooling when the folder does not say, as the models are trained."""
 
     checkpoint_prefixes = ("bert.",)
+    pooling = "MEAN"
     shape_keys = (_QK_NORM_KEY, f"bert.{_QK_NORM_KEY}")
     unused_checkpoint_keys: ClassVar[tuple[str, ...]] = (
         "pooler.*",
@@ -216,7 +193,7 @@ class JinaBertModel(EncoderModel):
     def __init__(self, c: JinaBertConfig):
         super().__init__(c, c.max_position_embeddings, c.type_vocab_size)
         self.config = c
-        self.embeddings = JinaBertEmbeddings(c)
+        self.embeddings = BertEmbeddings(c)  # no position embeddings: ALiBi
         self.encoder = JinaBertEncoder(c)
         # Real values, not parameters: on the CPU, as models are built on the meta device.
         self._slopes = torch.tensor(alibi_slopes(c.num_heads), device="cpu")  # [heads] float32
@@ -226,43 +203,25 @@ class JinaBertModel(EncoderModel):
     def from_hf_config(cls, hf: dict[str, Any]) -> PoolingModel:
         return cls(JinaBertConfig.from_hf(hf))
 
-    @property
-    def default_pooler(self) -> str:
-        return "MEAN"
-
-    def alibi(self, length: int, like: torch.Tensor) -> torch.Tensor:  # [1, heads, L, L]
-        """`-slope_h * |i - j|` for positions below `length`, in `like`'s dtype."""
+    def layer_inputs(
+        self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata
+    ) -> tuple[torch.Tensor, ...]:
+        """The step's ALiBi bias, `-slope_h * |i - j|` below `max_seqlen` (`[1, heads, L, L]`)."""
         slopes = self._device_slopes
-        if slopes is None or slopes.device != like.device:
-            slopes = self._device_slopes = self._slopes.to(like.device)
-        pos = torch.arange(length, device=like.device)
+        if slopes is None or slopes.device != x.device:
+            slopes = self._device_slopes = self._slopes.to(x.device)
+        pos = torch.arange(attn.max_seqlen, device=x.device)
         distance = (pos[None, :] - pos[:, None]).abs()  # [L, L]
-        return (-slopes[:, None, None] * distance).unsqueeze(0).to(like.dtype)
-
-    def encode(
-        self,
-        inputs_embeds: torch.Tensor,
-        positions: torch.Tensor,
-        attn: AttentionMetadata,
-        token_type_ids: torch.Tensor,
-    ) -> torch.Tensor:
-        x = self.embeddings(inputs_embeds, token_type_ids)
-        alibi = self.alibi(attn.max_seqlen, x)
-        for layer in self.encoder.layer:
-            x = layer(x, attn, alibi)
-        return x
+        return ((-slopes[:, None, None] * distance).unsqueeze(0).to(x.dtype),)
 
 
 class JinaBertForSequenceClassification(PooledSequenceClassifier, JinaBertModel):
     """The first row through BERT's pooler (dense, tanh), then `classifier` (jina-reranker-v1
     cross-encoders). CLS pooling, as BERT's classifier reads."""
 
+    pooling = "CLS"
     unused_checkpoint_keys: ClassVar[tuple[str, ...]] = (
         "cls.*",
         "embeddings.position_ids",
         "embeddings.token_type_ids",
     )
-
-    @property
-    def default_pooler(self) -> str:
-        return "CLS"

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vecpool.errors import ConfigError
+from vecpool.models.architectures.encoder import EncoderModel
 from vecpool.models.base import Capability, PoolingModel, hf_num_labels
 from vecpool.models.layers.attention import AttentionMetadata, flat_attention
 from vecpool.models.layers.basic import Rotary, activation, apply_rotary
@@ -161,42 +162,42 @@ class ModernBertMLP(nn.Module):
 
 
 class ModernBertEncoderLayer(nn.Module):
-    """Pre-norm block; the first layer has no attention norm (the embeddings' norm serves)."""
+    """Pre-norm block; the first layer has no attention norm (the embeddings' norm serves).
+    It reads the cos and sin of its layer type's rotary table, number `table` of the step's."""
 
-    def __init__(self, c: ModernBertConfig, index: int):
+    def __init__(self, c: ModernBertConfig, index: int, table: int):
         super().__init__()
+        self.table = table
         self.attn_norm: nn.Module = nn.Identity() if index == 0 else _norm(c)
         self.attn = ModernBertAttention(c, c.window if c.layer_types[index] == SLIDING else None)
         self.mlp_norm = _norm(c)
         self.mlp = ModernBertMLP(c)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata
-    ) -> torch.Tensor:
+        self, x: torch.Tensor, attn: AttentionMetadata, *tables: torch.Tensor
+    ) -> torch.Tensor:  # tables: cos, sin of each rotary table, [num_tokens, head_dim]
+        cos, sin = tables[2 * self.table], tables[2 * self.table + 1]
         x = x + self.attn(self.attn_norm(x), cos, sin, attn)
         return x + self.mlp(self.mlp_norm(x))
 
 
-class ModernBertModel(PoolingModel):
+class ModernBertModel(EncoderModel):
     """`embeddings`, `layers`, `final_norm`: the base model of any ModernBERT checkpoint."""
 
     checkpoint_prefixes = ("model.",)
-    is_causal = False
+    embeddings: ModernBertEmbeddings
 
     def __init__(self, c: ModernBertConfig):
-        super().__init__()
+        super().__init__(c, c.max_position_embeddings)
         self.config = c
-        self.hidden_size = c.hidden_size
-        self.vocab_size = c.vocab_size
-        self.max_positions = c.max_position_embeddings
         self.embeddings = ModernBertEmbeddings(c)
-        self.layers = nn.ModuleList(ModernBertEncoderLayer(c, i) for i in range(len(c.layer_types)))
-        self.final_norm = _norm(c)
         # One rotary table per layer type in use, each from its own theta.
-        self.rotary = {
-            kind: Rotary(c.head_dim, {"rope_theta": c.rope_theta[kind]})
-            for kind in dict.fromkeys(c.layer_types)
-        }
+        kinds = list(dict.fromkeys(c.layer_types))
+        self.rotary = [Rotary(c.head_dim, {"rope_theta": c.rope_theta[kind]}) for kind in kinds]
+        self.layers = nn.ModuleList(
+            ModernBertEncoderLayer(c, i, kinds.index(kind)) for i, kind in enumerate(c.layer_types)
+        )
+        self.final_norm = _norm(c)
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any]) -> PoolingModel:
@@ -205,17 +206,20 @@ class ModernBertModel(PoolingModel):
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embeddings.tok_embeddings(input_ids)
 
-    def forward(
-        self,
-        inputs_embeds: torch.Tensor,
-        positions: torch.Tensor,
-        attn: AttentionMetadata,
-        token_type_ids: torch.Tensor | None = None,
+    def embed(
+        self, inputs_embeds: torch.Tensor, positions: torch.Tensor, types: torch.Tensor | None
     ) -> torch.Tensor:
-        x = self.embeddings.norm(inputs_embeds)
-        tables = {kind: r.cos_sin(positions, x.dtype) for kind, r in self.rotary.items()}
-        for layer, kind in zip(self.layers, self.config.layer_types, strict=True):
-            x = layer(x, *tables[kind], attn)
+        return self.embeddings.norm(inputs_embeds)
+
+    def layer_stack(self) -> nn.ModuleList:
+        return self.layers
+
+    def layer_inputs(
+        self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata
+    ) -> tuple[torch.Tensor, ...]:
+        return tuple(t for rotary in self.rotary for t in rotary.cos_sin(positions, x.dtype))
+
+    def final(self, x: torch.Tensor) -> torch.Tensor:
         return self.final_norm(x)
 
 

@@ -18,9 +18,9 @@ from torch import nn
 from vecpool.errors import ConfigError, ModelLoadError
 from vecpool.models.architectures.bert import (
     BertConfig,
-    BertIntermediate,
-    RobertaLMHead,
-    vocab_logits,
+    BertEmbeddings,
+    BertLayer,
+    RobertaForMaskedLM,
 )
 from vecpool.models.architectures.encoder import EncoderModel
 from vecpool.models.architectures.encoder_heads import (
@@ -28,10 +28,10 @@ from vecpool.models.architectures.encoder_heads import (
     MaskedLM,
     TokenClassifier,
 )
-from vecpool.models.base import Capability, PoolingModel, hf_num_labels
+from vecpool.models.base import Capability, PoolingModel
 from vecpool.models.hf import hf_get
 from vecpool.models.layers.attention import AttentionMetadata
-from vecpool.models.layers.encoder_blocks import DenseNorm, FusedSelfAttention
+from vecpool.models.layers.encoder_blocks import FusedSelfAttention
 
 # transformers' MPNet fixes the padding index at 1 (whatever pad_token_id says) and always
 # buckets distances into 32 buckets up to 128 apart, whatever relative_attention_num_buckets
@@ -42,19 +42,13 @@ _MAX_DISTANCE = 128
 
 
 def mpnet_config(hf: dict[str, Any]) -> BertConfig:
-    """The layer sizes of an MPNet `config.json`, in the BERT layers' config."""
-    return BertConfig(
-        vocab_size=hf["vocab_size"],
-        hidden_size=hf["hidden_size"],
-        num_layers=hf["num_hidden_layers"],
-        num_heads=hf["num_attention_heads"],
-        intermediate_size=hf["intermediate_size"],
-        hidden_act=hf_get(hf, "hidden_act", default="gelu"),
-        max_position_embeddings=hf["max_position_embeddings"],
-        type_vocab_size=0,  # no token types
-        layer_norm_eps=float(hf_get(hf, "layer_norm_eps", default=1e-5)),
+    """The layer sizes of an MPNet `config.json` (BERT's keys), in the BERT layers' config: no
+    token types, positions from `padding_idx + 1`."""
+    return BertConfig.read(
+        hf,
+        defaults={"layer_norm_eps": 1e-5},
+        type_vocab_size=0,
         position_offset=_PADDING_IDX + 1,
-        num_labels=hf_num_labels(hf),
     )
 
 
@@ -74,35 +68,11 @@ def relative_position_buckets(length: int) -> torch.Tensor:
     return direction + torch.where(n < max_exact, n, large)
 
 
-class MPNetEmbeddings(nn.Module):
-    def __init__(self, c: BertConfig):
-        super().__init__()
-        self.word_embeddings = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.position_embeddings = nn.Embedding(c.max_position_embeddings, c.hidden_size)
-        self.LayerNorm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
-        self.position_offset = c.position_offset
-
-    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = inputs_embeds + self.position_embeddings(positions + self.position_offset)
-        return self.LayerNorm(x)
-
-
 class MPNetSelfAttention(FusedSelfAttention):
     """`q`, `k`, `v` with the step's relative position bias, then `o`."""
 
     qkv_names = ("q", "k", "v")
-
-    def __init__(self, c: BertConfig):
-        super().__init__(c)
-        self.o = nn.Linear(c.hidden_size, c.hidden_size)
-
-    def forward(
-        self,
-        x: torch.Tensor,  # [T, hidden]
-        attn: AttentionMetadata,
-        bias: torch.Tensor | None = None,  # [1, heads, max_seqlen, max_seqlen]
-    ) -> torch.Tensor:
-        return self.o(super().forward(x, attn, bias))
+    out_name = "o"
 
 
 class MPNetAttention(nn.Module):
@@ -115,22 +85,10 @@ class MPNetAttention(nn.Module):
         return self.LayerNorm(self.attn(x, attn, bias) + x)
 
 
-class MPNetLayer(nn.Module):
-    def __init__(self, c: BertConfig):
-        super().__init__()
-        self.attention = MPNetAttention(c)
-        self.intermediate = BertIntermediate(c)
-        self.output = DenseNorm(c.intermediate_size, c)
-
-    def forward(self, x: torch.Tensor, attn: AttentionMetadata, bias: torch.Tensor) -> torch.Tensor:
-        x = self.attention(x, attn, bias)
-        return self.output(self.intermediate(x), x)
-
-
 class MPNetEncoder(nn.Module):
     def __init__(self, c: BertConfig, num_buckets: int):
         super().__init__()
-        self.layer = nn.ModuleList(MPNetLayer(c) for _ in range(c.num_layers))
+        self.layer = nn.ModuleList(BertLayer(c, MPNetAttention(c)) for _ in range(c.num_layers))
         self.relative_attention_bias = nn.Embedding(num_buckets, c.num_heads)
 
 
@@ -149,7 +107,7 @@ class MPNetModel(EncoderModel):
                 f"positions into {_NUM_BUCKETS}, so it needs at least that many"
             )
         self.config = c
-        self.embeddings = MPNetEmbeddings(c)
+        self.embeddings = BertEmbeddings(c)
         self.encoder = MPNetEncoder(c, num_buckets)
         # Real values, not parameters: built on the CPU once, copied to the model's device on
         # first use. Every step's bias is a lookup of its top-left corner.
@@ -161,27 +119,17 @@ class MPNetModel(EncoderModel):
         num_buckets = int(hf_get(hf, "relative_attention_num_buckets", default=_NUM_BUCKETS))
         return cls(mpnet_config(hf), num_buckets)
 
-    def position_bias(self, max_seqlen: int) -> torch.Tensor:
-        """`[1, heads, max_seqlen, max_seqlen]`: the step's relative position bias (one lookup)."""
+    def layer_inputs(
+        self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata
+    ) -> tuple[torch.Tensor, ...]:
+        """The step's relative position bias, `[1, heads, max_seqlen, max_seqlen]` (one lookup)."""
         table = self.encoder.relative_attention_bias.weight  # [num_buckets, heads]
         buckets = self._device_buckets
         if buckets is None or buckets.device != table.device:
             buckets = self._device_buckets = self._buckets.to(table.device)
-        values = nn.functional.embedding(buckets[:max_seqlen, :max_seqlen], table)  # [L, L, H]
-        return values.permute(2, 0, 1).contiguous().unsqueeze(0)  # rows of keys, for the kernel
-
-    def forward(
-        self,
-        inputs_embeds: torch.Tensor,
-        positions: torch.Tensor,
-        attn: AttentionMetadata,
-        token_type_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        x = self.embeddings(inputs_embeds, positions)
-        bias = self.position_bias(attn.max_seqlen)
-        for layer in self.encoder.layer:
-            x = layer(x, attn, bias)
-        return x
+        length = attn.max_seqlen
+        values = nn.functional.embedding(buckets[:length, :length], table)  # [L, L, H]
+        return (values.permute(2, 0, 1).contiguous().unsqueeze(0),)  # rows of keys, for the kernel
 
 
 class MPNetForMaskedLM(MaskedLM, MPNetModel):
@@ -192,10 +140,10 @@ class MPNetForMaskedLM(MaskedLM, MPNetModel):
     masked-LM capability. A head that is only partly there is an error.
     """
 
-    tied_weights: ClassVar[dict[str, str]] = {
-        "lm_head.decoder.weight": "embeddings.word_embeddings.weight",
-        "lm_head.decoder.bias": "lm_head.bias",
-    }
+    # The same layout and gelu as RoBERTa's.
+    lm_names = RobertaForMaskedLM.lm_names
+    lm_act = RobertaForMaskedLM.lm_act
+    tied_weights = RobertaForMaskedLM.tied_weights
     optional_parameters: ClassVar[tuple[str, ...]] = (
         "lm_head.dense.weight",
         "lm_head.dense.bias",
@@ -208,7 +156,6 @@ class MPNetForMaskedLM(MaskedLM, MPNetModel):
 
     def __init__(self, c: BertConfig, num_buckets: int):
         super().__init__(c, num_buckets)
-        self.lm_head = RobertaLMHead(c)  # the same layout and gelu as RoBERTa's
         self._dropped: list[str] = []
 
     def drop_parameter(self, name: str) -> None:
@@ -242,7 +189,7 @@ class MPNetForMaskedLM(MaskedLM, MPNetModel):
                 "this MPNetForMaskedLM checkpoint holds only the base model's weights (no "
                 "lm_head), so it cannot produce vocabulary logits"
             )
-        return vocab_logits(self.lm_head.transform(rows), self.lm_head.decoder, vocab_ids)
+        return super().compute_logits(rows, vocab_ids)
 
 
 class MPNetForSequenceClassification(HeadSequenceClassifier, MPNetModel):

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from vecpool.errors import ConfigError
+from vecpool.models.architectures.encoder import EncoderModel
 from vecpool.models.base import PoolingModel
 from vecpool.models.hf import hf_get
 from vecpool.models.layers.attention import AttentionMetadata, flat_attention
@@ -40,6 +41,10 @@ class T5Config:
     gated: bool  # "gated-<act>": act(wi_0(x)) * wi_1(x); else act(wi(x))
     act: str
     max_positions: int
+
+    @property
+    def hidden_size(self) -> int:
+        return self.d_model
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> T5Config:
@@ -197,22 +202,19 @@ class T5Stack(nn.Module):
         return first.SelfAttention.position_bias(length)
 
 
-class T5EncoderModel(PoolingModel):
+class T5EncoderModel(EncoderModel):
     """The encoder of a T5 checkpoint: `T5EncoderModel`, or the encoder half of a `T5Model` /
     `T5ForConditionalGeneration` folder. Pools by mean when the folder does not say (the
     pooling of sentence-t5 and GTR; T5 has no CLS token)."""
 
     tied_weights: ClassVar[dict[str, str]] = {"encoder.embed_tokens.weight": "shared.weight"}
     tie_word_embeddings = True
+    pooling = "MEAN"
     unused_checkpoint_keys: ClassVar[tuple[str, ...]] = ("decoder.*", "lm_head.*")
-    is_causal = False
 
     def __init__(self, c: T5Config):
-        super().__init__()
+        super().__init__(c, c.max_positions)
         self.config = c
-        self.hidden_size = c.d_model
-        self.vocab_size = c.vocab_size
-        self.max_positions = c.max_positions
         self.shared = nn.Embedding(c.vocab_size, c.d_model)
         self.encoder = T5Stack(c)
 
@@ -220,22 +222,21 @@ class T5EncoderModel(PoolingModel):
     def from_hf_config(cls, hf: dict[str, Any]) -> PoolingModel:
         return cls(T5Config.from_hf(hf))
 
-    @property
-    def default_pooler(self) -> str:
-        return "MEAN"
-
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.shared(input_ids)
 
-    def forward(
-        self,
-        inputs_embeds: torch.Tensor,
-        positions: torch.Tensor,
-        attn: AttentionMetadata,
-        token_type_ids: torch.Tensor | None = None,
+    def embed(
+        self, inputs_embeds: torch.Tensor, positions: torch.Tensor, types: torch.Tensor | None
     ) -> torch.Tensor:
-        bias = self.encoder.position_bias(attn.max_seqlen)  # [1, heads, max_len, max_len]
-        x = inputs_embeds
-        for block in self.encoder.block:
-            x = block(x, attn, bias)
+        return inputs_embeds  # the rows as they are: no positions, no token types
+
+    def layer_stack(self) -> nn.ModuleList:
+        return self.encoder.block
+
+    def layer_inputs(
+        self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata
+    ) -> tuple[torch.Tensor, ...]:
+        return (self.encoder.position_bias(attn.max_seqlen),)  # [1, heads, max_len, max_len]
+
+    def final(self, x: torch.Tensor) -> torch.Tensor:
         return self.encoder.final_layer_norm(x)

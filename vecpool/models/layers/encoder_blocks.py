@@ -39,6 +39,16 @@ class AttentionSizes(Protocol):
     def num_heads(self) -> int: ...
 
 
+class LayerSizes(NormSizes, AttentionSizes, Protocol):
+    """What BERT's layer reads from a family's config (MPNet's, DeBERTa-v2's are alike)."""
+
+    @property
+    def intermediate_size(self) -> int: ...
+
+    @property
+    def hidden_act(self) -> str: ...
+
+
 class DenseNorm(nn.Module):
     """`LayerNorm(dense(x) + residual)`: BERT's post-norm output of attention and of the MLP
     (BERT, MPNet, DeBERTa-v2, Jina BERT), the add done by the linear where it can."""
@@ -75,10 +85,12 @@ def bidirectional_attention(
 class FusedSelfAttention(nn.Module):
     """Bidirectional self-attention whose query, key and value are three biased linears over
     the same input, named as the checkpoint names them (`qkv_names`); once the weights load,
-    `fuse_projections` joins them into the one matmul `qkv`. No output projection: families
-    place theirs under their own names."""
+    `fuse_projections` joins them into the one matmul `qkv`. The output projection is this
+    module's where the family keeps it here (`out_name`: MPNet's `o`, DistilBERT's `out_lin`);
+    elsewhere the family applies its own (BERT's `output.dense`)."""
 
     qkv_names: ClassVar[tuple[str, str, str]] = ("query", "key", "value")
+    out_name: ClassVar[str | None] = None
 
     def __init__(self, c: AttentionSizes):
         super().__init__()
@@ -86,6 +98,8 @@ class FusedSelfAttention(nn.Module):
         self.head_dim = c.hidden_size // c.num_heads
         for name in self.qkv_names:
             setattr(self, name, nn.Linear(c.hidden_size, c.hidden_size))
+        if self.out_name is not None:
+            setattr(self, self.out_name, nn.Linear(c.hidden_size, c.hidden_size))
         self.qkv: FusedProjections | None = None
 
     def fuse_projections(self) -> None:
@@ -113,7 +127,8 @@ class FusedSelfAttention(nn.Module):
         self, x: torch.Tensor, attn: AttentionMetadata, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         q, k, v = self.project(x)
-        return self.attend(q, k, v, attn, bias)
+        out = self.attend(q, k, v, attn, bias)
+        return out if self.out_name is None else getattr(self, self.out_name)(out)
 
 
 def packed_rotary_attention(
