@@ -300,7 +300,7 @@ def test_group_ops_path_equals_the_reference_and_compiles_whole(
     monkeypatch.setattr(quant, "fused_fp8_ops", lambda device: True)
     ops = vecpool.Engine(tmp_path / "fp8", device="cpu")
     assert_ops_path_equal(ops, plain, prompts, (5, 19))
-    # Its residual sums added by the group norms' op (`Fp8SumInNormLayer`): the bits of the
+    # Its residual sums added by the group norms' op (`SumInNormLayer`): the bits of the
     # layers that add their own.
     assert all(type(layer) is SumInNormLayer for layer in ops.model.layers)
     monkeypatch.setattr(quant, "SUM_IN_NORM", False)

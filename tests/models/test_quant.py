@@ -305,7 +305,7 @@ def test_residual_sums_in_the_norms_give_the_same_bits(
     qwen3: tuple[Path, Any], monkeypatch: pytest.MonkeyPatch, ops_path: bool
 ) -> None:
     """A stack of folded FP8 layers hands each residual sum on to the next norm, which adds it
-    (`Fp8SumInNormLayer`; on CUDA in the norm's kernel, here in the op's CPU kernel or in
+    (`SumInNormLayer`; on CUDA in the norm's kernel, here in the op's CPU kernel or in
     torch): the same additions in the same order, so the bits of the layers that add their
     own, eager and compiled with a dynamic token count, from ids and from prompt embeds."""
     import vecpool.models.quant.fp8_ops  # the ops, with their CPU kernels
