@@ -5,7 +5,7 @@ the residual sum the RMSNorm kernels add first (per group and per row): one floa
 once, to the bit under the interpreter's cast.
 
 The interpreter's float32 -> FP8 casts are not the device's (they were off by up to half a
-value), so the FP8 values themselves are checked on the GPU (benchmarks/fp8_block_check.py).
+value), so the FP8 values themselves are checked on the GPU (benchmarks/lab/fp8_block_check.py).
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ def gelu(x: torch.Tensor) -> torch.Tensor:
     generates for it. The two compute the same float32 formula (erf, then one rounding); at
     BERT-base's width and a step of 32,768 tokens ATen's took 130 us on the H200 and the
     compiler's 203 us, a copy of the same tensor by the compiler 156 us
-    (`benchmarks/activation_check.py`, `activation_check_h200.json`)."""
+    (`benchmarks/lab/activation_check.py`, `activation_check_h200.json`)."""
     if COMPILED_ATEN_GELU and compiled_for_cuda(x):
         return torch.ops.vecpool.gelu(x)
     return F.gelu(x)
