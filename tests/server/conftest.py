@@ -36,6 +36,7 @@ class Server:
         self.log = log
         headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = httpx.Client(base_url=url, headers=headers, timeout=60)
+        self._started = False
 
     def post(self, path: str, body: Any, **kwargs: Any) -> httpx.Response:
         return self.client.post(path, json=body, **kwargs)
@@ -72,6 +73,29 @@ class Server:
             assert time.monotonic() < deadline, self.log.read_text()
             time.sleep(0.05)
 
+    def wait_started(self) -> Server:
+        """Wait until /health answers (the server started); self. Raises, with the log, if
+        the process exited or did not answer within STARTUP_SECONDS."""
+        if self._started:
+            return self
+        deadline = time.monotonic() + STARTUP_SECONDS
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(
+                    f"the server exited ({self.process.returncode}):\n{self.log.read_text()}"
+                )
+            try:
+                if self.client.get("/health", timeout=1).status_code == 200:
+                    self._started = True
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(
+            f"the server did not start in {STARTUP_SECONDS}s:\n{self.log.read_text()}"
+        )
+
     def stop(self) -> None:
         self.client.close()
         self.process.terminate()
@@ -88,15 +112,15 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_server(
+def launch_server(
     log_dir: Path,
     *args: str,
     api_key: str | None = None,
     log_level: str = "warning",
     gate: EngineGate | None = None,
 ) -> Server:
-    """Start `python -m vecpool serve ARGS` and wait until /health answers. With `gate`, the
-    engine steps no more while the test holds the gate (`tests/server/gate.py`)."""
+    """Start `python -m vecpool serve ARGS`, not waiting for it (`Server.wait_started`). With
+    `gate`, the engine steps no more while the test holds the gate (`tests/server/gate.py`)."""
     port = _free_port()
     log = log_dir / f"server-{port}.log"
     module, env = "vecpool", None
@@ -108,27 +132,62 @@ def start_server(
     cmd += ["--log-level", log_level] + (["--api-key", api_key] if api_key else [])
     with log.open("wb") as out:
         process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    server = Server(process, f"http://127.0.0.1:{port}", log, api_key)
-    deadline = time.monotonic() + STARTUP_SECONDS
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"the server exited ({process.returncode}):\n{log.read_text()}")
-        try:
-            if server.client.get("/health", timeout=1).status_code == 200:
-                return server
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    server.stop()
-    raise RuntimeError(f"the server did not start in {STARTUP_SECONDS}s:\n{log.read_text()}")
+    return Server(process, f"http://127.0.0.1:{port}", log, api_key)
+
+
+def start_server(
+    log_dir: Path,
+    *args: str,
+    api_key: str | None = None,
+    log_level: str = "warning",
+    gate: EngineGate | None = None,
+) -> Server:
+    """`launch_server`, then wait until /health answers."""
+    server = launch_server(log_dir, *args, api_key=api_key, log_level=log_level, gate=gate)
+    return server.wait_started()
+
+
+# The session's servers, each a fixture of that name: (the folder's name, what serves: a
+# fixture naming a model folder or None for the default model, then `vecpool serve` options).
+SESSION_SERVERS: dict[str, tuple[str, str | None, tuple[str, ...]]] = {
+    "server": ("server", None, ("--enable-prompt-embeds",)),
+    "cross_server": ("cross", "cross_encoder_dir", ("--served-model-name", "ce")),
+    "classifier_server": ("classifier", "classifier_dir", ()),
+    "splade_server": ("splade", "splade_dir", ()),
+}
 
 
 @pytest.fixture(scope="session")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def session_servers(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Server]]:
+    """Those of `SESSION_SERVERS` that this run's tests use, all started at the first one's
+    request: a start keeps about one core busy (imports, the model's load), so two cores start
+    them in about half the time one after another takes."""
+    wanted = {  # what the tests that reach this fixture name (not a module's own `server`)
+        name
+        for item in request.session.items
+        if "session_servers" in getattr(item, "fixturenames", ())
+        for name in item.fixturenames
+        if name in SESSION_SERVERS
+    }
+    launched: dict[str, Server] = {}
+    try:
+        for name, (folder, model_fixture, options) in SESSION_SERVERS.items():
+            if name not in wanted:
+                continue
+            model = [] if model_fixture is None else [str(request.getfixturevalue(model_fixture))]
+            launched[name] = launch_server(tmp_path_factory.mktemp(folder), *model, *options)
+        yield launched
+    finally:
+        for srv in launched.values():
+            srv.stop()
+
+
+@pytest.fixture(scope="session")
+def server(session_servers: dict[str, Server]) -> Server:
     """The default model with prompt embeds on; shared by the modules that only send to it."""
-    srv = start_server(tmp_path_factory.mktemp("server"), "--enable-prompt-embeds")
-    yield srv
-    srv.stop()
+    return session_servers["server"].wait_started()
 
 
 def labelled_folder(hf: object, folder: Path, default_model_dir: Path, labels: list[str]) -> Path:
@@ -151,14 +210,9 @@ def cross_encoder_dir(tmp_path_factory: pytest.TempPathFactory, default_model_di
 
 
 @pytest.fixture(scope="session")
-def cross_server(
-    cross_encoder_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Server]:
-    srv = start_server(
-        tmp_path_factory.mktemp("cross"), str(cross_encoder_dir), "--served-model-name", "ce"
-    )
-    yield srv
-    srv.stop()
+def cross_server(session_servers: dict[str, Server]) -> Server:
+    """The cross-encoder, served as "ce"."""
+    return session_servers["cross_server"].wait_started()
 
 
 @pytest.fixture(scope="session")
@@ -175,12 +229,8 @@ def classifier_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: 
 
 
 @pytest.fixture(scope="session")
-def classifier_server(
-    classifier_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Server]:
-    srv = start_server(tmp_path_factory.mktemp("classifier"), str(classifier_dir))
-    yield srv
-    srv.stop()
+def classifier_server(session_servers: dict[str, Server]) -> Server:
+    return session_servers["classifier_server"].wait_started()
 
 
 @pytest.fixture(scope="session")
@@ -197,10 +247,8 @@ def splade_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path
 
 
 @pytest.fixture(scope="session")
-def splade_server(splade_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    srv = start_server(tmp_path_factory.mktemp("splade"), str(splade_dir))
-    yield srv
-    srv.stop()
+def splade_server(session_servers: dict[str, Server]) -> Server:
+    return session_servers["splade_server"].wait_started()
 
 
 @pytest.fixture(scope="session")
