@@ -36,49 +36,30 @@ import record
 
 import vecpool
 
+
+def _tower(hidden: int, layers: int, heads: int, **more: Any) -> dict[str, Any]:
+    return dict(
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        **more,
+    )
+
+
+def _clip(text: int, text_heads: int, vision: int, layers: int, heads: int, patch: int) -> Any:
+    return {
+        "text": _tower(text, 12, text_heads),
+        "vision": _tower(vision, layers, heads, image_size=224, patch_size=patch),
+        "projection_dim": text,
+    }
+
+
+# The published CLIP shapes (openai/clip-vit-*): text and vision towers, patch, projection.
 SHAPES: dict[str, dict[str, Any]] = {
-    "b16": {
-        "text": dict(
-            hidden_size=512, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=8
-        ),
-        "vision": dict(
-            hidden_size=768,
-            intermediate_size=3072,
-            num_hidden_layers=12,
-            num_attention_heads=12,
-            image_size=224,
-            patch_size=16,
-        ),
-        "projection_dim": 512,
-    },
-    "l14": {
-        "text": dict(
-            hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12
-        ),
-        "vision": dict(
-            hidden_size=1024,
-            intermediate_size=4096,
-            num_hidden_layers=24,
-            num_attention_heads=16,
-            image_size=224,
-            patch_size=14,
-        ),
-        "projection_dim": 768,
-    },
-    "b32": {  # small enough for a CPU run
-        "text": dict(
-            hidden_size=512, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=8
-        ),
-        "vision": dict(
-            hidden_size=768,
-            intermediate_size=3072,
-            num_hidden_layers=12,
-            num_attention_heads=12,
-            image_size=224,
-            patch_size=32,
-        ),
-        "projection_dim": 512,
-    },
+    "b16": _clip(512, 8, 768, 12, 12, patch=16),
+    "l14": _clip(768, 12, 1024, 24, 16, patch=14),
+    "b32": _clip(512, 8, 768, 12, 12, patch=32),  # small enough for a CPU run
 }
 
 
