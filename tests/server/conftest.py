@@ -8,12 +8,14 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import torch
 import transformers
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -118,16 +120,21 @@ def launch_server(
     api_key: str | None = None,
     log_level: str = "warning",
     gate: EngineGate | None = None,
+    module: str = "vecpool",
+    env: dict[str, str] | None = None,
 ) -> Server:
     """Start `python -m vecpool serve ARGS`, not waiting for it (`Server.wait_started`). With
-    `gate`, the engine steps no more while the test holds the gate (`tests/server/gate.py`)."""
+    `gate`, the engine steps no more while the test holds the gate (`tests/server/gate.py`).
+    `module` runs instead of vecpool (one of this suite's wrappers of it, found on the
+    repository's path); `env` is added to the environment."""
     port = _free_port()
     log = log_dir / f"server-{port}.log"
-    module, env = "vecpool", None
     if gate is not None:
-        module = "tests.server.gate"
-        path = [str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")]
-        env = {**os.environ, **gate.env, "PYTHONPATH": os.pathsep.join(filter(None, path))}
+        module, env = "tests.server.gate", {**gate.env, **(env or {})}
+    if module != "vecpool" or env:
+        path = [str(Path(__file__).parents[2]), (env or {}).get("PYTHONPATH", "")]
+        path.append(os.environ.get("PYTHONPATH", ""))
+        env = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join(filter(None, path))}
     cmd = [sys.executable, "-m", module, "serve", *args, "--port", str(port)]
     cmd += ["--log-level", log_level] + (["--api-key", api_key] if api_key else [])
     with log.open("wb") as out:
@@ -145,6 +152,146 @@ def start_server(
     """`launch_server`, then wait until /health answers."""
     server = launch_server(log_dir, *args, api_key=api_key, log_level=log_level, gate=gate)
     return server.wait_started()
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """A server that a test module declares in its `SERVERS` (by the name of the fixture that
+    takes it, `ServerPool.take`), for the pool to start while the tests before it run.
+
+    `args(folder, **fixtures)` gives `vecpool serve`'s arguments; a model folder it builds goes
+    in `folder`, where the module's own fixtures find it (`ServerPool.folder`); `fixtures` names
+    session fixtures whose values it gets. `gated`: behind an `EngineGate` (`ServerPool.gate`).
+    `env(folder)`: what to add to the server's environment."""
+
+    args: Callable[..., list[str]] = lambda folder: []
+    fixtures: tuple[str, ...] = ()
+    log_level: str = "warning"
+    gated: bool = False
+    api_key: str | None = None
+    module: str = "vecpool"
+    env: Callable[[Path], dict[str, str]] | None = None
+
+
+# How many declared servers the pool keeps started ahead of the test that runs.
+SERVERS_AHEAD = 1
+
+
+class ServerPool:
+    """Starts the servers the test modules of this run declare (`SERVERS`: `ServerSpec`s), each
+    while the tests before its first user run: a start keeps about one core busy (imports, the
+    model's load) while those tests mostly wait on a server of their own, so on two cores it
+    takes little of the run's time. A module's fixture takes its server (waiting for it if it
+    is still starting) and stops it when done; the pool stops what is left at the session's end."""
+
+    def __init__(self, request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+        self.tmp_path_factory = tmp_path_factory
+        self.order: list[tuple[str, str]] = []  # (module, fixture) in the order of first use
+        self.first_use: dict[tuple[str, str], int] = {}  # the index of its first test
+        self.specs: dict[tuple[str, str], ServerSpec] = {}
+        self.index = {item.nodeid: i for i, item in enumerate(request.session.items)}
+        for i, item in enumerate(request.session.items):
+            module = getattr(item, "module", None)
+            declared: dict[str, ServerSpec] = getattr(module, "SERVERS", {})
+            for name in getattr(item, "fixturenames", ()):
+                key = (getattr(module, "__name__", ""), name)
+                if name in declared and key not in self.specs:
+                    self.specs[key] = declared[name]
+                    self.order.append(key)
+                    self.first_use[key] = i
+        needed = {name for spec in self.specs.values() for name in spec.fixtures}
+        self.fixtures = {name: request.getfixturevalue(name) for name in sorted(needed)}
+        self.folders: dict[tuple[str, str], Path] = {}
+        self.gates: dict[tuple[str, str], EngineGate] = {}
+        self.servers: dict[tuple[str, str], Server] = {}
+        self.taken: set[tuple[str, str]] = set()
+        # What failed to start ahead, raised where the server is taken (not in the test that
+        # happened to run when it was started).
+        self.failed: dict[tuple[str, str], Exception] = {}
+
+    def _launch(self, key: tuple[str, str]) -> Server:
+        if key in self.failed:
+            raise RuntimeError(f"the server {key[1]!r} of {key[0]} failed to start") from (
+                self.failed.pop(key)
+            )
+        if key not in self.servers:
+            spec = self.specs[key]
+            folder = self.folder_of(key)
+            gate = self.gate_of(key) if spec.gated else None
+            with torch.random.fork_rng(devices=[]):  # the test running now keeps its draws
+                args = spec.args(folder, **{name: self.fixtures[name] for name in spec.fixtures})
+            self.servers[key] = launch_server(
+                folder,
+                *args,
+                api_key=spec.api_key,
+                log_level=spec.log_level,
+                gate=gate,
+                module=spec.module,
+                env=spec.env(folder) if spec.env else None,
+            )
+        return self.servers[key]
+
+    def folder_of(self, key: tuple[str, str]) -> Path:
+        if key not in self.folders:
+            self.folders[key] = self.tmp_path_factory.mktemp(key[1])
+        return self.folders[key]
+
+    def gate_of(self, key: tuple[str, str]) -> EngineGate:
+        if key not in self.gates:
+            self.gates[key] = EngineGate(self.folder_of(key) / "gate")
+        return self.gates[key]
+
+    def start_ahead(self, nodeid: str) -> None:
+        """Start the next `SERVERS_AHEAD` servers whose first users come after test `nodeid`."""
+        here = self.index.get(nodeid, -1)
+        upcoming = [key for key in self.order if self.first_use[key] > here]
+        for key in upcoming[:SERVERS_AHEAD]:
+            if key not in self.servers and key not in self.failed:
+                try:
+                    self._launch(key)
+                except Exception as exc:
+                    self.failed[key] = exc
+
+    def take(self, request: pytest.FixtureRequest, name: str) -> Server:
+        """The server the requesting module declares as `name`, started; the caller stops it.
+        Taken again once stopped (a function-scoped fixture's next test), it starts anew."""
+        key = (request.module.__name__, name)
+        if key in self.taken and self.servers[key].process.poll() is not None:
+            del self.servers[key]
+        self.taken.add(key)
+        return self._launch(key).wait_started()
+
+    def folder(self, request: pytest.FixtureRequest, name: str) -> Path:
+        """Where the server `name` of the requesting module keeps its log and model folders
+        (its server is started, as it builds them)."""
+        key = (request.module.__name__, name)
+        self._launch(key)
+        return self.folders[key]
+
+    def gate(self, request: pytest.FixtureRequest, name: str) -> EngineGate:
+        """The gate before the engine of the requesting module's server `name`."""
+        return self.gate_of((request.module.__name__, name))
+
+    def stop(self) -> None:
+        for srv in self.servers.values():
+            srv.stop()
+
+
+@pytest.fixture(scope="session")
+def server_pool(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerPool]:
+    pool = ServerPool(request, tmp_path_factory)
+    try:
+        yield pool
+    finally:
+        pool.stop()
+
+
+@pytest.fixture(autouse=True)
+def _servers_ahead(server_pool: ServerPool, request: pytest.FixtureRequest) -> None:
+    """Before each test here: the next declared servers are starting (`ServerPool`)."""
+    server_pool.start_ahead(request.node.nodeid)
 
 
 # The session's servers, each a fixture of that name: (the folder's name, what serves: a

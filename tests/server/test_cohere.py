@@ -15,7 +15,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.server.conftest import Server, start_server
+from tests.server.conftest import Server, ServerPool, ServerSpec
 from vecpool.calls import postprocess
 
 TEXTS = ["A man is playing a guitar.", "The cat sleeps on the windowsill.", "Paris in spring"]
@@ -23,14 +23,21 @@ LONG = "word " * 300 + "end"  # over MiniLM's 256 tokens
 PROMPTS = {"query": "query: ", "passage": "passage: ", "classification": "classify: "}
 
 
-@pytest.fixture(scope="module")
-def prompted(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Iterator[Server]:
+def _prompted_model(folder: Path, default_model_dir: Path) -> list[str]:
     """The default model with instruction prompts for queries, passages and classification."""
-    folder = tmp_path_factory.mktemp("prompted") / "minilm-prompts"
-    shutil.copytree(default_model_dir, folder)
-    config = folder / "config_sentence_transformers.json"
+    model = folder / "minilm-prompts"
+    shutil.copytree(default_model_dir, model)
+    config = model / "config_sentence_transformers.json"
     config.write_text(json.dumps({**json.loads(config.read_text()), "prompts": PROMPTS}))
-    srv = start_server(tmp_path_factory.mktemp("prompted-server"), str(folder))
+    return [str(model)]
+
+
+SERVERS = {"prompted": ServerSpec(_prompted_model, fixtures=("default_model_dir",))}
+
+
+@pytest.fixture(scope="module")
+def prompted(server_pool: ServerPool, request: pytest.FixtureRequest) -> Iterator[Server]:
+    srv = server_pool.take(request, "prompted")
     yield srv
     srv.stop()
 

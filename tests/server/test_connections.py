@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.server.conftest import Server, start_server
+from tests.server.conftest import Server, ServerPool, ServerSpec
 from tests.server.gate import EngineGate
 
 SLOW_CLIENTS = 1000
@@ -26,25 +26,27 @@ MAX_CONNECTIONS = 1100
 GRACE = 60  # --shutdown-timeout: only bounds a failure of the drain
 
 
-@pytest.fixture(scope="module")
-def gate(tmp_path_factory: pytest.TempPathFactory) -> EngineGate:
-    return EngineGate(tmp_path_factory.mktemp("connections_gate"))
-
-
-@pytest.fixture(scope="module")
-def guarded(tmp_path_factory: pytest.TempPathFactory, gate: EngineGate) -> Iterator[Server]:
-    """The module's server; its last test stops it with SIGTERM."""
-    srv = start_server(
-        tmp_path_factory.mktemp("guarded"),
-        "--timeout-read",
-        str(READ_TIMEOUT),
-        "--max-connections",
-        str(MAX_CONNECTIONS),
-        "--shutdown-timeout",
-        str(GRACE),
+SERVERS = {
+    "guarded": ServerSpec(
+        lambda folder: [
+            *("--timeout-read", str(READ_TIMEOUT), "--max-connections", str(MAX_CONNECTIONS)),
+            *("--shutdown-timeout", str(GRACE)),
+        ],
         log_level="info",
-        gate=gate,
+        gated=True,
     )
+}
+
+
+@pytest.fixture(scope="module")
+def gate(server_pool: ServerPool, request: pytest.FixtureRequest) -> EngineGate:
+    return server_pool.gate(request, "guarded")
+
+
+@pytest.fixture(scope="module")
+def guarded(server_pool: ServerPool, request: pytest.FixtureRequest) -> Iterator[Server]:
+    """The module's server; its last test stops it with SIGTERM."""
+    srv = server_pool.take(request, "guarded")
     yield srv
     srv.stop()
 

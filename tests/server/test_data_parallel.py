@@ -25,7 +25,7 @@ import transformers
 
 import vecpool
 from tests.helpers import save_hf_model
-from tests.server.conftest import Server, assert_error, start_server
+from tests.server.conftest import Server, ServerPool, ServerSpec, assert_error
 from tests.server.gate import EngineGate
 from tests.server.test_processes import _alive
 from tests.tasks.conftest import tiny_bert_head, with_minilm_tokenizer
@@ -37,11 +37,26 @@ BATCHING_TOLERANCE = 1e-6
 WORDS = "cats dogs eat fish bread a man woman runs quickly over under river city".split()
 
 
+def _tiny_model(folder: Path, default_model_dir: Path) -> list[str]:
+    """A random 2-layer BERT (hidden 32, 128 positions) on the MiniLM tokenizer, then two
+    engine processes, one input per step, info logs (the engines' pids)."""
+    model = save_hf_model(tiny_bert_head(transformers.BertModel), folder / "model")
+    with_minilm_tokenizer(model, default_model_dir)
+    return [str(model), "--data-parallel-size", "2", "--max-num-seqs", "1"]
+
+
+# Behind a gate the tests may hold (open unless a test closes it). The last test of this
+# module kills one of its engines.
+SERVERS = {
+    "dp_server": ServerSpec(
+        _tiny_model, fixtures=("default_model_dir",), log_level="info", gated=True
+    )
+}
+
+
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
-    """A random 2-layer BERT (hidden 32, 128 positions) on the MiniLM tokenizer."""
-    folder = save_hf_model(tiny_bert_head(transformers.BertModel), tmp_path_factory.mktemp("dp"))
-    return with_minilm_tokenizer(folder, default_model_dir)
+def tiny_dir(server_pool: ServerPool, request: pytest.FixtureRequest) -> Path:
+    return server_pool.folder(request, "dp_server") / "model"
 
 
 @pytest.fixture(scope="module")
@@ -64,26 +79,13 @@ def _answered_tokens(server: Server) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def dp_gate(tmp_path_factory: pytest.TempPathFactory) -> EngineGate:
-    return EngineGate(tmp_path_factory.mktemp("dp_gate"))
+def dp_gate(server_pool: ServerPool, request: pytest.FixtureRequest) -> EngineGate:
+    return server_pool.gate(request, "dp_server")
 
 
 @pytest.fixture(scope="module")
-def dp_server(
-    tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory, dp_gate: EngineGate
-) -> Iterator[Server]:
-    """Two engine processes, one input per step, behind a gate the tests may hold (open unless
-    a test closes it). The last test of this module kills one of them."""
-    srv = start_server(
-        tmp_path_factory.mktemp("dp_server"),
-        str(tiny_dir),
-        "--data-parallel-size",
-        "2",
-        "--max-num-seqs",
-        "1",
-        log_level="info",
-        gate=dp_gate,
-    )
+def dp_server(server_pool: ServerPool, request: pytest.FixtureRequest) -> Iterator[Server]:
+    srv = server_pool.take(request, "dp_server")
     yield srv
     srv.stop()
 

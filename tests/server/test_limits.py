@@ -14,7 +14,7 @@ import numpy as np
 import openai
 import pytest
 
-from tests.server.conftest import MODEL_NAME, Server, assert_error, start_server
+from tests.server.conftest import MODEL_NAME, Server, ServerPool, ServerSpec, assert_error
 from tests.server.gate import EngineGate
 from tests.server.test_embeddings import npy_b64
 
@@ -24,27 +24,26 @@ MAX_QUEUED = 8
 LONG = [101] + [7592] * 126 + [102]
 
 
-@pytest.fixture(scope="module")
-def gate(tmp_path_factory: pytest.TempPathFactory) -> EngineGate:
-    return EngineGate(tmp_path_factory.mktemp("gate"))
-
-
-@pytest.fixture(scope="module")
-def limited(tmp_path_factory: pytest.TempPathFactory, gate: EngineGate) -> Iterator[Server]:
-    srv = start_server(
-        tmp_path_factory.mktemp("limited"),
-        "--max-queued",
-        str(MAX_QUEUED),
-        "--max-num-seqs",
-        "1",
-        "--max-model-len",
-        "128",
-        "--auto-truncate",
-        "--max-payload-mb",
-        "0.05",
+SERVERS = {
+    "limited": ServerSpec(
+        lambda folder: [
+            *("--max-queued", str(MAX_QUEUED), "--max-num-seqs", "1", "--max-model-len", "128"),
+            *("--auto-truncate", "--max-payload-mb", "0.05"),
+        ],
         api_key=KEY,
-        gate=gate,
+        gated=True,
     )
+}
+
+
+@pytest.fixture(scope="module")
+def gate(server_pool: ServerPool, request: pytest.FixtureRequest) -> EngineGate:
+    return server_pool.gate(request, "limited")
+
+
+@pytest.fixture(scope="module")
+def limited(server_pool: ServerPool, request: pytest.FixtureRequest) -> Iterator[Server]:
+    srv = server_pool.take(request, "limited")
     yield srv
     srv.stop()
 

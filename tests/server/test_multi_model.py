@@ -28,7 +28,7 @@ import transformers
 
 import vecpool
 from tests.helpers import save_hf_model
-from tests.server.conftest import Server, assert_error, start_server
+from tests.server.conftest import Server, ServerPool, ServerSpec, assert_error
 from tests.server.gate import EngineGate
 from tests.server.test_processes import _alive
 from tests.tasks.conftest import tiny_bert_head, with_minilm_tokenizer
@@ -45,13 +45,35 @@ TEXTS = ["a first sentence for two models", "and a second one, longer than the f
 QUERY = "which sentence is first"
 
 
-@pytest.fixture(scope="module")
-def emb_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
-    """A random 2-layer BERT of hidden size 48 on the MiniLM tokenizer: an embedder whose
-    vectors cannot be mistaken for the cross-encoder's (hidden 32)."""
+def _two_models(folder: Path, default_model_dir: Path, cross_encoder_dir: Path) -> list[str]:
+    """ "emb" (the default): a random 2-layer BERT of hidden size 48 on the MiniLM tokenizer,
+    an embedder whose vectors cannot be mistaken for the cross-encoder's (hidden 32); and
+    "ce" (also "reranker"), the cross-encoder."""
     hf = tiny_bert_head(transformers.BertModel, hidden_size=48)
-    folder = save_hf_model(hf, tmp_path_factory.mktemp("multi_emb"))
-    return with_minilm_tokenizer(folder, default_model_dir)
+    emb = with_minilm_tokenizer(save_hf_model(hf, folder / "emb"), default_model_dir)
+    return [
+        *(str(emb), str(cross_encoder_dir), "--served-model-name", "emb"),
+        *("--served-model-name", "ce", "reranker"),
+        # The cross-encoder embeds too, asked (once for both: the embedder's own).
+        *("--task", "embed"),
+    ]
+
+
+# Behind a gate the tests may hold. The last test of this module kills the cross-encoder's
+# engine process.
+SERVERS = {
+    "mm_server": ServerSpec(
+        _two_models,
+        fixtures=("default_model_dir", "cross_encoder_dir"),
+        log_level="info",
+        gated=True,
+    )
+}
+
+
+@pytest.fixture(scope="module")
+def emb_dir(server_pool: ServerPool, request: pytest.FixtureRequest) -> Path:
+    return server_pool.folder(request, "mm_server") / "emb"
 
 
 @pytest.fixture(scope="module")
@@ -66,33 +88,13 @@ def cross_engine(cross_encoder_dir: Path) -> vecpool.Engine:
 
 
 @pytest.fixture(scope="module")
-def mm_gate(tmp_path_factory: pytest.TempPathFactory) -> EngineGate:
-    return EngineGate(tmp_path_factory.mktemp("multi_gate"))
+def mm_gate(server_pool: ServerPool, request: pytest.FixtureRequest) -> EngineGate:
+    return server_pool.gate(request, "mm_server")
 
 
 @pytest.fixture(scope="module")
-def mm_server(
-    emb_dir: Path,
-    cross_encoder_dir: Path,
-    tmp_path_factory: pytest.TempPathFactory,
-    mm_gate: EngineGate,
-) -> Iterator[Server]:
-    """ "emb" (the default) and "ce" (also "reranker"), behind a gate the tests may hold.
-    The last test of this module kills the cross-encoder's engine process."""
-    srv = start_server(
-        tmp_path_factory.mktemp("multi_server"),
-        str(emb_dir),
-        str(cross_encoder_dir),
-        "--served-model-name",
-        "emb",
-        "--served-model-name",
-        "ce",
-        "reranker",
-        "--task",  # the cross-encoder embeds too, asked (once for both: the embedder's own)
-        "embed",
-        log_level="info",
-        gate=mm_gate,
-    )
+def mm_server(server_pool: ServerPool, request: pytest.FixtureRequest) -> Iterator[Server]:
+    srv = server_pool.take(request, "mm_server")
     yield srv
     srv.stop()
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import vecpool
-from tests.server.conftest import start_server
+from tests.server.conftest import Server, ServerPool, ServerSpec
 
 POISON = 9947  # "poison" in the MiniLM vocabulary; not among the probe's tokens
 
@@ -63,15 +63,25 @@ if os.environ.get("VECPOOL_TEST_POISON_ID"):
 """
 
 
-def test_poison_inputs_sent_alone_to_a_live_server(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, minilm: vecpool.Engine
-) -> None:
-    site = tmp_path / "site"
+def _poisoned_env(folder: Path) -> dict[str, str]:
+    site = folder / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(_SITECUSTOMIZE)
-    monkeypatch.setenv("PYTHONPATH", str(site))
-    monkeypatch.setenv("VECPOOL_TEST_POISON_ID", str(POISON))
-    server = start_server(tmp_path)
+    return {"PYTHONPATH": str(site), "VECPOOL_TEST_POISON_ID": str(POISON)}
+
+
+SERVERS = {"poisoned": ServerSpec(env=_poisoned_env)}
+
+
+@pytest.fixture
+def poisoned(server_pool: ServerPool, request: pytest.FixtureRequest) -> Server:
+    return server_pool.take(request, "poisoned")
+
+
+def test_poison_inputs_sent_alone_to_a_live_server(
+    poisoned: Server, minilm: vecpool.Engine
+) -> None:
+    server = poisoned
     try:
         good = "a good sentence after the bad ones"
         for i in range(10):

@@ -3,24 +3,30 @@ engine's prefix cache counters reach `/metrics` through the processes' shared di
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tests.engine.test_prefix_cache import QWEN3, B, _shared
 from tests.helpers import save_hf_model
-from tests.server.conftest import start_server
+from tests.server.conftest import Server, ServerPool, ServerSpec
 
 
-def test_serve_counts_prefix_cache_tokens(tmp_path_factory: pytest.TempPathFactory) -> None:
-    folder = save_hf_model(QWEN3.hf_model(), tmp_path_factory.mktemp("qwen3_serve"))
-    server = start_server(
-        tmp_path_factory.mktemp("prefix_server"),
-        str(folder),
-        "--device",
-        "cpu",
-        "--enable-prefix-caching",
-        "--prefix-cache-tokens",
-        "64",
-    )
+def _qwen3(folder: Path) -> list[str]:
+    model = save_hf_model(QWEN3.hf_model(), folder / "qwen3")
+    return [str(model), "--device", "cpu", "--enable-prefix-caching", "--prefix-cache-tokens", "64"]
+
+
+SERVERS = {"prefix_server": ServerSpec(_qwen3)}
+
+
+@pytest.fixture
+def prefix_server(server_pool: ServerPool, request: pytest.FixtureRequest) -> Server:
+    return server_pool.take(request, "prefix_server")
+
+
+def test_serve_counts_prefix_cache_tokens(prefix_server: Server) -> None:
+    server = prefix_server
     try:
         prompts = _shared(2 * B + 1, [2, 7])  # 35 and 40 ids: the shorter reads 2 blocks
         response = server.post("/v1/embeddings", {"input": prompts})

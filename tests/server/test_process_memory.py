@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import vecpool
-from tests.server.conftest import Server, start_server
+from tests.server.conftest import Server, ServerPool, ServerSpec
 from tests.server.test_processes import _pids
 
 TEXTS = ["a cat sat on the mat", "vecpool serves pooling models"]
@@ -39,15 +39,16 @@ def _rss_mib(pid: int) -> float:
     raise AssertionError(f"no VmRSS for pid {pid}")
 
 
-@pytest.fixture(scope="module")
-def two_apis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    srv = start_server(
-        tmp_path_factory.mktemp("memory"),
-        "--api-server-count",
-        "2",
-        "--enable-prompt-embeds",
-        log_level="info",
+SERVERS = {
+    "two_apis": ServerSpec(
+        lambda folder: ["--api-server-count", "2", "--enable-prompt-embeds"], log_level="info"
     )
+}
+
+
+@pytest.fixture(scope="module")
+def two_apis(server_pool: ServerPool, request: pytest.FixtureRequest) -> Iterator[Server]:
+    srv = server_pool.take(request, "two_apis")
     yield srv
     srv.stop()
 

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import vecpool
-from tests.server.conftest import Server, assert_error, start_server
+from tests.server.conftest import Server, ServerPool, ServerSpec, assert_error
 from tests.server.gate import EngineGate
 
 CLIENTS = 64
@@ -63,20 +63,40 @@ def _alive(pid: int) -> bool:
     return not (stat.exists() and stat.read_text().split(")")[-1].split()[0] == "Z")
 
 
-@pytest.fixture(scope="module")
-def gate(tmp_path_factory: pytest.TempPathFactory) -> EngineGate:
-    return EngineGate(tmp_path_factory.mktemp("processes_gate"))
+SERVERS = {
+    "two_apis": ServerSpec(
+        lambda folder: ["--api-server-count", "2"], log_level="info", gated=True
+    ),
+    "one_step_server": ServerSpec(
+        lambda folder: ["--max-num-seqs", "1"], log_level="info", gated=True
+    ),
+    "one_process_server": ServerSpec(lambda folder: ["--api-server-count", "0"]),
+}
 
 
 @pytest.fixture(scope="module")
-def two_apis(tmp_path_factory: pytest.TempPathFactory, gate: EngineGate) -> Iterator[Server]:
-    srv = start_server(
-        tmp_path_factory.mktemp("processes"),
-        "--api-server-count",
-        "2",
-        log_level="info",
-        gate=gate,
-    )
+def gate(server_pool: ServerPool, request: pytest.FixtureRequest) -> EngineGate:
+    return server_pool.gate(request, "two_apis")
+
+
+@pytest.fixture(scope="module")
+def two_apis(server_pool: ServerPool, request: pytest.FixtureRequest) -> Iterator[Server]:
+    srv = server_pool.take(request, "two_apis")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def one_step_server(server_pool: ServerPool, request: pytest.FixtureRequest) -> Iterator[Server]:
+    """One input per step, behind a gate; its test kills its engine."""
+    srv = server_pool.take(request, "one_step_server")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def one_process_server(server_pool: ServerPool, request: pytest.FixtureRequest) -> Iterator[Server]:
+    srv = server_pool.take(request, "one_process_server")
     yield srv
     srv.stop()
 
@@ -148,12 +168,13 @@ def test_single_inputs_queued_together_run_in_one_step(
         assert float(np.abs(vector - minilm.embed([text])[0]).max()) <= BATCHING_TOLERANCE
 
 
-def test_engine_death_fails_calls_at_once(tmp_path: Path) -> None:
+def test_engine_death_fails_calls_at_once(
+    one_step_server: Server, server_pool: ServerPool, request: pytest.FixtureRequest
+) -> None:
     """The engine held before its first step (the gate) with a call queued: killed, its call
     fails with 503 while the gate is still closed, so at once by construction (nothing else
     could have answered it); new calls get 503 and the API servers go on."""
-    gate = EngineGate(tmp_path / "gate")
-    server = start_server(tmp_path, "--max-num-seqs", "1", log_level="info", gate=gate)
+    server, gate = one_step_server, server_pool.gate(request, "one_step_server")
     try:
         engine_pid, api_pids = _pids(server)
         long = [101] + [7592] * 254 + [102]
@@ -201,8 +222,8 @@ def test_supervisor_death_takes_every_process(two_apis: Server) -> None:
     assert not any(_alive(p) for p in (engine_pid, *api_pids))
 
 
-def test_one_process_mode(tmp_path: Path, minilm: vecpool.Engine) -> None:
-    server = start_server(tmp_path, "--api-server-count", "0")
+def test_one_process_mode(one_process_server: Server, minilm: vecpool.Engine) -> None:
+    server = one_process_server
     try:
         response = server.post("/v1/embeddings", {"input": ["one process", "two"]})
         assert response.status_code == 200, response.text

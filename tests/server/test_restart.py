@@ -30,7 +30,7 @@ import transformers
 
 import vecpool
 from tests.helpers import random_prompts, save_hf_model
-from tests.server.conftest import STARTUP_SECONDS, Server, assert_error, start_server
+from tests.server.conftest import STARTUP_SECONDS, Server, ServerPool, ServerSpec, assert_error
 from tests.server.test_engine_process import RunningLoop
 from tests.server.test_processes import _alive, _pids
 from tests.tasks.conftest import tiny_bert_head, with_minilm_tokenizer
@@ -67,12 +67,22 @@ if __name__ == "__main__":
 """
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
+def _tiny_model(folder: Path, default_model_dir: Path) -> list[str]:
     """A random 2-layer BERT (hidden 32, 128 positions) on the MiniLM tokenizer."""
-    hf = tiny_bert_head(transformers.BertModel)
-    folder = save_hf_model(hf, tmp_path_factory.mktemp("restart"))
-    return with_minilm_tokenizer(folder, default_model_dir)
+    model = save_hf_model(tiny_bert_head(transformers.BertModel), folder / "model")
+    return [str(with_minilm_tokenizer(model, default_model_dir))]
+
+
+# One server for the stopped-engine and killed-engine tests, in that order: the stopped
+# engine (continued, no restart), then the killed one (restarted).
+SERVERS = {
+    "restart_server": ServerSpec(_tiny_model, fixtures=("default_model_dir",), log_level="info")
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(server_pool: ServerPool, request: pytest.FixtureRequest) -> Path:
+    return server_pool.folder(request, "restart_server") / "model"
 
 
 @pytest.fixture(scope="module")
@@ -137,21 +147,20 @@ class Load:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """One server for the two tests below, in their order: the stopped engine (continued, no
-    restart), then the killed one (restarted)."""
-    srv = start_server(tmp_path_factory.mktemp("restart_server"), str(tiny_dir), log_level="info")
+def restart_server(server_pool: ServerPool, request: pytest.FixtureRequest) -> Iterator[Server]:
+    srv = server_pool.take(request, "restart_server")
     yield srv
     os.kill(srv.process.pid, signal.SIGCONT)  # in case a test left the supervisor held
     srv.stop()
 
 
 def test_a_stopped_engine_fails_health_and_serves_again_when_continued(
-    server: Server, tiny_engine: vecpool.Engine
+    restart_server: Server, tiny_engine: vecpool.Engine
 ) -> None:
     """An engine process that lives but does not answer (SIGSTOP: as one hung in a device
     call) turns /health to 503 once HEALTH_WAIT has passed, naming it; continued, it answers
     what waited and /health is 200 again, with no restart."""
+    server = restart_server
     engine_pid, _ = _pids(server)
     assert _health(server).status_code == 200
     pool = ThreadPoolExecutor(1)
@@ -176,8 +185,9 @@ def test_a_stopped_engine_fails_health_and_serves_again_when_continued(
 
 
 def test_sigkill_under_load_restarts_the_engine(
-    server: Server, tiny_engine: vecpool.Engine
+    restart_server: Server, tiny_engine: vecpool.Engine
 ) -> None:
+    server = restart_server
     expected = tiny_engine.embed(TEXTS)
     before = server.post("/v1/embeddings", {"input": TEXTS[:4]})
     assert before.status_code == 200, before.text

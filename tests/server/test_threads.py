@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ import zmq
 import vecpool
 from tests.helpers import random_prompts
 from tests.server import thread_probe
+from tests.server.conftest import ServerPool, ServerSpec
 from tests.server.test_engine_process import RunningLoop
 from vecpool import calls
 from vecpool.server import wire
@@ -70,55 +70,30 @@ def test_children_start_with_the_budget_and_the_parent_environment_comes_back(
         assert os.environ["OMP_NUM_THREADS"] == "7"
 
 
+SERVERS = {
+    # `vecpool serve` (the packaged model on the CPU, one API process), each child recording
+    # its threads in the folder's `probe`.
+    "probed_server": ServerSpec(
+        lambda folder: ["--device", "cpu", "--api-server-count", "1"],
+        module="tests.server.thread_probe",
+        env=lambda folder: {thread_probe.ENV: str(_probe_folder(folder))},
+    )
+}
+
+
+def _probe_folder(folder: Path) -> Path:
+    (folder / "probe").mkdir(exist_ok=True)
+    return folder / "probe"
+
+
 @pytest.fixture
-def probed_server(tmp_path: Path) -> Iterator[tuple[str, Path]]:
-    """`vecpool serve` (the packaged model on the CPU, one API process), each child recording
-    its threads."""
-    probe = tmp_path / "probe"
-    probe.mkdir()
-    with socket_port() as port:
-        pass
-    log = tmp_path / "server.log"
-    root = str(Path(__file__).parents[2])
-    env = {
-        **os.environ,
-        thread_probe.ENV: str(probe),
-        "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
-    }
-    cmd = [sys.executable, "-m", "tests.server.thread_probe", "serve", "--device", "cpu"]
-    cmd += ["--api-server-count", "1", "--port", str(port), "--log-level", "warning"]
-    with log.open("wb") as out:
-        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert process.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, log.read_text()
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        yield url, probe
-    finally:
-        process.terminate()
-        process.wait(timeout=60)
-
-
-class socket_port:
-    """A free local port (closed again on exit, for the server to bind)."""
-
-    def __enter__(self) -> int:
-        import socket
-
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        return int(self.sock.getsockname()[1])
-
-    def __exit__(self, *exc: object) -> None:
-        self.sock.close()
+def probed_server(
+    server_pool: ServerPool, request: pytest.FixtureRequest
+) -> Iterator[tuple[str, Path]]:
+    """(the server's URL, the folder its children record into)."""
+    srv = server_pool.take(request, "probed_server")
+    yield srv.url, server_pool.folder(request, "probed_server") / "probe"
+    srv.stop()
 
 
 def _records(probe: Path) -> dict[int, list[dict[str, Any]]]:
