@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -69,82 +70,159 @@ def _default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def run_watched(command: list[str], out: Path, kill_after_part: int | None, sig: int) -> int:
-    """Run `command`; with `kill_after_part`, the run stops still once that part is committed
-    and gets `sig` there. Polls the output path all along: it must never hold anything but the
-    whole result."""
-    env = None
-    if kill_after_part is not None:
-        command, env = held_at(command, kill_after_part)
-    process = subprocess.Popen(
-        command,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        env=env,
-        preexec_fn=_default_sigint,
-    )
-    record = out.with_name(out.name + ".partial") / f"part-{kill_after_part or 0:06d}.json"
-    deadline = time.monotonic() + 240
+class WatchedRun:
+    """A `vecpool embed` process, started at once. Its output path must never hold anything
+    but the whole result (`look` checks it). With `kill_after_part`, the run stops still once
+    that part is committed and gets `sig` there."""
+
+    def __init__(self, command: list[str], out: Path, kill_after_part: int | None, sig: int):
+        env = None
+        if kill_after_part is not None:
+            command, env = held_at(command, kill_after_part)
+        self.out, self.kill_after_part, self.sig = out, kill_after_part, sig
+        self.record = out.with_name(out.name + ".partial") / f"part-{kill_after_part or 0:06d}.json"
+        self.process = subprocess.Popen(
+            command,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            env=env,
+            preexec_fn=_default_sigint,
+        )
+
+    def look(self) -> bool:
+        """One look at the output and the process; True once it needs no more (it exited,
+        or it was signalled where it was held)."""
+        if self.out.exists():
+            assert pq.read_table(self.out).num_rows == NUM_ROWS  # only ever the whole result
+        if self.process.poll() is not None:
+            return True
+        if self.kill_after_part is not None and self.record.exists():
+            self.process.send_signal(self.sig)
+            return True
+        return False
+
+    def finish(self) -> int:
+        """The exit status (0 asserted for a run not killed)."""
+        try:
+            returncode = self.process.wait(timeout=120)
+        finally:
+            self.process.kill()
+        stderr = self.process.stderr.read().decode() if self.process.stderr else ""
+        if self.kill_after_part is None:
+            assert returncode == 0, stderr
+        return returncode
+
+
+def watch_all(runs: list[WatchedRun]) -> list[int]:
+    """Watch `runs` side by side until each is done; their exit statuses. Several at once:
+    a run's start keeps about one core busy."""
+    deadline = time.monotonic() + 240  # only bounds a failure
+    pending = list(runs)
     try:
-        while process.poll() is None and time.monotonic() < deadline:
-            if out.exists():
-                assert pq.read_table(out).num_rows == NUM_ROWS  # only ever the whole result
-            if kill_after_part is not None and record.exists():
-                process.send_signal(sig)
-                break
+        while pending and time.monotonic() < deadline:
+            pending = [run for run in pending if not run.look()]
             time.sleep(0.005)
-        returncode = process.wait(timeout=120)
     finally:
-        process.kill()
-    stderr = process.stderr.read().decode() if process.stderr else ""
-    if kill_after_part is None:
-        assert returncode == 0, stderr
-    return returncode
+        returncodes = [run.finish() for run in runs]
+    return returncodes
+
+
+KILLS = {
+    "SIGKILL": (signal.SIGKILL, -signal.SIGKILL),
+    "SIGINT": (signal.SIGINT, 130),
+    "SIGTERM": (signal.SIGTERM, 130),
+}
+
+
+@dataclass
+class Interrupted:
+    """A run stopped by a signal where it was held, after part 1, then run again."""
+
+    out: Path
+    killed: int  # the stopped run's exit status
+    output_after_kill: bool  # whether its output path existed then
+    committed: int  # the parts its work folder held then
+    resumed: int  # the exit status of the run again
+    work_after_resume: bool  # whether the work folder was still there after it
+
+
+@dataclass
+class CorpusRuns:
+    """The module's `vecpool embed` processes, run side by side: the uninterrupted reference,
+    then an --overwrite run of it killed after part 1; beside them, a run stopped by each of
+    `KILLS` after part 1, then resumed."""
+
+    reference: Path
+    interrupted: dict[str, Interrupted]
+    overwrite_old: bytes  # the output an --overwrite run was given
+    overwrite_killed: int  # that run's exit status, SIGKILL after part 1
+    overwrite_after: bytes  # the output after it
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("reference") / "vectors.parquet"
-    run_watched(cli_command(corpus, out, "-q"), out, None, 0)
-    return out
+def corpus_runs(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> CorpusRuns:
+    reference = tmp_path_factory.mktemp("reference") / "vectors.parquet"
+    outs = {name: tmp_path_factory.mktemp(name) / "vectors.parquet" for name in KILLS}
+    command = {name: cli_command(corpus, out, "-q") for name, out in outs.items()}
+    first = [WatchedRun(cli_command(corpus, reference, "-q"), reference, None, 0)]
+    first += [WatchedRun(command[name], outs[name], 1, KILLS[name][0]) for name in KILLS]
+    _, *killed = watch_all(first)
+    seen = {
+        name: (out.exists(), len(list(out.with_name(out.name + ".partial").glob("part-*.json"))))
+        for name, out in outs.items()
+    }
+    overwritten = tmp_path_factory.mktemp("overwrite") / "vectors.parquet"
+    shutil.copy(reference, overwritten)
+    old = overwritten.read_bytes()
+    overwrite = cli_command(corpus, overwritten, "-q", "--overwrite")
+    second = [WatchedRun(command[name], outs[name], None, 0) for name in KILLS]
+    second.append(WatchedRun(overwrite, overwritten, 1, signal.SIGKILL))
+    *resumed, overwrite_killed = watch_all(second)
+    interrupted = {
+        name: Interrupted(
+            out,
+            returncode,
+            seen[name][0],
+            seen[name][1],
+            again,
+            out.with_name(out.name + ".partial").exists(),
+        )
+        for (name, out), returncode, again in zip(outs.items(), killed, resumed, strict=True)
+    }
+    return CorpusRuns(reference, interrupted, old, overwrite_killed, overwritten.read_bytes())
 
 
-@pytest.mark.parametrize(
-    ("sig", "returncode"),
-    [(signal.SIGKILL, -signal.SIGKILL), (signal.SIGINT, 130), (signal.SIGTERM, 130)],
-    ids=["SIGKILL", "SIGINT", "SIGTERM"],
-)
+@pytest.fixture(scope="module")
+def uninterrupted(corpus_runs: CorpusRuns) -> Path:
+    return corpus_runs.reference
+
+
+@pytest.mark.parametrize("name", list(KILLS))
 def test_killed_and_restarted_equals_an_uninterrupted_run(
-    corpus: Path, uninterrupted: Path, tmp_path: Path, sig: int, returncode: int
+    corpus_runs: CorpusRuns, name: str
 ) -> None:
-    out = tmp_path / "vectors.parquet"
-    work = out.with_name("vectors.parquet.partial")
-    assert run_watched(cli_command(corpus, out, "-q"), out, 1, sig) == returncode
-    assert not out.exists()
-    committed = sorted(work.glob("part-*.json"))
-    assert len(committed) == 2  # killed where it was held: after part 1
-    assert run_watched(cli_command(corpus, out, "-q"), out, None, 0) == 0
-    assert not work.exists()
-    table, expected = pq.read_table(out), pq.read_table(uninterrupted)
+    run = corpus_runs.interrupted[name]
+    assert run.killed == KILLS[name][1]
+    assert not run.output_after_kill
+    assert run.committed == 2  # killed where it was held: after part 1
+    assert run.resumed == 0
+    assert not run.work_after_resume
+    table, expected = pq.read_table(run.out), pq.read_table(corpus_runs.reference)
     assert table.column_names == ["index", "doc_id", "embedding"]
     assert table["index"].to_pylist() == list(range(NUM_ROWS))  # every row once, in order
     assert table["doc_id"].to_pylist() == list(range(1000, 1000 + NUM_ROWS))
     # The same chunks, each embedded alone by an engine in the same settings: bit-equal.
-    assert np.array_equal(vectors_of(out), vectors_of(uninterrupted))
+    assert np.array_equal(vectors_of(run.out), vectors_of(corpus_runs.reference))
     assert table["doc_id"].equals(expected["doc_id"])
 
 
 def test_sigkill_of_an_overwriting_run_leaves_the_old_output_whole(
-    corpus: Path, uninterrupted: Path, tmp_path: Path
+    corpus_runs: CorpusRuns,
 ) -> None:
     """--overwrite replaces the output only by a finished run: killed midway, the old file
     is still there, byte for byte (and never anything partial at its path meanwhile)."""
-    out = tmp_path / "vectors.parquet"
-    shutil.copy(uninterrupted, out)
-    old = out.read_bytes()
-    command = cli_command(corpus, out, "-q", "--overwrite")
-    assert run_watched(command, out, 1, signal.SIGKILL) == -signal.SIGKILL
-    assert out.read_bytes() == old
+    assert corpus_runs.overwrite_killed == -signal.SIGKILL
+    assert corpus_runs.overwrite_after == corpus_runs.overwrite_old
 
 
 def test_parquet_input_equals_engine_embed(engine: Engine, corpus: Path, tmp_path: Path) -> None:
