@@ -14,9 +14,12 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import transformers
 
 import vecpool
 from benchmarks.lab.bench_engine_loop import one_round as serve_single_queries
+from tests.helpers import save_hf_model
+from tests.tasks.conftest import tiny_bert_head, with_minilm_tokenizer
 from vecpool.api import heap
 from vecpool.api.async_engine import AsyncEngine
 from vecpool.runner.compiled import compile_blocks
@@ -83,8 +86,13 @@ def test_an_async_engine_step_that_compiled_freezes(
         front.shutdown()
 
 
-def test_a_serving_loop_step_that_compiled_freezes(fresh_heap: None) -> None:
-    engine = vecpool.Engine(device="cpu")  # the clients send ids of a real vocabulary
+def test_a_serving_loop_step_that_compiled_freezes(
+    fresh_heap: None, tmp_path: Path, default_model_dir: Path
+) -> None:
+    # The clients send ids of a real vocabulary: a 2-layer BERT on MiniLM's (two blocks to
+    # compile, not six).
+    folder = save_hf_model(tiny_bert_head(transformers.BertModel), tmp_path / "tiny")
+    engine = vecpool.Engine(with_minilm_tokenizer(folder, default_model_dir), device="cpu")
     compile_blocks(engine.model, backend="eager")
     before = _Marker()
     figures = serve_single_queries(engine, 4, 2)  # the server's engine loop, in this process

@@ -12,9 +12,10 @@ from tests.cli.corpus_data import NUM_ROWS, corpus_texts
 from vecpool import Engine
 
 
-@pytest.fixture(scope="module")
-def engine() -> Engine:
-    return Engine(device="cpu")
+@pytest.fixture(scope="session")
+def engine(minilm: Engine) -> Engine:
+    """The default model's engine: the session's."""
+    return minilm
 
 
 @pytest.fixture(scope="module")

@@ -29,11 +29,6 @@ TEXTS = [
 LONG_TEXT = "word " * 400  # ~400 tokens, over the default model's 256-token limit
 
 
-@pytest.fixture(scope="module")
-def engine() -> Engine:
-    return Engine(device="cpu")
-
-
 def embed(engine: Engine, *args: str) -> int:
     """`vecpool embed ARGS` in this process, on the module's engine."""
     return main(["embed", *args], engine=engine)

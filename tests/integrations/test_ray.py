@@ -52,8 +52,9 @@ def cluster() -> Iterator[None]:
 
 
 @pytest.fixture(scope="module")
-def engine() -> Engine:
-    return Engine(device="cpu")
+def engine(minilm: Engine) -> Engine:
+    """The default model's engine: the session's."""
+    return minilm
 
 
 def test_import_vecpool_does_not_import_ray() -> None:
