@@ -33,6 +33,18 @@ from vecpool.models.layers.basic import (
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
+# Hugging Face's defaults for keys a config.json may leave out: LlamaConfig's, MistralConfig's,
+# Qwen2Config's (Qwen3Config's with head_dim 128), and GemmaConfig's (Gemma2's and Gemma3's).
+LLAMA_DEFAULTS: dict[str, Any] = {
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+}
+GEMMA_DEFAULTS: dict[str, Any] = {
+    "head_dim": 256,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+}
 # One rotary embedding for every layer, or one per layer.
 LayerRotary = Rotary | Sequence[Rotary]
 
@@ -341,6 +353,8 @@ class DecoderModel(PoolingModel):
     checkpoint_prefixes = ("model.",)
     unused_checkpoint_keys: ClassVar[tuple[str, ...]] = ("*.rotary_emb.inv_freq",)
     layer_class: ClassVar[type[DecoderLayer]] = DecoderLayer
+    # Hugging Face's defaults for the keys the architecture's config.json may leave out.
+    hf_defaults: ClassVar[dict[str, Any]] = LLAMA_DEFAULTS
 
     def __init__(self, c: DecoderConfig, rotary: LayerRotary):
         super().__init__()
@@ -370,6 +384,24 @@ class DecoderModel(PoolingModel):
     def config_from_hf(cls, hf: dict[str, Any]) -> DecoderConfig:
         """The architecture's reading of its config.json."""
         raise NotImplementedError
+
+    @classmethod
+    def read_config(
+        cls,
+        hf: dict[str, Any],
+        *,
+        layer_types: Sequence[str] | None = None,
+        sliding_window: int | None = None,
+        **options: Any,
+    ) -> DecoderConfig:
+        """`read_config` under the class's `hf_defaults`; no sliding windows unless given."""
+        return read_config(
+            hf,
+            defaults=cls.hf_defaults,
+            layer_types=layer_types,
+            sliding_window=sliding_window,
+            **options,
+        )
 
     @property
     def default_pooler(self) -> str:
@@ -475,3 +507,28 @@ class DecoderForTokenClassification(DecoderModel):
 def _in_dtype(value: float, dtype: torch.dtype) -> float:
     """`value` rounded through float32 to `dtype`, as Hugging Face casts its scale tensors."""
     return float(torch.tensor(value, dtype=torch.float32).to(dtype))
+
+
+DecoderHeads = tuple[
+    type[DecoderForCausalLM],
+    type[DecoderForSequenceClassification],
+    type[DecoderForTokenClassification],
+]
+
+
+def decoder_heads(base: type[DecoderModel], family: str | None = None) -> DecoderHeads:
+    """`{family}ForCausalLM`, `{family}ForSequenceClassification` and
+    `{family}ForTokenClassification`: `base` under each of the three heads, as transformers
+    names them (`family`: the base's class name less "Model" unless given). Each is a class of
+    `base`'s module, for the registry to find by name."""
+    family = family or base.__name__.removesuffix("Model")
+    heads: list[type[DecoderModel]] = []
+    for head, doc in (
+        (DecoderForCausalLM, "{} with its language-model head."),
+        (DecoderForSequenceClassification, "{} scoring its last token with `score`."),
+        (DecoderForTokenClassification, "{} with `score` on every token row."),
+    ):
+        name = family + head.__name__.removeprefix("Decoder")
+        attrs = {"__doc__": doc.format(family), "__module__": base.__module__, "__qualname__": name}
+        heads.append(type(name, (head, base), attrs))
+    return cast(DecoderHeads, tuple(heads))

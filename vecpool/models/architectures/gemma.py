@@ -10,24 +10,17 @@ from __future__ import annotations
 from typing import Any
 
 from vecpool.models.architectures.decoder import (
+    GEMMA_DEFAULTS,
     DecoderConfig,
-    DecoderForCausalLM,
-    DecoderForSequenceClassification,
-    DecoderForTokenClassification,
     DecoderModel,
-    read_config,
+    decoder_heads,
 )
-
-# Hugging Face's GemmaConfig defaults, for keys a config.json leaves out.
-_DEFAULTS: dict[str, Any] = {
-    "head_dim": 256,
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": True,
-}
 
 
 class GemmaModel(DecoderModel):
     """The Gemma base model."""
+
+    hf_defaults = GEMMA_DEFAULTS
 
     @classmethod
     def config_from_hf(cls, hf: dict[str, Any]) -> DecoderConfig:
@@ -35,11 +28,8 @@ class GemmaModel(DecoderModel):
         # reads them.
         act = str(hf.get("hidden_act") or "gelu_pytorch_tanh")
         hidden_size = int(hf.get("hidden_size") or 0)
-        return read_config(
+        return cls.read_config(
             hf,
-            defaults=_DEFAULTS,
-            layer_types=None,
-            sliding_window=None,
             hidden_act="gelu_pytorch_tanh" if act == "gelu" else act,
             attention_bias=bool(hf.get("attention_bias", False)),
             norm_unit_offset=True,
@@ -47,13 +37,7 @@ class GemmaModel(DecoderModel):
         )
 
 
-class GemmaForCausalLM(DecoderForCausalLM, GemmaModel):
-    """Gemma with its language-model head (bge-reranker-v2-gemma)."""
-
-
-class GemmaForSequenceClassification(DecoderForSequenceClassification, GemmaModel):
-    """Gemma scoring its last token with `score` (reward models, rerankers)."""
-
-
-class GemmaForTokenClassification(DecoderForTokenClassification, GemmaModel):
-    """Gemma with `score` on every token row."""
+# GemmaForCausalLM: bge-reranker-v2-gemma.
+GemmaForCausalLM, GemmaForSequenceClassification, GemmaForTokenClassification = decoder_heads(
+    GemmaModel
+)

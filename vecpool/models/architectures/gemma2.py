@@ -12,24 +12,15 @@ import torch
 
 from vecpool.models.architectures.decoder import (
     FULL_ATTENTION,
+    GEMMA_DEFAULTS,
     SLIDING_ATTENTION,
     DecoderConfig,
-    DecoderForCausalLM,
-    DecoderForSequenceClassification,
-    DecoderForTokenClassification,
     DecoderLayer,
     DecoderModel,
-    read_config,
+    decoder_heads,
 )
 from vecpool.models.layers.attention import AttentionMetadata
 from vecpool.models.layers.basic import RMSNorm
-
-# Hugging Face's Gemma2Config defaults, for keys a config.json leaves out.
-_DEFAULTS: dict[str, Any] = {
-    "head_dim": 256,
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": True,
-}
 
 
 class Gemma2DecoderLayer(DecoderLayer):
@@ -52,6 +43,7 @@ class Gemma2DecoderLayer(DecoderLayer):
 
 class Gemma2Model(DecoderModel):
     layer_class = Gemma2DecoderLayer
+    hf_defaults = GEMMA_DEFAULTS
 
     @classmethod
     def config_from_hf(cls, hf: dict[str, Any]) -> DecoderConfig:
@@ -62,25 +54,18 @@ class Gemma2Model(DecoderModel):
                 for i in range(int(hf.get("num_hidden_layers") or 0))
             ]
         window = hf.get("sliding_window", 4096)
-        return read_config(
+        return cls.read_config(
             hf,
-            defaults=_DEFAULTS,
             layer_types=layer_types,
             sliding_window=None if window is None else int(window),
             **gemma2_options(hf, attn_softcap=50.0, final_softcap=30.0),
         )
 
 
-class Gemma2ForCausalLM(DecoderForCausalLM, Gemma2Model):
-    """Gemma2 with its language-model head; logits soft-capped by final_logit_softcapping."""
-
-
-class Gemma2ForSequenceClassification(DecoderForSequenceClassification, Gemma2Model):
-    """Gemma2 scoring its last token with `score` (reward models, rerankers)."""
-
-
-class Gemma2ForTokenClassification(DecoderForTokenClassification, Gemma2Model):
-    """Gemma2 with `score` on every token row."""
+# Gemma2ForCausalLM's logits are soft-capped by final_logit_softcapping.
+Gemma2ForCausalLM, Gemma2ForSequenceClassification, Gemma2ForTokenClassification = decoder_heads(
+    Gemma2Model
+)
 
 
 def gemma2_options(

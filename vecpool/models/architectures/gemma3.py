@@ -11,29 +11,21 @@ are the scaled rows.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from vecpool.models.architectures.decoder import (
     FULL_ATTENTION,
+    GEMMA_DEFAULTS,
     SLIDING_ATTENTION,
     DecoderConfig,
-    DecoderForCausalLM,
-    DecoderForSequenceClassification,
     DecoderModel,
-    read_config,
+    decoder_heads,
 )
 from vecpool.models.architectures.gemma2 import Gemma2DecoderLayer, gemma2_options
 from vecpool.models.base import PoolingModel
 from vecpool.models.hf import hf_get
 from vecpool.models.layers.basic import Rotary
 
-# Hugging Face's Gemma3TextConfig defaults, for keys a config.json leaves out.
-_DEFAULTS: dict[str, Any] = {
-    "head_dim": 256,
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": True,
-    "max_position_embeddings": 131072,
-}
 _GLOBAL_THETA, _LOCAL_THETA = 1_000_000.0, 10_000.0
 
 
@@ -41,6 +33,8 @@ class Gemma3TextModel(DecoderModel):
     """The Gemma3 text model; EmbeddingGemma ships under this architecture."""
 
     layer_class = Gemma2DecoderLayer
+    # Gemma3TextConfig's defaults.
+    hf_defaults: ClassVar[dict[str, Any]] = {**GEMMA_DEFAULTS, "max_position_embeddings": 131072}
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any]) -> PoolingModel:
@@ -61,9 +55,8 @@ class Gemma3TextModel(DecoderModel):
             options["layer_windows"] = tuple(
                 narrowed if t == SLIDING_ATTENTION else None for t in layer_types
             )
-        return read_config(
+        return cls.read_config(
             hf,
-            defaults=_DEFAULTS,
             layer_types=layer_types,
             sliding_window=None if window is None else int(window),
             qk_norm=True,
@@ -72,12 +65,10 @@ class Gemma3TextModel(DecoderModel):
         )
 
 
-class Gemma3ForCausalLM(DecoderForCausalLM, Gemma3TextModel):
-    """Gemma3 text with its language-model head."""
-
-
-class Gemma3TextForSequenceClassification(DecoderForSequenceClassification, Gemma3TextModel):
-    """Gemma3 text scoring its last token with `score` (reward models, rerankers)."""
+# transformers names the text model's heads Gemma3ForCausalLM and
+# Gemma3TextForSequenceClassification (and has no token classifier).
+Gemma3ForCausalLM = decoder_heads(Gemma3TextModel, "Gemma3")[0]
+Gemma3TextForSequenceClassification = decoder_heads(Gemma3TextModel)[1]
 
 
 def _layer_types(hf: dict[str, Any]) -> list[str]:

@@ -1,27 +1,17 @@
-"""Qwen3: a pre-norm decoder with RMSNorm on each head's queries and keys (Qwen3-Embedding)."""
+"""Qwen3: a pre-norm decoder with RMSNorm on each head's queries and keys (Qwen3-Embedding, which
+ships under `Qwen3ForCausalLM`)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from vecpool.models.architectures.decoder import (
     FULL_ATTENTION,
     SLIDING_ATTENTION,
     DecoderConfig,
-    DecoderForCausalLM,
-    DecoderForSequenceClassification,
-    DecoderForTokenClassification,
     DecoderModel,
-    read_config,
+    decoder_heads,
 )
-
-# Hugging Face's Qwen3Config defaults, for keys a config.json leaves out.
-_DEFAULTS: dict[str, Any] = {
-    "head_dim": 128,
-    "hidden_act": "silu",
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": False,
-}
 
 
 def qwen_sliding_layers(hf: dict[str, Any]) -> tuple[list[str], int | None]:
@@ -39,12 +29,14 @@ def qwen_sliding_layers(hf: dict[str, Any]) -> tuple[list[str], int | None]:
 
 
 class Qwen3Model(DecoderModel):
+    # Qwen3Config's defaults.
+    hf_defaults: ClassVar[dict[str, Any]] = {**DecoderModel.hf_defaults, "head_dim": 128}
+
     @classmethod
     def config_from_hf(cls, hf: dict[str, Any]) -> DecoderConfig:
         layer_types, window = qwen_sliding_layers(hf)
-        return read_config(
+        return cls.read_config(
             hf,
-            defaults=_DEFAULTS,
             layer_types=layer_types,
             sliding_window=window,
             attention_bias=bool(hf.get("attention_bias", False)),
@@ -52,13 +44,6 @@ class Qwen3Model(DecoderModel):
         )
 
 
-class Qwen3ForCausalLM(DecoderForCausalLM, Qwen3Model):
-    """Qwen3 with its language-model head (Qwen3-Embedding ships under this architecture)."""
-
-
-class Qwen3ForSequenceClassification(DecoderForSequenceClassification, Qwen3Model):
-    """Qwen3 scoring its last token with `score` (reward models, rerankers)."""
-
-
-class Qwen3ForTokenClassification(DecoderForTokenClassification, Qwen3Model):
-    """Qwen3 with `score` on every token row."""
+Qwen3ForCausalLM, Qwen3ForSequenceClassification, Qwen3ForTokenClassification = decoder_heads(
+    Qwen3Model
+)
