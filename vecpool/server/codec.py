@@ -162,25 +162,23 @@ def carries_images(items: Any) -> bool:
     )
 
 
+def invalid_input(where: str, message: str) -> ApiError:
+    """The 400 for a malformed input: `message` about the input at `where` (its path in the
+    body: `input[2]`, `documents[0].content[1]`)."""
+    return ApiError(400, f"{where}: {message}", param=where, code="invalid_input")
+
+
 def image_sources(value: Any, name: str) -> list[ImageItem]:
     """A list of image sources (Infinity's `input` with `modality: "image"`, Cohere's
     `images`): each a string; a 400 naming the first that is not."""
     values = [value] if isinstance(value, str) else value
     if not isinstance(values, list) or not values:
-        raise ApiError(
-            400,
-            f"{name}: expected a list of image URLs, data: URIs or base64 strings",
-            param=name,
-            code="invalid_input",
-        )
+        raise invalid_input(name, "expected a list of image URLs, data: URIs or base64 strings")
     for i, source in enumerate(values):
         if not isinstance(source, str):
-            raise ApiError(
-                400,
-                f"{name}[{i}]: expected an image URL, data: URI or base64 string, got "
-                f"{json_type(source)}",
-                param=f"{name}[{i}]",
-                code="invalid_input",
+            raise invalid_input(
+                f"{name}[{i}]",
+                f"expected an image URL, data: URI or base64 string, got {json_type(source)}",
             )
     return [ImageItem(source) for source in values]
 
@@ -194,25 +192,18 @@ def content_item(parts: Any, where: str) -> str | ImageItem:
     if isinstance(parts, str):
         return parts
     if not isinstance(parts, list) or not parts:
-        raise ApiError(
-            400,
-            f"{where}: expected a string or a non-empty list of content parts",
-            param=where,
-            code="invalid_input",
-        )
+        raise invalid_input(where, "expected a string or a non-empty list of content parts")
     read = [_content_part(part, f"{where}[{j}]") for j, part in enumerate(parts)]
     images = [j for j, part in enumerate(read) if isinstance(part, ImageItem)]
     if not images:
         return "\n".join(read)  # type: ignore[arg-type]  # text parts only
     if len(read) > 1:
         at = f"{where}[{images[0]}]"
-        raise ApiError(
-            400,
-            f"{at}: an image part must be an input's only part: the model embeds a text or "
+        raise invalid_input(
+            at,
+            f"an image part must be an input's only part: the model embeds a text or "
             f"an image, not several parts together ({len(read)} parts here); send each as "
             "an input of its own",
-            param=at,
-            code="invalid_input",
         )
     return read[0]
 
@@ -221,12 +212,7 @@ def _content_part(part: Any, where: str) -> str | ImageItem:
     if isinstance(part, dict) and part.get("type") == "text":
         text = part.get("text")
         if set(part) != {"type", "text"} or not isinstance(text, str):
-            raise ApiError(
-                400,
-                f'{where}: a text part is {{"type": "text", "text": "<string>"}}',
-                param=where,
-                code="invalid_input",
-            )
+            raise invalid_input(where, 'a text part is {"type": "text", "text": "<string>"}')
         return text
     kind = part.get("type") if isinstance(part, dict) else None
     if kind == "image_url":
@@ -239,20 +225,16 @@ def _content_part(part: Any, where: str) -> str | ImageItem:
             url = image.get("url")
             if isinstance(url, str):
                 return ImageItem(url)
-        raise ApiError(
-            400,
-            f'{where}: an image part is {{"type": "image_url", "image_url": {{"url": '
+        raise invalid_input(
+            where,
+            'an image part is {"type": "image_url", "image_url": {"url": '
             '"<URL, data: URI or base64>"}}',
-            param=where,
-            code="invalid_input",
         )
-    raise ApiError(
-        400,
-        f'{where}: a content part is {{"type": "text", "text": ...}} or {{"type": '
-        f'"image_url", "image_url": {{"url": ...}}}}, got '
+    raise invalid_input(
+        where,
+        'a content part is {"type": "text", "text": ...} or {"type": '
+        '"image_url", "image_url": {"url": ...}}, got '
         + (f"type {kind!r}" if isinstance(kind, str) else json_type(part)),
-        param=where,
-        code="invalid_input",
     )
 
 
