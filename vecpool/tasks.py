@@ -75,10 +75,10 @@ class TaskSpec:
     name: str
     head: Head
     accepted_params: frozenset[str]
-    requires_token_ids: bool  # every request of the task needs its token ids
     # Parameters that make a request need its token ids when set (a flag: when true), e.g.
     # STEP selection.
-    token_id_params: frozenset[str]
+    token_id_params: frozenset[str] = frozenset()
+    requires_token_ids: bool = False  # every request of the task needs its token ids
 
     def needs_token_ids(self, params: PoolingParams) -> bool:
         """Whether a request with `params` can only be served from token ids."""
@@ -114,59 +114,39 @@ TASKS: dict[str, TaskSpec] = {
     spec.name: spec
     for spec in (
         # One dense vector per input: the model's pooling, Dense modules, normalize.
-        TaskSpec(
-            name="embed",
-            head=Head.EMBEDDING,
-            accepted_params=frozenset({"dimensions", "normalize"}),
-            requires_token_ids=False,
-            token_id_params=frozenset(),
-        ),
+        TaskSpec("embed", Head.EMBEDDING, frozenset({"dimensions", "normalize"})),
         # Class probabilities (or raw logits) per input: [num_labels].
-        TaskSpec(
-            name="classify",
-            head=Head.SEQUENCE_CLASSIFIER,
-            accepted_params=frozenset({"use_activation"}),
-            requires_token_ids=False,
-            token_id_params=frozenset(),
-        ),
+        TaskSpec("classify", Head.SEQUENCE_CLASSIFIER, frozenset({"use_activation"})),
         # A relevance score per (query, document) input: a cross-encoder's classifier
         # ([num_labels]) or an LLM reranker's yes/no logits ([1]).
-        TaskSpec(
-            name="score",
-            head=Head.SCORER,
-            accepted_params=frozenset({"use_activation"}),
-            requires_token_ids=False,
-            token_id_params=frozenset(),
-        ),
+        TaskSpec("score", Head.SCORER, frozenset({"use_activation"})),
         # One vector per token; with step_tag_id only at positions holding that id; with
-        # input_type ("query" / "document") written as that side of a late-interaction model.
+        # input_type ("query" / "document") written as that side of a late-interaction model,
+        # which needs token ids: a side inserts markers and expansion tokens by id and leaves
+        # skiplist tokens out by id.
         TaskSpec(
-            name="token_embed",
-            head=Head.TOKEN_EMBEDDING,
-            accepted_params=frozenset({"dimensions", "normalize", "step_tag_id", "input_type"}),
-            requires_token_ids=False,
-            # input_type: a late-interaction side inserts markers and expansion tokens by id
-            # and leaves skiplist tokens out by id.
+            "token_embed",
+            Head.TOKEN_EMBEDDING,
+            frozenset({"dimensions", "normalize", "step_tag_id", "input_type"}),
             token_id_params=frozenset({"step_tag_id", "input_type"}),
         ),
         # Class probabilities per token: [num_tokens, num_labels]; with step_tag_id only at
         # positions holding that id (STEP).
         TaskSpec(
-            name="token_classify",
-            head=Head.TOKEN_CLASSIFIER,
-            accepted_params=frozenset({"use_activation", "step_tag_id"}),
-            requires_token_ids=False,
+            "token_classify",
+            Head.TOKEN_CLASSIFIER,
+            frozenset({"use_activation", "step_tag_id"}),
             token_id_params=frozenset({"step_tag_id"}),
         ),
         # A SPLADE vector over the vocabulary, as sentence-transformers' SpladePooling: max (or
         # sum) over every token of log(1 + relu(masked-LM logits)) (log1p_relu: log1p of that
-        # again); with exclude_special_tokens over non-special tokens only: [vocab_size].
+        # again); with exclude_special_tokens over non-special tokens only: [vocab_size]. Special
+        # tokens are found by id.
         TaskSpec(
-            name="sparse",
-            head=Head.SPARSE,
-            accepted_params=frozenset({"exclude_special_tokens"}),
-            requires_token_ids=False,
-            token_id_params=frozenset({"exclude_special_tokens"}),  # special tokens are found by id
+            "sparse",
+            Head.SPARSE,
+            frozenset({"exclude_special_tokens"}),
+            token_id_params=frozenset({"exclude_special_tokens"}),
         ),
     )
 }
