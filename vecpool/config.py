@@ -24,8 +24,18 @@ class SchedulerConfig:
     # positions: a prompt reserves its length while it runs. 0: prompts run whole (one longer
     # than the budget runs alone in its own step).
     max_cached_tokens: int = 0
+    # Patch rows a step's vision tower runs (images of any size are sequences of patches, as
+    # texts are of tokens): an image waits for a step with room for it; one larger than the
+    # whole budget runs in a step whose tower runs nothing else. None: the token budget.
+    max_num_batched_patches: int | None = None
 
     def __post_init__(self) -> None:
+        if self.max_num_batched_patches is None:
+            object.__setattr__(self, "max_num_batched_patches", self.max_num_batched_tokens)
+        elif self.max_num_batched_patches < 1:
+            raise ConfigError(
+                f"max_num_batched_patches must be positive, got {self.max_num_batched_patches}"
+            )
         if self.max_cached_tokens < 0:
             raise ConfigError(
                 f"max_cached_tokens must be 0 or positive, got {self.max_cached_tokens}"
@@ -36,6 +46,11 @@ class SchedulerConfig:
             )
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+
+    @property
+    def patch_budget(self) -> int:
+        """Patch rows a step's vision tower runs: `max_num_batched_patches`, as resolved."""
+        return self.max_num_batched_patches or self.max_num_batched_tokens
 
 
 _QWEN3_RERANKER_TEMPLATE = (
@@ -169,3 +184,38 @@ class ListwiseRerankerConfig:
         return cls(
             "<|embed_token|>", "<|rerank_token|>", _JINA_V3_SYSTEM, _JINA_V3_SUFFIX, instruction
         )
+
+
+@dataclass(frozen=True)
+class PairTemplate:
+    """How a cross-encoder that reads a (query, document) pair as one written prompt
+    (jina-reranker-m0) writes it, in place of the tokenizer's pair template.
+
+    The two sides go into `template` (placeholders `{query}` and `{document}`; other braces
+    are literal); a side that is an image is written as `image_text` (its placeholder, which
+    the image's rows fill). The prompt's text is tokenized with special tokens, then
+    `suffix_ids` are appended (the token whose row the score head reads).
+    """
+
+    template: str
+    image_text: str
+    suffix_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        found = _PLACEHOLDERS.findall(self.template)
+        if sorted(found) != ["document", "query"]:
+            raise ConfigError(
+                "a pair template holds {query} and {document} once each, got "
+                f"{', '.join('{' + f + '}' for f in found) or 'neither'}"
+            )
+
+    @property
+    def document_first(self) -> bool:
+        """Whether the document comes before the query (its images are the prompt's first)."""
+        return self.template.index("{document}") < self.template.index("{query}")
+
+    def format(self, query: str, document: str) -> str:
+        """The prompt's text for one pair (substituted in one pass: text that looks like a
+        placeholder stays as it is)."""
+        values = {"query": query, "document": document}
+        return _PLACEHOLDERS.sub(lambda m: values.get(m.group(1), m.group(0)), self.template)

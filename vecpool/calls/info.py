@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from vecpool.config import ListwiseRerankerConfig, LLMRerankerConfig
+from vecpool.config import ListwiseRerankerConfig, LLMRerankerConfig, PairTemplate
 from vecpool.inputs.prompts import InputLimits, SideFormat
 
 
@@ -67,6 +67,12 @@ class EngineInfo:
     # The chat template `messages` are rendered by in place of the folder's (`chat_template`
     # option: vLLM's --chat-template); None: the folder's own.
     chat_template: str | None = None
+    # A cross-encoder that reads each pair as one written prompt (jina-reranker-m0): how it
+    # writes them (score_mode "cross_encoder"); None: the tokenizer's pair template.
+    pair_template: PairTemplate | None = None
+    # A vision-language model (Qwen2-VL): its images go into prompts at placeholder tokens,
+    # and `messages` with image parts are rendered by its chat template.
+    vision_language: bool = False
 
     @property
     def input_limits(self) -> InputLimits:

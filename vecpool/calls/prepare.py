@@ -27,6 +27,7 @@ from vecpool.calls.options import (
     SparseOptions,
 )
 from vecpool.calls.outputs import PoolingOutput, PreparedCall, output_data
+from vecpool.calls.pair_prompts import template_error, template_inputs
 from vecpool.errors import InputError
 from vecpool.inputs.prompts import TextOptions, TruncationSide, is_tensor
 from vecpool.inputs.tokenizer import check_unicode
@@ -191,6 +192,8 @@ def prepare_score(
     text = TextOptions(o.truncate_prompt_tokens, o.truncation_side)
     if not rights:
         return PreparedCall([], lambda _: np.zeros(0, dtype=np.float32))
+    if info.score_mode == "cross_encoder" and info.pair_template is not None:
+        return _prepare_template_pairs(ctx, lefts, rights, o)
     if info.score_mode in ("cross_encoder", "llm"):
         pairs = text_pairs(lefts, rights)
         inputs: list[Any] = pairs
@@ -252,6 +255,23 @@ def prepare_score(
         return postprocess.cosine(np.stack(left), np.stack(right))
 
     return PreparedCall(left_requests + right_requests, finish)
+
+
+def _prepare_template_pairs(
+    ctx: CallContext, lefts: list[Any], rights: list[Any], o: ScoreOptions
+) -> PreparedCall[np.ndarray]:
+    """The requests of a cross-encoder that writes each pair into its prompt template
+    (`pair_prompts`): texts and images on either side."""
+    t = o.truncate_prompt_tokens
+    limit = ctx.inputs.truncation_length(t) if t is not None else None
+    pairing = pair_indices(len(lefts), len(rights))
+    inputs, image_sides = template_inputs(ctx, lefts, rights, pairing, limit, o.truncation_side)
+    params = PoolingParams(task="score", use_activation=o.use_activation)
+    try:  # the template's ids are whole prompts: never cut again (the suffix is last)
+        requests = make_requests(ctx, inputs, params, TextOptions())
+    except InputError as exc:
+        raise template_error(exc, image_sides) from None
+    return PreparedCall(requests, _pair_scores)
 
 
 # Fields that name an input itself rather than a part of it or a parameter of the call.

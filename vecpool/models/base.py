@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
-from vecpool.config import ListwiseRerankerConfig
+from vecpool.config import ListwiseRerankerConfig, PairTemplate
 from vecpool.models.layers.attention import AttentionMetadata
 
 if TYPE_CHECKING:
@@ -115,6 +115,9 @@ class PoolingModel(nn.Module):
     image_grid: tuple[int, int] | None = None  # the one grid of patches it takes; None: any
     # A listwise reranker's prompt format and marker tokens (with `LISTWISE_RANKER`).
     listwise_reranker: ClassVar[ListwiseRerankerConfig | None] = None
+    # A cross-encoder that reads each pair as one written prompt (with `SEQUENCE_CLASSIFIER`):
+    # how its pairs are written, in place of the tokenizer's pair template.
+    pair_template: ClassVar[PairTemplate | None] = None
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any]) -> PoolingModel:

@@ -101,6 +101,10 @@ _REGISTRY: dict[str, tuple[str, str]] = {
     "Qwen2VLModel": ("qwen2_vl", "Qwen2VLModel"),
     "Qwen2_5_VLForConditionalGeneration": ("qwen2_vl", "Qwen2_5_VLForConditionalGeneration"),
     "Qwen2_5_VLModel": ("qwen2_vl", "Qwen2_5_VLModel"),
+    # -- multi-vector retrieval over page images --
+    "ColQwen2ForRetrieval": ("colqwen2", "ColQwen2ForRetrieval"),
+    "ColPaliForRetrieval": ("colpali", "ColPaliForRetrieval"),
+    "JinaVLForRanking": ("jina_vl", "JinaVLForRanking"),  # jina-reranker-m0
 }
 
 
