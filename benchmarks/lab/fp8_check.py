@@ -51,6 +51,9 @@ MODELS = {"qwen3-0.6b": (1024, 3072, 16, 8, 128), "mistral-7b": (4096, 14336, 32
 MIN_COSINE = 0.999  # the bar for FP8 against bf16
 
 
+STEPS = ("kernels", "matmul", "engine")
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokenizer", type=Path, help="default: the packaged MiniLM's folder")
@@ -58,6 +61,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="a one-minute smoke run")
     parser.add_argument("--rounds", type=int, default=record.MIN_ROUNDS, help="at least 3")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument(
+        "--steps", nargs="+", default=list(STEPS), choices=list(STEPS), help="what to run"
+    )
+    parser.add_argument(
+        "--matmul-rows",
+        type=int,
+        nargs="+",
+        help="the row counts M of (b) (default 8192 16384; 2048 with --quick): small ones show "
+        "where FP8 stops paying",
+    )
     record.add_args(parser)
     parser.add_argument(
         "--fp32-inputs",
@@ -149,7 +162,7 @@ def check_kernels(report: dict[str, Any]) -> None:
 
 
 def bench_matmuls(report: dict[str, Any], args: argparse.Namespace) -> None:
-    sizes = (2048,) if args.quick else (8192, 16384)
+    sizes = args.matmul_rows or ((2048,) if args.quick else (8192, 16384))
     n_rounds, iters = (3, 3) if args.quick else (max(3, args.rounds), 10)
     for model in args.models:
         hidden, inter, heads, kv, hd = MODELS[model]
@@ -162,7 +175,9 @@ def bench_matmuls(report: dict[str, Any], args: argparse.Namespace) -> None:
         for m in sizes:
             for proj, (kdim, ndim, producer) in projections.items():
                 row = {"model": model, "proj": proj, "M": m, "K": kdim, "N": ndim}
-                row.update(bench_projection(m, kdim, ndim, producer, n_rounds, iters))
+                # Small products take microseconds: more calls between the events.
+                calls = max(iters, min(200, 131072 // m))
+                row.update(bench_projection(m, kdim, ndim, producer, n_rounds, calls))
                 report["matmul"].append(row)
                 print(
                     f"matmul {model} {proj} M={m}: bf16 {row['bf16']['median_ms']:.3f} ms, "
@@ -420,6 +435,7 @@ def main(argv: list[str]) -> int:
         ("matmul", lambda: bench_matmuls(report, args)),
         ("engine", lambda: bench_engines(report, args, tokenizer_dir, save)),
     ]
+    steps = [(name, step) for name, step in steps if name in args.steps]
     return run_steps(steps, report, save, started, args.output)
 
 
