@@ -28,30 +28,45 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"vecpool {vecpool.__version__}")
     commands = parser.add_subparsers(title="commands", dest="command", metavar="COMMAND")
-    embed = commands.add_parser(
-        "embed",
-        help="embed a file of texts or token ids (no input: example sentences)",
-        description=EMBED_HELP,
-        epilog=EMBED_EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_embed_arguments(embed)
-    embed.set_defaults(run=run_embed)
-    serve_parser = commands.add_parser(
-        "serve",
-        help="serve a model over HTTP (OpenAI, Cohere and Jina conventions)",
-        description=SERVE_DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_serve_arguments(serve_parser)
-    serve_parser.set_defaults(run=run_serve)
-    bench = commands.add_parser(
-        "bench",
-        help="measure a model's throughput on synthetic texts",
-        description=BENCH_DESCRIPTION,
-    )
-    add_bench_arguments(bench)
-    bench.set_defaults(run=run_bench)
+    raw = argparse.RawDescriptionHelpFormatter  # descriptions laid out by hand, kept as written
+    for name, help_text, description, epilog, formatter, add_arguments, run in (
+        (
+            "embed",
+            "embed a file of texts or token ids (no input: example sentences)",
+            EMBED_HELP,
+            EMBED_EXAMPLES,
+            raw,
+            add_embed_arguments,
+            run_embed,
+        ),
+        (
+            "serve",
+            "serve a model over HTTP (OpenAI, Cohere and Jina conventions)",
+            SERVE_DESCRIPTION,
+            None,
+            raw,
+            add_serve_arguments,
+            run_serve,
+        ),
+        (
+            "bench",
+            "measure a model's throughput on synthetic texts",
+            BENCH_DESCRIPTION,
+            None,
+            argparse.HelpFormatter,
+            add_bench_arguments,
+            run_bench,
+        ),
+    ):
+        command = commands.add_parser(
+            name,
+            help=help_text,
+            description=description,
+            epilog=epilog,
+            formatter_class=formatter,
+        )
+        add_arguments(command)
+        command.set_defaults(run=run)
     return parser
 
 
