@@ -12,7 +12,7 @@ import dataclasses
 import sys
 
 from vecpool.api.args import EngineArgs
-from vecpool.cli.common import error_text
+from vecpool.cli.common import error_text, options_from_args
 from vecpool.errors import ConfigError, VecpoolError
 from vecpool.server import launcher
 
@@ -190,40 +190,29 @@ def serve(args: argparse.Namespace) -> int:
     try:
         models = EngineArgs.per_model(args)
         names = served_model_names(args.served_model_name, models)
-        config = ServerConfig(  # checked before the model loads: fail fast
+        config = options_from_args(  # checked before the model loads: fail fast
+            ServerConfig,
+            args,
             model_names=names[0],
             other_model_names=names[1:],
-            api_key=args.api_key,
-            max_queued=args.max_queued,
             max_batch_inputs=(
                 args.max_batch_inputs
                 if args.max_batch_inputs is not None
                 else min(DEFAULT_BATCH_INPUTS, args.max_queued)
             ),
             max_payload_bytes=int(args.max_payload_mb * 2**20),
-            max_answer_values=args.max_answer_values,
-            auto_truncate=args.auto_truncate,
-            tokenizer_threads=args.tokenizer_threads,
-            max_queue_wait=args.max_queue_wait,
             read_timeout=args.timeout_read,
-            max_connections=args.max_connections,
         )
         fit = raise_open_file_limit(config.max_connections)  # children inherit the limit
         if fit < config.max_connections:
             config = dataclasses.replace(config, max_connections=fit)
         count = args.api_server_count
-        options = launcher.ServeOptions(
-            host=args.host,
-            port=args.port,
+        options = options_from_args(
+            launcher.ServeOptions,
+            args,
             api_server_count=(
                 launcher.default_api_server_count(models[0].device) if count is None else count
             ),
-            batch_wait_ms=args.batch_wait_ms,
-            timeout_keep_alive=args.timeout_keep_alive,
-            shutdown_timeout=args.shutdown_timeout,
-            max_engine_restarts=args.max_engine_restarts,
-            engine_restart_window=args.engine_restart_window,
-            log_level=args.log_level,
         )
         launcher.check_layout(models, options)
         sock = launcher.bind_socket(args.host, args.port)
