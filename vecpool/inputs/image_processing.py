@@ -272,6 +272,8 @@ def load_image_processor(folder: Path) -> ImageProcessor | None:
         return None
     settings, source = found
     model = _read_json(folder / "config.json") if (folder / "config.json").is_file() else {}
+    if isinstance(model.get("vlm_config"), dict):  # a retrieval model (ColQwen2, ColPali)
+        model = model["vlm_config"]
     kind = _kind(settings, model, source)
     return _build(kind, settings, model, source, folder)
 

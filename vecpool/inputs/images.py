@@ -47,10 +47,11 @@ def image_reader(processor_dir: str | None, policy: MediaPolicy | None) -> Image
             f"the model has an image tower, but {processor_dir} has no preprocessor_config.json "
             "(its image processor's settings)"
         )
-    vision = None
-    if processor.kind == "qwen2_vl":  # a vision-language model: images go into prompts
-        from vecpool.inputs.vision_prompts import read_vision_format
+    from vecpool.inputs.vision_prompts import is_vision_language, read_vision_format
 
+    vision = None
+    # A vision-language model (Qwen2-VL, PaliGemma's SigLIP processor): images go into prompts.
+    if processor.kind == "qwen2_vl" or is_vision_language(Path(processor_dir)):
         vision = read_vision_format(Path(processor_dir), processor.merge_size)
     return ImageReader(processor, policy if policy is not None else MediaPolicy(), vision)
 

@@ -421,7 +421,10 @@ class InputProcessor:
             written = given.text is not None  # a prompt written by the caller
             text = given.text
             if text is None:
-                text = render(fmt, given.parts or [], options.prompt)
+                try:
+                    text = render(fmt, given.parts or [], options.prompt)
+                except InputError as exc:  # the template's, or a layout's refusal
+                    raise exc.at(index) from None
             self.check_text_size(text, index)
             specials = options.add_special_tokens and written  # a template writes its own
             try:
@@ -445,7 +448,7 @@ class InputProcessor:
             token_ids=ids,
             prompt_embeds=None,
             images=spans,
-            mrope_positions=mrope_positions(n, spans, fmt.merge_size),
+            mrope_positions=mrope_positions(n, spans, fmt.merge_size) if fmt.mrope else None,
         )
 
     def check_text_size(self, text: str | tuple[str, str], index: int | None = None) -> None:
@@ -520,6 +523,10 @@ class InputProcessor:
             if prefix is None
             else [v if isinstance(v, tuple) else prefix + v for v in values]
         )
+        vision = self.images.vision if self.images is not None else None
+        query = vision.retrieval if vision is not None else None
+        if query is not None:  # a retrieval model's texts are queries, in its processor's layout
+            texts = [t if isinstance(t, tuple) else query.query(t) for t in texts]
         max_chars = self.limits.max_input_chars
         if max_chars is not None:
             sizes = [len(t) if isinstance(t, str) else len(t[0]) + len(t[1]) for t in texts]
@@ -534,6 +541,7 @@ class InputProcessor:
                 index=indices[pairs[0]],
             )
         side, specials = options.truncation_side, options.add_special_tokens
+        specials = specials and (query is None or query.query_special_tokens)
         type_ids: dict[int, np.ndarray] = {}  # of the pairs, by their place in `texts`
         try:
             if pairs and specials and len(pairs) == len(texts):

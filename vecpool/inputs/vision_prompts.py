@@ -17,6 +17,11 @@ template gets Qwen2-VL's own layout. A prompt already written takes its images a
   placeholder a run of `<|image_pad|>` tokens (`image_token_id`) of length 1, which becomes
   the image's count, or of the image's count already.
 
+A retrieval model (ColQwen2, ColPali) writes its inputs in its processor's two layouts instead
+(`RetrievalLayout`): an image alone is a page, in the image prompt; a text is a query, between
+the query prefix and its augmentation tokens. Text with images is refused, as its processor
+refuses it.
+
 In place of any image, its rows as the vision tower gives them may come precomputed, in vLLM's
 names: `{"image_embeds": [num_tokens, hidden], "image_grid_thw": [1, rows, columns]}` (the grid
 of patches before merging, which the positions need). They are prompt embeddings of the
@@ -46,6 +51,22 @@ DEFAULT_SYSTEM = "You are a helpful assistant."
 
 
 @dataclass(frozen=True)
+class RetrievalLayout:
+    """How a multi-vector retrieval model's processor writes its inputs (transformers'
+    `ColQwen2Processor`, `ColPaliProcessor`): a page image in `image_prompt` (one placeholder
+    token), a text query as `query_prefix + text + query_suffix`."""
+
+    image_prompt: str
+    query_prefix: str
+    query_suffix: str  # the augmentation tokens (ten pad tokens) and a newline
+    query_special_tokens: bool  # whether the tokenizer adds its special tokens to a query
+
+    def query(self, text: str) -> str:
+        """The text of a query, as the processor writes it."""
+        return f"{self.query_prefix}{text}{self.query_suffix}"
+
+
+@dataclass(frozen=True)
 class VisionFormat:
     """How a vision-language model's prompts hold images, read from its folder."""
 
@@ -53,18 +74,40 @@ class VisionFormat:
     merge_size: int  # patches per placeholder token: merge_size**2
     chat_template: str | None  # the folder's chat template (Jinja); None: Qwen2-VL's layout
     special_tokens: tuple[tuple[str, str], ...] = ()  # bos_token, eos_token, ... for templates
+    # Whether prompts with images carry multimodal rotary positions (Qwen2-VL's `get_rope_index`);
+    # False: the positions 0, 1, 2, ... (transformers' ColQwen2 runs its language model so).
+    mrope: bool = True
+    retrieval: RetrievalLayout | None = None  # a retrieval model's layouts (ColQwen2, ColPali)
 
     def num_tokens(self, grid: tuple[int, int]) -> int:
         """Placeholder tokens of an image of `grid` patches."""
         return grid[0] * grid[1] // self.merge_size**2
 
 
-def read_vision_format(folder: Path, merge_size: int) -> VisionFormat:
-    """The vision format of the model in `folder`: `image_token_id` from config.json, the chat
-    template from chat_template.jinja, chat_template.json or tokenizer_config.json (in
-    transformers' order), and `merge_size` (the image processor's)."""
+def is_vision_language(folder: Path) -> bool:
+    """Whether the model in `folder` puts images into prompts: its config.json names an image
+    placeholder token (a dual encoder's does not)."""
     config = _json(folder / "config.json")
-    token = config.get("image_token_id", config.get("image_token_index"))
+    return _image_token(_vlm_config(config)) is not None
+
+
+def _vlm_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The vision-language model's config: a retrieval model's `vlm_config`, else the top level."""
+    vlm = config.get("vlm_config")
+    return vlm if isinstance(vlm, dict) else config
+
+
+def _image_token(config: dict[str, Any]) -> Any:
+    return config.get("image_token_id", config.get("image_token_index"))
+
+
+def read_vision_format(folder: Path, merge_size: int) -> VisionFormat:
+    """The vision format of the model in `folder`: `image_token_id` from config.json (a
+    retrieval model's `vlm_config`), the chat template from chat_template.jinja,
+    chat_template.json or tokenizer_config.json (in transformers' order), `merge_size` (the
+    image processor's), and a retrieval model's layouts (`read_retrieval_layout`)."""
+    config = _json(folder / "config.json")
+    token = _image_token(_vlm_config(config))
     if isinstance(token, bool) or not isinstance(token, int) or token < 0:
         raise ConfigError(
             f"{folder / 'config.json'}: a vision-language model needs image_token_id (its "
@@ -87,11 +130,80 @@ def read_vision_format(folder: Path, merge_size: int) -> VisionFormat:
         value = value.get("content") if isinstance(value, dict) else value
         if isinstance(value, str):
             special.append((name, value))
+    model_type = config.get("model_type")
     return VisionFormat(
         image_token_id=token,
         merge_size=merge_size,
         chat_template=template if isinstance(template, str) and template else None,
         special_tokens=tuple(special),
+        mrope=model_type != "colqwen2",
+        retrieval=read_retrieval_layout(folder, str(model_type), dict(special)),
+    )
+
+
+# transformers' defaults of the retrieval processors' settings (processor_config.json).
+_COLQWEN2_IMAGE_PROMPT = (
+    "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Describe the image.<|im_end|>"
+    "<|endoftext|>"
+)
+_QUERY_AUGMENTATION = 10  # pad tokens after a query: the processors' default suffix
+
+
+def read_retrieval_layout(
+    folder: Path, model_type: str, special: dict[str, str]
+) -> RetrievalLayout | None:
+    """The layouts of a retrieval model's processor, as transformers builds them from the
+    folder: `visual_prompt_prefix` and `query_prefix` from processor_config.json (their class
+    defaults where absent), the query augmentation token the tokenizer's pad token (ten of
+    them), the image and BOS tokens the tokenizer's. None for a model of another type.
+
+    ColQwen2 (`ColQwen2Processor`): a page is its `visual_prompt_prefix` (which holds the image
+    placeholder), a query `query_prefix + text + pad * 10 + newline`, tokenized with the
+    tokenizer's special tokens. ColPali (`ColPaliProcessor`, which turns the tokenizer's BOS and
+    EOS off): a page `image_token + bos + visual_prompt_prefix + newline`, a query
+    `bos + query_prefix + text + pad * 10 + newline`."""
+    if model_type not in ("colqwen2", "colpali"):
+        return None
+    source = folder / "processor_config.json"
+    settings = _json(source)
+    tokenizer_config = _json(folder / "tokenizer_config.json")
+
+    def setting(key: str, default: str) -> str:
+        value = settings.get(key)
+        if value is None or value == "":  # transformers: `value or default`
+            return default
+        if not isinstance(value, str):
+            raise ConfigError(f"{source}: {key} must be a string, got {value!r}")
+        return value
+
+    pad = special.get("pad_token")
+    if pad is None:
+        raise ConfigError(
+            f"{folder / 'tokenizer_config.json'}: {model_type} writes queries with the "
+            "tokenizer's pad token (its query augmentation token), and none is named"
+        )
+    suffix = pad * _QUERY_AUGMENTATION + "\n"
+    if model_type == "colqwen2":
+        return RetrievalLayout(
+            image_prompt=setting("visual_prompt_prefix", _COLQWEN2_IMAGE_PROMPT),
+            query_prefix=setting("query_prefix", "Query: "),
+            query_suffix=suffix,
+            query_special_tokens=True,
+        )
+    bos = special.get("bos_token")
+    if bos is None:
+        raise ConfigError(
+            f"{folder / 'tokenizer_config.json'}: ColPali writes its prompts with the "
+            "tokenizer's BOS token, and none is named"
+        )
+    image_token = tokenizer_config.get("image_token")
+    image_token = image_token if isinstance(image_token, str) else "<image>"
+    page = setting("visual_prompt_prefix", "Describe the image.")
+    return RetrievalLayout(
+        image_prompt=f"{image_token}{bos}{page}\n",
+        query_prefix=bos + setting("query_prefix", "Question: "),
+        query_suffix=suffix,
+        query_special_tokens=False,
     )
 
 
@@ -202,7 +314,16 @@ def is_precomputed(value: Any) -> bool:
 
 def render(fmt: VisionFormat, parts: list[tuple[str, Any]], instruction: str | None) -> str:
     """The text of `parts` as one user message: by the folder's chat template, with its
-    generation prompt, or in Qwen2-VL's layout; `instruction` is the system message."""
+    generation prompt, or in Qwen2-VL's layout; `instruction` is the system message. A
+    retrieval model's page (one image, no text) is its image prompt."""
+    retrieval = fmt.retrieval
+    if retrieval is not None:
+        if len(parts) != 1 or parts[0][0] != "image":
+            raise InputError(
+                "a retrieval model embeds a page image alone or a text query (its processor "
+                "takes one or the other): give the image and the text as inputs of their own"
+            )
+        return retrieval.image_prompt
     if fmt.chat_template is None:
         content = "".join(IMAGE_TEXT if kind == "image" else value for kind, value in parts)
         system = DEFAULT_SYSTEM if instruction is None else instruction

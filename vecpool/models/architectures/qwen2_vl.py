@@ -465,6 +465,12 @@ class Qwen2VLForConditionalGeneration(DecoderForCausalLM):
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any]) -> PoolingModel:
+        return cls(*cls.read_parts(hf))
+
+    @classmethod
+    def read_parts(cls, hf: dict[str, Any]) -> tuple[DecoderConfig, MRopeRotary, VisionConfig]:
+        """The language model's config, its rotary embedding and the tower's config, from a
+        Qwen2-VL `config.json` dict (a retrieval model's `vlm_config`)."""
         text = text_fields(hf)
         layer_types, window = qwen_sliding_layers(text)
         c = read_config(
@@ -474,7 +480,7 @@ class Qwen2VLForConditionalGeneration(DecoderForCausalLM):
             sliding_window=window,
             qkv_bias=True,
         )
-        return cls(c, MRopeRotary(c.head_dim, text), vision_config(hf, cls.qwen2_5))
+        return c, MRopeRotary(c.head_dim, text), vision_config(hf, cls.qwen2_5)
 
     def drop_parameter(self, name: str) -> None:
         super().drop_parameter(name)
