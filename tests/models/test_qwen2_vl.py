@@ -304,14 +304,18 @@ def test_token_ids_with_placeholders_grown_or_given(vlm: Any) -> None:
 
 
 def test_precomputed_rows_equal_the_image_bit_for_bit(vlm: Any) -> None:
-    engine, _, _ = vlm
+    engine, _, path = vlm
     a, b = sample_images(SIZES[:2], seed=2)
+    b.save(path / "b_rows.png")
+    # `Engine.image_rows`: each image's rows and grid, in the form an input takes back.
+    given, given_b = engine.image_rows([a, {"image": str(path / "b_rows.png")}])
     pixels = engine.inputs.images.processor(a)
-    rows = engine.model_runner.image_rows(pixels)  # the tower's rows, model dtype
-    grid = [1, *pixels.grid]
-    given = {"image_embeds": rows, "image_grid_thw": grid}
-    pixels_b = engine.inputs.images.processor(b)
-    rows_b, grid_b = engine.model_runner.image_rows(pixels_b), [1, *pixels_b.grid]
+    rows, grid = given["image_embeds"], given["image_grid_thw"]
+    assert grid == [1, *pixels.grid] and given_b["image_grid_thw"][0] == 1
+    assert rows.dtype == torch.float32 and rows.shape == (np.prod(pixels.grid) // MERGE**2, 32)
+    np.testing.assert_array_equal(engine.image_rows(a)[0]["image_embeds"], rows)  # one image
+    np.testing.assert_array_equal(rows, engine.model_runner.image_rows(pixels))
+    rows_b, grid_b = given_b["image_embeds"], given_b["image_grid_thw"]
     for form in (rows, rows.numpy()):  # a tensor, or an array
         by_rows = {"text": "a red cat", "image": {"image_embeds": form, "image_grid_thw": grid}}
         np.testing.assert_array_equal(
@@ -401,6 +405,8 @@ def test_bad_inputs_fail_alone_naming_the_input(vlm: Any) -> None:
         engine.embed([{"text": "a", "image": image}], truncate_prompt_tokens=4)
     # The engine is untouched: the next call is served.
     assert engine.embed(["a cat", {"text": "a", "image": image}]).shape == (2, 32)
+    with pytest.raises(InputError, match=r"input 1.*not an image"):
+        engine.image_rows([image, b"not an image"])
 
 
 def test_text_models_and_dual_encoders_refuse_text_with_images(
@@ -419,6 +425,9 @@ def test_text_models_and_dual_encoders_refuse_text_with_images(
     with pytest.raises(InputError, match=r"input 0: text with images, but .*a dual encoder"):
         clip.embed([{"text": "a photo", "image": image}])
     assert minilm.embed(["text"]).shape[0] == 1
+    for engine in (minilm, clip):
+        with pytest.raises(InputError, match="image_rows needs a vision-language model"):
+            engine.image_rows(image)
 
 
 def test_the_base_model_class_loads(vlm: Any, tmp_path: Path) -> None:

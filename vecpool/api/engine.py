@@ -27,6 +27,7 @@ from vecpool.calls.options import (
     SparseOptions,
 )
 from vecpool.config import LLMRerankerConfig
+from vecpool.errors import InputError
 from vecpool.inputs.prompts import TruncationSide
 
 __all__ = [
@@ -441,6 +442,36 @@ class Engine(EngineRunner):
         """
         ids = self.inputs.vocabulary_ids(token_ids)
         return self.model_runner.embed_tokens(torch.from_numpy(ids)).cpu()
+
+    def image_rows(self, images: Any) -> list[dict[str, Any]]:
+        """Each image's rows as a vision-language model's vision tower gives them (run on the
+        image alone), in the form an input takes back in the image's place:
+        `{"image_embeds": [num_tokens, hidden] tensor (CPU, model dtype), "image_grid_thw":
+        [1, rows, columns]}` (the patch grid before merging). `images`: one image or a list,
+        in any form an image input takes (a PIL image, bytes, a path, `{"image": ...}`).
+
+        Sent back in place of the image (`{"text": ..., "image": rows}`, an `image_embeds`
+        part; the engine must take prompt embeds), they give what the image gives, bit for bit.
+        `InputError` naming the image that cannot be read, or for a model that is not a
+        vision-language model."""
+        reader = self.inputs.images
+        if reader is None or reader.vision is None:
+            raise InputError(
+                f"image_rows needs a vision-language model (Qwen2-VL); {self.info().architecture}"
+                " does not put images into prompts",
+                field="images",
+            )
+        items = [
+            item["image"] if isinstance(item, dict) and set(item) == {"image"} else item
+            for item in calls.as_input_list(images)
+        ]
+        out = []
+        for read in reader.read_many(list(enumerate(items))):
+            if isinstance(read, InputError):
+                raise read
+            rows = self.model_runner.image_rows(read)
+            out.append({"image_embeds": rows, "image_grid_thw": [1, *read.grid]})
+        return out
 
     def tokenize(
         self,
