@@ -118,6 +118,10 @@ class EngineArgs:
     # The Jinja chat template `messages` are rendered by, for a folder without one or in place
     # of its own: a file, or the template's text (vLLM's --chat-template). None: the folder's.
     chat_template: str | Path | None = None
+    # Patch rows the vision tower runs in one step (models with an image tower); None: the
+    # step's token budget. An image waits for a step with room; one over the budget runs in a
+    # step whose tower runs nothing else.
+    max_num_batched_patches: int | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -128,6 +132,7 @@ class EngineArgs:
             "data_parallel_size",
             "prefix_cache_tokens",
             "max_image_bytes",
+            "max_num_batched_patches",
         ):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -178,7 +183,8 @@ class EngineArgs:
         A causal model runs a prompt longer than the budget in chunks, its keys and values
         cached (`max_cached_tokens`, by default enough for one prompt of `max_model_len`).
         A bidirectional one cannot: its budget defaults to at least `max_model_len`, and a
-        prompt over a smaller budget runs alone in its own step."""
+        prompt over a smaller budget runs alone in its own step. The vision tower's patch
+        budget (`max_num_batched_patches`) defaults to the token budget."""
         budget, num_seqs = _STEP_DEFAULTS["cuda" if device.type == "cuda" else "cpu"]
         cached = 0
         if causal and self.max_cached_tokens != 0:
@@ -193,7 +199,12 @@ class EngineArgs:
                 )
         else:
             budget = self.max_num_batched_tokens or max(budget, max_model_len)
-        return SchedulerConfig(budget, self.max_num_seqs or num_seqs, max_cached_tokens=cached)
+        return SchedulerConfig(
+            budget,
+            self.max_num_seqs or num_seqs,
+            max_cached_tokens=cached,
+            max_num_batched_patches=self.max_num_batched_patches,
+        )
 
     def prefix_cache_size(self, max_model_len: int) -> int:
         """Prompt positions the shared-prefix cache holds: the given count, else 8192 (and at
@@ -312,6 +323,13 @@ class EngineArgs:
             metavar="N",
             help="token budget of one engine step (default: 32768 on CUDA, 4096 on the CPU; "
             "raised to max_model_len for bidirectional models)",
+        )
+        eng.add_argument(
+            "--max-num-batched-patches",
+            type=int,
+            metavar="N",
+            help="patch rows the vision tower runs in one engine step (models with an image "
+            "tower; default: the token budget); a larger image runs where the tower runs no other",
         )
         eng.add_argument(
             "--max-cached-tokens",

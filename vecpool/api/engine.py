@@ -86,6 +86,8 @@ class Engine(EngineRunner):
     "token_classify" on a sequence classifier (its classification head on every token's
     hidden state). `chat_template` (a file, or the Jinja text) renders vLLM's `messages` for
     a folder without a chat template, or in place of its own (the HTTP server's chat input).
+    `max_num_batched_patches` bounds the patch rows a step's vision tower runs (default: the
+    token budget); an image over it runs in a step whose tower runs no other image.
     Once built, and after a call that compiled, an engine moves the process's live objects out
     of the collector's full passes (`gc.freeze`; see `vecpool.api.heap` for what that costs).
     """
@@ -123,6 +125,7 @@ class Engine(EngineRunner):
         max_image_bytes: int | None = None,
         tasks: tuple[str, ...] = (),
         chat_template: str | Path | None = None,
+        max_num_batched_patches: int | None = None,
     ):
         # The keywords are `EngineArgs`' fields, in its order and with its defaults (a test
         # holds them so): they become one, checked there.

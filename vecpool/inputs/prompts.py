@@ -6,7 +6,8 @@ or a text pair `{"text": str, "text_pair": str}` (a cross-encoder's query and do
 by the tokenizer's pair template, with segment ids). A model with an image tower also takes
 images: a dual encoder's as inputs of their own, a vision-language model's inside prompts
 (`vecpool.inputs.vision_prompts` lists those forms). Every error names the input's index in the
-call and what was wrong with it.
+call and what was wrong with it. `vecpool.inputs.input_forms` tells the forms apart;
+`vecpool.inputs.prompt_data` holds the values made here (`Prompt`, limits, options).
 
 A late-interaction (ColBERT) model writes its queries and documents differently: inputs of one
 side (`input_type`) get the side's marker token after the first token, the side's length
@@ -18,24 +19,33 @@ from __future__ import annotations
 import copy
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
-from vecpool.errors import InputError, InputTooLongError, check_flag
+from vecpool.errors import InputError, InputTooLongError
 from vecpool.inputs.arrays import (
     OVERFLOW,
     TruncationSide,
     as_id_array,
     float_array,
-    is_float,
     is_tensor,
     peak,
     truncate,
 )
-from vecpool.inputs.images import DATA_IMAGE_PREFIX, ImageReader, is_image
-from vecpool.inputs.pixels import ImagePixels, ImageSpan
+from vecpool.inputs.images import ImageReader
+from vecpool.inputs.input_forms import NO_TOWER, classify, in_prompt, input_kind, no_vision
+from vecpool.inputs.pixels import ImagePixels
+from vecpool.inputs.prompt_data import (
+    REDUCE_LENGTH,
+    TRUNCATE_ADVICE,
+    InputLimits,
+    Prompt,
+    SideFormat,
+    TextOptions,
+    too_long,
+)
 from vecpool.inputs.tokenizer import TextTokenizer, id_arrays
 from vecpool.inputs.tokenizer_pool import TokenizerPool
 from vecpool.inputs.vision_prompts import (
@@ -43,145 +53,28 @@ from vecpool.inputs.vision_prompts import (
     VisionFormat,
     VisionInput,
     image_rows,
-    is_parts,
     is_precomputed,
-    is_vision_dict,
     mrope_positions,
     parse_vision_input,
     place_images,
     render,
 )
 
-__all__ = ["TextTokenizer", "TruncationSide", "is_tensor"]  # re-exported: their old home
-
-
-@dataclass(frozen=True)
-class Prompt:
-    """One validated input: token ids, prompt embeds that replace the embedding lookup, or an
-    image for a dual encoder's image tower (one row of the flat batch, which the model fills
-    with the image's embedding). A vision-language model's prompt is token ids with `images`:
-    each image fills its run of placeholder tokens, and the prompt carries its multimodal
-    rotary positions. A prompt with an image or images runs whole, in one step."""
-
-    token_ids: np.ndarray | None  # [num_tokens] int64; None for prompt embeds
-    # [num_tokens, hidden]: a float numpy array as the input stage checked it (a bfloat16
-    # tensor widened to float32, exactly); a CPU torch tensor in the model dtype once an engine
-    # takes it (`Engine.submit`), which is all the runner sees. None for token ids. (Typed Any:
-    # this module names no torch type, so that it never loads torch.)
-    prompt_embeds: Any
-    token_type_ids: np.ndarray | None = None  # [num_tokens] int64, segment ids of a text pair
-    # Only the first `num_attended` tokens are attended to (ColBERT's query expansion that the
-    # model does not attend to); None: every token is.
-    num_attended: int | None = None
-    image: ImagePixels | None = None  # an image input (token_ids and prompt_embeds None)
-    # A vision-language prompt's images, in order of their placeholder spans in `token_ids`.
-    images: tuple[ImageSpan, ...] = ()
-    # [3, num_tokens] int64 (temporal, height, width) positions of a prompt with `images`, for
-    # a model with multimodal rotary positions (M-RoPE); None: the positions 0, 1, 2, ...
-    mrope_positions: np.ndarray | None = None
-    # Rows of the prompt: read several times per step, so set once.
-    num_tokens: int = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        if self.image is not None:
-            object.__setattr__(self, "num_tokens", 1)
-            return
-        rows = self.token_ids if self.token_ids is not None else self.prompt_embeds
-        assert rows is not None
-        object.__setattr__(self, "num_tokens", int(rows.shape[0]))
-
-    @property
-    def cost(self) -> int:
-        """Rows of work the prompt brings to a step: its tokens, and its images' patches."""
-        if self.image is not None:
-            return self.image.num_patches + 1
-        patches = (s.pixels.num_patches for s in self.images if s.pixels is not None)
-        return self.num_tokens + sum(patches)
-
-    @property
-    def runs_whole(self) -> bool:
-        """Whether the prompt runs in one step, never in chunks: an image, or a prompt with
-        images (their tower's rows are not kept from one chunk to the next)."""
-        return self.image is not None or bool(self.images)
-
-
-@dataclass(frozen=True)
-class InputLimits:
-    """What the model accepts; set once by the engine."""
-
-    vocab_size: int
-    hidden_size: int
-    max_model_len: int
-    dtype: str  # the model's dtype name: "float32", "float16", "bfloat16"
-    enable_prompt_embeds: bool
-    # Longer texts are refused before they are tokenized (tokenizing costs time and memory in
-    # proportion to the text, truncated or not); None: no limit.
-    max_input_chars: int | None = None
-    # Texts and token-id prompts shorter than this are padded with `pad_id` to it, as the
-    # model was trained (SigLIP: 64); prompt embeds are taken as given. None: no padding.
-    pad_to: int | None = None
-    pad_id: int = 0
-
-
-@dataclass(frozen=True)
-class TextOptions:
-    """Per-call options of tokenization."""
-
-    truncate_prompt_tokens: int | None = None  # keep this many tokens; -1: the model's limit
-    truncation_side: TruncationSide = "right"  # "right" keeps the start, "left" the end
-    prompt: str | None = None  # instruction prefix for text inputs
-    # False: a text becomes its own tokens only, without the tokenizer's special tokens
-    # ([CLS], [SEP], BOS ...): what a text already rendered by a chat template wants.
-    add_special_tokens: bool = True
-
-    def __post_init__(self) -> None:
-        t = self.truncate_prompt_tokens
-        if t is not None and (isinstance(t, bool) or not isinstance(t, int)):
-            raise InputError(
-                f"must be an integer (-1: the model's limit), got {t!r}",
-                field="truncate_prompt_tokens",
-            )
-        if self.truncation_side not in ("left", "right"):
-            raise InputError(
-                f"must be 'left' or 'right', got {self.truncation_side!r}", field="truncation_side"
-            )
-        if self.prompt is not None and not isinstance(self.prompt, str):
-            raise InputError(f"must be a string, got {type(self.prompt).__name__}", field="prompt")
-        check_flag(self.add_special_tokens, "add_special_tokens")
-
-
-@dataclass(frozen=True)
-class SideFormat:
-    """How the inputs of one side (query or document) of a late-interaction model are written."""
-
-    prompt: str = ""  # text in front of a text input (unless the call gives its own prompt)
-    marker_id: int | None = None  # a token inserted after the first one (ColBERT's [Q] after [CLS])
-    max_tokens: int | None = None  # the side's length limit, marker and special tokens included
-    expand_to: int = 0  # a shorter input is padded with `expansion_id` up to this many tokens
-    expansion_id: int = 0
-    attend_expansion: bool = True  # False: no token attends to the expansion tokens
-
-
-# How a too-long error says to truncate, in the API's terms; `vecpool embed` words it as its
-# own option.
-TRUNCATE_ADVICE = "pass truncate_prompt_tokens (-1 for the limit) to truncate it"
-# vLLM's closing words of a too-long error (before its renderer's "... input prompt."), which
-# clients match on.
-REDUCE_LENGTH = "Please reduce the length of the input."
-
-
-def too_long(n: int, limit: int, index: int | None, side: str | None = None) -> InputError:
-    """The error of an input over the length limit (of the model, or of a late-interaction
-    model's query or document `side`). Its wording carries "maximum context length", the
-    phrase of OpenAI and vLLM that clients match on to truncate and retry, and vLLM's "Please
-    reduce the length of the input."."""
-    what = "input" if side is None else side
-    scope = "" if side is None else f" for a {side}"
-    return InputTooLongError(
-        f"the {what} has {n} tokens, more than the model's maximum context length{scope} of "
-        f"{limit} tokens; {TRUNCATE_ADVICE}. {REDUCE_LENGTH}",
-        index=index,
-    )
+# Re-exported: the names callers import from here.
+__all__ = [
+    "REDUCE_LENGTH",
+    "TRUNCATE_ADVICE",
+    "InputLimits",
+    "InputProcessor",
+    "Prompt",
+    "SideFormat",
+    "TextOptions",
+    "TextTokenizer",
+    "TruncationSide",
+    "input_kind",
+    "is_tensor",
+    "too_long",
+]
 
 
 class InputProcessor:
@@ -229,7 +122,7 @@ class InputProcessor:
 
     def _process(self, inputs: Sequence[Any], options: TextOptions) -> list[Prompt]:
         limit = self._limit(options)  # the call's option: checked once, before any input
-        kinds: list[tuple[str, Any]] = [_classify(item, i) for i, item in enumerate(inputs)]
+        kinds: list[tuple[str, Any]] = [classify(item, i) for i, item in enumerate(inputs)]
         prompts: list[Prompt | None] = [None] * len(kinds)
         text_indices = [i for i, (kind, _) in enumerate(kinds) if kind in ("text", "pair")]
         if text_indices:
@@ -248,7 +141,7 @@ class InputProcessor:
                 prompts[i] = prompt
         else:  # one by one, in input order: the first bad input raises
             vision = self.images.vision if self.images is not None else None
-            in_prompts = [i for i in others if _in_prompt(kinds[i][0], vision)]
+            in_prompts = [i for i in others if in_prompt(kinds[i][0], vision)]
             made = self._vision_prompts(kinds, in_prompts, options, limit)
             images = self._read_images(kinds, [i for i in others if i not in made])
             for i in others:
@@ -341,7 +234,7 @@ class InputProcessor:
         if not indices:
             return {}
         if self.images is None:
-            return {i: InputError(_NO_TOWER, index=i) for i in indices}
+            return {i: InputError(NO_TOWER, index=i) for i in indices}
         read = self.images.read_many([(i, kinds[i][1]) for i in indices], self.deadline)
         return dict(zip(indices, read, strict=True))
 
@@ -358,7 +251,7 @@ class InputProcessor:
             return {}
         reader = self.images
         if reader is None or reader.vision is None:
-            return {i: InputError(_no_vision(kinds[i][0], reader), index=i) for i in indices}
+            return {i: InputError(no_vision(kinds[i][0], reader), index=i) for i in indices}
         out: dict[int, Prompt | InputError] = {}
         parsed: dict[int, VisionInput] = {}
         for i in indices:
@@ -650,34 +543,6 @@ class InputProcessor:
         return Prompt(token_ids=None, prompt_embeds=np.ascontiguousarray(value))
 
 
-_NO_TOWER = (
-    "an image, but this model has no image tower (it embeds text only; CLIP and SigLIP models "
-    "embed images, Qwen2-VL models text with images)"
-)
-
-
-def _no_vision(kind: str, reader: ImageReader | None) -> str:
-    """Why a model that is not a vision-language model refuses an input of `kind`."""
-    what = "a list of parts" if kind == "parts" else "text with images"
-    if reader is not None:
-        return (
-            f"{what}, but this model embeds texts and images apart (a dual encoder): give "
-            "each text and each image as an input of its own"
-        )
-    if kind == "image":
-        return _NO_TOWER
-    return (
-        f"{what}, but this model has no image tower (it embeds text only; Qwen2-VL models "
-        "embed text with images)"
-    )
-
-
-def _in_prompt(kind: str, vision: VisionFormat | None) -> bool:
-    """Whether an input of `kind` becomes a prompt with images (a vision-language model's
-    image, or text with images for any model, which refuses it unless it is one)."""
-    return kind in ("vision", "parts") or (kind == "image" and vision is not None)
-
-
 def _padded(prompt: Prompt, length: int, pad_id: int) -> Prompt:
     """`prompt`'s token ids padded with `pad_id` up to `length` (others as they are)."""
     ids = prompt.token_ids
@@ -685,72 +550,3 @@ def _padded(prompt: Prompt, length: int, pad_id: int) -> Prompt:
         return prompt
     padding = np.full(length - ids.shape[0], pad_id, dtype=np.int64)
     return replace(prompt, token_ids=np.concatenate((ids, padding)))
-
-
-def input_kind(item: Any, index: int) -> str:
-    """The form of one input: "text", "pair", "token_ids", "prompt_embeds", "image", or, with
-    images in a prompt, "vision" (a dict) or "parts" (a list of parts)."""
-    return _classify(item, index)[0]
-
-
-def _classify(item: Any, index: int) -> tuple[str, Any]:
-    """(kind, value) of one input: kind is "text", "pair", "token_ids", "prompt_embeds",
-    "image" (see `vecpool.inputs.images.is_image` for the forms an image takes), "vision" or
-    "parts" (see `vecpool.inputs.vision_prompts`)."""
-    if type(item) is list:  # the common cases first: ABC isinstance checks cost microseconds
-        return ("parts", item) if is_parts(item) else ("token_ids", item)
-    if isinstance(item, str):
-        return ("image", item) if item.startswith(DATA_IMAGE_PREFIX) else ("text", item)
-    if isinstance(item, Mapping):
-        keys = set(item)
-        if keys == {"text", "text_pair"}:
-            return "pair", _text_pair(item, index)
-        if is_vision_dict(item):
-            return "vision", item
-        known = {"prompt", "prompt_token_ids", "prompt_embeds", "image"}
-        if len(keys) != 1 or not keys <= known:
-            raise InputError(
-                f"a dict input needs exactly one of the keys {sorted(known)}, the two keys "
-                "'text' and 'text_pair', or 'image' with one of 'text', 'prompt', "
-                f"'prompt_token_ids'; got {sorted(map(str, keys))}",
-                index=index,
-            )
-        (key,) = keys
-        value = item[key]
-        if key == "image":
-            return "image", value
-        if key == "prompt":
-            if not isinstance(value, str):
-                raise InputError(
-                    f"'prompt' must be a string, got {type(value).__name__}", index=index
-                )
-            return "text", value
-        return ("token_ids" if key == "prompt_token_ids" else "prompt_embeds"), value
-    if is_image(item):
-        return "image", item
-    if isinstance(item, np.ndarray) or is_tensor(item):
-        if item.ndim == 1 and not is_float(item):
-            return "token_ids", item
-        raise InputError(
-            "a bare tensor is ambiguous; wrap prompt embeds as {'prompt_embeds': tensor}",
-            index=index,
-        )
-    if isinstance(item, Sequence):
-        return "token_ids", item
-    raise InputError(
-        f"unsupported input type {type(item).__name__}; expected a string, a list of token ids, "
-        "an image or a dict with 'prompt', 'prompt_token_ids', 'prompt_embeds' or 'image'",
-        index=index,
-    )
-
-
-def _text_pair(item: Mapping[str, Any], index: int) -> tuple[str, str]:
-    pair = (item["text"], item["text_pair"])
-    for name, value in zip(("text", "text_pair"), pair, strict=True):
-        if not isinstance(value, str):
-            raise InputError(
-                f"'{name}' must be a string, got {type(value).__name__}", index=index, field=name
-            )
-        if not value:
-            raise InputError(f"'{name}' is an empty string", index=index, field=name)
-    return pair

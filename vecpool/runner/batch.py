@@ -15,6 +15,7 @@ from vecpool.models.base import ImageBatch
 from vecpool.models.layers.attention import AttentionMetadata
 from vecpool.models.layers.kv_blocks import BlockPool, ChunkedKV, PrefixKV, SharedPrefixes
 from vecpool.pooling.methods import PoolingMetadata
+from vecpool.runner.image_rows import ImageKey, StepImageRows
 from vecpool.runner.kv_cache import KVCache
 from vecpool.runner.step import ScheduledChunk, StepInput
 
@@ -31,9 +32,11 @@ class FlatBatch:
     attn: AttentionMetadata
     pooling: PoolingMetadata
     has_token_ids: list[bool]  # [num_seqs]: False where the prompt came as embeddings or an image
-    # The step's images (a dual encoder's: one row each; a vision-language model's: the rows
-    # of their placeholder tokens; the model fills them); None: no image.
+    # A dual encoder's images in the step, one row each, which the model fills; None: none.
     images: ImageBatch | None = None
+    # A vision-language model's image rows in the step (the rows of their placeholder tokens
+    # this step holds), which the model runner fills; None: no prompt of the step has images.
+    image_rows: StepImageRows | None = None
     # Multimodal rotary positions (temporal, height, width), when some prompt of the step has
     # them (a vision-language prompt with images); the other prompts' positions repeated on
     # the three axes. None: `positions` serve.
@@ -74,8 +77,9 @@ def build_flat_batch(
     type_parts: list[np.ndarray] = []
     embeds_parts: list[torch.Tensor] = []
     embeds_rows_parts: list[np.ndarray] = []
-    # The step's images: (pixels, first batch row, rows) that the model fills from them
-    images: list[tuple[ImagePixels, int, int]] = []
+    # A dual encoder's images: (pixels, batch row) that the model fills from them
+    images: list[tuple[ImagePixels, int]] = []
+    vision = _ImageRowsPlan()  # a vision-language model's
     mrope = any(c.prompt.mrope_positions is not None for c in chunks)
     key_lengths: np.ndarray | None = None  # [num_seqs]: set when some keys are left out
     # Token types: zeros for the whole step unless some prompt has its own (a text pair).
@@ -87,21 +91,13 @@ def build_flat_batch(
             if key_lengths is None:
                 key_lengths = lengths.copy()
             key_lengths[i] = min(max(prompt.num_attended - c.start, 1), c.num_tokens)
-        if prompt.images:  # the images' spans, filled by the model or from rows given
-            if c.start != 0 or c.num_tokens != prompt.num_tokens:
-                raise EngineError("a prompt with images runs whole, but a step holds part of it")
-            for span in prompt.images:
-                first = int(offset) + span.start
-                if span.pixels is not None:
-                    images.append((span.pixels, first, span.num_tokens))
-                else:
-                    embeds_parts.append(torch.from_numpy(span.rows))
-                    embeds_rows_parts.append(np.arange(first, first + span.num_tokens))
+        if prompt.images:  # the images' spans: the tower's rows, kept rows, or rows given
+            vision.add(c, int(offset), embeds_parts, embeds_rows_parts)
         if prompt.token_ids is not None:
             ids_parts.append(prompt.token_ids[c.start : end])
         elif prompt.image is not None:  # one row, which the model fills with the image's output
             ids_parts.append(_IMAGE_ROW_ID)
-            images.append((prompt.image, int(offset), 1))
+            images.append((prompt.image, int(offset)))
         else:
             assert prompt.prompt_embeds is not None
             ids_parts.append(np.zeros(c.num_tokens, dtype=np.int64))
@@ -181,7 +177,10 @@ def build_flat_batch(
             starts=starts_device,
         ),
         has_token_ids=[c.prompt.token_ids is not None for c in chunks],
-        images=_image_batch(images, device) if images else None,
+        images=_image_batch([p for p, _ in images], np.array([r for _, r in images]), device)
+        if images
+        else None,
+        image_rows=vision.build(device) if vision.used else None,
         mrope_positions=mrope_positions,
     )
 
@@ -204,20 +203,88 @@ def _mrope_positions(
     return out
 
 
-def _image_batch(images: list[tuple[ImagePixels, int, int]], device: torch.device) -> ImageBatch:
-    """The step's images, flat: their patch rows concatenated (float32 here; the model runner
-    casts them to the model dtype), with where each starts and the batch rows it fills."""
-    counts = np.fromiter((p.num_patches for p, _, _ in images), np.int64, len(images))
-    pixels = torch.from_numpy(np.concatenate([p.patches for p, _, _ in images]))
-    rows = np.concatenate([np.arange(first, first + n) for _, first, n in images])
-    cu_patches, rows_device = upload([_cumsum0(counts), rows], device)
+def _image_batch(
+    pixels: list[ImagePixels],
+    rows: np.ndarray,  # [num_rows] int64: the batch rows the model fills from them
+    device: torch.device,
+) -> ImageBatch:
+    """The images, flat: their patch rows concatenated (float32 here; the model runner casts
+    them to the model dtype), with where each starts and the batch rows it fills."""
+    counts = np.fromiter((p.num_patches for p in pixels), np.int64, len(pixels))
+    values = torch.from_numpy(np.concatenate([p.patches for p in pixels]))
+    cu_patches, rows_device = upload([_cumsum0(counts), rows.astype(np.int64)], device)
     return ImageBatch(
-        pixel_values=pixels.to(device, non_blocking=True),
+        pixel_values=values.to(device, non_blocking=True),
         cu_patches=cu_patches.to(torch.int32),
         max_patches=int(counts.max()),
-        grids=[p.grid for p, _, _ in images],
+        grids=[p.grid for p in pixels],
         rows=rows_device,
     )
+
+
+class _ImageRowsPlan:
+    """A step's vision-language image rows, gathered chunk by chunk (see
+    `vecpool.runner.image_rows`): an image runs through the tower in the chunk that holds its
+    first placeholder token; a chunk that holds the rest of its span reads the rows kept."""
+
+    def __init__(self) -> None:
+        self.pixels: list[ImagePixels] = []  # the images the tower runs in this step
+        self.tower_rows = 0  # rows of the tower's output so far
+        self.fill: list[np.ndarray] = []  # batch rows the tower's output fills
+        self.take: list[np.ndarray] = []  # the output row of each
+        self.keep: list[tuple[ImageKey, int, int]] = []
+        self.reads: list[tuple[ImageKey, int, int]] = []
+        self.read_rows: list[np.ndarray] = []
+        self.done: list[ImageKey] = []
+
+    @property
+    def used(self) -> bool:
+        return bool(self.pixels or self.reads)
+
+    def add(
+        self,
+        c: ScheduledChunk,
+        offset: int,  # the chunk's first batch row
+        embeds_parts: list[torch.Tensor],
+        embeds_rows_parts: list[np.ndarray],
+    ) -> None:
+        """The image rows of chunk `c`: each span it reaches, from where it reaches it."""
+        end = c.start + c.num_tokens
+        for j, span in enumerate(c.prompt.images):
+            lo, hi = max(span.start, c.start), min(span.end, end)
+            if lo >= hi:
+                continue
+            rows = np.arange(offset + lo - c.start, offset + hi - c.start)  # in the batch
+            if span.pixels is None:  # rows given with the input: prompt embeds
+                assert span.rows is not None
+                embeds_parts.append(torch.from_numpy(span.rows[lo - span.start : hi - span.start]))
+                embeds_rows_parts.append(rows)
+            elif span.start >= c.start:  # its tower run is this step's
+                first = self.tower_rows
+                self.pixels.append(span.pixels)
+                self.tower_rows += span.num_tokens
+                self.fill.append(rows)
+                self.take.append(np.arange(first, first + hi - lo))
+                if hi < span.end:
+                    self.keep.append(((c.request_id, j), first, span.num_tokens))
+            else:  # computed in an earlier step, kept
+                key = (c.request_id, j)
+                self.reads.append((key, lo - span.start, hi - span.start))
+                self.read_rows.append(rows)
+                if hi == span.end:
+                    self.done.append(key)
+
+    def build(self, device: torch.device) -> StepImageRows:
+        out = StepImageRows(keep=self.keep, reads=self.reads, done=self.done)
+        if self.pixels:
+            no_rows = np.zeros(0, dtype=np.int64)
+            out.images = _image_batch(self.pixels, no_rows, device)
+            out.fill_rows, out.take = upload(
+                [np.concatenate(self.fill), np.concatenate(self.take)], device
+            )
+        if self.reads:
+            (out.read_rows,) = upload([np.concatenate(self.read_rows)], device)
+        return out
 
 
 def upload(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:

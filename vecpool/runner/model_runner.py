@@ -16,10 +16,12 @@ from vecpool.models.layers import packed_attention
 from vecpool.models.layers.attention import cached_step, varlen_available
 from vecpool.models.layers.invariant import InvariantFunctions, make_batch_invariant
 from vecpool.models.layers.kv_blocks import BlockPool
+from vecpool.runner import cpu_choice
 from vecpool.runner.batch import FlatBatch, build_flat_batch
 from vecpool.runner.compiled import compile_blocks
 from vecpool.runner.cpu_linear import can_pack, pack_linears
 from vecpool.runner.graphs import StepGraphs, graph_max_tokens
+from vecpool.runner.image_rows import KeptImageRows
 from vecpool.runner.kv_cache import KVCache
 from vecpool.runner.step import StepInput
 
@@ -30,7 +32,8 @@ class ModelRunner:
     `prepare` (host work, then non-blocking copies) and `forward` (queued on the device) are
     separate so that the engine can build the next step while the device runs this one.
     A causal model's prompts may run in chunks: their keys and values stay in `kv_cache`
-    until the engine releases them (`release`)."""
+    until the engine releases them (`release`), and so do the rows of an image whose
+    placeholder span a chunk boundary splits (`kept_image_rows`), computed once."""
 
     def __init__(
         self,
@@ -58,17 +61,31 @@ class ModelRunner:
             if self.use_varlen and not batch_invariant
             else 0
         )
+        # The CPU's linear kernel and attention, per machine and model shape (cpu_choice.py).
+        self.cpu_choice = (
+            cpu_choice.choose(model, dtype, causal=model.is_causal, max_len=max_model_len)
+            if device.type == "cpu"
+            and model.step_optimizations
+            and not batch_invariant
+            and compile_backend is None
+            else None
+        )
         if batch_invariant:  # before compiling: the compiled blocks call the invariant products
             make_batch_invariant(model)
         self.compiled = compile_backend is not None
         if compile_backend is not None:
             compile_blocks(model, backend=compile_backend)
-        elif model.step_optimizations and not batch_invariant and can_pack(device, dtype):
+        elif (
+            self.cpu_choice is not None
+            and self.cpu_choice.linear == "onednn"
+            and can_pack(device, dtype)
+        ):
             pack_linears(model)  # the CPU's linears on oneDNN, weights prepacked once
         # Bidirectional attention cannot run a prompt in chunks, nor can a model that runs
         # plain forwards only (the transformers fallback): such models keep no cache.
         chunks = model.is_causal and model.step_optimizations
         self.kv_cache: KVCache | None = KVCache() if chunks else None
+        self.kept_image_rows = KeptImageRows()
         self.block_pool = block_pool if chunks else None
         # Without a CUDA device, graphs=True runs the same padded shapes as plain forwards.
         # Its buffers are inference tensors, as every step's are: compiled blocks guard on
@@ -116,9 +133,6 @@ class ModelRunner:
         image's placeholder tokens, its vision tower run on the image alone. Sent back as the
         image's precomputed rows (`vecpool.inputs.vision_prompts`), they give what the image
         gives, bit for bit."""
-        vision_rows = getattr(self.model, "vision_rows", None)
-        if vision_rows is None:
-            raise EngineError("this model has no vision tower that writes prompt rows")
         patches = torch.from_numpy(pixels.patches).to(self.device, self.dtype)
         images = ImageBatch(
             pixel_values=patches,
@@ -128,8 +142,7 @@ class ModelRunner:
             rows=torch.zeros(0, dtype=torch.int64, device=self.device),
         )
         with self.on_device():
-            rows: torch.Tensor = vision_rows(images, self.use_varlen, self.batch_invariant)
-        return rows.cpu()
+            return self._vision_rows(images).cpu()
 
     def prepare(self, step: StepInput) -> FlatBatch:
         """Build the flat batch of a step and copy it to the device."""
@@ -143,18 +156,25 @@ class ModelRunner:
         )
         batch.attn.batch_invariant = self.batch_invariant
         batch.attn.packed = batch.attn.max_seqlen <= self.packed_max_len
-        if batch.images is not None:
+        if self.cpu_choice is not None:
+            batch.attn.cpu_attention = self.cpu_choice.attention
+        vision = batch.image_rows.images if batch.image_rows is not None else None
+        for images in (batch.images, vision):
+            if images is None:
+                continue
             if not self.model.image_patch_dim:
                 raise EngineError("a step holds an image, but this model has no image tower")
-            batch.images.pixel_values = batch.images.pixel_values.to(self.dtype)
+            images.pixel_values = images.pixel_values.to(self.dtype)
         if batch.prompt_embeds is not None:  # image rows given as float32 join in the model dtype
             batch.prompt_embeds = batch.prompt_embeds.to(self.dtype)
         return batch
 
     def release(self, request_ids: list[str]) -> None:
-        """Free the cached keys and values of requests that are done."""
+        """Free the cached keys and values, and the kept image rows, of requests that are
+        done."""
         if self.kv_cache is not None:
             self.kv_cache.release(request_ids)
+        self.kept_image_rows.release(request_ids)
 
     @torch.inference_mode()
     def forward(self, batch: FlatBatch) -> torch.Tensor:
@@ -166,6 +186,8 @@ class ModelRunner:
         if batch.prompt_embeds is not None:
             assert batch.embeds_rows is not None
             x.index_copy_(0, batch.embeds_rows, batch.prompt_embeds)
+        if batch.image_rows is not None:  # a vision-language model's image rows
+            self.kept_image_rows.fill(x, batch.image_rows, self._vision_rows)
         hidden = None
         # A step with images runs plain: the image tower beside the text tower, or before the
         # language model; so does one with multimodal rotary positions.
@@ -183,4 +205,14 @@ class ModelRunner:
                 hidden = self.model(x, positions, batch.attn, batch.token_type_ids, **images)
         if kv is not None and kv.prefix is not None:  # blocks written, prefixes read
             batch.prefix_sums = kv.prefix.pool.hidden_sums(hidden, kv.prefix)
+        if batch.image_rows is not None:
+            self.kept_image_rows.finish(batch.image_rows)
         return hidden
+
+    def _vision_rows(self, images: ImageBatch) -> torch.Tensor:
+        """`[rows, hidden]`: the rows of `images`' placeholder tokens, image after image."""
+        vision_rows = getattr(self.model, "vision_rows", None)
+        if vision_rows is None:
+            raise EngineError("this model has no vision tower that writes prompt rows")
+        rows: torch.Tensor = vision_rows(images, self.use_varlen, self.batch_invariant)
+        return rows

@@ -120,48 +120,45 @@ def vision_config(hf: dict[str, Any], qwen2_5: bool) -> VisionConfig:
     rope = v.get("rope_parameters") or {}
     theta = float(hf_get(rope, "rope_theta", default=v.get("rope_theta", 10000.0)))
     channels = number("in_channels", v.get("in_chans", 3))
+    # What the two towers name or default differently: Qwen2.5-VL's gated blocks and windows.
+    family: dict[str, Any]
     if qwen2_5:
         width = number("hidden_size", 3584)
         blocks = v.get("fullatt_block_indexes", (7, 15, 23, 31))
-        c = VisionConfig(
-            depth=number("depth", 32),
-            width=width,
-            num_heads=number("num_heads", 16),
+        family = dict(
             intermediate_size=number("intermediate_size", 3420),
             hidden_act=str(v.get("hidden_act", "silu")),
-            in_channels=channels,
-            patch_size=number("patch_size", 14),
-            temporal_patch_size=number("temporal_patch_size", 2),
-            merge_size=number("spatial_merge_size", 2),
             out_size=number("out_hidden_size", 3584),
-            rope_theta=theta,
             gated=True,
             window_size=number("window_size", 112),
             full_attention_blocks=frozenset(int(b) for b in blocks),
         )
-        unit = c.patch_size * c.merge_size
-        if c.window_size < unit:
-            raise ConfigError(
-                f"config.json: vision_config.window_size {c.window_size} is less than one merge "
-                f"block ({unit} pixels)"
-            )
     else:
         width = number("embed_dim", 1280)
-        c = VisionConfig(
-            depth=number("depth", 32),
-            width=width,
-            num_heads=number("num_heads", 16),
+        family = dict(
             intermediate_size=width * number("mlp_ratio", 4),
             hidden_act=str(v.get("hidden_act", "quick_gelu")),
-            in_channels=channels,
-            patch_size=number("patch_size", 14),
-            temporal_patch_size=number("temporal_patch_size", 2),
-            merge_size=number("spatial_merge_size", 2),
             out_size=number("hidden_size", 3584),
-            rope_theta=theta,
             gated=False,
             window_size=0,
             full_attention_blocks=frozenset(),
+        )
+    c = VisionConfig(
+        depth=number("depth", 32),
+        width=width,
+        num_heads=number("num_heads", 16),
+        in_channels=channels,
+        patch_size=number("patch_size", 14),
+        temporal_patch_size=number("temporal_patch_size", 2),
+        merge_size=number("spatial_merge_size", 2),
+        rope_theta=theta,
+        **family,
+    )
+    unit = c.patch_size * c.merge_size
+    if c.window_size and c.window_size < unit:
+        raise ConfigError(
+            f"config.json: vision_config.window_size {c.window_size} is less than one merge "
+            f"block ({unit} pixels)"
         )
     if c.width % c.num_heads or c.head_dim % 4:
         raise ConfigError(
