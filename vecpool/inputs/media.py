@@ -6,7 +6,8 @@ folder, URLs only to named hosts (every redirect's target checked again), a cap 
 bytes (enforced while a body streams in), a cap on the pixels (read from the header, before
 anything is decoded), timeouts and a deadline on every fetch. Only raster formats are decoded
 (PNG, JPEG, WebP, GIF's first frame, BMP, TIFF); SVG is refused. Every failure is an
-`InputError` saying why; its caller names the input.
+`InputError` saying why; its caller names the input. The policy and its words are
+`media_policy`'s; fetching a URL is `media_fetch`'s.
 """
 
 from __future__ import annotations
@@ -14,88 +15,23 @@ from __future__ import annotations
 import base64
 import binascii
 import contextlib
-import functools
-import http.client
 import io
 import os
 import re
-import socket
-import ssl
 import stat
 import threading
-import time
 import urllib.parse
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from vecpool.errors import ConfigError, InputError
+from vecpool.errors import InputError
+from vecpool.inputs.media_fetch import fetch, host_of
+from vecpool.inputs.media_policy import FORMAT_NAMES, FORMATS, MediaPolicy, describe
 
-# The formats decoded (Pillow's names); anything else is refused before a decoder runs.
-FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")
-_FORMAT_NAMES = "PNG, JPEG, WebP, GIF, BMP or TIFF"
-
-_REDIRECTS = frozenset({301, 302, 303, 307, 308})
-_CHUNK = 1 << 16
 _ORIENTATION = 0x0112  # the EXIF tag
-
-
-@dataclass(frozen=True)
-class MediaPolicy:
-    """What image inputs may reach and how much they may cost.
-
-    `allowed_local_media_path`: local files (paths, file:// URLs) only under this folder, which
-    must exist (None: no local file may be read). `allowed_media_domains`: http(s) URLs only to
-    these hosts, matched exactly, case aside (empty: no URL may be fetched). data: URIs, base64
-    and bytes are always taken. `max_image_bytes`: the encoded size an image may have, however
-    it comes. `max_image_pixels`: width times height, checked from the header before decoding
-    (a decompression bomb is refused unread). A fetch may take `connect_timeout` seconds to
-    connect and `read_timeout` seconds to receive its whole response (headers and body, not
-    per read: a server dripping bytes is cut off), and follows at most `max_redirects`
-    redirects."""
-
-    allowed_local_media_path: Path | None = None
-    allowed_media_domains: tuple[str, ...] = ()
-    max_image_bytes: int = 20 * 1024 * 1024
-    max_image_pixels: int = 64 * 1024 * 1024
-    connect_timeout: float = 5.0
-    read_timeout: float = 10.0
-    max_redirects: int = 3
-
-    def __post_init__(self) -> None:
-        for name in ("max_image_bytes", "max_image_pixels", "connect_timeout", "read_timeout"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-                raise ConfigError(f"{name} must be a positive number, got {value!r}")
-        if isinstance(self.max_redirects, bool) or not isinstance(self.max_redirects, int):
-            raise ConfigError(f"max_redirects must be an int, got {self.max_redirects!r}")
-        if self.max_redirects < 0:
-            raise ConfigError(f"max_redirects must be 0 or positive, got {self.max_redirects}")
-        if isinstance(self.allowed_media_domains, str):
-            raise ConfigError(
-                "allowed_media_domains must be a sequence of host names, got the string "
-                f"{self.allowed_media_domains!r}"
-            )
-        domains = tuple(_host_key(d) for d in self.allowed_media_domains)
-        for given, host in zip(self.allowed_media_domains, domains, strict=True):
-            if not host or any(c in host for c in "/:@?#* "):
-                raise ConfigError(
-                    f"allowed_media_domains: {given!r} is not a host name (give hosts such as "
-                    "'images.example.com', without scheme, port or path)"
-                )
-        object.__setattr__(self, "allowed_media_domains", domains)
-        if self.allowed_local_media_path is not None:
-            root = Path(self.allowed_local_media_path).expanduser().resolve()
-            if not root.is_dir():
-                raise ConfigError(
-                    f"allowed_local_media_path {str(self.allowed_local_media_path)!r} is not a "
-                    "folder"
-                )
-            object.__setattr__(self, "allowed_local_media_path", root)
 
 
 def load_image(source: Any, policy: MediaPolicy, *, deadline: float | None = None) -> Image.Image:
@@ -132,9 +68,7 @@ def decode_image(data: bytes, policy: MediaPolicy, *, what: str = "the image") -
             f"{what}: {len(data):,} bytes, over the limit of {policy.max_image_bytes:,} bytes"
         )
     if _is_svg(data):
-        raise InputError(
-            f"{what}: an SVG image, which is not a raster format; send {_FORMAT_NAMES}"
-        )
+        raise InputError(f"{what}: an SVG image, which is not a raster format; send {FORMAT_NAMES}")
     with _quiet():
         try:
             image = Image.open(io.BytesIO(data), formats=FORMATS)
@@ -143,12 +77,12 @@ def decode_image(data: bytes, policy: MediaPolicy, *, what: str = "the image") -
             if kind is not None:
                 raise InputError(f"{what}: a corrupt {kind} (its header cannot be read)") from None
             raise InputError(
-                f"{what}: not an image in a supported format ({_FORMAT_NAMES})"
+                f"{what}: not an image in a supported format ({FORMAT_NAMES})"
             ) from None
         except Image.DecompressionBombError as exc:
             raise InputError(f"{what}: {_too_many_pixels(exc, policy)}") from None
         except Exception as exc:  # a plugin's header parser on corrupt data: any error
-            raise InputError(f"{what}: a corrupt image ({_describe(exc)})") from None
+            raise InputError(f"{what}: a corrupt image ({describe(exc)})") from None
     _check_pixels(image, policy, what)
     kind = image.format or "image"
     try:
@@ -158,7 +92,7 @@ def decode_image(data: bytes, policy: MediaPolicy, *, what: str = "the image") -
     except MemoryError:
         raise InputError(f"{what}: not enough memory to decode this {kind}") from None
     except Exception as exc:  # truncated data, a broken stream, a bad table: any error
-        raise InputError(f"{what}: a corrupt or truncated {kind} ({_describe(exc)})") from None
+        raise InputError(f"{what}: a corrupt or truncated {kind} ({describe(exc)})") from None
     if _orientation(image) != 1:
         ImageOps.exif_transpose(image, in_place=True)
     return image
@@ -200,7 +134,7 @@ def _given_image(image: Image.Image, policy: MediaPolicy) -> Image.Image:
     try:
         image.load()
     except Exception as exc:
-        raise InputError(f"the image cannot be read ({_describe(exc)})") from None
+        raise InputError(f"the image cannot be read ({describe(exc)})") from None
     return ImageOps.exif_transpose(image) if _orientation(image) != 1 else image
 
 
@@ -237,11 +171,6 @@ def _sniff(data: bytes) -> str | None:
     return None
 
 
-def _describe(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
 def _is_svg(data: bytes) -> bool:
     """Whether `data` is SVG (XML text naming an svg element; no raster format starts '<')."""
     return data[:1024].lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"<") and (
@@ -273,8 +202,8 @@ def _load_string(text: str, policy: MediaPolicy, deadline: float | None) -> Imag
     if name == "data":
         return decode_image(_data_uri(text, policy), policy, what="the data: URI")
     if name in ("http", "https"):
-        body = _fetch(text, policy, deadline)
-        return decode_image(body, policy, what=f"the image at {_host_of(text)}")
+        body = fetch(text, policy, deadline)
+        return decode_image(body, policy, what=f"the image at {host_of(text)}")
     if name == "file":
         return _read_path(_file_url_path(text), policy)
     if scheme and text[scheme.end() : scheme.end() + 2] == "//":
@@ -292,9 +221,7 @@ def _data_uri(text: str, policy: MediaPolicy) -> bytes:
     params = [p.strip().lower() for p in header.split(";")]
     media_type = params[0]
     if media_type.startswith("image/svg"):
-        raise InputError(
-            f"the data: URI is an SVG image, not a raster format; send {_FORMAT_NAMES}"
-        )
+        raise InputError(f"the data: URI is an SVG image, not a raster format; send {FORMAT_NAMES}")
     if (
         media_type
         and not media_type.startswith("image/")
@@ -368,7 +295,7 @@ def _read_path(path: str, policy: MediaPolicy) -> Image.Image:
     try:
         resolved = (root / path).resolve()
     except (OSError, RuntimeError) as exc:  # a symlink loop
-        raise InputError(f"the path {shown} cannot be resolved ({_describe(exc)})") from None
+        raise InputError(f"the path {shown} cannot be resolved ({describe(exc)})") from None
     if not resolved.is_relative_to(root):
         raise InputError(f"the path {shown} is outside the allowed --allowed-local-media-path")
     # O_NONBLOCK: a FIFO opens without waiting for a writer (and is refused below);
@@ -380,7 +307,7 @@ def _read_path(path: str, policy: MediaPolicy) -> Image.Image:
     except FileNotFoundError:
         raise InputError(f"no image file {shown} under --allowed-local-media-path") from None
     except OSError as exc:
-        raise InputError(f"the image file {shown} cannot be opened ({_describe(exc)})") from None
+        raise InputError(f"the image file {shown} cannot be opened ({describe(exc)})") from None
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
@@ -399,203 +326,3 @@ def _read_path(path: str, policy: MediaPolicy) -> Image.Image:
 
 def _short(text: str, limit: int = 80) -> str:
     return repr(text if len(text) <= limit else text[: limit - 3] + "...")
-
-
-# --- URLs -------------------------------------------------------------------------------------
-
-
-def _host_key(host: str) -> str:
-    return host.strip().rstrip(".").lower()
-
-
-def _host_of(url: str) -> str:
-    try:
-        return urllib.parse.urlsplit(url).hostname or "?"
-    except ValueError:
-        return "?"
-
-
-def _checked_url(url: str, policy: MediaPolicy) -> urllib.parse.SplitResult:
-    """`url` parsed, refused unless http(s) to an allowed host."""
-    try:
-        parts = urllib.parse.urlsplit(url)
-        parts.port  # noqa: B018  # (parsed lazily: a bad port raises here)
-    except ValueError as exc:
-        raise InputError(f"a malformed URL ({exc})") from None
-    if parts.scheme.lower() not in ("http", "https"):
-        raise InputError(
-            f"a redirect to a {parts.scheme or 'relative'!s} URL; only http(s) is followed"
-        )
-    host = _host_key(parts.hostname or "")
-    if not host:
-        raise InputError("a URL without a host")
-    if not policy.allowed_media_domains:
-        raise InputError(
-            f"image URLs are refused ({host}): no host is allowed; start with "
-            "--allowed-media-domains to fetch from chosen hosts, or send the image's bytes, "
-            "base64 or a data: URI"
-        )
-    if host not in policy.allowed_media_domains:
-        raise InputError(f"the host {host!r} is not among the --allowed-media-domains")
-    return parts
-
-
-def _fetch(url: str, policy: MediaPolicy, deadline: float | None) -> bytes:
-    """The body of `url`, following up to `policy.max_redirects` redirects (each target's host
-    checked again)."""
-    for _ in range(policy.max_redirects + 1):
-        parts = _checked_url(url, policy)
-        location = _get(parts, policy, deadline)
-        if isinstance(location, bytes):
-            return location
-        url = urllib.parse.urljoin(url, location)
-    raise InputError(
-        f"fetching an image from {_host_of(url)}: more than {policy.max_redirects} redirects"
-    )
-
-
-@functools.cache
-def _tls_context() -> ssl.SSLContext:
-    """The system's trusted certificates, hostnames checked (built once: loading the
-    certificates takes milliseconds)."""
-    return ssl.create_default_context()
-
-
-def _abort(sock: socket.socket) -> None:
-    """Ends `sock`'s connection now (a blocked read wakes with end of file; the server sees
-    it closed), whoever else holds the socket object."""
-    with contextlib.suppress(OSError):
-        socket.socket.shutdown(sock, socket.SHUT_RDWR)  # below TLS: no closing handshake
-
-
-def _get(
-    parts: urllib.parse.SplitResult, policy: MediaPolicy, deadline: float | None
-) -> bytes | str:
-    """One GET: the body (bytes), or a redirect's Location (str). The connection is ended
-    when this returns or raises, however it ends."""
-    host = parts.hostname or ""
-    what = f"fetching an image from {host}"
-    start = time.monotonic()
-    done_by = start + policy.connect_timeout
-    cause = f"no connection within {policy.connect_timeout:g} s"
-    if deadline is not None:
-        if deadline <= start:
-            raise InputError(f"{what}: the request's deadline had passed")
-        if deadline < done_by:
-            done_by, cause = deadline, "the request's deadline passed before a connection"
-    address = f"[{host}]" if ":" in host else host  # an IPv6 literal, as http.client takes it
-    conn: http.client.HTTPConnection
-    if parts.scheme.lower() == "https":
-        conn = http.client.HTTPSConnection(
-            address, parts.port, timeout=done_by - start, context=_tls_context()
-        )
-    else:
-        conn = http.client.HTTPConnection(address, parts.port, timeout=done_by - start)
-    sock: socket.socket | None = None
-    watchdog: threading.Timer | None = None
-    try:
-        conn.connect()
-        # The socket itself, kept: http.client lets go of it once a response will close
-        # the connection (as every one here does), so `conn.sock` is None from then on.
-        sock = conn.sock
-        now = time.monotonic()
-        done_by = now + policy.read_timeout
-        cause = f"no complete response within {policy.read_timeout:g} s"
-        if deadline is not None and deadline < done_by:
-            done_by, cause = deadline, "the request's deadline passed before the image arrived"
-        # Per-read timeouts cannot bound a whole response (a server may send a byte a
-        # second); this timer ends the connection at `done_by`, waking any blocked read.
-        watchdog = threading.Timer(max(done_by - now, 0.0), _abort, (sock,))
-        watchdog.daemon = True
-        watchdog.start()
-        return _exchange(conn, sock, parts, policy, done_by, what)
-    except InputError:
-        raise
-    except (OSError, http.client.HTTPException) as exc:  # DNS, refused, TLS, cut off
-        if isinstance(exc, TimeoutError) or time.monotonic() >= done_by:
-            raise InputError(f"{what}: {cause}") from None
-        raise InputError(f"{what}: {_describe(exc)}") from None
-    finally:
-        if watchdog is not None:
-            watchdog.cancel()
-        if sock is not None:
-            _abort(sock)
-        conn.close()
-
-
-def _exchange(
-    conn: http.client.HTTPConnection,
-    sock: socket.socket,
-    parts: urllib.parse.SplitResult,
-    policy: MediaPolicy,
-    done_by: float,
-    what: str,
-) -> bytes | str:
-    target = parts.path or "/"
-    if parts.query:
-        target = f"{target}?{parts.query}"
-    _set_timeout(sock, done_by)
-    conn.request(
-        "GET",
-        target,
-        headers={
-            "User-Agent": "vecpool",
-            "Accept": "image/*",
-            "Accept-Encoding": "identity",
-            "Connection": "close",
-        },
-    )
-    response = conn.getresponse()
-    try:
-        return _body(response, sock, policy, done_by, what)
-    finally:
-        response.close()
-
-
-def _body(
-    response: http.client.HTTPResponse,
-    sock: socket.socket,
-    policy: MediaPolicy,
-    done_by: float,
-    what: str,
-) -> bytes | str:
-    if response.status in _REDIRECTS:
-        location = response.getheader("Location")
-        if not location:
-            raise InputError(f"{what}: a redirect ({response.status}) without a Location")
-        return location
-    if response.status != 200:
-        raise InputError(f"{what}: HTTP {response.status} {response.reason}".rstrip())
-    content_type = (response.getheader("Content-Type") or "").lower()
-    if content_type.startswith("image/svg"):
-        raise InputError(
-            f"{what}: an SVG image, which is not a raster format; send {_FORMAT_NAMES}"
-        )
-    cap = policy.max_image_bytes
-    length = response.getheader("Content-Length")
-    if length is not None and length.strip().isdigit() and int(length) > cap:
-        raise InputError(f"{what}: {int(length):,} bytes, over the limit of {cap:,} bytes")
-    chunks: list[bytes] = []
-    received = 0
-    while True:
-        _set_timeout(sock, done_by)
-        chunk = response.read1(_CHUNK)
-        if not chunk:
-            break
-        received += len(chunk)
-        if received > cap:
-            chunks.clear()
-            raise InputError(f"{what}: over the limit of {cap:,} bytes")
-        chunks.append(chunk)
-    if time.monotonic() >= done_by:  # cut off at `done_by`: not the whole body
-        raise TimeoutError
-    if response.length:  # the connection closed before Content-Length bytes came
-        raise InputError(f"{what}: the response ended after {received:,} of {length} bytes")
-    return b"".join(chunks)
-
-
-def _set_timeout(sock: socket.socket, done_by: float) -> None:
-    left = done_by - time.monotonic()
-    if left <= 0:
-        raise TimeoutError
-    sock.settimeout(left)
