@@ -21,7 +21,8 @@ import transformers
 from PIL import Image
 
 from vecpool.errors import ConfigError, InputError
-from vecpool.inputs.image_processing import MAX_RESIZED_PIXELS, load_image_processor
+from vecpool.inputs.image_processing import load_image_processor
+from vecpool.inputs.image_processor import MAX_RESIZED_PIXELS
 
 ATOL = 1e-6
 SIZES = [(1, 1), (7, 301), (301, 7), (640, 480), (33, 17)]  # (width, height)

@@ -18,7 +18,7 @@ from vecpool.errors import ConfigError, InputError
 from vecpool.inputs.pixels import ImagePixels
 
 if TYPE_CHECKING:
-    from vecpool.inputs.image_processing import ImageProcessor
+    from vecpool.inputs.image_processor import ImageProcessor
     from vecpool.inputs.media import MediaPolicy
     from vecpool.inputs.vision_prompts import VisionFormat
 
