@@ -137,19 +137,15 @@ def _launch(
     return q_out, k_out
 
 
-@torch.library.custom_op("vecpool::qk_norm_rotary", mutates_args=())
-def _qk_norm_rotary_op(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    q_weight: torch.Tensor | None,
-    k_weight: torch.Tensor | None,
-    eps: float,
-    unit_offset: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`qk_norm_rotary` for compiled layers: the compiler calls the kernel as it is."""
-    return _launch(q, k, cos, sin, q_weight, k_weight, eps, unit_offset)
+# `qk_norm_rotary` for compiled layers: the compiler calls the kernel as it is (`_launch` under
+# the operator's schema, the default tile).
+_qk_norm_rotary_op = torch.library.custom_op(
+    "vecpool::qk_norm_rotary",
+    _launch,
+    mutates_args=(),
+    schema="(Tensor q, Tensor k, Tensor cos, Tensor sin, Tensor? q_weight, Tensor? k_weight, "
+    "float eps, bool unit_offset) -> (Tensor, Tensor)",
+)
 
 
 @_qk_norm_rotary_op.register_fake

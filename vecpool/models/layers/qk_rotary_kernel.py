@@ -10,41 +10,6 @@ import triton.language as tl
 
 
 @triton.jit
-def rotate_head(  # type: ignore[no-untyped-def]
-    x_ptr,
-    out_ptr,
-    w1,
-    w2,
-    c1,
-    c2,
-    s1,
-    s2,
-    rows,
-    cols,
-    mask,
-    stride_x,
-    stride_out,
-    eps,
-    HEAD_DIM: tl.constexpr,
-    HALF: tl.constexpr,
-    NORM: tl.constexpr,
-):
-    x_at = x_ptr + rows[:, None] * stride_x + cols[None, :]
-    x1 = tl.load(x_at, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_at + HALF, mask=mask, other=0.0).to(tl.float32)
-    out_ty = out_ptr.dtype.element_ty
-    if NORM:
-        mean_square = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM
-        r = tl.rsqrt(mean_square + eps)[:, None]
-        # Rounded as the norm module's output is, before the rotation reads it.
-        x1 = (x1 * r * w1).to(out_ty).to(tl.float32)
-        x2 = (x2 * r * w2).to(out_ty).to(tl.float32)
-    out_at = out_ptr + rows[:, None] * stride_out + cols[None, :]
-    tl.store(out_at, (x1 * c1 - x2 * s1).to(out_ty), mask=mask)
-    tl.store(out_at + HALF, (x2 * c2 + x1 * s2).to(out_ty), mask=mask)
-
-
-@triton.jit
 def rotate_heads(  # type: ignore[no-untyped-def]
     x_ptr,
     out_ptr,
@@ -74,11 +39,20 @@ def rotate_heads(  # type: ignore[no-untyped-def]
         if UNIT_OFFSET:
             w1, w2 = w1 + 1.0, w2 + 1.0
     stride_out: tl.constexpr = NUM_HEADS * HEAD_DIM
+    out_ty = out_ptr.dtype.element_ty
     for h in range(NUM_HEADS):
-        rotate_head(
-            x_ptr + h * HEAD_DIM, out_ptr + h * HEAD_DIM, w1, w2, c1, c2, s1, s2,
-            rows, cols, mask, stride_x, stride_out, eps, HEAD_DIM, HALF, NORM,
-        )  # fmt: skip
+        x_at = x_ptr + h * HEAD_DIM + rows[:, None] * stride_x + cols[None, :]
+        x1 = tl.load(x_at, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(x_at + HALF, mask=mask, other=0.0).to(tl.float32)
+        if NORM:
+            mean_square = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM
+            r = tl.rsqrt(mean_square + eps)[:, None]
+            # Rounded as the norm module's output is, before the rotation reads it.
+            x1 = (x1 * r * w1).to(out_ty).to(tl.float32)
+            x2 = (x2 * r * w2).to(out_ty).to(tl.float32)
+        out_at = out_ptr + h * HEAD_DIM + rows[:, None] * stride_out + cols[None, :]
+        tl.store(out_at, (x1 * c1 - x2 * s1).to(out_ty), mask=mask)
+        tl.store(out_at + HALF, (x2 * c2 + x1 * s2).to(out_ty), mask=mask)
 
 
 @triton.jit
