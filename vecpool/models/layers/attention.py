@@ -25,10 +25,19 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from vecpool.models.layers import biased_attention, invariant, packed_attention, split_attention
+from vecpool.models.layers import (
+    biased_attention,
+    cpu_attention,
+    invariant,
+    packed_attention,
+    split_attention,
+)
+from vecpool.models.layers.cpu_attention import BucketPlan
+from vecpool.models.layers.cpu_attention import joint_rows as _joint_rows
 from vecpool.models.layers.kv_blocks import ChunkedKV
 
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
@@ -92,12 +101,17 @@ class AttentionMetadata:
     # Every sequence is short enough for `packed_attention`'s kernel, which then serves the
     # step's plain attention in place of the varlen kernel (set by the model runner).
     packed: bool = False
+    # How the CPU runs plain attention (`cpu_attention.CPU_ATTENTION_MODES`): the exact padded
+    # layout, groups of similar lengths, or one sequence at a time (set by the model runner).
+    cpu_attention: str = "padded"
     # Padded-fallback masks, built at most once per (causal, window) per step.
     _masks: dict[tuple[bool, int | None], torch.Tensor] = field(default_factory=dict, repr=False)
     # Padded-fallback layouts of q, k and v, zeroed once per step and rewritten by every layer.
     _padded: dict[tuple[str, torch.Size, torch.dtype], torch.Tensor] = field(
         default_factory=dict, repr=False
     )
+    # The step's groups for `cpu_attention == "buckets"`, planned by its first layer.
+    _buckets: BucketPlan | None = field(default=None, repr=False)
     # The last biased attention's additive mask: (bias, mask, bias where allowed, else -inf).
     _biased: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(
         default=None, repr=False
@@ -242,6 +256,16 @@ def flat_attention(
         return _flash_attention(
             q, k, v, meta, cu_k, max_k, causal=causal, scale=scale, window=window
         )
+    if (
+        meta.cpu_attention != "padded"
+        and not meta.batch_invariant
+        and meta.key_rows is None
+        and bias is None
+        and softcap is None
+        and (window is None or window >= meta.max_seqlen)
+        and not torch.compiler.is_compiling()
+    ):
+        return _cpu_attention(q, k, v, meta, causal=causal, scale=scale)
     return _padded_attention(
         q,
         k,
@@ -256,6 +280,25 @@ def flat_attention(
         softcap=softcap,
         bias=bias,
     )
+
+
+def _cpu_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: AttentionMetadata,
+    *,
+    causal: bool,
+    scale: float,
+) -> torch.Tensor:
+    """The step's plain attention by groups of lengths or by sequence (`cpu_attention.py`)."""
+    if meta.cpu_attention == "sequences":
+        bounds = meta.cu_seqlens.tolist()
+        return cpu_attention.sequence_attention(q, k, v, bounds, causal=causal, scale=scale)
+    if meta._buckets is None:
+        cu = meta.cu_seqlens.cpu().numpy().astype(np.int64)
+        meta._buckets = cpu_attention.bucket_plan(cu, q.device)
+    return cpu_attention.bucketed_attention(q, k, v, meta._buckets, causal=causal, scale=scale)
 
 
 @torch.compiler.disable
@@ -501,26 +544,3 @@ def _padded_attention(
     num_heads, head_dim = out.shape[1], out.shape[3]
     out = out.transpose(1, 2).reshape(num_seqs * meta.max_seqlen, num_heads, head_dim)
     return out.index_select(0, q_rows)
-
-
-def _joint_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
-    """`[num_tokens, width]`: the rows of which `q`, `k` and `v` (`[num_tokens, heads, D]`
-    each) are consecutive column blocks, as a fused q/k/v projection's output split into heads
-    is; None when they are not. Copying these rows once into the padded layout is several
-    times faster on the CPU than copying three strided views of them."""
-    if torch.compiler.is_compiling():
-        return None
-    head_dim, item = q.shape[2], q.element_size()
-    width = (q.shape[1] + 2 * k.shape[1]) * head_dim
-    if not (
-        q.shape[0] == k.shape[0] == v.shape[0]
-        and k.shape[1:] == v.shape[1:]
-        and k.shape[2] == head_dim
-        and all(t.stride() == (width, head_dim, 1) for t in (q, k, v))
-        and q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr()
-        and q.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
-        and k.data_ptr() == q.data_ptr() + q.shape[1] * head_dim * item
-        and v.data_ptr() == k.data_ptr() + k.shape[1] * head_dim * item
-    ):
-        return None
-    return q.as_strided((q.shape[0], width), (width, 1))
