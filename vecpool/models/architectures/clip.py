@@ -171,13 +171,17 @@ CLIP_TEXT_DEFAULTS: dict[str, Any] = {
     "hidden_act": QUICK_GELU,
     "layer_norm_eps": 1e-5,
 }
-CLIP_VISION_DEFAULTS: dict[str, Any] = {
+# A ViT-B image tower, the shape CLIPVisionConfig's and SiglipVisionConfig's defaults share.
+VIT_B_DEFAULTS: dict[str, Any] = {
     "hidden_size": 768,
     "intermediate_size": 3072,
     "num_hidden_layers": 12,
     "num_attention_heads": 12,
     "num_channels": 3,
     "image_size": 224,
+}
+CLIP_VISION_DEFAULTS: dict[str, Any] = {
+    **VIT_B_DEFAULTS,
     "patch_size": 32,
     "hidden_act": QUICK_GELU,
     "layer_norm_eps": 1e-5,

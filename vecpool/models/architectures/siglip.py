@@ -24,6 +24,7 @@ from torch import nn
 
 from vecpool.errors import ConfigError
 from vecpool.models.architectures.clip import (
+    VIT_B_DEFAULTS,
     DualEncoder,
     Encoder,
     EncoderMLP,
@@ -56,12 +57,7 @@ SIGLIP_TEXT_DEFAULTS: dict[str, Any] = {
     "pad_token_id": 1,
 }
 SIGLIP_VISION_DEFAULTS: dict[str, Any] = {
-    "hidden_size": 768,
-    "intermediate_size": 3072,
-    "num_hidden_layers": 12,
-    "num_attention_heads": 12,
-    "num_channels": 3,
-    "image_size": 224,
+    **VIT_B_DEFAULTS,
     "patch_size": 16,
     "num_patches": 256,
     "hidden_act": "gelu_pytorch_tanh",
