@@ -331,7 +331,8 @@ def test_precomputed_rows_equal_the_image_bit_for_bit(vlm: Any) -> None:
     )
 
 
-def test_a_prompt_with_images_runs_whole_over_the_budget(vlm: Any, tmp_path: Path) -> None:
+def test_a_prompt_with_images_over_the_budget_runs_in_chunks(vlm: Any, tmp_path: Path) -> None:
+    """Its chunk boundaries split its images' spans (tests/engine/test_chunked_images.py)."""
     _, hf, path = vlm
     small = vecpool.Engine(path, device="cpu", normalize=False, max_num_batched_tokens=32)
     images = sample_images([(64, 64), (64, 56)], seed=5)  # 16 + 14 tokens, 120 patches

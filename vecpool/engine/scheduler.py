@@ -134,7 +134,7 @@ class Scheduler:
             start = request.num_scheduled_tokens
             patches = request.prompt.patches_in(start, start + n)  # its images' patch rows
             tokens_left = short_budget - step.num_tokens
-            if n <= tokens_left and patches <= short_patches - step.num_patches:
+            if n <= tokens_left and patches <= max(short_patches - step.num_patches, 0):
                 step.take(self.waiting.popleft(), n, patches)
             elif n <= short_budget and patches <= short_patches:
                 break  # fits a later step whole: wait for it
@@ -153,6 +153,7 @@ class Scheduler:
             else:  # images over the patch budget: in a step whose tower runs nothing else
                 if n <= tokens_left and patches > patch_budget and step.num_patches == 0:
                     step.take(self.waiting.popleft(), n, patches)
+                    continue  # texts may join it
                 break
         # Chunks of the prompts being chunked, oldest first, from what is left.
         for request in running:
