@@ -75,7 +75,7 @@ class VisionFormat:
     chat_template: str | None  # the folder's chat template (Jinja); None: Qwen2-VL's layout
     special_tokens: tuple[tuple[str, str], ...] = ()  # bos_token, eos_token, ... for templates
     # Whether prompts with images carry multimodal rotary positions (Qwen2-VL's `get_rope_index`);
-    # False: the positions 0, 1, 2, ... (transformers' ColQwen2 runs its language model so).
+    # False: the positions 0, 1, 2, ... (ColQwen2 as transformers runs it, ColPali).
     mrope: bool = True
     retrieval: RetrievalLayout | None = None  # a retrieval model's layouts (ColQwen2, ColPali)
 
@@ -136,11 +136,14 @@ def read_vision_format(folder: Path, merge_size: int) -> VisionFormat:
         merge_size=merge_size,
         chat_template=template if isinstance(template, str) and template else None,
         special_tokens=tuple(special),
-        mrope=model_type != "colqwen2",
+        mrope=model_type not in _PLAIN_POSITIONS,
         retrieval=read_retrieval_layout(folder, str(model_type), dict(special)),
     )
 
 
+# Vision-language models whose language model reads plain positions: transformers' ColQwen2
+# runs Qwen2-VL's on inputs embeds alone (no M-RoPE); PaliGemma's has no M-RoPE.
+_PLAIN_POSITIONS = ("colqwen2", "colpali", "paligemma")
 # transformers' defaults of the retrieval processors' settings (processor_config.json).
 _COLQWEN2_IMAGE_PROMPT = (
     "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Describe the image.<|im_end|>"
