@@ -147,10 +147,5 @@ class AlbertForMaskedLM(MaskedLM, AlbertModel):
     """ALBERT with its masked-LM head `predictions` (to the embedding width, then the tied
     decoder)."""
 
-    lm_names = LMHeadNames(
-        dense="predictions.dense",
-        norm="predictions.LayerNorm",
-        decoder="predictions.decoder",
-        bias="predictions.bias",
-    )
+    lm_names = LMHeadNames.bert_layout("predictions")
     tied_weights = lm_names.ties()

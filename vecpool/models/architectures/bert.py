@@ -240,12 +240,7 @@ class RobertaForTokenClassification(BertForTokenClassification, RobertaModel):
 class BertForMaskedLM(MaskedLM, BertModel):
     """BERT with its masked-LM head `cls.predictions`: vocabulary logits per token row (SPLADE)."""
 
-    lm_names = LMHeadNames(
-        dense="cls.predictions.transform.dense",
-        norm="cls.predictions.transform.LayerNorm",
-        decoder="cls.predictions.decoder",
-        bias="cls.predictions.bias",
-    )
+    lm_names = LMHeadNames.bert_layout("cls.predictions", "transform.")
     tied_weights = lm_names.ties()
 
 

@@ -334,12 +334,7 @@ class DebertaV2ForMaskedLM(MaskedLM, DebertaV2Model):
         *DebertaV2Model.unused_checkpoint_keys,
         "mask_predictions.*",
     )
-    LEGACY_HEAD = LMHeadNames(
-        dense="cls.predictions.transform.dense",
-        norm="cls.predictions.transform.LayerNorm",
-        decoder="cls.predictions.decoder",
-        bias="cls.predictions.bias",
-    )
+    LEGACY_HEAD = LMHeadNames.bert_layout("cls.predictions", "transform.")
     tied_weights = LEGACY_HEAD.ties()  # the other head reads the embeddings themselves
     HEAD = LMHeadNames(
         dense="lm_predictions.lm_head.dense",

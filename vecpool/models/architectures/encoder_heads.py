@@ -78,6 +78,17 @@ class LMHeadNames:
     decoder: str | None  # None: the word embeddings themselves, with `bias` (DeBERTa-v2's)
     bias: str | None = None  # the vocabulary bias kept beside the decoder (tied to the decoder's)
 
+    @classmethod
+    def bert_layout(cls, prefix: str, transform: str = "") -> LMHeadNames:
+        """BERT's names under `prefix`: `dense` and `LayerNorm` (after `transform`, BERT's
+        "transform."), `decoder`, `bias`."""
+        return cls(
+            dense=f"{prefix}.{transform}dense",
+            norm=f"{prefix}.{transform}LayerNorm",
+            decoder=f"{prefix}.decoder",
+            bias=f"{prefix}.bias",
+        )
+
     def ties(self) -> dict[str, str]:
         """The head's `tied_weights`: the decoder is the word embeddings (and `bias`)."""
         if self.decoder is None:
