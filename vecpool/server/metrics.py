@@ -82,34 +82,17 @@ class ServerMetrics:
         self.http_requests = Counter(
             "vecpool_http_requests", "HTTP requests answered", ["endpoint", "status"], registry=r
         )
-        self.http_seconds = Histogram(
-            "vecpool_http_request_seconds",
-            "HTTP request latency, end to end",
-            ["endpoint"],
-            buckets=_SECONDS,
-            registry=r,
+        # fmt: off
+        self.http_seconds, self.queue_seconds, self.tokenization_seconds, self.inference_seconds = (
+            Histogram(name, text, ["endpoint"], buckets=_SECONDS, registry=r)
+            for name, text in (
+                ("vecpool_http_request_seconds", "HTTP request latency, end to end"),
+                ("vecpool_request_queue_seconds", "Seconds a request's inputs waited for their first engine step"),
+                ("vecpool_request_tokenization_seconds", "Seconds spent validating, tokenizing and decoding a request's inputs"),
+                ("vecpool_request_inference_seconds", "Seconds from a request's first engine step to its last output"),
+            )
         )
-        self.queue_seconds = Histogram(
-            "vecpool_request_queue_seconds",
-            "Seconds a request's inputs waited for their first engine step",
-            ["endpoint"],
-            buckets=_SECONDS,
-            registry=r,
-        )
-        self.tokenization_seconds = Histogram(
-            "vecpool_request_tokenization_seconds",
-            "Seconds spent validating, tokenizing and decoding a request's inputs",
-            ["endpoint"],
-            buckets=_SECONDS,
-            registry=r,
-        )
-        self.inference_seconds = Histogram(
-            "vecpool_request_inference_seconds",
-            "Seconds from a request's first engine step to its last output",
-            ["endpoint"],
-            buckets=_SECONDS,
-            registry=r,
-        )
+        # fmt: on
         self.prompt_tokens = Counter(
             "vecpool_prompt_tokens", "Prompt tokens of answered requests", ["endpoint"], registry=r
         )
@@ -183,57 +166,40 @@ class EngineMetrics:
         self.queue_size = _bound(queue, self._model)
         if queue_size is not None:
             self.queue_size.set_function(queue_size)
+        # fmt: off
         # What admission by expected wait compares (`Admission`), as of the engine's last reply.
-        wait = Gauge(
-            "vecpool_engine_expected_wait_seconds",
-            "Seconds of work queued in the engine at its measured speed",
-            by_model,
-            multiprocess_mode="livemax",
-            registry=r,
+        self.expected_wait, self.measured_speed = (
+            _bound(Gauge(name, text, by_model, multiprocess_mode="livemax", registry=r), self._model)
+            for name, text in (
+                ("vecpool_engine_expected_wait_seconds", "Seconds of work queued in the engine at its measured speed"),
+                ("vecpool_engine_measured_tokens_per_second", "The engine's prompt tokens per second of stepping, as admission measures it"),
+            )
         )
-        self.expected_wait = _bound(wait, self._model)
-        speed = Gauge(
-            "vecpool_engine_measured_tokens_per_second",
-            "The engine's prompt tokens per second of stepping, as admission measures it",
-            by_model,
-            multiprocess_mode="livemax",
-            registry=r,
-        )
-        self.measured_speed = _bound(speed, self._model)
         steps = Counter("vecpool_engine_steps", "Engine steps run", by_model, registry=r)
         self.engine_steps = _bound(steps, self._model)
-        step_seconds = Histogram(
-            "vecpool_engine_step_seconds",
-            "Duration of one engine step",
-            by_model,
-            buckets=_SECONDS,
-            registry=r,
+        self.step_seconds, self.batch_tokens = (
+            _bound(Histogram(name, text, by_model, buckets=buckets, registry=r), self._model)
+            for name, buckets, text in (
+                ("vecpool_engine_step_seconds", _SECONDS, "Duration of one engine step"),
+                ("vecpool_batch_tokens", _TOKENS, "Prompt tokens completed per engine step"),
+            )
         )
-        self.step_seconds = _bound(step_seconds, self._model)
-        batch_tokens = Histogram(
-            "vecpool_batch_tokens",
-            "Prompt tokens completed per engine step",
-            by_model,
-            buckets=_TOKENS,
-            registry=r,
-        )
-        self.batch_tokens = _bound(batch_tokens, self._model)
+        # fmt: on
         self.engine_requests = Counter(
             "vecpool_engine_requests",
             "Engine requests (one per input) by outcome: finished, failed, cancelled",
             _names(model, "outcome"),
             registry=r,
         )
-        self.prefix_cache_hit_tokens = Counter(
-            "vecpool_prefix_cache_hit_tokens",
-            "Prompt tokens served from the shared-prefix cache instead of computed",
-            registry=r,
+        # fmt: off
+        self.prefix_cache_hit_tokens, self.prefix_cache_queried_tokens = (
+            Counter(name, text, registry=r)
+            for name, text in (
+                ("vecpool_prefix_cache_hit_tokens", "Prompt tokens served from the shared-prefix cache instead of computed"),
+                ("vecpool_prefix_cache_queried_tokens", "Prompt tokens of the requests that looked the shared-prefix cache up"),
+            )
         )
-        self.prefix_cache_queried_tokens = Counter(
-            "vecpool_prefix_cache_queried_tokens",
-            "Prompt tokens of the requests that looked the shared-prefix cache up",
-            registry=r,
-        )
+        # fmt: on
         # The engine's (hit, queried) totals, read after each step (`EngineCore`'s
         # `prefix_cache_stats`); None: no prefix cache to report.
         self.prefix_cache_stats: Callable[[], tuple[int, int]] | None = None
