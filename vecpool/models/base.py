@@ -42,15 +42,16 @@ class ImageBatch:
 
     A dual encoder (CLIP, SigLIP) gives each image one row of the step's flat batch: its
     forward writes the image's pooled, projected embedding there (`rows`). A vision-language
-    model (Qwen2-VL) gives each image the rows of its placeholder tokens: its forward writes
-    the vision tower's rows there, into the input embeddings, before the language model."""
+    model (Qwen2-VL) gives each image the rows of its placeholder tokens: the model runner
+    writes its `vision_rows` there, into the input embeddings, before the language model."""
 
     pixel_values: torch.Tensor  # [num_patches, patch_dim] model dtype
     cu_patches: torch.Tensor  # [num_images + 1] int32: where each image's patches start
     max_patches: int  # the most patches of one image
     grids: list[tuple[int, int]]  # [num_images] (rows, columns) of patches
-    # [num_images] int64: the flat batch row each image's output goes to; a vision-language
-    # model's: [num_image_tokens], every placeholder row, image after image
+    # [num_images] int64: the flat batch row each image's output goes to; empty for a
+    # vision-language model's images, whose rows the model runner places (a chunk may hold
+    # part of an image's placeholders)
     rows: torch.Tensor
 
     @property

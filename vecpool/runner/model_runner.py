@@ -186,18 +186,20 @@ class ModelRunner:
         if batch.prompt_embeds is not None:
             assert batch.embeds_rows is not None
             x.index_copy_(0, batch.embeds_rows, batch.prompt_embeds)
+        # On the CPU the invariant mode also needs its elementwise functions.
+        invariant_cpu = self.batch_invariant and self.device.type == "cpu"
         if batch.image_rows is not None:  # a vision-language model's image rows
-            self.kept_image_rows.fill(x, batch.image_rows, self._vision_rows)
+            with InvariantFunctions() if invariant_cpu else contextlib.nullcontext():
+                self.kept_image_rows.fill(x, batch.image_rows, self._vision_rows)
         hidden = None
         # A step with images runs plain: the image tower beside the text tower, or before the
         # language model; so does one with multimodal rotary positions.
         images = {} if batch.images is None else {"images": batch.images}
         positions = batch.positions if batch.mrope_positions is None else batch.mrope_positions
-        if self.graphs is not None and not images and batch.mrope_positions is None:
+        plain = images or batch.image_rows is not None or batch.mrope_positions is not None
+        if self.graphs is not None and not plain:
             hidden = self.graphs.run(x, batch.positions, batch.attn, batch.token_type_ids)
         if hidden is None:
-            # On the CPU the invariant mode also needs its elementwise functions.
-            invariant_cpu = self.batch_invariant and self.device.type == "cpu"
             with (
                 InvariantFunctions() if invariant_cpu else contextlib.nullcontext(),
                 cached_step(batch.attn) if kv is not None else contextlib.nullcontext(),

@@ -19,6 +19,10 @@ token's temporal, height and width positions: `[3, num_tokens]` positions, which
 stage computes (`vecpool.inputs.vision_prompts.mrope_positions`) and the flat batch carries for
 steps that hold an image. Where the three are equal, as for every text, that is the plain
 rotary embedding: a step of texts runs on the one-row positions, as any decoder's.
+
+The model runner writes the tower's rows (`vision_rows`) into the input embeddings before the
+language model runs: once per image, even where the prompt runs in chunks and a chunk boundary
+splits the image's placeholders (`vecpool.runner.image_rows`).
 """
 
 from __future__ import annotations
@@ -482,19 +486,6 @@ class Qwen2VLForConditionalGeneration(DecoderForCausalLM):
     def drop_parameter(self, name: str) -> None:
         super().drop_parameter(name)
         self.capabilities = self.capabilities | {Capability.IMAGE_TOWER}
-
-    def forward(
-        self,
-        inputs_embeds: torch.Tensor,  # [num_tokens, hidden]
-        positions: torch.Tensor,  # [num_tokens] or [3, num_tokens] int64
-        attn: AttentionMetadata,
-        token_type_ids: torch.Tensor | None = None,
-        images: ImageBatch | None = None,
-    ) -> torch.Tensor:  # [num_tokens, hidden]
-        if images is not None and images.num_images:
-            rows = self.vision_rows(images, attn.use_varlen, attn.batch_invariant)
-            inputs_embeds.index_copy_(0, images.rows, rows.to(inputs_embeds.dtype))
-        return super().forward(inputs_embeds, positions, attn)
 
     def vision_rows(
         self, images: ImageBatch, use_varlen: bool, batch_invariant: bool = False
