@@ -1,7 +1,16 @@
-"""vecpool against sentence-transformers on the CPU, in one process, on the same texts, in
-interleaved rounds.
+"""vecpool against sentence-transformers on the CPU, on the same texts, in interleaved rounds,
+under the CPU's own instruction set and capped at AVX2.
 
     python benchmarks/bench_cpu.py --output benchmarks/results/cpu_minilm_2core.json
+
+Each instruction set runs in a process of its own (`--isa`, default both): `native` with the
+caps below unset, `avx2` with `ONEDNN_MAX_CPU_ISA=AVX2`, `MKL_ENABLE_INSTRUCTIONS=AVX2` and
+`ATEN_CPU_CAPABILITY=avx2` (read when torch loads, hence the process), as an AVX2-only CPU runs
+(bfloat16 is left out there: it needs avx512_bf16 or AMX). The report keeps, per instruction
+set, the caps it ran under, torch's CPU capability, the engine's per-machine choice as it
+logged it (`vecpool/runner/cpu_choice.py`), every round's timings and its summary; `rounds`
+lists every round with its caps. `--fresh-choice` has each process measure the engine's choice
+anew (a cache folder of its own) rather than reading the user's cached one.
 
 The model is the packaged all-MiniLM-L6-v2 (`--model-dir` for another folder), float32. The
 workloads are `bench_gpu.py`'s, fixed seed: **queries** of U[8, 64] tokens and **passages** of
@@ -24,9 +33,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -41,6 +53,18 @@ from benchmarks.workloads import make_inputs, workload_lengths
 
 SYSTEMS = ("vecpool", "vecpool-bf16", "st-32", "st-128")
 OURS = ("vecpool", "vecpool-bf16")
+# The environment of each instruction set's process: `native` runs with these unset.
+CAPS = {
+    "native": {},
+    "avx2": {
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+        "ATEN_CPU_CAPABILITY": "avx2",
+    },
+}
+CAP_NAMES = tuple(CAPS["avx2"])
+# The issue's float32 targets: the median ratio to the better sentence-transformers batch size.
+TARGETS = {"native": 1.3, "avx2": 1.25}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -52,15 +76,106 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
     parser.add_argument("--max-num-batched-tokens", type=int, help="vecpool's step budget")
     parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--isa", nargs="+", default=list(CAPS), choices=list(CAPS))
+    parser.add_argument(
+        "--fresh-choice", action="store_true", help="measure the engine's CPU choice anew"
+    )
     parser.add_argument("--output", type=Path, help="write the report here as JSON")
+    # Internal: run one instruction set in this process (the caller set its environment).
+    parser.add_argument("--one-isa", choices=list(CAPS), help=argparse.SUPPRESS)
     record.add_args(parser)
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Each instruction set in its own process, one after the other; their reports merged."""
+    args = parse_args(argv)
+    if args.one_isa:
+        part = run_isa(args)
+        record.write(args.output, part)
+        return part
+    report: dict[str, Any] = {
+        **record.header(
+            "bench_cpu.py", sys.argv[1:] if argv is None else argv, device="cpu", commit=args.commit
+        ),
+        "cpu_flags": cpu_flags(),
+        "targets_float32_vs_st_best": {isa: TARGETS[isa] for isa in args.isa},
+        "isas": {},
+        "rounds": [],
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        for isa in args.isa:
+            out = Path(tmp) / f"{isa}.json"
+            env = {k: v for k, v in os.environ.items() if k not in CAP_NAMES}
+            env.update(CAPS[isa])
+            if args.fresh_choice:
+                env["VECPOOL_CACHE_DIR"] = str(Path(tmp) / f"choice-{isa}")
+            command = [sys.executable, str(Path(__file__).resolve()), *child_args(args, isa)]
+            subprocess.run([*command, "--output", str(out)], env=env, check=True)
+            part = json.loads(out.read_text())
+            report["isas"][isa] = part
+            report["rounds"] += [
+                {"isa": isa, "caps": part["caps"], **r} for r in part.pop("rounds")
+            ]
+    for key in ("model", "max_seq_length", "workloads"):
+        report[key] = report["isas"][args.isa[0]][key]
+    report["summary"] = {"lines": [], "float32_vs_st_best": {}}
+    for isa, part in report["isas"].items():
+        lines = report["summary"]["lines"]
+        lines.append(f"{isa} ({part['cpu_capability']}, caps {part['caps'] or 'none'}):")
+        lines += ["  " + line for line in part["cpu_choice"] + part["summary"]["lines"]]
+        ratios = {
+            w: by["vecpool"]["st-best"]
+            for w, by in part["summary"]["ratio_median"].items()
+            if "st-best" in by.get("vecpool", {})
+        }
+        report["summary"]["float32_vs_st_best"][isa] = ratios
+        if ratios:
+            lines.append(
+                f"  float32 / st-best, median of rounds (target {TARGETS[isa]}x): "
+                + ", ".join(f"{w} {r:.2f}x" for w, r in ratios.items())
+            )
+    report["load_average_at_end"] = os.getloadavg()
+    for line in report["summary"]["lines"]:
+        print(line)
+    record.write(args.output, report)
+    return report
+
+
+def child_args(args: argparse.Namespace, isa: str) -> list[str]:
+    """The command line of one instruction set's process."""
+    systems = [s for s in args.systems if isa == "native" or s != "vecpool-bf16"]
+    out = ["--one-isa", isa, "--queries", str(args.queries), "--passages", str(args.passages)]
+    out += ["--rounds", str(args.rounds), "--systems", *systems]
+    if args.model_dir:
+        out += ["--model-dir", str(args.model_dir)]
+    if args.max_num_batched_tokens:
+        out += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    if args.threads:
+        out += ["--threads", str(args.threads)]
+    return out
+
+
+class _Choices(logging.Handler):
+    """Keeps what the engine logs about its CPU choice."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def run_isa(args: argparse.Namespace) -> dict[str, Any]:
+    """Every system on every workload in `args.rounds` interleaved rounds, in this process
+    (under the instruction set its environment gives)."""
     import tokenizers
 
-    args = parse_args(argv)
+    choices = _Choices()
+    choice_logger = logging.getLogger("vecpool.runner.cpu_choice")
+    choice_logger.addHandler(choices)
+    choice_logger.setLevel(logging.INFO)
     if args.threads:
         torch.set_num_threads(args.threads)
     folder = args.model_dir
@@ -93,10 +208,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         else:
             runs[s], _ = st_runner(folder, "cpu", torch.float32, int(s.removeprefix("st-")))
     report: dict[str, Any] = {
-        **record.header(
-            "bench_cpu.py", sys.argv[1:] if argv is None else argv, device="cpu", commit=args.commit
-        ),
-        "cpu_flags": cpu_flags(),
+        "caps": {k: os.environ[k] for k in CAP_NAMES if k in os.environ},
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "threads": torch.get_num_threads(),
+        "cpu_choice": choices.lines,
         "model": str(folder.name if args.model_dir else "all-MiniLM-L6-v2 (packaged)"),
         "max_seq_length": limit,
         # glibc's allocator settings, when given (they change how often big tensors fault).
@@ -105,6 +220,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             w: {"num_inputs": len(v[0]), "num_tokens": int(v[2].sum())} for w, v in inputs.items()
         },
         "seconds": {w: {s: [] for s in runs} for w in inputs},
+        "rounds": [],
         "fidelity": {},
     }
     outputs: dict[str, dict[str, np.ndarray]] = {w: {} for w in inputs}
@@ -113,17 +229,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             outputs[w][s] = run(texts, ids)
     order = list(runs)
     for r in range(args.rounds):
+        this_round: dict[str, dict[str, float]] = {w: {} for w in inputs}
         for w, (texts, ids, _) in inputs.items():
             for s in order[r % len(order) :] + order[: r % len(order)]:
                 start = time.perf_counter()
                 runs[s](texts, ids)
-                report["seconds"][w][s].append(time.perf_counter() - start)
-        print(f"round {r + 1}/{args.rounds}: load {os.getloadavg()[0]:.1f}", flush=True)
+                this_round[w][s] = time.perf_counter() - start
+                report["seconds"][w][s].append(this_round[w][s])
+        load = os.getloadavg()[0]
+        report["rounds"].append({"round": r + 1, "load_average": load, "seconds": this_round})
+        print(f"{args.one_isa} round {r + 1}/{args.rounds}: load {load:.1f}", flush=True)
     report["load_average_at_end"] = os.getloadavg()
     report["summary"] = summarize(report, outputs)
-    for line in report["summary"]["lines"]:
-        print(line)
-    record.write(args.output, report)
     return report
 
 

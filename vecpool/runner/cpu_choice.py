@@ -58,6 +58,10 @@ MIN_REPEATS = 2
 BUDGET_S = 1.0
 # The cache file's format; a file of another version is measured anew.
 CACHE_VERSION = 1
+# Above this 1-minute load average per core the machine is busy: its measurement is not cached.
+BUSY_LOAD = 1.5
+# Measurements of a busy machine, kept for this process's later engines (by `machine_key`).
+_measured_here: dict[str, Measurement] = {}
 
 
 @dataclass(frozen=True)
@@ -239,16 +243,30 @@ def _read_cache(path: Path) -> dict[str, Any]:
 
 def choose(model: nn.Module, dtype: torch.dtype, *, causal: bool, max_len: int) -> CpuChoice:
     """This machine's choice for `model` (its repeated blocks' shape) in `dtype`: from the
-    cached measurement, else measured now and cached. Logged once, at load."""
+    cached measurement, else measured now. Logged once, at load.
+
+    A measurement is cached only when the machine was not busy while it ran (a load average
+    under `BUSY_LOAD` runnable tasks a core): other work inflates some probes more than others
+    and would fix a wrong choice for good. A busy machine's measurement serves this process's
+    engines of that shape and is taken again by the next process."""
     shape = ProbeShape.of(model, causal=causal, max_len=max_len)
     key = machine_key(shape, dtype)
-    measurement = read_cached(key)
+    measurement = read_cached(key) or _measured_here.get(key)
     source = "cached measurement"
+    if key in _measured_here:
+        source = "measured earlier in this process, not cached: the machine was busy"
     if measurement is None:
         start = time.perf_counter()
         measurement = measure(model, shape, dtype)
-        write_cached(key, measurement)
-        source = f"measured in {time.perf_counter() - start:.2f} s"
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+        busy = load > BUSY_LOAD * (os.cpu_count() or 1)
+        if busy:
+            _measured_here[key] = measurement
+        else:
+            write_cached(key, measurement)
+        source = f"measured in {time.perf_counter() - start:.2f} s" + (
+            f", not cached: load average {load:.1f} (busy)" if busy else ""
+        )
     isa = cpu_isa()
     choice = decide(isa, measurement)
     logger.info(
