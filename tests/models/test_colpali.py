@@ -90,7 +90,7 @@ def save_tiny_colpali(path: Path) -> tuple[Any, Any]:
 def colpali(tmp_path_factory: pytest.TempPathFactory) -> Any:
     path = tmp_path_factory.mktemp("colpali") / "model"
     hf, processor = save_tiny_colpali(path)
-    return vecpool.Engine(path, device="cpu"), hf, processor, path
+    return vecpool.Engine(path, device="cpu", enable_prompt_embeds=True), hf, processor, path
 
 
 def hf_vectors(hf: Any, batch: Any) -> list[np.ndarray]:
@@ -153,6 +153,16 @@ def test_maxsim_scores_equal_score_retrieval(colpali: Any) -> None:
         assert_rel_close(engine.score(query, images), expected[i])
     ranked = engine.rerank(QUERIES[1], images)
     assert [i for i, _ in ranked] == list(np.argsort(-expected[1], kind="stable"))
+
+
+def test_precomputed_page_rows_equal_the_image_bit_for_bit(colpali: Any) -> None:
+    engine, _, _, _ = colpali
+    (image,) = sample_images(SIZES[1:2], seed=3)
+    (rows,) = engine.image_rows(image)  # the tower's rows of the image alone, and its grid
+    page = [{"type": "image_embeds", **rows}]  # a page given by its rows
+    (expected,) = engine.encode([image], task="token_embed")
+    (got,) = engine.encode([page], task="token_embed")
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
 
 
 def test_refusals_name_the_input(colpali: Any) -> None:

@@ -127,7 +127,7 @@ def sample_images(sizes: list[tuple[int, int]], seed: int = 0) -> list[Image.Ima
 def colqwen2(tmp_path_factory: pytest.TempPathFactory) -> Any:
     path = tmp_path_factory.mktemp("colqwen2") / "model"
     hf, processor = save_tiny_colqwen2(path)
-    return vecpool.Engine(path, device="cpu"), hf, processor
+    return vecpool.Engine(path, device="cpu", enable_prompt_embeds=True), hf, processor
 
 
 def hf_vectors(hf: Any, batch: Any) -> list[np.ndarray]:
@@ -186,6 +186,16 @@ def test_maxsim_scores_equal_score_retrieval(colqwen2: Any) -> None:
     ranked = engine.rerank(QUERIES[0], images)
     assert [i for i, _ in ranked] == list(np.argsort(-expected[0], kind="stable"))
     assert_rel_close(np.array([s for _, s in ranked]), np.sort(expected[0])[::-1].copy())
+
+
+def test_precomputed_page_rows_equal_the_image_bit_for_bit(colqwen2: Any) -> None:
+    engine, _, _ = colqwen2
+    (image,) = sample_images(SIZES[1:2], seed=3)
+    (rows,) = engine.image_rows(image)  # the tower's rows of the image alone, and its grid
+    page = [{"type": "image_embeds", **rows}]  # a page given by its rows
+    (expected,) = engine.encode([image], task="token_embed")
+    (got,) = engine.encode([page], task="token_embed")
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
 
 
 def test_refusals_name_the_input(colqwen2: Any) -> None:
