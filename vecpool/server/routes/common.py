@@ -32,7 +32,7 @@ from starlette.responses import Response
 from vecpool.calls import CallContext, PreparedCall
 from vecpool.calls.outputs import PromptRequest, RunTimes
 from vecpool.errors import EngineDeadError, InputError, QueueFullError, VecpoolError
-from vecpool.server.codec import encode_array, to_bytes
+from vecpool.server.codec import carries_images, encode_array, to_bytes
 from vecpool.server.errors import (
     ApiError,
     BodyError,
@@ -385,6 +385,33 @@ async def run_call(
     if deadline is not None:
         work = _within(deadline, work, request)
     return await until_disconnected(request, work)
+
+
+async def run_call_of(
+    state: ServerState,
+    request: HttpRequest,
+    inputs: list[Any],
+    prepare: Callable[[CallContext], PreparedCall[T]],
+    to_api_error: Callable[[InputError], ApiError] = input_error,
+    *,
+    per_token: bool = False,
+) -> tuple[T, Timings]:
+    """`run_call` at the request's path of the call `prepare` makes in its context, one
+    request per item of `inputs`: where they carry images (`carries_images`), the context's
+    fetches end at the request's deadline (`call_context`) and it is prepared in the media
+    thread pool."""
+    media = carries_images(inputs)
+    ctx = call_context(state, request, media)
+    return await run_call(
+        state,
+        request,
+        request.scope["path"],
+        lambda: prepare(ctx),
+        len(inputs),
+        to_api_error,
+        per_token=per_token,
+        media=media,
+    )
 
 
 def call_context(state: ServerState, request: HttpRequest, media: bool) -> CallContext:

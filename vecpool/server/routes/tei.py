@@ -10,7 +10,7 @@ returns the vectors `/v1/embeddings` returns for the same inputs.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from fastapi import APIRouter
@@ -24,12 +24,11 @@ from vecpool.calls import (
     EmbedOptions,
     EncodeOptions,
     EngineInfo,
-    PreparedCall,
     RerankOptions,
     SparseOptions,
 )
 from vecpool.errors import InputError
-from vecpool.server.codec import carries_images, json_type, parse_inputs
+from vecpool.server.codec import json_type, parse_inputs
 from vecpool.server.errors import ApiError, answered_as, input_error, side_errors, tei_error
 from vecpool.server.protocol import (
     TeiDecodeRequest,
@@ -43,12 +42,11 @@ from vecpool.server.protocol import (
 )
 from vecpool.server.routes.common import (
     PER_TOKEN,
-    call_context,
     dumps,
     in_executor,
     json_response,
     read_json,
-    run_call,
+    run_call_of,
     validate,
 )
 from vecpool.server.state import ServerState, get_state
@@ -107,15 +105,26 @@ def text_inputs(state: ServerState, value: Any) -> list[str | list[int]]:
     return [item for item in items if isinstance(item, str | list)]
 
 
-def truncation(state: ServerState, body: TeiTextParams) -> int | None:
-    """truncate true: the model's limit; null: as the server's --auto-truncate says."""
-    if body.truncate is None:
-        return state.truncate()
-    return -1 if body.truncate else None
+def text_options(state: ServerState, body: TeiTextParams) -> dict[str, Any]:
+    """The options of a call that TEI's text parameters set: truncation (`truncate` true: the
+    model's limit; null: as the server's --auto-truncate says) and its side."""
+    truncate = state.truncate() if body.truncate is None else -1 if body.truncate else None
+    return {
+        "truncate_prompt_tokens": truncate,
+        "truncation_side": body.truncation_direction.lower(),
+    }
 
 
-def side(body: TeiTextParams) -> Any:
-    return body.truncation_direction.lower()
+B = TypeVar("B", TeiEmbedRequest, TeiTokensRequest)
+
+
+def read_text_call(
+    request: Request, data: dict[str, Any], model: type[B]
+) -> tuple[ServerState, B, list[str | list[int]]]:
+    """A call on TEI's `inputs`: the state of its model, its body, and its inputs."""
+    state = tei_state(request)
+    body = validate(model, data)
+    return state, body, text_inputs(state, body.inputs)
 
 
 @router.post("/embed", openapi_extra=openapi_body(TeiEmbedRequest))
@@ -126,15 +135,12 @@ async def create_embed(request: Request) -> Response:
 @answered_as(tei_error)
 async def embed(request: Request, data: dict[str, Any]) -> Response:
     """One vector per input (normalized unless `normalize` is false, TEI's default)."""
-    state = tei_state(request)
-    body = validate(TeiEmbedRequest, data)
-    items = text_inputs(state, body.inputs)
+    state, body, items = read_text_call(request, data, TeiEmbedRequest)
     options = EmbedOptions(
         dimensions=body.dimensions,
         normalize=body.normalize,
-        truncate_prompt_tokens=truncation(state, body),
-        truncation_side=side(body),
         prompt_name=body.prompt_name,
+        **text_options(state, body),
     )
     return await _encode(request, state, items, options.encode())
 
@@ -147,15 +153,12 @@ async def create_embed_all(request: Request) -> Response:
 @answered_as(tei_error)
 async def embed_all(request: Request, data: dict[str, Any]) -> Response:
     """Every token's vector, unpooled and not normalized: `[n_tokens, dim]` per input."""
-    state = tei_state(request)
-    body = validate(TeiTokensRequest, data)
-    items = text_inputs(state, body.inputs)
+    state, body, items = read_text_call(request, data, TeiTokensRequest)
     options = EncodeOptions(
         task="token_embed",
         normalize=False,
-        truncate_prompt_tokens=truncation(state, body),
-        truncation_side=side(body),
         prompt_name=body.prompt_name,
+        **text_options(state, body),
     )
     return await _encode(request, state, items, options)
 
@@ -166,21 +169,13 @@ async def _encode(
     """`calls.prepare_encode` of `items` with `options`, answered as TEI does: an array (of
     arrays) per input."""
 
-    media = carries_images(items)  # a data:image/ string is an image
-    ctx = call_context(state, request, media)
-
-    def prepare() -> PreparedCall[list[np.ndarray]]:
-        return calls.prepare_encode(ctx, items, options)
-
-    arrays, timings = await run_call(
+    arrays, timings = await run_call_of(
         state,
         request,
-        request.scope["path"],
-        prepare,
-        len(items),
+        items,  # a data:image/ string is an image
+        lambda ctx: calls.prepare_encode(ctx, items, options),
         inputs_error,
         per_token=options.task in PER_TOKEN,
-        media=media,
     )
     content = await asyncio.to_thread(lambda: dumps([a.tolist() for a in arrays]))
     return json_response(content, timings.headers())
@@ -194,23 +189,15 @@ async def create_embed_sparse(request: Request) -> Response:
 @answered_as(tei_error)
 async def embed_sparse(request: Request, data: dict[str, Any]) -> Response:
     """SPLADE vectors: `[{"index": token id, "value": weight}]` per input, by token id."""
-    state = tei_state(request)
-    body = validate(TeiTokensRequest, data)
-    items = text_inputs(state, body.inputs)
-    options = SparseOptions(
-        truncate_prompt_tokens=truncation(state, body),
-        truncation_side=side(body),
-        prompt_name=body.prompt_name,
-    )
+    state, body, items = read_text_call(request, data, TeiTokensRequest)
+    options = SparseOptions(prompt_name=body.prompt_name, **text_options(state, body))
 
-    media = carries_images(items)
-    ctx = call_context(state, request, media)
-
-    def prepare() -> PreparedCall[calls.SparseResult]:
-        return calls.prepare_embed_sparse(ctx, items, options)
-
-    vectors, timings = await run_call(
-        state, request, request.scope["path"], prepare, len(items), inputs_error, media=media
+    vectors, timings = await run_call_of(
+        state,
+        request,
+        items,
+        lambda ctx: calls.prepare_embed_sparse(ctx, items, options),
+        inputs_error,
     )
     content = [[{"index": i, "value": w} for i, w in sorted(vector.items())] for vector in vectors]
     return json_response(dumps(content), timings.headers())
@@ -230,19 +217,11 @@ async def predict(request: Request, data: dict[str, Any]) -> Response:
     items, single = predict_inputs(body.inputs)
     state.check_count(len(items), "inputs")
     options = ClassifyOptions(
-        use_activation=False if body.raw_scores else None,
-        truncate_prompt_tokens=truncation(state, body),
-        truncation_side=side(body),
+        use_activation=False if body.raw_scores else None, **text_options(state, body)
     )
 
-    media = carries_images(items)
-    ctx = call_context(state, request, media)
-
-    def prepare() -> PreparedCall[np.ndarray]:
-        return calls.prepare_classify(ctx, items, options)
-
-    scores, timings = await run_call(
-        state, request, request.scope["path"], prepare, len(items), inputs_error, media=media
+    scores, timings = await run_call_of(
+        state, request, items, lambda ctx: calls.prepare_classify(ctx, items, options), inputs_error
     )
     labels = state.info.id2label
     predictions = [
@@ -295,25 +274,15 @@ async def rerank(request: Request, data: dict[str, Any]) -> Response:
         raise ApiError(400, "`texts` cannot be empty", param="texts", code="empty_input")
     state.check_count(len(body.texts), "texts")
     options = RerankOptions(
-        use_activation=False if body.raw_scores else None,
-        truncate_prompt_tokens=truncation(state, body),
-        truncation_side=side(body),
+        use_activation=False if body.raw_scores else None, **text_options(state, body)
     )
 
-    media = carries_images([body.query, *body.texts])
-    ctx = call_context(state, request, media)
-
-    def prepare() -> PreparedCall[list[tuple[int, float]]]:
-        return calls.prepare_rerank(ctx, body.query, body.texts, options=options)
-
-    ranked, timings = await run_call(
+    ranked, timings = await run_call_of(
         state,
         request,
-        request.scope["path"],
-        prepare,
-        len(body.texts) + 1,
+        [body.query, *body.texts],
+        lambda ctx: calls.prepare_rerank(ctx, body.query, body.texts, options=options),
         RERANK_ERRORS,
-        media=media,
     )
     ranks = []
     for index, score in ranked:
