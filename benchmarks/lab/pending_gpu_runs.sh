@@ -40,10 +40,10 @@ source "$(dirname "$0")/steps.sh"
 # The model and device of a step: the real shapes on CUDA, a tiny one on the CPU with SMOKE=1.
 if [ "$SMOKE" = 1 ]; then
     suffix=smoke decoder=tiny-qwen3 encoder=tiny-bert encoder2=tiny-bert dev=(--device cpu)
-    few=(--n 64 --rounds 3)
+    few=(--n 8 --rounds 1) calls=(--calls 2)
 else
     suffix=h200 decoder=qwen3-0.6b encoder=bert-base encoder2=minilm dev=()
-    few=()
+    few=() calls=()
 fi
 
 fp8() {
@@ -64,7 +64,8 @@ fp8() {
 
 host() {
     step "gc_stalls_$suffix" 200 "$PY" benchmarks/lab/gc_stalls.py \
-        --models "$decoder" "$encoder" "$encoder2" "${dev[@]}" "${few[@]}" "${common[@]}" \
+        --models "$decoder" "$encoder" "$encoder2" "${dev[@]}" "${few[@]}" "${calls[@]}" \
+        "${common[@]}" \
         --output "$OUT/gc_stalls_$suffix.json"
     step "ab_first_chunk_$suffix" 240 "$PY" benchmarks/lab/ab_host_threads.py \
         --models "$decoder" "$encoder" --vary first-chunk --values 128 512 \
