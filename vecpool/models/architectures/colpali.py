@@ -143,15 +143,11 @@ class ColPaliForRetrieval(GemmaModel):
 
     def forward(
         self,
-        inputs_embeds: torch.Tensor,  # [num_tokens, hidden]
+        inputs_embeds: torch.Tensor,  # [num_tokens, hidden], image rows in place (the runner's)
         positions: torch.Tensor,  # [num_tokens] int64, from 0
         attn: AttentionMetadata,
         token_type_ids: torch.Tensor | None = None,
-        images: ImageBatch | None = None,
     ) -> torch.Tensor:  # [num_tokens, hidden]
-        if images is not None and images.num_images:
-            rows = self.vision_rows(images, attn.use_varlen, attn.batch_invariant)
-            inputs_embeds.index_copy_(0, images.rows, rows.to(inputs_embeds.dtype))
         return super().forward(inputs_embeds, positions + 1, attn)  # PaliGemma counts from 1
 
     def vision_rows(
