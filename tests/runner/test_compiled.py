@@ -97,6 +97,35 @@ def test_many_block_structures_stay_compiled(qwen3_folder: Path) -> None:
     assert len(graphs) == 12
 
 
+def test_each_engine_keeps_its_own_compiled_code(qwen3_folder: Path) -> None:
+    """Two engines of one block class in a process: what dynamo compiles for each lives on a
+    code object of that engine's own (none on the class's forward), so neither checks its
+    guards against the other's graphs nor counts towards the other's recompile limit; each
+    still computes what an eager engine does."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list as entries
+
+    eager = vecpool.Engine(qwen3_folder, device="cpu", compile=False)
+    engines = [vecpool.Engine(qwen3_folder, device="cpu", compile=False) for _ in range(2)]
+    torch._dynamo.reset()
+    for engine in engines:
+        assert compile_blocks(engine.model, backend="eager") == 3
+    prompts = random_prompts(VOCAB, [5, 17, 3], seed=0)
+    expected = engine_hidden(eager, prompts)
+    codes = []
+    for engine in engines:
+        for e, a in zip(expected, engine_hidden(engine, prompts), strict=True):
+            assert np.array_equal(a, e)
+        blocks = repeated_blocks(engine.model)
+        code = blocks[0].forward.__code__
+        assert all(b.forward.__code__ is code for b in blocks)  # one code object per engine
+        codes.append(code)
+    assert codes[0] is not codes[1]
+    counts = [len(entries(code)) for code in codes]
+    assert counts[0] >= 1 and counts[0] == counts[1]  # the same graphs, each engine its own
+    class_forward = type(repeated_blocks(engines[0].model)[0]).forward
+    assert entries(class_forward.__code__) == []
+
+
 def test_compiled_blocks_run_chunked_prompts(qwen3_folder: Path) -> None:
     """Chunks of prompts over the budget attend to cached keys through the opaque
     `vecpool::cached_attention` op: no graph break, one graph per block for chunked steps

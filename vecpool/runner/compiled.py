@@ -15,6 +15,10 @@ vendor library.
 
 from __future__ import annotations
 
+import types
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -52,22 +56,50 @@ def compile_blocks(model: nn.Module, *, backend: str = "inductor") -> int:
     Returns how many blocks were compiled. Compilation itself happens on the first forward
     (tens of seconds on a GPU; the engine warms up once). `backend="eager"` traces without
     generating code, which tests use to check the wrapping on any machine.
+
+    dynamo keeps what it compiled on the code object of the function it traced, with a limit
+    of graphs per code object past which it runs that function eagerly, silently. A block
+    class's `forward` is one code object for the whole process: every engine of the class
+    (an embedder and a reranker, bf16 and FP8 side by side) would add its graphs to one list,
+    have its guards checked against the others' on its calls and count towards one limit (a
+    7B's engines built after five others once ran at 34.8k tokens/s instead of 59.7k,
+    `benchmarks/results/fp8_block_recompile_limit_h200.json`). Each model's blocks therefore run
+    a copy of their class's forward with a code object of the model's own: one engine's
+    compiled code is its own, whatever else the process holds.
     """
     blocks = repeated_blocks(model)
-    # Every model of a block class shares the forward's compiled code, one graph for each
-    # structure (norms, quantized projections) and kind of step it meets: a few models in one
-    # process (a multi-model server, a benchmark's engines side by side) pass dynamo's default
-    # of 8 graphs per code, past which it runs the forward eagerly, silently. Measured: a
-    # 7B's engines built after five others in one process ran at 34.8k tokens/s instead of
-    # 59.7k (`benchmarks/results/fp8_block_recompile_limit_h200.json`).
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
+    own: dict[Callable[..., Any], types.FunctionType] = {}  # class forward -> this model's copy
     for block in blocks:
+        forward = type(block).forward
+        if forward not in own:
+            own[forward] = own_code(forward)
+        block.forward = types.MethodType(own[forward], block)
         block.compile(backend=backend, dynamic=True)
     return len(blocks)
 
 
-# Graphs of one block forward's code that dynamo keeps before it falls back to eager.
+def own_code(function: Callable[..., Any]) -> types.FunctionType:
+    """`function` with a code object of its own (equal to the original, not the same object):
+    what dynamo compiles for it is kept apart from what it compiled for the original."""
+    if not isinstance(function, types.FunctionType):
+        raise TypeError(f"cannot copy {function!r}: not a Python function")
+    copy = types.FunctionType(
+        function.__code__.replace(),
+        function.__globals__,
+        function.__name__,
+        function.__defaults__,
+        function.__closure__,
+    )
+    copy.__kwdefaults__ = function.__kwdefaults__
+    copy.__qualname__ = function.__qualname__
+    copy.__dict__.update(function.__dict__)
+    return copy
+
+
+# Graphs of one model's block forward that dynamo keeps before it falls back to eager (one
+# per structure and kind of step; a model's quantized and plain layers are two structures).
 RECOMPILE_LIMIT = 64
 
 
