@@ -64,6 +64,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="after the rounds, each engine's first workload from text once under torch.profiler,"
         " alone and together: the operators that took the most host and device time",
     )
+    parser.add_argument(
+        "--shared-code",
+        action="store_true",
+        help="engines of one block class share its compiled code (the baseline of "
+        "`vecpool.runner.compiled.OWN_CODE`)",
+    )
     parser.add_argument("--atol", type=float, default=0.0, help="largest difference allowed")
     parser.add_argument("--output", type=Path)
     parser.add_argument("--tokenizer", type=Path, help="default: the packaged model's folder")
@@ -223,6 +229,10 @@ def summarize(rounds: list[dict[str, Any]], tokens: dict[str, int]) -> dict[str,
 
 def main(argv: list[str]) -> dict[str, Any]:
     args = parse_args(argv)
+    if args.shared_code:
+        from vecpool.runner import compiled
+
+        compiled.OWN_CODE = False
     if args.child is not None:
         result = measure_alone(args)
         args.output.write_text(json.dumps(result))

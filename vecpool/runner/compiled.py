@@ -73,6 +73,9 @@ def compile_blocks(model: nn.Module, *, backend: str = "inductor") -> int:
     own: dict[Callable[..., Any], types.FunctionType] = {}  # class forward -> this model's copy
     for block in blocks:
         forward = type(block).forward
+        if not OWN_CODE:
+            block.compile(backend=backend, dynamic=True)
+            continue
         if forward not in own:
             own[forward] = own_code(forward)
         block.forward = types.MethodType(own[forward], block)
@@ -97,6 +100,10 @@ def own_code(function: Callable[..., Any]) -> types.FunctionType:
     copy.__dict__.update(function.__dict__)
     return copy
 
+
+# False: every model's blocks run their class's forward as is, sharing its compiled code with
+# every other model of the class (the baseline of `benchmarks/bench_engines.py --shared-code`).
+OWN_CODE = True
 
 # Graphs of one model's block forward that dynamo keeps before it falls back to eager (one
 # per structure and kind of step; a model's quantized and plain layers are two structures).
