@@ -45,7 +45,7 @@ def _tokenizer() -> Tokenizer:
     return tokenizer
 
 
-class PublishedJinaVL(transformers.Qwen2VLForConditionalGeneration):  # type: ignore[misc]
+class PublishedJinaVL(transformers.Qwen2VLForConditionalGeneration):
     """`JinaVLForRanking` as jina-reranker-m0's modeling.py defines it: no language-model
     head, `score` on the last token's final hidden state, `sigmoid(logit - 2.65)`."""
 

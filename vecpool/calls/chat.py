@@ -147,7 +147,65 @@ def render_chat(
     )
 
 
-def _plain_messages(messages: Any) -> list[dict[str, Any]]:
+def render_chat_with_images(
+    tokenizer_file: str | None,
+    messages: Any,
+    *,
+    add_generation_prompt: bool = False,
+    continue_final_message: bool = False,
+    template_kwargs: Mapping[str, Any] | None = None,
+    chat_template: str | None = None,
+) -> tuple[str, list[Any]]:
+    """`messages` of a vision-language model as one text and its images, in order: content
+    parts stay parts for the template (`{"type": "text", "text"}`, and an image part as
+    `{"type": "image"}`, where Qwen2-VL's template writes the image's placeholder), each
+    image part's value (`image_url`'s URL, `image`'s value, or `image_embeds`' precomputed
+    rows) listed. Otherwise as `render_chat`."""
+    if continue_final_message:
+        render_chat(tokenizer_file, messages, continue_final_message=True)  # its refusal
+    if template_kwargs is not None and not isinstance(template_kwargs, Mapping):
+        raise InputError("must be an object", field="chat_template_kwargs")
+    template = load_chat_template(tokenizer_file, chat_template)
+    if template is None:
+        raise InputError(NO_TEMPLATE, field="messages")
+    images: list[Any] = []
+    plain = _plain_messages(messages, images)
+    variables = {
+        **template.special_tokens,
+        **(template_kwargs or {}),
+        "messages": plain,
+        "add_generation_prompt": add_generation_prompt,
+    }
+    try:
+        text = str(_compile(template.source).render(**variables))
+    except InputError:
+        raise
+    except Exception as exc:  # the template's own error (raise_exception, a bad filter)
+        raise InputError(f"the chat template failed: {exc}", field="messages") from None
+    return text, images
+
+
+# The image parts of a vision-language model's messages: vLLM's and ours.
+_IMAGE_PARTS = ("image_url", "image", "image_embeds")
+
+
+def _image_part(part: Mapping[str, Any], i: int, j: int) -> Any:
+    """The value of image part `j` of message `i`: an image source, or precomputed rows."""
+    kind = part["type"]
+    value = part.get(kind)
+    if kind == "image_url" and isinstance(value, Mapping):
+        value = value.get("url")
+    if value is None:
+        raise InputError(
+            f"content part {j}: an {kind} part needs {kind!r}", index=i, field="messages"
+        )
+    return value
+
+
+def _plain_messages(messages: Any, images: list[Any] | None = None) -> list[dict[str, Any]]:
+    """The messages as a template reads them: text parts joined by new lines (as vLLM joins
+    them); with `images` (a vision-language model's), parts kept, an image part written as
+    `{"type": "image"}` and its value added to `images`."""
     if isinstance(messages, str | Mapping) or not isinstance(messages, Sequence) or not messages:
         raise InputError("messages must be a non-empty list of messages", field="messages")
     plain = []
@@ -157,6 +215,24 @@ def _plain_messages(messages: Any) -> list[dict[str, Any]]:
                 'a message must be an object with a string "role"', index=i, field="messages"
             )
         content = message.get("content")
+        if isinstance(content, list) and images is not None:
+            parts: list[dict[str, Any]] = []
+            for j, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, Mapping) else None
+                if kind == "text" and isinstance(part.get("text"), str):
+                    parts.append({"type": "text", "text": part["text"]})
+                elif kind in _IMAGE_PARTS:
+                    images.append(_image_part(part, i, j))
+                    parts.append({"type": "image"})
+                else:
+                    raise InputError(
+                        f"content part {j}: a part is {{'type': 'text', 'text': str}} or an "
+                        f"image ({', '.join(_IMAGE_PARTS)}), got {kind!r}",
+                        index=i,
+                        field="messages",
+                    )
+            plain.append({**message, "content": parts})
+            continue
         if isinstance(content, list):
             texts = []
             for part in content:

@@ -72,7 +72,15 @@ class ImageItem:
     source: str
 
 
-Item = str | list[int] | dict[str, Any] | EncodedEmbeds | ImageItem
+@dataclass(frozen=True)
+class PartsItem:
+    """An input of text and image parts together, in order (a vision-language model reads
+    them as one prompt), its images not read yet."""
+
+    parts: tuple[str | ImageItem, ...]
+
+
+Item = str | list[int] | dict[str, Any] | EncodedEmbeds | ImageItem | PartsItem
 
 _OBJECT_INPUTS = (
     '{"prompt_embeds": "<base64>"}, {"text": ..., "text_pair": ...} or '
@@ -147,7 +155,15 @@ def decode_inputs(items: list[Item]) -> list[Any]:
 
 
 def engine_input(item: Any) -> Any:
-    """An item as the engine's input stage takes it: an `ImageItem` as `{"image": source}`."""
+    """An item as the engine's input stage takes it: an `ImageItem` as `{"image": source}`,
+    a `PartsItem` as a list of parts (`vecpool.inputs.vision_prompts`)."""
+    if isinstance(item, PartsItem):
+        return [
+            {"type": "image", "image": part.source}
+            if isinstance(part, ImageItem)
+            else {"type": "text", "text": part}
+            for part in item.parts
+        ]
     return {"image": item.source} if isinstance(item, ImageItem) else item
 
 
@@ -156,7 +172,7 @@ def carries_images(items: Any) -> bool:
     the input stage reads as one): such a call is prepared off the event loop, whatever its
     size, and its URL fetches end at the request's deadline."""
     return any(
-        isinstance(item, ImageItem)
+        isinstance(item, ImageItem | PartsItem)
         or (isinstance(item, str) and item.startswith(DATA_IMAGE_PREFIX))
         for item in items
     )
@@ -183,12 +199,13 @@ def image_sources(value: Any, name: str) -> list[ImageItem]:
     return [ImageItem(source) for source in values]
 
 
-def content_item(parts: Any, where: str) -> str | ImageItem:
+def content_item(parts: Any, where: str, *, together: bool = False) -> str | ImageItem | PartsItem:
     """One input written as content parts (vLLM's message content and `{"content": [...]}`
     score and rerank items, Cohere's `inputs`): text parts `{"type": "text", "text": ...}`
     are one text, joined by new lines (as vLLM joins them); one image part
     `{"type": "image_url", "image_url": {"url": ...}}` is an image. A dual encoder embeds a
-    text or an image, so an image with anything else beside it is a 400 naming `where`."""
+    text or an image, so an image with anything else beside it is a 400 naming `where`;
+    `together` (a vision-language model) reads such parts as one `PartsItem`."""
     if isinstance(parts, str):
         return parts
     if not isinstance(parts, list) or not parts:
@@ -197,6 +214,8 @@ def content_item(parts: Any, where: str) -> str | ImageItem:
     images = [j for j, part in enumerate(read) if isinstance(part, ImageItem)]
     if not images:
         return "\n".join(read)  # type: ignore[arg-type]  # text parts only
+    if len(read) > 1 and together:
+        return PartsItem(tuple(read))
     if len(read) > 1:
         at = f"{where}[{images[0]}]"
         raise invalid_input(

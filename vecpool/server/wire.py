@@ -13,7 +13,7 @@ import numpy as np
 
 from vecpool.calls.outputs import PoolingOutput, PromptRequest
 from vecpool.errors import EngineError, InputError, RequestFailedError, VecpoolError
-from vecpool.inputs.pixels import ImagePixels
+from vecpool.inputs.pixels import ImagePixels, ImageSpan
 from vecpool.inputs.prompts import Prompt
 from vecpool.tasks import PoolingParams
 
@@ -22,6 +22,18 @@ _ERRORS: dict[str, type[VecpoolError]] = {
     "request_failed": RequestFailedError,
     "engine": EngineError,
 }
+
+
+class WireSpan(msgspec.Struct, array_like=True):
+    """One image of a vision-language prompt (`ImageSpan`): its placeholder run and grid, and
+    its patch rows (float32 `[rows * cols, patch_dim]`) or its precomputed rows (float32
+    `[num_tokens, hidden]`), little-endian."""
+
+    start: int
+    num_tokens: int
+    grid: tuple[int, int]
+    pixels: bytes | None
+    rows: bytes | None
 
 
 class WireRequest(msgspec.Struct, array_like=True):
@@ -39,6 +51,9 @@ class WireRequest(msgspec.Struct, array_like=True):
     # An image input: its patch rows, float32 little-endian [rows * cols, patch_dim], and its grid.
     image: bytes | None = None
     image_grid: tuple[int, int] | None = None
+    # A vision-language prompt's images, and its [3, num_tokens] int64 M-RoPE positions.
+    spans: list[WireSpan] | None = None
+    mrope_positions: bytes | None = None
 
 
 class Submit(msgspec.Struct, tag=True, array_like=True):
@@ -122,8 +137,12 @@ def submit(call_id: int, requests: list[PromptRequest]) -> Submit:
                 embeds_dtype=None if embeds is None else embeds.dtype.name,
                 embeds_shape=None if embeds is None else (embeds.shape[0], embeds.shape[1]),
                 num_attended=p.num_attended,
-                image=None if p.image is None else np.ascontiguousarray(p.image.patches, "<f4").tobytes(),
+                image=None
+                if p.image is None
+                else np.ascontiguousarray(p.image.patches, "<f4").tobytes(),
                 image_grid=None if p.image is None else p.image.grid,
+                spans=[_wire_span(span) for span in p.images] if p.images else None,
+                mrope_positions=_array_bytes(p.mrope_positions),
             )
         )
     return Submit(call_id, params, wire)
@@ -150,9 +169,34 @@ def prompt_requests(message: Submit) -> list[PromptRequest]:
             token_type_ids=_array(w.token_type_ids),
             num_attended=w.num_attended,
             image=image,
+            images=tuple(_span(span) for span in w.spans or ()),
+            mrope_positions=_positions(w.mrope_positions),
         )
         out.append(PromptRequest(w.index, prompt, message.params[w.params]))
     return out
+
+
+def _positions(data: bytes | None) -> np.ndarray | None:
+    """`[3, num_tokens]` int64 M-RoPE positions from their bytes."""
+    return None if data is None else np.frombuffer(bytearray(data), dtype="<i8").reshape(3, -1)
+
+
+def _wire_span(span: ImageSpan) -> WireSpan:
+    def f32(array: np.ndarray | None) -> bytes | None:
+        return None if array is None else np.ascontiguousarray(array, "<f4").tobytes()
+
+    pixels = None if span.pixels is None else span.pixels.patches
+    return WireSpan(span.start, span.num_tokens, span.grid, f32(pixels), f32(span.rows))
+
+
+def _span(w: WireSpan) -> ImageSpan:
+    pixels = rows = None
+    if w.pixels is not None:
+        patches = np.frombuffer(bytearray(w.pixels), dtype="<f4")
+        pixels = ImagePixels(patches.reshape(w.grid[0] * w.grid[1], -1), w.grid)
+    if w.rows is not None:
+        rows = np.frombuffer(bytearray(w.rows), dtype="<f4").reshape(w.num_tokens, -1)
+    return ImageSpan(w.start, w.num_tokens, w.grid, pixels, rows)
 
 
 def _float_bytes(array: np.ndarray) -> bytes:

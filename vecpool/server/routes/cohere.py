@@ -23,6 +23,7 @@ from vecpool.calls import EmbedOptions, PreparedCall, postprocess
 from vecpool.errors import InputError
 from vecpool.server.codec import (
     ImageItem,
+    PartsItem,
     carries_images,
     content_item,
     engine_input,
@@ -116,7 +117,11 @@ async def embed(request: Request, data: dict[str, Any], *, version: int) -> Resp
     )
     stacked = np.stack(vectors)
     billed: dict[str, int] = {"input_tokens": timings.prompt_tokens}
-    num_images = sum(isinstance(i, ImageItem) for i in items)
+    num_images = sum(
+        isinstance(i, ImageItem)
+        or (isinstance(i, PartsItem) and any(isinstance(p, ImageItem) for p in i.parts))
+        for i in items
+    )
     if num_images:
         billed["images"] = num_images
     meta = {
@@ -135,7 +140,9 @@ async def embed(request: Request, data: dict[str, Any], *, version: int) -> Resp
     return json_response(dumps(content), timings.headers())
 
 
-def _inputs(state: ServerState, body: CohereEmbedRequest) -> tuple[str, list[str | ImageItem]]:
+def _inputs(
+    state: ServerState, body: CohereEmbedRequest
+) -> tuple[str, list[str | ImageItem | PartsItem]]:
     """The field the body's inputs came in (`texts`, `images` or `inputs`: exactly one), and
     its items: texts, images, or per input one text or one image."""
     given = [n for n in ("texts", "images", "inputs") if getattr(body, n) is not None]
@@ -152,7 +159,7 @@ def _inputs(state: ServerState, body: CohereEmbedRequest) -> tuple[str, list[str
     if name == "texts" and body.input_type == "image":
         what = "send the images in images" if has_tower else _TEXT_ONLY
         raise ApiError(400, f"input_type image is for images: {what}", param="input_type")
-    items: list[str | ImageItem]
+    items: list[str | ImageItem | PartsItem]
     if name == "texts":
         if not body.texts:
             raise ApiError(
@@ -163,7 +170,11 @@ def _inputs(state: ServerState, body: CohereEmbedRequest) -> tuple[str, list[str
         items = list(image_sources(body.images, "images"))
     else:
         assert body.inputs is not None
-        items = [content_item(i.content, f"inputs[{j}].content") for j, i in enumerate(body.inputs)]
+        together = state.info.vision_language  # text and images read as one input
+        items = [
+            content_item(i.content, f"inputs[{j}].content", together=together)
+            for j, i in enumerate(body.inputs)
+        ]
     state.check_count(len(items), name)
     return name, items
 

@@ -21,9 +21,11 @@ from vecpool.errors import InputError
 from vecpool.server.codec import (
     ImageItem,
     Item,
+    PartsItem,
     carries_images,
     content_item,
     decode_inputs,
+    decode_prompt_embeds,
     image_sources,
     parse_inputs,
 )
@@ -74,7 +76,10 @@ class TextInputs:
         self.list_name = "input"  # the body's field the inputs' errors name
         self.items: list[Item] = []
         has_tower = state.info.image_processor_dir is not None
-        if self.chat is not None and has_tower:
+        self.vision_chat = self.chat is not None and state.info.vision_language
+        if self.vision_chat:  # rendered by the chat template, image parts in place
+            self.list_name = "messages"
+        elif self.chat is not None and has_tower:
             if self.chat.continue_final_message:
                 raise ApiError(
                     400,
@@ -103,7 +108,10 @@ class TextInputs:
             state.check_count(len(self.items))
         else:
             self.items = parse_items(state, body.input, text_objects=has_tower)
-        self.media = carries_images(self.items)  # read images: prepared off the event loop
+        # read images: prepared off the event loop
+        self.media = carries_images(self.items) or (
+            self.vision_chat and _has_image_parts(body.messages)
+        )
 
     def __len__(self) -> int:
         return 1 if self.chat is not None else len(self.items)
@@ -124,6 +132,17 @@ class TextInputs:
         """The inputs for a `prepare_*` call (off the event loop: decoding, rendering)."""
         if self.chat is None:
             return decode_inputs(self.items)
+        if self.vision_chat:
+            text, images = chat.render_chat_with_images(
+                self.state.info.tokenizer_file,
+                self.chat.messages,
+                add_generation_prompt=self.chat.add_generation_prompt,
+                continue_final_message=self.chat.continue_final_message,
+                template_kwargs=self.chat.chat_template_kwargs,
+                chat_template=self.state.info.chat_template,
+            )
+            images = [decode_image_embeds(image) for image in images]
+            return [{"prompt": text, "image": images} if images else text]
         return [
             chat.render_chat(
                 self.state.info.tokenizer_file,
@@ -136,7 +155,33 @@ class TextInputs:
         ]
 
 
-def message_input(messages: list[Any]) -> str | ImageItem:
+def _has_image_parts(messages: list[Any]) -> bool:
+    return any(
+        isinstance(part, dict) and part.get("type") in ("image_url", "image", "image_embeds")
+        for message in messages
+        if isinstance(message, dict) and isinstance(message.get("content"), list)
+        for part in message["content"]
+    )
+
+
+def decode_image_embeds(value: Any) -> Any:
+    """An image part's value as the input stage takes it: vLLM's `image_embeds` part for
+    Qwen2-VL, `{"image_embeds": "<base64 .npy or torch.save>", "image_grid_thw": [1, rows,
+    columns]}`, its rows decoded (checked by the input stage); an image source as it is."""
+    if not isinstance(value, dict) or "image_embeds" not in value:
+        return value
+    rows, grid = value["image_embeds"], value.get("image_grid_thw")
+    try:
+        if isinstance(rows, str):
+            rows = decode_prompt_embeds(rows, 0)
+    except InputError as exc:
+        raise ApiError(
+            400, f"messages: image_embeds: {exc.reason}", param="messages", code="invalid_input"
+        ) from None
+    return {"image_embeds": rows, "image_grid_thw": grid}
+
+
+def message_input(messages: list[Any]) -> str | ImageItem | PartsItem:
     """vLLM's `messages` for a dual encoder (CLIP, SigLIP: vLLM's own example): one message
     whose content is one text (a string, or text parts joined by new lines) or one
     `image_url` part; read without a chat template (such folders have none)."""

@@ -26,7 +26,13 @@ from starlette.responses import Response
 
 from vecpool import calls
 from vecpool.calls import ClassifyOptions, PreparedCall, RerankOptions, ScoreOptions
-from vecpool.server.codec import ImageItem, carries_images, content_item, engine_input
+from vecpool.server.codec import (
+    ImageItem,
+    PartsItem,
+    carries_images,
+    content_item,
+    engine_input,
+)
 from vecpool.server.errors import ApiError, answered_as, infinity_error, side_errors
 from vecpool.server.protocol import (
     SCORE_SHAPES,
@@ -155,8 +161,9 @@ async def rerank(request: Request, data: dict[str, Any]) -> Response:
             param="max_chunks_per_doc",
         )
     use_activation = activation(body.use_activation, body.raw_scores)
-    query = score_item(body.query, "query")
-    documents = [rerank_document(d, i) for i, d in enumerate(body.documents)]
+    together = state.info.vision_language  # text and image parts read as one input
+    query = score_item(body.query, "query", together)
+    documents = [rerank_document(d, i, together) for i, d in enumerate(body.documents)]
     if body.return_documents:
         _check_echoed(body.documents)
     media = carries_images([query, *documents])
@@ -205,10 +212,13 @@ async def rerank(request: Request, data: dict[str, Any]) -> Response:
 
 
 def rerank_document(
-    document: str | RerankDocument | ImageDocument | ContentInput, index: int
-) -> str | ImageItem:
+    document: str | RerankDocument | ImageDocument | ContentInput,
+    index: int,
+    together: bool = False,
+) -> str | ImageItem | PartsItem:
     """A rerank document as an input: a string or `{"text", ...}` a text, Jina's
-    `{"image", ...}` an image, vLLM's `{"content": [parts]}` one text or one image."""
+    `{"image", ...}` an image, vLLM's `{"content": [parts]}` one text or one image (or, with
+    `together`, a vision-language model's, text and images together)."""
     if isinstance(document, RerankDocument):
         if document.model_extra and "image" in document.model_extra:
             where = f"documents[{index}]"
@@ -220,12 +230,17 @@ def rerank_document(
         return document.text
     if isinstance(document, ImageDocument):
         return ImageItem(document.image)
-    return score_item(document, f"documents[{index}]")
+    return score_item(document, f"documents[{index}]", together)
 
 
-def score_item(item: str | ContentInput, where: str) -> str | ImageItem:
-    """A text, or vLLM's `{"content": [parts]}` item (one text or one image)."""
-    return item if isinstance(item, str) else content_item(item.content, f"{where}.content")
+def score_item(
+    item: str | ContentInput, where: str, together: bool = False
+) -> str | ImageItem | PartsItem:
+    """A text, or vLLM's `{"content": [parts]}` item (one text or one image; with `together`,
+    text and images together)."""
+    if isinstance(item, str):
+        return item
+    return content_item(item.content, f"{where}.content", together=together)
 
 
 def _check_echoed(documents: list[str | RerankDocument | ImageDocument | ContentInput]) -> None:
@@ -292,8 +307,9 @@ async def score(request: Request, data: dict[str, Any]) -> Response:
     body = validate(model, data)
     state = state.for_model(body.model)
     first, second = getattr(body, first_name), getattr(body, second_name)
-    firsts = score_side(first, first_name)
-    seconds = score_side(second, second_name)
+    together = state.info.vision_language
+    firsts = score_side(first, first_name, together)
+    seconds = score_side(second, second_name, together)
     state.check_count(len(firsts), first_name)
     state.check_count(len(seconds), second_name)
     media = carries_images(firsts + seconds)
@@ -333,12 +349,12 @@ async def score(request: Request, data: dict[str, Any]) -> Response:
     return json_response(dumps(content), timings.headers())
 
 
-def score_side(side: Any, name: str) -> list[str | ImageItem]:
+def score_side(side: Any, name: str, together: bool = False) -> list[str | ImageItem | PartsItem]:
     """A side of a score body as its items: one item (a text or `{"content": [parts]}`), or
     a list of them."""
     if isinstance(side, list):
-        return [score_item(item, f"{name}[{i}]") for i, item in enumerate(side)]
-    return [score_item(side, name)]
+        return [score_item(item, f"{name}[{i}]", together) for i, item in enumerate(side)]
+    return [score_item(side, name, together)]
 
 
 @router.post(
