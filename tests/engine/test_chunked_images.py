@@ -50,18 +50,10 @@ def _request(name: str, n: int, images: list[tuple[int, int, int]] | None = None
     return Request(name, _prompt(n, images or []), PoolingParams(), TASKS["embed"])
 
 
-def _patches(step: StepInput) -> int:
-    """Patch rows the step's vision tower runs."""
-    return sum(c.prompt.patches_in(c.start, c.start + c.num_tokens) for c in step.chunks)
-
-
 def _step(scheduler: Scheduler) -> dict[str, tuple[int, int, int]]:
     """The next step, as {request id: (first position, tokens, patch rows)}."""
     step = scheduler.schedule().step
-    return {
-        c.request_id: (c.start, c.num_tokens, c.prompt.patches_in(c.start, c.start + c.num_tokens))
-        for c in step.chunks
-    }
+    return {c.request_id: (c.start, c.num_tokens, c.patches) for c in step.chunks}
 
 
 def test_a_chunk_ends_before_an_image_the_step_has_no_patches_for() -> None:
@@ -101,7 +93,7 @@ def test_short_queries_are_not_stalled_behind_a_page_image() -> None:
         assert sum(t for _, t, _ in step.values()) <= 16
         assert sum(p for _, _, p in step.values()) <= 64
     while page.num_unscheduled_tokens:
-        assert _patches(scheduler.schedule().step) <= 64
+        assert scheduler.schedule().step.num_batched_patches <= 64
 
 
 def test_an_image_over_the_whole_patch_budget_runs_where_the_tower_runs_no_other() -> None:
@@ -215,10 +207,7 @@ def test_chunked_images_equal_the_whole_run_and_transformers(
     # Each image ran through the tower once, and no step's tower ran more than its budget.
     processor = chunked.inputs.images.processor
     assert count.patches == sum(processor(i).num_patches for i in images[0] + images[1])
-    assert all(
-        sum(c.prompt.patches_in(c.start, c.start + c.num_tokens) for c in s.chunks) <= PATCHES
-        for s in count.steps
-    )
+    assert all(s.num_batched_patches <= PATCHES for s in count.steps)
     assert chunked.model_runner.kept_image_rows.num_entries == 0  # freed after the last chunk
 
 
@@ -298,3 +287,40 @@ def test_kept_image_rows_are_freed_on_failure_and_cancellation(
     assert query.status == RequestStatus.FINISHED
     cache = chunked.model_runner.kv_cache
     assert kept.num_entries == 0 and cache is not None and cache.num_entries == 0
+
+
+def test_an_image_over_the_patch_budget_runs_alone_or_fails_alone_named(
+    vlm: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    whole, _, _, path = vlm
+    small = vecpool.Engine(
+        path,
+        device="cpu",
+        normalize=False,
+        max_num_batched_tokens=BUDGET,
+        max_num_batched_patches=32,
+    )
+    inputs, _, _ = _page_inputs()  # the page's images: 64 and 80 patch rows, both over 32
+    count = TowerCount(small, monkeypatch)
+    assert_rel_close(small.embed(inputs), whole.embed(inputs))
+    # Each of the page's images ran in a step whose tower ran nothing else.
+    big = [s for s in count.steps if s.num_batched_patches > 32]
+    assert sorted(s.num_batched_patches for s in big) == [64, 80]
+    assert all(sum(c.patches > 0 for c in s.chunks) == 1 for s in big)
+    assert count.patches == 64 + 80 + 16
+    # Such a step fails: the page fails alone, naming the budget; the others are served.
+    original = small.model_runner.forward
+
+    def out_of_memory(batch: Any) -> Any:
+        rows = batch.image_rows
+        if rows is not None and rows.images is not None and rows.images.pixel_values.shape[0] > 32:
+            raise RuntimeError("out of memory")
+        return original(batch)
+
+    monkeypatch.setattr(small.model_runner, "forward", out_of_memory)
+    results = small.pool(inputs, PoolingParams())
+    assert [r.error is None for r in results] == [False, True, True]
+    error = results[0].error
+    assert isinstance(error, vecpool.RequestFailedError) and "out of memory" in str(error)
+    assert "64 patch rows" in str(error) and "max_num_batched_patches=32" in str(error)
+    assert small.model_runner.kept_image_rows.num_entries == 0

@@ -380,9 +380,15 @@ class EngineCore:
             prefix_cache.forget([r.request_id for r in sched.requests])
         failed = self._run_halves(sched, exc)
         budget = self.scheduler.config.max_num_batched_tokens
-        over_budget = num == 1 and sched.requests[0].num_prompt_tokens > budget
+        # (a chunk of a longer prompt is within the budget: the step was not over it)
+        over_budget = num == 1 and sched.step.chunks[0].num_tokens > budget
+        # Requests whose images ran in a step's tower alone, over the patch budget.
+        patch_budget = self.scheduler.config.patch_budget
+        over_patches = {
+            c.request_id: c.patches for c in sched.step.chunks if c.patches > patch_budget
+        }
         engine_fault = None
-        if len(failed) == num and not over_budget:
+        if len(failed) == num and not over_budget and not over_patches:
             engine_fault = self._probe_error()
             if engine_fault is not None:
                 self.engine_at_fault = True
@@ -399,6 +405,16 @@ class EngineCore:
                         f"that cannot run in chunks does, and failed: {reason}. To serve it, "
                         "truncate it (truncate_prompt_tokens), lower max_model_len, or give the "
                         "engine a device with more memory"
+                    )
+                )
+            elif request.request_id in over_patches:
+                request.fail(
+                    RequestFailedError(
+                        f"this input's images, {over_patches[request.request_id]} patch rows, "
+                        "ran in a step whose vision tower ran no other input's, over the patch "
+                        f"budget (max_num_batched_patches={patch_budget}), and failed: {reason}. "
+                        "To serve it, give a smaller image (the image processor's max_pixels "
+                        "bounds them) or a device with more memory"
                     )
                 )
             elif engine_fault is not None:

@@ -39,6 +39,11 @@ class ScheduledChunk:
     blocks: ChunkBlocks | None = None  # shared-prefix caching: the pool rows it reads, writes
 
     @property
+    def patches(self) -> int:
+        """Patch rows the vision tower runs for this chunk: its images that begin in it."""
+        return self.prompt.patches_in(self.start, self.start + self.num_tokens)
+
+    @property
     def ends_prompt(self) -> bool:
         """Whether the chunk runs its prompt to the end (a whole prompt does)."""
         return self.start + self.num_tokens == self.prompt.num_tokens
@@ -53,6 +58,11 @@ class StepInput:
     @property
     def num_batched_tokens(self) -> int:
         return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def num_batched_patches(self) -> int:
+        """Patch rows the step's vision tower runs (`Prompt.patches_in` of each chunk)."""
+        return sum(c.patches for c in self.chunks)
 
     @property
     def is_empty(self) -> bool:
