@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.engine.test_prefix_cache import QWEN3, B, _shared
 from tests.helpers import save_hf_model
-from tests.server.conftest import Server, start_server
+from tests.server.conftest import Server, ServerPool, ServerSpec
 
 DASHBOARD = Path(__file__).parents[2] / "docs" / "grafana-dashboard.json"
 METRIC = re.compile(r"\b(vecpool_[a-z_]+)\b")
@@ -44,23 +44,23 @@ def dashboard() -> dict[str, Any]:
     return loaded
 
 
+def _two_models_args(folder: Path) -> list[str]:
+    """One tiny Qwen3 folder served twice ("first", "second"), with prefix caching."""
+    model = save_hf_model(QWEN3.hf_model(), folder / "qwen3")
+    return [
+        *(str(model), str(model), "--served-model-name", "first", "--served-model-name", "second"),
+        *("--device", "cpu", "--enable-prefix-caching", "--prefix-cache-tokens", "64"),
+    ]
+
+
+SERVERS = {"two_models": ServerSpec(_two_models_args)}
+
+
 @pytest.fixture(scope="module")
-def two_models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    folder = save_hf_model(QWEN3.hf_model(), tmp_path_factory.mktemp("dashboard_qwen3"))
-    server = start_server(
-        tmp_path_factory.mktemp("dashboard_server"),
-        str(folder),
-        str(folder),
-        "--served-model-name",
-        "first",
-        "--served-model-name",
-        "second",
-        "--device",
-        "cpu",
-        "--enable-prefix-caching",
-        "--prefix-cache-tokens",
-        "64",
-    )
+def two_models(server_pool: ServerPool, request: pytest.FixtureRequest) -> Iterator[Server]:
+    """The server after requests to both models that share a prefix, one refused call and a
+    client gone mid-upload."""
+    server = server_pool.take(request, "two_models")
     try:
         for model in ("first", "second"):
             body = {"input": _shared(2 * B + 1, [2, 7]), "model": model}

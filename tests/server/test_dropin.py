@@ -16,7 +16,13 @@ import pytest
 import transformers
 
 import vecpool
-from tests.server.conftest import CHAT_TEMPLATE, Server, assert_error, start_server
+from tests.server.conftest import (
+    CHAT_TEMPLATE,
+    Server,
+    ServerPool,
+    ServerSpec,
+    assert_error,
+)
 from vecpool.calls.chat import read_chat_template
 
 QUERY = "What is the capital of France?"
@@ -103,39 +109,43 @@ def test_other_peers_keep_their_shapes_on_vllms_paths(server: Server, cross_serv
 # ---- 2. --chat-template, and 3. --task ---------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def template_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("chat_template") / "template.jinja"
-    path.write_text(read_chat_template(FLAG_TEMPLATE))  # the file holds the text it reads as
-    return path
-
-
-@pytest.fixture(scope="module")
-def flagged(
-    chat_matryoshka_dir: Path,
-    cross_encoder_dir: Path,
-    template_file: Path,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[Server]:
+def _flagged_args(folder: Path, chat_matryoshka_dir: Path, cross_encoder_dir: Path) -> list[str]:
     """A model with a chat template of its own ("chat") and a cross-encoder without one
-    ("ce", asked to embed and to classify tokens), both given `--chat-template`."""
-    srv = start_server(
-        tmp_path_factory.mktemp("dropin"),
+    ("ce", asked to embed and to classify tokens), both given `--chat-template` (a file in
+    `folder`, holding the text it reads as)."""
+    template = folder / "template.jinja"
+    template.write_text(read_chat_template(FLAG_TEMPLATE))
+    return [
         str(chat_matryoshka_dir),
         str(cross_encoder_dir),
-        "--served-model-name",
-        "chat",
-        "--served-model-name",
-        "ce",
-        "--task",
-        "none",
-        "--task",
-        "embed,token_classify",
-        "--chat-template",
-        str(template_file),
-    )
+        *("--served-model-name", "chat", "--served-model-name", "ce"),
+        *("--task", "none", "--task", "embed,token_classify"),
+        *("--chat-template", str(template)),
+    ]
+
+
+SERVERS = {
+    "flagged": ServerSpec(_flagged_args, fixtures=("chat_matryoshka_dir", "cross_encoder_dir"))
+}
+
+
+@pytest.fixture(scope="module")
+def flagged(server_pool: ServerPool, request: pytest.FixtureRequest) -> Iterator[Server]:
+    srv = server_pool.take(request, "flagged")
     yield srv
     srv.stop()
+
+
+@pytest.fixture(scope="module")
+def template_file(server_pool: ServerPool, request: pytest.FixtureRequest) -> Path:
+    """The file `--chat-template` names."""
+    return server_pool.folder(request, "flagged") / "template.jinja"
+
+
+@pytest.fixture(scope="module")
+def asked(cross_encoder_dir: Path) -> vecpool.Engine:
+    """The cross-encoder in this process, asked for what `flagged` serves it for."""
+    return vecpool.Engine(cross_encoder_dir, device="cpu", tasks=["embed", "token_classify"])
 
 
 def _rendered_ids(folder: Path, template: str) -> list[int]:
@@ -145,15 +155,18 @@ def _rendered_ids(folder: Path, template: str) -> list[int]:
 
 
 def test_chat_template_flag_renders_messages_for_every_model(
-    flagged: Server, chat_matryoshka_dir: Path, cross_encoder_dir: Path, template_file: Path
+    flagged: Server,
+    chat_matryoshka_dir: Path,
+    cross_encoder_dir: Path,
+    template_file: Path,
+    chat_engine: vecpool.Engine,
+    asked: vecpool.Engine,
 ) -> None:
     template = template_file.read_text()
     assert "\n" in template and "\\n" not in template  # the text's escape read as vLLM reads it
-    chat = vecpool.Engine(chat_matryoshka_dir, device="cpu")
-    ce = vecpool.Engine(cross_encoder_dir, device="cpu", tasks=["embed"])
     for model, folder, engine in (
-        ("chat", chat_matryoshka_dir, chat),
-        ("ce", cross_encoder_dir, ce),
+        ("chat", chat_matryoshka_dir, chat_engine),
+        ("ce", cross_encoder_dir, asked),
     ):
         ids = _rendered_ids(folder, template)
         got = vectors(flagged.post("/v1/embeddings", {"model": model, "messages": MESSAGES}))
@@ -167,7 +180,8 @@ def test_chat_template_flag_renders_messages_for_every_model(
     classified = flagged.post("/classify", {"model": "ce", "messages": MESSAGES})
     ids = _rendered_ids(cross_encoder_dir, template)
     assert (
-        np.abs(np.array(classified.json()["data"][0]["probs"]) - ce.classify([ids])[0]).max() <= TOL
+        np.abs(np.array(classified.json()["data"][0]["probs"]) - asked.classify([ids])[0]).max()
+        <= TOL
     )
 
 
@@ -182,7 +196,7 @@ def test_chat_template_text_and_refusals() -> None:
 
 
 def test_a_cross_encoder_refuses_to_embed_unless_asked(
-    cross_server: Server, flagged: Server, cross_engine: vecpool.Engine, cross_encoder_dir: Path
+    cross_server: Server, flagged: Server, cross_engine: vecpool.Engine, asked: vecpool.Engine
 ) -> None:
     # Not asked: every embedding route refuses, each in its dialect, saying how to ask.
     openai = assert_error(cross_server.post("/v1/embeddings", {"input": DOCS}), 400, "task")
@@ -206,7 +220,6 @@ def test_a_cross_encoder_refuses_to_embed_unless_asked(
     assert infinity.json()["error"]["message"].startswith("ModelNotDeployedError")
     assert cross_server.client.get("/v1/models").json()["data"][0]["capabilities"] == ["rerank"]
     # Asked (--task embed,token_classify): served, as the engine serves them.
-    asked = vecpool.Engine(cross_encoder_dir, device="cpu", tasks=["embed", "token_classify"])
     got = vectors(flagged.post("/v1/embeddings", {"model": "ce", "input": DOCS}))
     assert np.abs(got - asked.embed(DOCS)).max() <= TOL
     rows = flagged.post("/pooling", {"model": "ce", "input": DOCS, "task": "token_classify"})

@@ -39,8 +39,15 @@ from tests.image_models import (
     sample_images,
     save_tiny_dual_encoder,
 )
-from tests.server.conftest import Server
-from tests.server.test_images import ImageHost, data_uri, image_part, serve_clip, unit
+from tests.server.conftest import Server, ServerPool, ServerSpec
+from tests.server.test_images import (
+    ImageHost,
+    clip_args,
+    data_uri,
+    image_part,
+    reference_clip,
+    unit,
+)
 from tests.server.test_process_memory import _rss_mib
 from tests.server.test_processes import _pids
 
@@ -143,17 +150,30 @@ def redirect(location: str) -> Any:
     return route
 
 
-@pytest.fixture(scope="module")
-def hostile(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hostile]:
-    root = tmp_path_factory.mktemp("hostile_images")
-    folder, media = root / "model", root / "media"
-    hf = save_tiny_dual_encoder(folder, CLIP)
+def _hostile_args(root: Path) -> list[str]:
+    """The module's server: a tiny CLIP folder (`root/model`), a picture under `root/media`
+    (allowed), another beside it (not allowed) and a link to that one in `media`."""
+    save_tiny_dual_encoder(root / "model", CLIP)
+    media = root / "media"
     media.mkdir()
-    (image,) = sample_images(1)
-    png = encoded(image, "PNG")
+    png = encoded(sample_images(1)[0], "PNG")
     (media / "picture.png").write_bytes(png)
     (root / "secret.png").write_bytes(png)  # a readable image outside the allowed folder
     (media / "link.png").symlink_to(root / "secret.png")
+    return clip_args(root / "model", media, "--max-image-bytes", str(MAX_IMAGE_BYTES))
+
+
+SERVERS = {"hostile": ServerSpec(_hostile_args, log_level="info")}
+
+
+@pytest.fixture(scope="module")
+def hostile(server_pool: ServerPool, request: pytest.FixtureRequest) -> Iterator[Hostile]:
+    server = server_pool.take(request, "hostile")
+    root = server_pool.folder(request, "hostile")
+    folder, media = root / "model", root / "media"
+    hf = reference_clip(folder)
+    (image,) = sample_images(1)
+    png = encoded(image, "PNG")
     host = ImageHost()
     drips: list[float] = []
     bomb, big = png_bomb(10_000), noise_png(700)  # 100M pixels; 1.4 MiB
@@ -191,7 +211,6 @@ def hostile(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hostile]:
         "symlink escape": ("link.png", outside),
         "file url escape": (f"file://{root / 'secret.png'}", outside),
     }
-    server = serve_clip(root, folder, media, "--max-image-bytes", str(MAX_IMAGE_BYTES))
     picture = unit(hf_image_features(hf, folder, [image]))[0]
     text = unit(hf_text_features(hf, folder, [TEXT]))[0]
     yield Hostile(server, host, media, png, picture, text, sources, drips)

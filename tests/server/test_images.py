@@ -33,6 +33,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
+import transformers
 from openai.types import CreateEmbeddingResponse
 from PIL import Image
 
@@ -45,7 +46,7 @@ from tests.image_models import (
     sample_images,
     save_tiny_dual_encoder,
 )
-from tests.server.conftest import Server, start_server
+from tests.server.conftest import Server, ServerPool, ServerSpec
 
 TEXTS = ["a photo of a cat", "two red cars on the sea", "bird"]
 RTOL = 1e-5  # of the largest value: fp32, other kernel shapes than transformers'
@@ -111,21 +112,21 @@ def data_uri(data: bytes, media_type: str = "image/png") -> str:
     return f"data:{media_type};base64,{base64.b64encode(data).decode()}"
 
 
-def serve_clip(log_dir: Path, folder: Path, media: Path, *extra: str) -> Server:
-    """`vecpool serve` of the CLIP folder, local files under `media`, URLs to this machine."""
-    return start_server(
-        log_dir,
-        str(folder),
-        "--served-model-name",
-        "clip",
-        "--allowed-local-media-path",
-        str(media),
-        "--allowed-media-domains",
-        "127.0.0.1",
-        "localhost",
+def clip_args(model: Path, media: Path, *extra: str) -> list[str]:
+    """`vecpool serve`'s arguments for the CLIP folder `model`: local files under `media`, URLs
+    to this machine."""
+    return [
+        *(str(model), "--served-model-name", "clip"),
+        *("--allowed-local-media-path", str(media)),
+        *("--allowed-media-domains", "127.0.0.1", "localhost"),
         *extra,
-        log_level="info",
-    )
+    ]
+
+
+def reference_clip(model: Path) -> Any:
+    """transformers' model on the weights of the folder `save_tiny_dual_encoder` wrote (fp32,
+    eager attention, as it returns it)."""
+    return transformers.CLIPModel.from_pretrained(str(model), attn_implementation="eager").eval()
 
 
 # ---- fixtures -------------------------------------------------------------------------------
@@ -148,22 +149,31 @@ def unit(rows: np.ndarray) -> np.ndarray:
     return rows / np.linalg.norm(rows, axis=1, keepdims=True)
 
 
+def _clip_server_args(folder: Path) -> list[str]:
+    """The module's server: a tiny CLIP folder (`folder/model`), the sample pictures as files
+    under `folder/media`."""
+    save_tiny_dual_encoder(folder / "model", CLIP)
+    (folder / "media").mkdir()
+    for i, image in enumerate(sample_images(3)):
+        (folder / "media" / f"picture{i}.png").write_bytes(encoded(image, "PNG"))
+    return clip_args(folder / "model", folder / "media")
+
+
+SERVERS = {"clip": ServerSpec(_clip_server_args, log_level="info")}
+
+
 @pytest.fixture(scope="module")
-def clip(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Clip]:
-    root = tmp_path_factory.mktemp("clip_server")
-    folder, media = root / "model", root / "media"
-    hf = save_tiny_dual_encoder(folder, CLIP)
-    media.mkdir()
+def clip(server_pool: ServerPool, request: pytest.FixtureRequest) -> Iterator[Clip]:
+    server = server_pool.take(request, "clip")
+    folder = server_pool.folder(request, "clip") / "model"
+    hf = reference_clip(folder)
     images = sample_images(3)
     pngs = [encoded(image, "PNG") for image in images]
-    for i, png in enumerate(pngs):
-        (media / f"picture{i}.png").write_bytes(png)
     host = ImageHost()
     for i, png in enumerate(pngs):
         host.serve_bytes(f"/picture{i}.png", png)
     raw_texts = hf_text_features(hf, folder, TEXTS)
     raw_pictures = hf_image_features(hf, folder, images)
-    server = serve_clip(root, folder, media)
     yield Clip(
         server,
         host,
