@@ -10,10 +10,12 @@ returns the vectors `/v1/embeddings` returns for the same inputs.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import numpy as np
 from fastapi import APIRouter
+from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -116,6 +118,23 @@ def text_options(state: ServerState, body: TeiTextParams) -> dict[str, Any]:
 
 
 B = TypeVar("B", TeiEmbedRequest, TeiTokensRequest)
+Handler = Callable[[Request, dict[str, Any]], Awaitable[Response]]
+
+
+def post_route(path: str, body: type[BaseModel]) -> Callable[[Handler], Handler]:
+    """Serve the decorated handler at `POST path`, on the JSON it reads (`body`: its schema in
+    the OpenAPI document), as the route `create_{handler}`; the handler itself is also called
+    with a parsed body (`POST /` of the model's kind, SageMaker's invocations)."""
+
+    def register(handler: Handler) -> Handler:
+        async def route(request: Request) -> Response:
+            return await handler(request, await _read(request))
+
+        route.__name__ = route.__qualname__ = f"create_{handler.__name__}"
+        router.add_api_route(path, route, methods=["POST"], openapi_extra=openapi_body(body))
+        return handler
+
+    return register
 
 
 def read_text_call(
@@ -127,11 +146,7 @@ def read_text_call(
     return state, body, text_inputs(state, body.inputs)
 
 
-@router.post("/embed", openapi_extra=openapi_body(TeiEmbedRequest))
-async def create_embed(request: Request) -> Response:
-    return await embed(request, await _read(request))
-
-
+@post_route("/embed", TeiEmbedRequest)
 @answered_as(tei_error)
 async def embed(request: Request, data: dict[str, Any]) -> Response:
     """One vector per input (normalized unless `normalize` is false, TEI's default)."""
@@ -145,11 +160,7 @@ async def embed(request: Request, data: dict[str, Any]) -> Response:
     return await _encode(request, state, items, options.encode())
 
 
-@router.post("/embed_all", openapi_extra=openapi_body(TeiTokensRequest))
-async def create_embed_all(request: Request) -> Response:
-    return await embed_all(request, await _read(request))
-
-
+@post_route("/embed_all", TeiTokensRequest)
 @answered_as(tei_error)
 async def embed_all(request: Request, data: dict[str, Any]) -> Response:
     """Every token's vector, unpooled and not normalized: `[n_tokens, dim]` per input."""
@@ -181,11 +192,7 @@ async def _encode(
     return json_response(content, timings.headers())
 
 
-@router.post("/embed_sparse", openapi_extra=openapi_body(TeiTokensRequest))
-async def create_embed_sparse(request: Request) -> Response:
-    return await embed_sparse(request, await _read(request))
-
-
+@post_route("/embed_sparse", TeiTokensRequest)
 @answered_as(tei_error)
 async def embed_sparse(request: Request, data: dict[str, Any]) -> Response:
     """SPLADE vectors: `[{"index": token id, "value": weight}]` per input, by token id."""
@@ -203,11 +210,7 @@ async def embed_sparse(request: Request, data: dict[str, Any]) -> Response:
     return json_response(dumps(content), timings.headers())
 
 
-@router.post("/predict", openapi_extra=openapi_body(TeiPredictRequest))
-async def create_predict(request: Request) -> Response:
-    return await predict(request, await _read(request))
-
-
+@post_route("/predict", TeiPredictRequest)
 @answered_as(tei_error)
 async def predict(request: Request, data: dict[str, Any]) -> Response:
     """Each label's score, best first: for one input (a text or a pair) a list, for a batch
@@ -341,11 +344,7 @@ async def tokenize(request: Request, data: dict[str, Any]) -> Response:
     return json_response(dumps(await in_executor(state, request, run, "inputs")))
 
 
-@router.post("/decode", openapi_extra=openapi_body(TeiDecodeRequest))
-async def create_decode(request: Request) -> Response:
-    return await decode(request, await _read(request))
-
-
+@post_route("/decode", TeiDecodeRequest)
 @answered_as(tei_error)
 async def decode(request: Request, data: dict[str, Any]) -> Response:
     """The text of each id list (`ids` one list, or a batch of lists)."""
