@@ -92,8 +92,9 @@ def test_short_queries_are_not_stalled_behind_a_page_image() -> None:
         assert step["page"][1] > 0
         assert sum(t for _, t, _ in step.values()) <= 16
         assert sum(p for _, _, p in step.values()) <= 64
-    while page.num_unscheduled_tokens:
+    for _ in range(20):  # the rest of the page, its images within the budget
         assert scheduler.schedule().step.num_batched_patches <= 64
+    assert page.num_unscheduled_tokens == 0
 
 
 def test_an_image_over_the_whole_patch_budget_runs_where_the_tower_runs_no_other() -> None:

@@ -21,10 +21,10 @@ placeholder token (the model runner computes its rows there, once, and keeps tho
 chunks read); a dual encoder's image is one token of the flat batch and its patches. A chunk
 ends before an image whose patches exceed what the step has left: the image waits for the
 next step, the text before it runs now. Prompts being chunked keep a share of the patch budget
-too while others wait (at least their oldest next image), so that a stream of small images
-does not hold a page back. An image larger than the whole patch budget runs in a step whose
-tower runs nothing else (the model's image processor bounds its size), as a prompt over the
-token budget runs alone.
+too while others wait (at least the largest of their next images), so that a stream of small
+images does not hold a page back. An image larger than the whole patch budget runs in a step
+whose tower runs nothing else (the model's image processor bounds its size), as a prompt over
+the token budget runs alone.
 
 With shared-prefix caching (`prefix_cache`), a waiting prompt's leading blocks already in the
 cache count as computed when it is first considered: only the rest of it is scheduled, from
