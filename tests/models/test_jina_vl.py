@@ -243,6 +243,19 @@ def test_truncation_cuts_a_text_document_and_keeps_the_score_token(m0: Any) -> N
     assert_rel_close(out, np.array([reference(hf, path, query, cut, [])], dtype=np.float32))
 
 
+def test_max_tokens_per_doc_cuts_text_documents_only(m0: Any) -> None:
+    """Cohere's rule: each text document cut to its first tokens before it is written into the
+    pair; a document of parts (an image among them) is left whole. The same inputs in one
+    call: the same step, so the same bits."""
+    engine, _, _ = m0
+    (image,) = sample_images([(40, 27)], seed=6)
+    parts = [{"type": "text", "text": "the red house"}, {"type": "image", "image": image}]
+    long = "the red house on the dog of the photo"
+    ranked = dict(engine.rerank("a cat", [long, parts], max_tokens_per_doc=3))
+    expected = engine.score("a cat", ["the red house", parts])
+    np.testing.assert_array_equal([ranked[0], ranked[1]], expected)
+
+
 def test_bad_sides_fail_naming_the_pair_and_side(m0: Any) -> None:
     engine, _, _ = m0
     (image,) = sample_images([(40, 27)], seed=1)

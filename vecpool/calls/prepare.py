@@ -31,6 +31,7 @@ from vecpool.calls.pair_prompts import template_error, template_inputs
 from vecpool.errors import InputError
 from vecpool.inputs.prompts import TextOptions, TruncationSide, is_tensor
 from vecpool.inputs.tokenizer import check_unicode
+from vecpool.inputs.vision_prompts import is_parts
 from vecpool.tasks import PoolingParams
 
 SparseResult = list[dict[int, float]] | list[dict[str, float]]
@@ -412,7 +413,8 @@ def _rerank_error(exc: InputError) -> InputError:
 def cut_documents(ctx: CallContext, documents: list[Any], max_tokens: Any) -> list[Any]:
     """Each document cut to its first `max_tokens` tokens: a text at the end of its last
     kept token (its own tokens: special tokens are not counted), token ids and prompt embeds
-    by count, as given (special tokens among them count); in any of the input forms."""
+    by count, as given (special tokens among them count); in any of the input forms (a list of
+    text and image parts is left whole: an image is not cut)."""
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise InputError(
             f"max_tokens_per_doc must be a positive integer, got {max_tokens!r}",
@@ -443,6 +445,8 @@ def _cut_document(ctx: CallContext, doc: Any, index: int, max_tokens: int) -> An
             raise InputError(exc.reason, index=index, field="documents") from None
         offsets = tokenizer.encode_plain(doc).offsets  # [(start, end)] per token
         return doc[: offsets[max_tokens - 1][1]] if len(offsets) > max_tokens else doc
+    if isinstance(doc, list) and is_parts(doc):  # text and image parts: not cut by count
+        return doc
     sized = isinstance(doc, list | tuple) or (
         (isinstance(doc, np.ndarray) or is_tensor(doc)) and doc.ndim >= 1
     )
