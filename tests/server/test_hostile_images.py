@@ -116,26 +116,28 @@ class Hostile:
     picture: np.ndarray  # the normalized image features of `png`
     text: np.ndarray  # the normalized text features of TEXT
     sources: dict[str, tuple[str, str]]  # name -> (image source, the reason's words)
-    drips: list[float]  # when a dripping response's client went away (time.monotonic())
+    drips: list[int]  # the bytes each dripping response had sent when its client went away
 
 
-def drip(drips: list[float]) -> Any:
+def drip(drips: list[int]) -> Any:
     """A route that promises 100,000 bytes and sends one every 50 ms (for up to `GUARD`
-    seconds), noting when its client goes away."""
+    seconds), noting how many it had sent when its client goes away."""
 
     def route(handler: http.server.BaseHTTPRequestHandler) -> None:
         handler.send_response(200)
         handler.send_header("Content-Type", "image/png")
         handler.send_header("Content-Length", "100000")
         handler.end_headers()
-        end = time.monotonic() + GUARD
+        end = time.monotonic() + GUARD  # only bounds a failure: the client goes first
+        sent = 0
         try:
             while time.monotonic() < end:
                 handler.wfile.write(b"\x89")
                 handler.wfile.flush()
+                sent += 1
                 time.sleep(0.05)
         except OSError:  # the client closed its socket
-            drips.append(time.monotonic())
+            drips.append(sent)
 
     return route
 
@@ -163,7 +165,11 @@ def _hostile_args(root: Path) -> list[str]:
     return clip_args(root / "model", media, "--max-image-bytes", str(MAX_IMAGE_BYTES))
 
 
-SERVERS = {"hostile": ServerSpec(_hostile_args, log_level="info")}
+# Fetches may take an hour to arrive (`tests/server/media_reads.py`): one cut off within GUARD
+# was cut by the request's deadline.
+SERVERS = {
+    "hostile": ServerSpec(_hostile_args, log_level="info", module="tests.server.media_reads")
+}
 
 
 @pytest.fixture(scope="module")
@@ -175,7 +181,7 @@ def hostile(server_pool: ServerPool, request: pytest.FixtureRequest) -> Iterator
     (image,) = sample_images(1)
     png = encoded(image, "PNG")
     host = ImageHost()
-    drips: list[float] = []
+    drips: list[int] = []
     bomb, big = png_bomb(10_000), noise_png(700)  # 100M pixels; 1.4 MiB
     assert len(bomb) < 64 * 1024 and len(big) > MAX_IMAGE_BYTES
     host.serve_bytes("/picture.png", png)
@@ -341,22 +347,19 @@ def test_every_dialect_answers_in_its_own_shape(hostile: Hostile, name: str) -> 
 
 
 def test_a_url_past_the_request_deadline(hostile: Hostile) -> None:
-    """A host that drips its image: the request's deadline (x-request-timeout) ends the
-    fetch, not the media policy's 10 s read timeout; a 408 at the deadline, and the fetch's
-    connection is closed then too (its media thread free again)."""
+    """A host that drips its image (a byte every 50 ms, for GUARD seconds): the request's
+    deadline (x-request-timeout) ends the fetch, not the media policy's read timeout, which
+    this server has at an hour (`media_reads.READ_SECONDS`): a 408 for the deadline, and the
+    fetch's connection closed (its media thread free again) while the host still drips."""
     drips = len(hostile.drips)
-    start = time.monotonic()
     body = {"input": [TEXT, {"image": hostile.host.url("/slow.png")}]}
     response = post(hostile, "/v1/embeddings", body, **{"x-request-timeout": "1"})
-    took = time.monotonic() - start
     assert response.status_code == 408, response.text
     assert response.json()["error"]["code"] == "deadline_exceeded"
-    assert took < 5, took  # the deadline is 1 s; generous for a shared machine
-    guard = time.monotonic() + GUARD
-    while len(hostile.drips) == drips:
+    guard = time.monotonic() + GUARD  # only bounds a failure, far below READ_SECONDS
+    while len(hostile.drips) == drips:  # the host notes its client gone (not its own end)
         assert time.monotonic() < guard, "the fetch was never cut off"
         time.sleep(0.01)
-    assert hostile.drips[-1] - start < 5  # cut at the deadline, not at the 10 s read timeout
     serves_normally(hostile)
 
 

@@ -8,11 +8,13 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import vecpool.api.running
 import vecpool.inputs.tokenizer
+from benchmarks.lab import ab_host_threads
 from benchmarks.lab.ab_host_threads import _simulated_device, main
 from vecpool.api import default_model_path
 
@@ -54,9 +56,29 @@ def test_ab_host_threads_times_each_value_and_puts_the_setting_back(
     assert first_chunk == vecpool.api.running.PIPELINE_FIRST_CHUNK
 
 
-def test_a_simulated_launch_holds_the_host_for_its_time() -> None:
+class StepClock:
+    """`time` as the simulated device reads it, its `perf_counter` a clock that moves by
+    `STEP` at each read: how long the host was held is how many reads it made."""
+
+    STEP = 1e-3
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        self.now += self.STEP
+        return self.now
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+
+def test_a_simulated_launch_holds_the_host_for_its_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = StepClock()
+    monkeypatch.setattr(ab_host_threads, "time", clock)
     engine = _simulated_device(default_model_path(), rate=1e9, launch=0.05)
-    started = time.perf_counter()
     out = engine.embed([[5, 6, 7], [8, 9]], show_progress=False)
-    assert time.perf_counter() - started >= 0.05  # one step, one launch
+    # One step, one launch: the host read the clock until 0.05 s of it had passed, and little
+    # more (the step's other reads: its start, the device's time, the pool's wait).
+    assert 0.05 <= clock.now <= 0.05 + 5 * clock.STEP
     assert out.shape == (2, 32)
