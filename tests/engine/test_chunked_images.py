@@ -214,11 +214,20 @@ def test_chunked_images_equal_the_whole_run_and_transformers(
 
 def test_a_mixed_batch_equals_each_input_alone(vlm: Any) -> None:
     _, chunked, _, _ = vlm
-    inputs, _, _ = _page_inputs()
+    inputs, texts, images = _page_inputs()
     inputs += ["the house", {"text": "a dog", "image": sample_images([(21, 50)], seed=8)[0]}]
+    # The page again, its first image's rows given (the tower's, computed before): the chunks
+    # that split its span take their slices of them.
+    pixels = chunked.inputs.images.processor(images[0][0])
+    given = {
+        "image_embeds": chunked.model_runner.image_rows(pixels),
+        "image_grid_thw": [1, *pixels.grid],
+    }
+    inputs.append({"prompt": texts[0], "image": [given, images[0][1]]})
     together = chunked.embed(inputs)
     for item, row in zip(inputs, together, strict=True):
         assert_rel_close(chunked.embed([item])[0], row)
+    assert_rel_close(together[-1], together[0])
 
 
 def _submit(engine: vecpool.Engine, inputs: list[Any]) -> list[Request]:
