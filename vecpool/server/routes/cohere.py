@@ -19,12 +19,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from vecpool import calls
-from vecpool.calls import EmbedOptions, PreparedCall, postprocess
+from vecpool.calls import EmbedOptions, postprocess
 from vecpool.errors import InputError
 from vecpool.server.codec import (
     ImageItem,
     PartsItem,
-    carries_images,
     content_item,
     engine_input,
     image_sources,
@@ -33,12 +32,11 @@ from vecpool.server.codec import (
 from vecpool.server.errors import ApiError, answered_as, cohere_error, input_error
 from vecpool.server.protocol import CohereEmbedRequest, openapi_body
 from vecpool.server.routes.common import (
-    call_context,
     dumps,
     json_response,
     read_json,
     response_id,
-    run_call,
+    run_call_of,
     validate,
 )
 from vecpool.server.state import ServerState, get_state
@@ -100,20 +98,12 @@ async def embed(request: Request, data: dict[str, Any], *, version: int) -> Resp
         prompt_name=calls.role_prompt_name(state.info, ROLES.get(body.input_type or "")),
     )
 
-    media = carries_images(items)
-    ctx = call_context(state, request, media)
-
-    def prepare() -> PreparedCall[list[np.ndarray]]:
-        return calls.prepare_encode(ctx, [engine_input(i) for i in items], options.encode())
-
-    vectors, timings = await run_call(
+    vectors, timings = await run_call_of(
         state,
         request,
-        request.scope["path"],
-        prepare,
-        len(items),
+        items,
+        lambda ctx: calls.prepare_encode(ctx, [engine_input(i) for i in items], options.encode()),
         lambda exc: texts_error(exc, name),
-        media=media,
     )
     stacked = np.stack(vectors)
     billed: dict[str, int] = {"input_tokens": timings.prompt_tokens}

@@ -153,17 +153,27 @@ def render_vectors(
         if body.encoding_format == "base64" and vector.ndim > 1:
             item["shape"] = list(vector.shape)
         data.append(item)
-    content = dumps(
-        {
-            "id": response_id(prefix),
-            "object": "list",
-            "created": int(time.time()),
-            "model": model,
-            "data": data,
-            "usage": timings.usage(),
-        }
-    )
-    return json_response(content, headers)
+    return list_answer(prefix, data, model, timings, headers)
+
+
+def list_answer(
+    prefix: str,
+    data: list[Any],
+    model: str,
+    timings: Timings,
+    headers: dict[str, str] | None = None,
+) -> Response:
+    """OpenAI's and vLLM's list answer: `data`, with an id of `prefix`, the time, the model
+    and the usage (`headers`: the timings' unless given)."""
+    content = {
+        "id": response_id(prefix),
+        "object": "list",
+        "created": int(time.time()),
+        "model": model,
+        "data": data,
+        "usage": timings.usage(),
+    }
+    return json_response(dumps(content), timings.headers() if headers is None else headers)
 
 
 async def read_body(request: HttpRequest, model: type[M], limit: int) -> M:
@@ -354,11 +364,15 @@ async def in_executor(
         raise input_error(exc, list_name) from None
 
 
-async def render(vectors: list[np.ndarray], fn: Callable[[], T]) -> T:
-    """`fn()` (encoding `vectors` into a response): on the event loop when they are small."""
+async def answer_vectors(
+    vectors: list[np.ndarray], body: OutputParams, timings: Timings, **layout: str
+) -> Response:
+    """`render_vectors` (its `layout`: prefix, item_object, key, model): on the event loop
+    when the vectors are small, else in a thread (encoding a large answer holds the
+    interpreter)."""
     if sum(v.size for v in vectors) <= _RENDER_INLINE_VALUES:
-        return fn()
-    return await asyncio.to_thread(fn)
+        return render_vectors(vectors, body, timings, **layout)
+    return await asyncio.to_thread(render_vectors, vectors, body, timings, **layout)
 
 
 async def run_call(

@@ -8,7 +8,8 @@ and vLLM's `messages` of one text or one `image_url` part.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import numpy as np
 from fastapi import APIRouter
@@ -39,10 +40,10 @@ from vecpool.server.protocol import (
     openapi_body,
 )
 from vecpool.server.routes.common import (
+    Timings,
+    answer_vectors,
     call_context,
     read_json,
-    render,
-    render_vectors,
     run_call,
     validate,
 )
@@ -50,6 +51,7 @@ from vecpool.server.routes.system import capabilities
 from vecpool.server.state import ServerState, get_state
 
 router = APIRouter()
+T = TypeVar("T")
 
 # Infinity's path (OpenAI's is /v1/embeddings): its refusals are Infinity's (422 for a body or
 # an input it cannot take), and `dimensions` cuts any model's vectors, as Infinity cuts them.
@@ -116,9 +118,29 @@ class TextInputs:
     def __len__(self) -> int:
         return 1 if self.chat is not None else len(self.items)
 
-    def context(self, request: Request) -> calls.CallContext:
-        """The context the call is prepared with (`call_context`)."""
-        return call_context(self.state, request, self.media)
+    async def run(
+        self,
+        request: Request,
+        prepare: Callable[[calls.CallContext, list[Any]], PreparedCall[T]],
+        *,
+        endpoint: str | None = None,
+        per_token: bool = False,
+    ) -> tuple[T, Timings]:
+        """`run_call` of the call `prepare` makes of these inputs (decoded as it is prepared,
+        off the event loop) in their context (`call_context`): one request per input, an
+        input's error naming the body's field. `endpoint`: the metrics' label (None: the
+        request's path)."""
+        ctx = call_context(self.state, request, self.media)
+        return await run_call(
+            self.state,
+            request,
+            endpoint or request.scope["path"],
+            lambda: prepare(ctx, self.decode()),
+            len(self),
+            self.to_api_error,
+            per_token=per_token,
+            media=self.media,
+        )
 
     def to_api_error(self, exc: InputError) -> ApiError:
         """An input's error as a 400 naming the body's field: `input[i]`, or `messages` for
@@ -130,29 +152,21 @@ class TextInputs:
 
     def decode(self) -> list[Any]:
         """The inputs for a `prepare_*` call (off the event loop: decoding, rendering)."""
-        if self.chat is None:
+        c = self.chat
+        if c is None:
             return decode_inputs(self.items)
+        conversation = (self.state.info.tokenizer_file, c.messages)
+        rendering: dict[str, Any] = dict(
+            add_generation_prompt=c.add_generation_prompt,
+            continue_final_message=c.continue_final_message,
+            template_kwargs=c.chat_template_kwargs,
+            chat_template=self.state.info.chat_template,
+        )
         if self.vision_chat:
-            text, images = chat.render_chat_with_images(
-                self.state.info.tokenizer_file,
-                self.chat.messages,
-                add_generation_prompt=self.chat.add_generation_prompt,
-                continue_final_message=self.chat.continue_final_message,
-                template_kwargs=self.chat.chat_template_kwargs,
-                chat_template=self.state.info.chat_template,
-            )
+            text, images = chat.render_chat_with_images(*conversation, **rendering)
             images = [decode_image_embeds(image) for image in images]
             return [{"prompt": text, "image": images} if images else text]
-        return [
-            chat.render_chat(
-                self.state.info.tokenizer_file,
-                self.chat.messages,
-                add_generation_prompt=self.chat.add_generation_prompt,
-                continue_final_message=self.chat.continue_final_message,
-                template_kwargs=self.chat.chat_template_kwargs,
-                chat_template=self.state.info.chat_template,
-            )
-        ]
+        return [chat.render_chat(*conversation, **rendering)]
 
 
 def _has_image_parts(messages: list[Any]) -> bool:
@@ -295,41 +309,22 @@ async def embeddings(request: Request, data: dict[str, Any]) -> Response:
         matryoshka_only=matryoshka_only,
     )
 
-    ctx = inputs.context(request)
-
-    def prepare() -> PreparedCall[list[np.ndarray]]:
-        return calls.prepare_encode(ctx, inputs.decode(), options.encode())
-
-    info = state.info
-    path, errors, media = request.scope["path"], inputs.to_api_error, inputs.media
-    if options.windowed if options.windowed is not None else info.windowed_embed:
-
-        def prepare_windowed() -> PreparedCall[np.ndarray]:
-            return windowed.prepare_embed_windowed(ctx, inputs.decode(), options)
-
-        array, timings = await run_call(
-            state, request, path, prepare_windowed, len(inputs), errors, media=media
+    if options.windowed if options.windowed is not None else state.info.windowed_embed:
+        array, timings = await inputs.run(
+            request, lambda ctx, items: windowed.prepare_embed_windowed(ctx, items, options)
         )
         vectors = list(array)
     else:
-        vectors, timings = await run_call(
-            state, request, path, prepare, len(inputs), errors, media=media
+        vectors, timings = await inputs.run(
+            request, lambda ctx, items: calls.prepare_encode(ctx, items, options.encode())
         )
 
     if options.precision != "float32":
         stacked = postprocess.quantize(np.stack(vectors), options.precision, options.ranges)
         vectors = list(stacked)
-    return await render(
-        vectors,
-        lambda: render_vectors(
-            vectors,
-            body,
-            timings,
-            prefix="embd",
-            item_object="embedding",
-            key="embedding",
-            model=body.model or state.config.model_name,
-        ),
+    model = body.model or state.config.model_name
+    return await answer_vectors(
+        vectors, body, timings, prefix="embd", item_object="embedding", key="embedding", model=model
     )
 
 

@@ -5,20 +5,17 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 from fastapi import APIRouter
 from starlette.requests import Request
 from starlette.responses import Response
 
 from vecpool import calls
-from vecpool.calls import EncodeOptions, PreparedCall
+from vecpool.calls import EncodeOptions
 from vecpool.server.protocol import PoolingChatRequest, PoolingRequest, openapi_body
 from vecpool.server.routes.common import (
     PER_TOKEN,
+    answer_vectors,
     read_json,
-    render,
-    render_vectors,
-    run_call,
     validate,
 )
 from vecpool.server.routes.embeddings import TextInputs
@@ -51,30 +48,13 @@ async def pooling(request: Request, data: dict[str, Any]) -> Response:
         }
     )
 
-    ctx = inputs.context(request)
-
-    def prepare() -> PreparedCall[list[np.ndarray]]:
-        return calls.prepare_encode(ctx, inputs.decode(), options)
-
-    vectors, timings = await run_call(
-        state,
+    vectors, timings = await inputs.run(
         request,
-        "/pooling",
-        prepare,
-        len(inputs),
-        inputs.to_api_error,
+        lambda ctx, items: calls.prepare_encode(ctx, items, options),
+        endpoint="/pooling",
         per_token=options.task in PER_TOKEN,
-        media=inputs.media,
     )
-    return await render(
-        vectors,
-        lambda: render_vectors(
-            vectors,
-            body,
-            timings,
-            prefix="pool",
-            item_object="pooling",
-            key="data",
-            model=body.model or state.config.model_name,
-        ),
+    model = body.model or state.config.model_name
+    return await answer_vectors(
+        vectors, body, timings, prefix="pool", item_object="pooling", key="data", model=model
     )

@@ -29,7 +29,6 @@ from vecpool.calls import ClassifyOptions, PreparedCall, RerankOptions, ScoreOpt
 from vecpool.server.codec import (
     ImageItem,
     PartsItem,
-    carries_images,
     content_item,
     engine_input,
 )
@@ -50,12 +49,13 @@ from vecpool.server.protocol import (
 )
 from vecpool.server.routes import tei as tei_routes
 from vecpool.server.routes.common import (
-    call_context,
+    Timings,
     dumps,
     json_response,
+    list_answer,
     read_json,
     response_id,
-    run_call,
+    run_call_of,
     validate,
 )
 from vecpool.server.routes.embeddings import TextInputs
@@ -103,10 +103,7 @@ async def infinity_rerank(request: Request, data: dict[str, Any]) -> Response:
     state = state.for_model(body.model)
     state.check_count(len(body.documents), "documents")
 
-    media = carries_images([body.query, *body.documents])  # a data:image/ string is an image
-    ctx = call_context(state, request, media)
-
-    def prepare() -> PreparedCall[list[tuple[int, float]]]:
+    def prepare(ctx: calls.CallContext) -> PreparedCall[list[tuple[int, float]]]:
         options = RerankOptions(  # built here: its checks answer as the call's errors
             top_n=body.top_n,
             use_activation=activation(None, body.raw_scores),
@@ -114,15 +111,9 @@ async def infinity_rerank(request: Request, data: dict[str, Any]) -> Response:
         )
         return calls.prepare_rerank(ctx, body.query, body.documents, options=options)
 
-    ranked, timings = await run_call(
-        state,
-        request,
-        request.scope["path"],
-        prepare,
-        len(body.documents) + 1,
-        RERANK_ERRORS,
-        media=media,
-    )
+    # a data:image/ string is an image
+    inputs = [body.query, *body.documents]
+    ranked, timings = await run_call_of(state, request, inputs, prepare, RERANK_ERRORS)
     results = [
         {
             "relevance_score": score,
@@ -131,15 +122,9 @@ async def infinity_rerank(request: Request, data: dict[str, Any]) -> Response:
         }
         for index, score in ranked
     ]
-    content = {
-        "object": "rerank",
-        "results": results,
-        "model": body.model or state.config.model_name,
-        "usage": timings.usage(),
-        "id": response_id("infinity"),
-        "created": int(time.time()),
-    }
-    return json_response(dumps(content), timings.headers())
+    return infinity_answer(
+        "rerank", "results", results, body.model or state.config.model_name, timings
+    )
 
 
 async def rerank(request: Request, data: dict[str, Any]) -> Response:
@@ -166,10 +151,8 @@ async def rerank(request: Request, data: dict[str, Any]) -> Response:
     documents = [rerank_document(d, i, together) for i, d in enumerate(body.documents)]
     if body.return_documents:
         _check_echoed(body.documents)
-    media = carries_images([query, *documents])
-    ctx = call_context(state, request, media)
 
-    def prepare() -> PreparedCall[list[tuple[int, float]]]:
+    def prepare(ctx: calls.CallContext) -> PreparedCall[list[tuple[int, float]]]:
         options = RerankOptions(  # built here: its checks answer as the call's errors
             top_n=body.top_n,
             use_activation=use_activation,
@@ -180,15 +163,7 @@ async def rerank(request: Request, data: dict[str, Any]) -> Response:
         inputs = [engine_input(d) for d in documents]
         return calls.prepare_rerank(ctx, engine_input(query), inputs, options=options)
 
-    ranked, timings = await run_call(
-        state,
-        request,
-        request.scope["path"],
-        prepare,
-        len(documents) + 1,
-        RERANK_ERRORS,
-        media=media,
-    )
+    ranked, timings = await run_call_of(state, request, [query, *documents], prepare, RERANK_ERRORS)
     results = []
     for index, score in ranked:
         item: dict[str, Any] = {"index": index, "relevance_score": score}
@@ -312,8 +287,6 @@ async def score(request: Request, data: dict[str, Any]) -> Response:
     seconds = score_side(second, second_name, together)
     state.check_count(len(firsts), first_name)
     state.check_count(len(seconds), second_name)
-    media = carries_images(firsts + seconds)
-    ctx = call_context(state, request, media)
     options = ScoreOptions(
         use_activation=body.use_activation,
         truncate_prompt_tokens=state.truncate(body),
@@ -321,7 +294,7 @@ async def score(request: Request, data: dict[str, Any]) -> Response:
         one_score=True,
     )
 
-    def prepare() -> PreparedCall[np.ndarray]:
+    def prepare(ctx: calls.CallContext) -> PreparedCall[np.ndarray]:
         lefts, rights = [engine_input(a) for a in firsts], [engine_input(b) for b in seconds]
         return calls.prepare_score(ctx, lefts, rights, options)
 
@@ -329,24 +302,9 @@ async def score(request: Request, data: dict[str, Any]) -> Response:
         {"text_1": first_name, "text_2": second_name},
         {"text_1": isinstance(first, list), "text_2": isinstance(second, list)},
     )
-    scores, timings = await run_call(
-        state,
-        request,
-        request.scope["path"],
-        prepare,
-        len(firsts) + len(seconds),
-        to_api_error,
-        media=media,
-    )
-    content = {
-        "id": response_id("score"),
-        "object": "list",
-        "created": int(time.time()),
-        "model": body.model or state.config.model_name,
-        "data": [{"index": i, "object": "score", "score": float(s)} for i, s in enumerate(scores)],
-        "usage": timings.usage(),
-    }
-    return json_response(dumps(content), timings.headers())
+    scores, timings = await run_call_of(state, request, firsts + seconds, prepare, to_api_error)
+    rows = [{"index": i, "object": "score", "score": float(s)} for i, s in enumerate(scores)]
+    return list_answer("score", rows, body.model or state.config.model_name, timings)
 
 
 def score_side(side: Any, name: str, together: bool = False) -> list[str | ImageItem | PartsItem]:
@@ -382,30 +340,11 @@ async def classify(request: Request, data: dict[str, Any]) -> Response:
         add_special_tokens=inputs.add_special_tokens,
     )
 
-    ctx = inputs.context(request)
-
-    def prepare() -> PreparedCall[np.ndarray]:
-        return calls.prepare_classify(ctx, inputs.decode(), options)
-
-    probs, timings = await run_call(
-        state,
-        request,
-        request.scope["path"],
-        prepare,
-        len(inputs),
-        inputs.to_api_error,
-        media=inputs.media,
+    probs, timings = await inputs.run(
+        request, lambda ctx, items: calls.prepare_classify(ctx, items, options)
     )
     rendered = await asyncio.to_thread(_classes, probs, state.info.id2label)
-    content = {
-        "id": response_id("classify"),
-        "object": "list",
-        "created": int(time.time()),
-        "model": body.model or state.config.model_name,
-        "data": rendered,
-        "usage": timings.usage(),
-    }
-    return json_response(dumps(content), timings.headers())
+    return list_answer("classify", rendered, body.model or state.config.model_name, timings)
 
 
 def _classes(probs: np.ndarray, id2label: dict[int, str]) -> list[dict[str, Any]]:
@@ -447,24 +386,26 @@ async def infinity_classify(request: Request, data: dict[str, Any]) -> Response:
         truncate_prompt_tokens=state.truncate(),  # Infinity's bodies: --auto-truncate decides
     )
 
-    media = carries_images(texts)
-    ctx = call_context(state, request, media)
-
-    def prepare() -> PreparedCall[np.ndarray]:
-        return calls.prepare_classify(ctx, texts, options)
-
-    scores, timings = await run_call(
-        state, request, request.scope["path"], prepare, len(texts), media=media
+    scores, timings = await run_call_of(
+        state, request, texts, lambda ctx: calls.prepare_classify(ctx, texts, options)
     )
     labels = [info.id2label.get(i, f"LABEL_{i}") for i in range(scores.shape[1])]
     data_out = [
         [{"score": float(row[j]), "label": labels[j]} for j in np.argsort(-row, kind="stable")]
         for row in scores
     ]
+    return infinity_answer(
+        "classify", "data", data_out, body.model or state.config.model_name, timings
+    )
+
+
+def infinity_answer(kind: str, key: str, value: Any, model: str, timings: Timings) -> Response:
+    """Infinity's answer of `kind` ("rerank", "classify"): `value` under `key`, with the
+    model, the usage, an id and the time."""
     content = {
-        "object": "classify",
-        "data": data_out,
-        "model": body.model or state.config.model_name,
+        "object": kind,
+        key: value,
+        "model": model,
         "usage": timings.usage(),
         "id": response_id("infinity"),
         "created": int(time.time()),
