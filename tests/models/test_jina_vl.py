@@ -175,6 +175,7 @@ def test_text_and_image_documents_in_one_call_equal_the_reference(m0: Any) -> No
         {"image": b},
         [{"type": "text", "text": "house "}, {"type": "image", "image": a}],  # parts
         "the house on the cat",
+        {"text": " on the house", "image": b},  # the image, then the text
     ]
     expected = np.array(
         [
@@ -183,6 +184,7 @@ def test_text_and_image_documents_in_one_call_equal_the_reference(m0: Any) -> No
             reference(hf, path, query, IMAGE, [b]),
             reference(hf, path, query, f"house {IMAGE}", [a]),
             reference(hf, path, query, "the house on the cat", []),
+            reference(hf, path, query, f"{IMAGE} on the house", [b]),
         ],
         dtype=np.float32,
     )

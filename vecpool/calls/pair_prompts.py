@@ -5,7 +5,8 @@ images goes to the input stage as token ids with its images (`vecpool.inputs.vis
 which grows each placeholder to its image's rows.
 
 Side forms: a string (a `data:image/` URI is an image), an image (a PIL image, bytes, a path),
-`{"image": image}`, or a list of parts (`{"type": "text" | "image" | "image_url" |
+`{"image": image}`, `{"text": str, "image": image or [images]}` (the images, then the text), or
+a list of parts (`{"type": "text" | "image" | "image_url" |
 "image_embeds", ...}`, vLLM's score content) whose text parts are written as they are and
 image parts as the image's placeholder. Model-free, as all of `vecpool.calls`.
 """
@@ -45,7 +46,9 @@ def read_side(value: Any, index: int, field: str, template: PairTemplate) -> Sid
         return SideText(value, [], value)
     if isinstance(value, Mapping) and set(value) == {"image"}:
         return SideText(template.image_text, [value["image"]], None)
-    if isinstance(value, list) and is_parts(value):
+    if (isinstance(value, list) and is_parts(value)) or (
+        isinstance(value, Mapping) and set(value) == {"text", "image"}
+    ):
         try:
             given = parse_vision_input(value, index)
         except InputError as exc:
@@ -57,7 +60,7 @@ def read_side(value: Any, index: int, field: str, template: PairTemplate) -> Sid
         return SideText(template.image_text, [value], None)
     raise InputError(
         f"this reranker scores texts and images: a side is a string, an image, "
-        f'{{"image": ...}} or a list of text and image parts, got {type(value).__name__}',
+        f'{{"image": ...}}, {{"text", "image"}} or a list of text and image parts, got {type(value).__name__}',
         index=index,
         field=field,
     )
