@@ -1,8 +1,8 @@
 """Quantized projections of the layer stack: FP8 on CUDA (Ada / Hopper), int8 on the CPU.
 
 Both quantize weights once, per output channel, and activations dynamically, per token (each
-row of the flat batch gets its own scale from its amax), so a row's result never depends on
-the other rows of its step. Embeddings, norms and heads stay in the model's dtype: only the
+row of the flat batch gets its own scale from its values: FP8 from its amax, int8 from its least
+and largest value), so a row's result never depends on the other rows of its step. Embeddings, norms and heads stay in the model's dtype: only the
 linears inside the repeated layers are swapped (`quantize_model`).
 
 FP8 (`float8_e4m3fn`, largest value 448) multiplies through `torch._scaled_mm` with row-wise
@@ -10,8 +10,8 @@ scales; on CUDA the rows are quantized by the Triton kernels of `fp8_kernels`, f
 RMSNorm or SiLU * up that produces them where a pre-norm decoder layer allows, and a stack of
 such layers adds each residual sum in the norm that reads it (`decoder.SumInNormLayer`). Off
 CUDA the same math runs in torch (`quantize.quantize_rows`, and the product of the FP8 values
-accumulated in float32, then scaled), which is what the tests check. Int8 multiplies through
-`torch._int_mm` (int32 accumulation), then scales. Checkpoints stored with one FP8 scale per block of the weight load
+accumulated in float32, then scaled), which is what the tests check. Int8 (`int8.Int8Linear`)
+multiplies uint8 rows by int8 weights in int32 through FBGEMM, then scales. Checkpoints stored with one FP8 scale per block of the weight load
 into `fp8_block.Fp8BlockLinear`, which takes the same norm folding.
 """
 
@@ -29,6 +29,7 @@ from vecpool.errors import ConfigError
 from vecpool.models.architectures.decoder import DecoderLayer, SumInNormLayer
 from vecpool.models.layers.basic import FusedProjections, GatedMLP, RMSNorm
 from vecpool.models.quant.fp8_block import Fp8BlockLinear
+from vecpool.models.quant.int8 import Int8Linear, input_amax
 from vecpool.models.quant.quantize import (
     FP8_DTYPE,
     QuantizedRows,
@@ -320,40 +321,24 @@ class Fp8GatedMLP(nn.Module):
         return residual + self(x)
 
 
-class Int8Linear(nn.Module):
-    """A linear layer whose weight is int8 with one float32 scale per output channel; inputs
-    are quantized per row as they come; `torch._int_mm` accumulates in int32."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int] | None):
-        super().__init__()
-        data, scale = quantize_rows(weight, torch.int8)
-        self.out_features = weight.shape[0]
-        # [K, N] int8, contiguous: the layout torch._int_mm reads fastest on the CPU
-        self.weight_t = nn.Parameter(data.t().contiguous(), requires_grad=False)
-        self.weight_scale = nn.Parameter(scale.view(-1), requires_grad=False)  # [N] float32
-        self.bias = (
-            None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
-        )
-        self.sizes = sizes
-        self.out_dtype = weight.dtype
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        lead = x.shape[:-1]
-        rows = quantize_rows(x.reshape(-1, x.shape[-1]), torch.int8)
-        # int32 times the float32 row scales: float32 in one pass, then the channel scales.
-        out = (torch._int_mm(rows.data, self.weight_t) * rows.scale).mul_(self.weight_scale)
-        if self.bias is not None:
-            out = out.add_(self.bias)
-        out = out.to(self.out_dtype).view(*lead, self.out_features)
-        return out.split(self.sizes, dim=-1) if self.sizes else out
-
-
 def quantize_model(model: nn.Module, method: str, device: torch.device) -> int:
     """Swap, in place, the linears (and fused projections) inside `model`'s layer stacks for
     `method`'s quantized ones; returns how many were swapped. FP8 leaves a linear whose
-    dimensions are not multiples of 16 as it is (torch._scaled_mm cannot take it)."""
+    dimensions are not multiples of 16 as it is (torch._scaled_mm cannot take it). Int8 keeps
+    each linear's loudest input channel in float32, found by one calibration forward
+    (`int8.input_amax`)."""
+    found = list(_stack_linears(model))
+    outliers: list[int | None] = [None] * len(found)
+    if method == "int8" and found:
+        amax = input_amax(
+            model,
+            [child for _, _, child in found],
+            int(getattr(model, "vocab_size")),  # noqa: B009 - every PoolingModel has them
+            int(getattr(model, "max_positions")),  # noqa: B009
+        )
+        outliers = [int(a.argmax()) if a.numel() else None for a in amax]
     swapped = 0
-    for parent, name, child in list(_stack_linears(model)):
+    for (parent, name, child), outlier in zip(found, outliers, strict=True):
         sizes = child.sizes if isinstance(child, FusedProjections) else None
         weight, bias = child.weight, child.bias
         if method == "fp8":
@@ -361,7 +346,7 @@ def quantize_model(model: nn.Module, method: str, device: torch.device) -> int:
                 continue
             setattr(parent, name, Fp8Linear.from_weight(weight, bias, sizes))
         else:
-            setattr(parent, name, Int8Linear(weight, bias, sizes))
+            setattr(parent, name, Int8Linear(weight, bias, sizes, outlier=outlier))
         swapped += 1
     if method == "fp8":
         finish_fp8(model, device)
