@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from vecpool.calls.options import fields_from
 from vecpool.config import ListwiseRerankerConfig, LLMRerankerConfig, PairTemplate
 from vecpool.inputs.prompts import InputLimits, SideFormat
 
@@ -77,14 +78,7 @@ class EngineInfo:
     @property
     def input_limits(self) -> InputLimits:
         """What the input stage checks every input against."""
-        return InputLimits(
-            vocab_size=self.vocab_size,
-            hidden_size=self.hidden_size,
-            max_model_len=self.max_model_len,
-            dtype=self.dtype,
-            enable_prompt_embeds=self.enable_prompt_embeds,
-            max_input_chars=self.max_input_chars,
-        )
+        return fields_from(InputLimits, self)  # the limits of the names this info shares
 
     def embed_dim(self, dimensions: int | None) -> int:
         """The width of an `embed` vector: `dimensions` (a matryoshka truncation) when a call

@@ -23,6 +23,16 @@ from vecpool.errors import InputError, check_flag
 from vecpool.inputs.arrays import TruncationSide
 
 OptionsT = TypeVar("OptionsT", bound="Options")
+T = TypeVar("T")
+
+
+def fields_from(cls: type[T], source: object, **values: Any) -> T:
+    """A `cls` dataclass of `values`, each field they leave out taken from `source`'s attribute
+    of that name where it has one (else left at its default)."""
+    for field in fields(cls):  # type: ignore[arg-type]
+        if field.name not in values and hasattr(source, field.name):
+            values[field.name] = getattr(source, field.name)
+    return cls(**values)
 
 
 @dataclass(frozen=True)

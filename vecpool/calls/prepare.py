@@ -25,6 +25,7 @@ from vecpool.calls.options import (
     RerankOptions,
     ScoreOptions,
     SparseOptions,
+    fields_from,
 )
 from vecpool.calls.outputs import PoolingOutput, PreparedCall, output_data
 from vecpool.calls.pair_prompts import template_error, template_inputs
@@ -50,15 +51,7 @@ def prepare_encode(
     `add_special_tokens=False`: texts become their own tokens only; `matryoshka_only`: see
     `make_requests`."""
     o = EncodeOptions.build(options, keywords)
-    params = PoolingParams(
-        task=o.task,
-        dimensions=o.dimensions,
-        normalize=o.normalize,
-        step_tag_id=o.step_tag_id,
-        use_activation=o.use_activation,
-        input_type=o.input_type,
-        exclude_special_tokens=o.exclude_special_tokens,
-    )
+    params = fields_from(PoolingParams, o)  # every parameter, by its name
     # A side's own prompt, not the folder's default one, unless the call names one.
     by_side = o.input_type is not None and o.prompt is None and o.prompt_name is None
     prefix = None if by_side else instruction(ctx, o.prompt_name, o.prompt)

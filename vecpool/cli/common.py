@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import re
-from typing import Any, TypeVar
 
 from vecpool.errors import ConfigError
 
@@ -24,19 +22,6 @@ def error_text(exc: Exception, args: argparse.Namespace) -> str:
         return message
     names = {name for name in vars(args) if "_" in name}
     return _SNAKE.sub(lambda m: "--" + m[0].replace("_", "-") if m[0] in names else m[0], message)
-
-
-T = TypeVar("T")
-
-
-def options_from_args(cls: type[T], args: argparse.Namespace, **values: Any) -> T:
-    """A `cls` dataclass of `values`, each field they leave out from the flag of that name
-    (`--max-queued`: `max_queued`); a field no flag sets keeps its default."""
-    given = vars(args)
-    for field in dataclasses.fields(cls):  # type: ignore[arg-type]
-        if field.name not in values and field.name in given:
-            values[field.name] = given[field.name]
-    return cls(**values)
 
 
 # A snake_case word, not inside a longer name or a flag already.

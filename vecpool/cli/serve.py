@@ -12,7 +12,8 @@ import dataclasses
 import sys
 
 from vecpool.api.args import EngineArgs
-from vecpool.cli.common import error_text, options_from_args
+from vecpool.calls.options import fields_from
+from vecpool.cli.common import error_text
 from vecpool.errors import ConfigError, VecpoolError
 from vecpool.server import launcher
 
@@ -190,7 +191,9 @@ def serve(args: argparse.Namespace) -> int:
     try:
         models = EngineArgs.per_model(args)
         names = served_model_names(args.served_model_name, models)
-        config = options_from_args(  # checked before the model loads: fail fast
+        # Each field the flag of its name (--max-queued: max_queued) unless given here; checked
+        # before the model loads: fail fast.
+        config = fields_from(
             ServerConfig,
             args,
             model_names=names[0],
@@ -207,7 +210,7 @@ def serve(args: argparse.Namespace) -> int:
         if fit < config.max_connections:
             config = dataclasses.replace(config, max_connections=fit)
         count = args.api_server_count
-        options = options_from_args(
+        options = fields_from(
             launcher.ServeOptions,
             args,
             api_server_count=(
