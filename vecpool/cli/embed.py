@@ -37,7 +37,7 @@ from vecpool.cli.corpus import (
 )
 from vecpool.cli.images import IMAGE_CHUNK_SIZE, ImageField, is_image_item
 from vecpool.cli.output import WorkFolder, check_output
-from vecpool.cli.parallel import LocalEmbedder, ProcessEmbedder
+from vecpool.cli.parallel import EmbedJob, LocalEmbedder, ProcessEmbedder
 from vecpool.errors import InputError
 
 if TYPE_CHECKING:  # torch loads where a model runs
@@ -287,15 +287,14 @@ def _embed_corpus(args: argparse.Namespace, engine: Engine | None, output: Path)
     embedder: LocalEmbedder | ProcessEmbedder | None = None
     previous_sigterm = _interrupt_on_sigterm()
     try:
-        options = embed_options(args, engine_args.windowed_embed)
+        job = EmbedJob(embed_options(args, engine_args.windowed_embed), unit, images)
         if args.data_parallel_size > 1:
-            size = args.data_parallel_size
-            embedder = ProcessEmbedder(engine_args, options, size, unit, images)
+            embedder = ProcessEmbedder(engine_args, job, args.data_parallel_size)
         else:
             from vecpool.api import Engine
 
             engine = engine or Engine.from_args(engine_args)
-            embedder = LocalEmbedder(engine, options, unit, images)
+            embedder = LocalEmbedder(engine, job)
         if parquet is not None:
             total: int | None = parquet.num_rows
             chunks = parquet.chunks(

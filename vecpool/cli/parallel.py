@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -158,22 +158,25 @@ def located(exc: InputError, chunk: Chunk, unit: str) -> CommandError:
     return CommandError(f"{where}: {reason}")
 
 
+@dataclass(frozen=True)
+class EmbedJob:
+    """What an embedder is given besides its engines: the options of every call, the unit an
+    input is counted in (its errors name it: "line", "row") and, with --image-field, the field
+    its images are read from."""
+
+    options: EmbedOptions
+    unit: str
+    images: ImageField | None = None
+
+
 class LocalEmbedder:
     """One engine in this process. The next chunk is read and tokenized on a helper thread
     (its images on a pool) while the engine runs the current one."""
 
-    def __init__(
-        self,
-        engine: Engine,
-        options: EmbedOptions,
-        unit: str,
-        images: ImageField | None = None,
-    ):
-        self.engine = engine
-        self.options = options
-        self.unit = unit
-        self.output_dim = output_dim(engine, options, images)
-        self.images = ImageReading(images) if images is not None else None
+    def __init__(self, engine: Engine, job: EmbedJob):
+        self.engine, self.options, self.unit = engine, job.options, job.unit
+        self.output_dim = output_dim(engine, job.options, job.images)
+        self.images = ImageReading(job.images) if job.images is not None else None
 
     def run(self, chunks: Iterator[Chunk]) -> Iterator[Result]:
         def prepare() -> tuple[Chunk, PreparedCall[list[np.ndarray]] | None] | None:
@@ -208,16 +211,8 @@ class ProcessEmbedder:
     A process that dies is reported (`EngineError`) at once, never waited on; the processes
     leave when the parent closes them, and by themselves when the parent is gone."""
 
-    def __init__(
-        self,
-        engine_args: EngineArgs,
-        options: EmbedOptions,
-        size: int,
-        unit: str,
-        images: ImageField | None = None,
-    ):
-        self.options = options
-        self.unit = unit
+    def __init__(self, engine_args: EngineArgs, job: EmbedJob, size: int):
+        self.options, self.unit = job.options, job.unit
         replicas = replace(engine_args, data_parallel_size=size).replicas()
         context = mp.get_context("spawn")
         self.tasks: Any = context.Queue()
@@ -226,7 +221,7 @@ class ProcessEmbedder:
         self.processes = [
             context.Process(
                 target=_worker_main,
-                args=(replica, options, self.tasks, self.results, os.getpid(), images),
+                args=(replica, job.options, self.tasks, self.results, os.getpid(), job.images),
                 name=f"vecpool-embed-{replica.rank}",
                 daemon=True,
             )
