@@ -459,22 +459,11 @@ def _flash_gqa(
     """Grouped-query attention without expanding the keys and values, on a torch whose
     `varlen_attn` takes no `enable_gqa` (2.11): the FlashAttention kernel underneath reads each
     query head's key/value head itself; `varlen_attn` only refuses unequal head counts."""
-    out = torch.ops.aten._flash_attention_forward(
-        q,
-        k,
-        v,
-        cu_q,
-        cu_k,
-        max_q,
-        max_k,
-        0.0,  # dropout
-        (left, right) == (-1, 0),  # is_causal, derived as varlen_attn derives it
-        False,  # return_debug_mask
-        scale=scale,
-        window_size_left=left,
-        window_size_right=right,
-    )[0]
-    assert isinstance(out, torch.Tensor)
+    # (left, right) is (-1 or a window, 0) causal, (window, window) not: one left and whether
+    # causal say it.
+    out, _ = split_attention.attention_with_lse(
+        q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, causal=right == 0, window_left=left
+    )
     return out
 
 

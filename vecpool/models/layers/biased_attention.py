@@ -199,18 +199,15 @@ def _launch(
     return out
 
 
-@torch.library.custom_op("vecpool::biased_attention", mutates_args=())
-def _biased_attention_op(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    bias: torch.Tensor,
-    max_seqlen: int,
-    scale: float,
-) -> torch.Tensor:
-    """`biased_attention` for compiled layers: the compiler calls the kernel as it is."""
-    return _launch(q, k, v, cu_seqlens, bias, max_seqlen, scale)
+# `biased_attention` for compiled layers: the compiler calls the kernel as it is (`_launch`
+# under the operator's schema).
+_biased_attention_op = torch.library.custom_op(
+    "vecpool::biased_attention",
+    _launch,
+    mutates_args=(),
+    schema="(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, Tensor bias, SymInt max_seqlen, "
+    "float scale) -> Tensor",
+)
 
 
 @_biased_attention_op.register_fake

@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -222,7 +223,7 @@ def _launch(
     causal: bool,
     scale: float,
     # (BLOCK_M, BLOCK_N, warps[, heads per program]); None: `tile_for` the model's group
-    tiles: tuple[int, ...] | None = None,
+    tiles: Sequence[int] | None = None,
 ) -> torch.Tensor:
     kernel = _kernel()
     assert kernel is not None  # guarded by `serves`
@@ -268,17 +269,15 @@ def _launch(
     return out
 
 
-@torch.library.custom_op("vecpool::packed_attention", mutates_args=())
-def _packed_attention_op(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    causal: bool,
-    scale: float,
-) -> torch.Tensor:
-    """`packed_attention` for compiled layers: the compiler calls the kernel as it is."""
-    return _launch(q, k, v, cu_seqlens, causal, scale)
+# `packed_attention` for compiled layers: the compiler calls the kernel as it is (`_launch`
+# under the operator's schema).
+_packed_attention_op = torch.library.custom_op(
+    "vecpool::packed_attention",
+    _launch,
+    mutates_args=(),
+    schema="(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, bool causal, float scale, "
+    "int[]? tiles=None) -> Tensor",
+)
 
 
 @_packed_attention_op.register_fake

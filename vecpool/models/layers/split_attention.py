@@ -80,10 +80,11 @@ def attention_with_lse(
     *,
     scale: float,
     causal: bool,  # aligned to the end of the keys
+    window_left: int = -1,  # on CUDA: keys seen before a query (and after, not causal); -1 all
 ) -> tuple[torch.Tensor, torch.Tensor]:  # [num_q, num_heads, head_dim], [num_heads, num_q] f32
     """Variable-length attention and each query's log-sum-exp of its scaled logits: the
     FlashAttention kernel on CUDA (grouped-query heads read in place), a per-sequence reference
-    elsewhere (the CPU runs the padded fallback; this serves its tests)."""
+    elsewhere (the CPU runs its own attention; this serves its tests)."""
     if q.is_cuda:
         out, lse = torch.ops.aten._flash_attention_forward(
             q,
@@ -94,13 +95,15 @@ def attention_with_lse(
             max_q,
             max_k,
             0.0,  # dropout
-            causal,
+            causal and window_left == -1,  # is_causal, derived as varlen_attn derives it
             False,  # return_debug_mask
             scale=scale,
-            window_size_left=-1,
-            window_size_right=0 if causal else -1,
+            window_size_left=window_left,
+            window_size_right=0 if causal else window_left,
         )[:2]
         return out, lse
+    if window_left != -1:
+        raise NotImplementedError("a window in the CPU reference of attention_with_lse")
     # As the kernel: rows of no sequence (a padded step's) are left as they are, here zero
     # with a log-sum-exp of -inf.
     out = torch.zeros(q.shape[0], q.shape[1], v.shape[2])
