@@ -40,7 +40,8 @@ class JinaVLForRanking(Qwen2VLForConditionalGeneration):
     pair_template = PairTemplate(_TEMPLATE, _IMAGE_TEXT, (SCORE_TOKEN_ID,))
     tied_weights: ClassVar[dict[str, str]] = {}
     optional_parameters = ()  # type: ignore[assignment]  # the decoder's is a 1-tuple
-    unused_checkpoint_keys: ClassVar[tuple[str, ...]] = ("*.rotary_emb.inv_freq",)
+    # A checkpoint saved with the generation class's head keeps an `lm_head` it never uses.
+    unused_checkpoint_keys: ClassVar[tuple[str, ...]] = ("*.rotary_emb.inv_freq", "lm_head.*")
 
     def __init__(self, c: DecoderConfig, rotary: MRopeRotary, vision: VisionConfig):
         super().__init__(c, rotary, vision)
