@@ -24,7 +24,6 @@ import transformers
 from PIL import Image
 from safetensors.torch import load_file, save_file
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
-from safetensors.torch import load_file, save_file
 from torch import nn
 
 import vecpool
@@ -245,37 +244,6 @@ def test_truncation_cuts_a_text_document_and_keeps_the_score_token(m0: Any) -> N
     out = engine.score(query, [document], truncate_prompt_tokens=full - 3, use_activation=False)
     cut = "the red house on the dog"  # three tokens fewer
     assert_rel_close(out, np.array([reference(hf, path, query, cut, [])], dtype=np.float32))
-
-
-def test_the_published_checkpoint_layout_loads(m0: Any, tmp_path: Path) -> None:
-    """jina-reranker-m0's files keep transformers 4's names (`model.layers.`, `visual.`,
-    `score.`) and the language model's settings at the top of config.json; an `lm_head`
-    saved beside them is left unused."""
-    engine, _, path = m0
-    old = tmp_path / "old"
-    old.mkdir()
-    for name in ("tokenizer.json", "tokenizer_config.json", "preprocessor_config.json"):
-        (old / name).write_bytes((path / name).read_bytes())
-    tensors = load_file(str(path / "model.safetensors"))
-    renamed = {
-        k.replace("model.language_model.", "model.").replace("model.visual.", "visual."): v
-        for k, v in tensors.items()
-    }
-    renamed["lm_head.weight"] = torch.zeros(128, 32)
-    save_file(renamed, str(old / "model.safetensors"))
-    config = json.loads((path / "config.json").read_text())
-    text = config.pop("text_config")
-    rope = text.pop("rope_parameters")
-    config.update(text)
-    config["rope_scaling"] = {"type": "mrope", "mrope_section": rope["mrope_section"]}
-    config["rope_theta"] = rope["rope_theta"]
-    (old / "config.json").write_text(json.dumps(config))
-    (image,) = sample_images([(40, 27)], seed=7)
-    documents = ["the dog", {"image": image}]
-    published = vecpool.Engine(old, device="cpu")
-    np.testing.assert_array_equal(
-        published.score("a cat", documents), engine.score("a cat", documents)
-    )
 
 
 def test_the_published_checkpoint_layout_loads(m0: Any, tmp_path: Path) -> None:
