@@ -20,8 +20,9 @@ from torch import nn
 from vecpool.errors import ConfigError
 from vecpool.models.architectures.encoder import EncoderModel
 from vecpool.models.base import Capability, PoolingModel, hf_num_labels
-from vecpool.models.layers.attention import AttentionMetadata, flat_attention
-from vecpool.models.layers.basic import Rotary, activation, apply_rotary
+from vecpool.models.layers.attention import AttentionMetadata
+from vecpool.models.layers.basic import Rotary, activation
+from vecpool.models.layers.encoder_blocks import PackedRotaryAttention
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 # transformers' ModernBertConfig defaults, for keys a config.json leaves out.
@@ -122,31 +123,6 @@ class ModernBertEmbeddings(nn.Module):
         self.norm = _norm(c)
 
 
-class ModernBertAttention(nn.Module):
-    """Self-attention through the fused `Wqkv`, rotary on queries and keys, global or windowed."""
-
-    def __init__(self, c: ModernBertConfig, window: int | None):
-        super().__init__()
-        self.num_heads, self.head_dim, self.window = c.num_heads, c.head_dim, window
-        self.Wqkv = nn.Linear(c.hidden_size, 3 * c.hidden_size, bias=c.attention_bias)
-        self.Wo = nn.Linear(c.hidden_size, c.hidden_size, bias=c.attention_bias)
-
-    def forward(
-        self,
-        x: torch.Tensor,  # [num_tokens, hidden]
-        cos: torch.Tensor,  # [num_tokens, head_dim]
-        sin: torch.Tensor,  # [num_tokens, head_dim]
-        attn: AttentionMetadata,
-    ) -> torch.Tensor:  # [num_tokens, hidden]
-        n = x.shape[0]
-        q, k, v = self.Wqkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(dim=1)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = flat_attention(
-            q, k, v, attn, causal=False, scale=self.head_dim**-0.5, window=self.window
-        )
-        return self.Wo(out.reshape(n, -1))
-
-
 class ModernBertMLP(nn.Module):
     """GeGLU: `Wo(act(input) * gate)`, input and gate the two halves of `Wi(x)`."""
 
@@ -169,7 +145,12 @@ class ModernBertEncoderLayer(nn.Module):
         super().__init__()
         self.table = table
         self.attn_norm: nn.Module = nn.Identity() if index == 0 else _norm(c)
-        self.attn = ModernBertAttention(c, c.window if c.layer_types[index] == SLIDING else None)
+        # Self-attention through the fused `Wqkv`, rotary on queries and keys, global or windowed.
+        window = c.window if c.layer_types[index] == SLIDING else None
+        biases = (c.attention_bias, c.attention_bias)
+        self.attn = PackedRotaryAttention(
+            c.hidden_size, c.num_heads, ("Wqkv", "Wo"), biases, window
+        )
         self.mlp_norm = _norm(c)
         self.mlp = ModernBertMLP(c)
 

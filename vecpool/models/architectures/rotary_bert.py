@@ -24,7 +24,7 @@ from vecpool.models.architectures.encoder import EncoderModel, register_at
 from vecpool.models.base import PoolingModel
 from vecpool.models.layers.attention import AttentionMetadata
 from vecpool.models.layers.basic import Rotary, activation, fuse
-from vecpool.models.layers.encoder_blocks import packed_rotary_attention
+from vecpool.models.layers.encoder_blocks import PackedRotaryAttention
 
 
 @dataclass(frozen=True)
@@ -99,25 +99,6 @@ def rotary_table(c: RotaryBertConfig) -> Rotary:
     return rotary
 
 
-class RotaryBertAttention(nn.Module):
-    def __init__(self, c: RotaryBertConfig, names: RotaryBertNames):
-        super().__init__()
-        self.num_heads = c.num_heads
-        self.names = names
-        self.add_module(names.qkv, nn.Linear(c.hidden_size, 3 * c.hidden_size, bias=c.qkv_bias))
-        self.add_module(names.out, nn.Linear(c.hidden_size, c.hidden_size, bias=c.out_bias))
-
-    def forward(
-        self,
-        x: torch.Tensor,  # [num_tokens, hidden]
-        cos: torch.Tensor,  # [num_tokens, head_dim]
-        sin: torch.Tensor,
-        attn: AttentionMetadata,
-    ) -> torch.Tensor:  # [num_tokens, hidden]
-        qkv, out = getattr(self, self.names.qkv), getattr(self, self.names.out)
-        return out(packed_rotary_attention(qkv(x), cos, sin, attn, self.num_heads))
-
-
 class RotaryBertMLP(nn.Module):
     """`down(up * act(gate))`, up and gate the two halves of `up_gate`: the checkpoint's one
     projection of both, or its two (up, gate) joined once the weights load."""
@@ -153,7 +134,10 @@ class RotaryBertLayer(nn.Module):
     def __init__(self, c: RotaryBertConfig, names: RotaryBertNames):
         super().__init__()
         self.names = names
-        self.add_module(names.attention, RotaryBertAttention(c, names))
+        attention = PackedRotaryAttention(
+            c.hidden_size, c.num_heads, (names.qkv, names.out), (c.qkv_bias, c.out_bias)
+        )
+        self.add_module(names.attention, attention)
         self.mlp = RotaryBertMLP(c, names)
         for norm in (names.attention_norm, names.mlp_norm):
             self.add_module(norm, nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps))

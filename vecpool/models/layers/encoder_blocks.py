@@ -76,9 +76,12 @@ def bidirectional_attention(
     v: torch.Tensor,
     attn: AttentionMetadata,
     bias: torch.Tensor | None = None,  # [1, heads, max_seqlen, max_seqlen], added to the logits
+    window: int | None = None,  # `flat_attention`'s (None: the whole sequence)
 ) -> torch.Tensor:  # [num_tokens, heads * head_dim]
-    """Attention of every token to every token of its sequence, scaled by `head_dim ** -0.5`."""
-    out = flat_attention(q, k, v, attn, causal=False, scale=q.shape[-1] ** -0.5, bias=bias)
+    """Attention of every token to every token of its sequence (within `window`), scaled by
+    `head_dim ** -0.5`."""
+    scale = q.shape[-1] ** -0.5
+    out = flat_attention(q, k, v, attn, causal=False, scale=scale, window=window, bias=bias)
     return out.reshape(q.shape[0], -1)
 
 
@@ -137,11 +140,43 @@ def packed_rotary_attention(
     sin: torch.Tensor,
     attn: AttentionMetadata,
     num_heads: int,
+    window: int | None = None,
 ) -> torch.Tensor:  # [num_tokens, hidden]
-    """Bidirectional attention over one packed q|k|v projection, rotary on q and k (GPT-NeoX
-    halves), as GTE's `qkv_proj` and NomicBERT's `Wqkv` lay them out."""
+    """Bidirectional attention (within `window`) over one packed q|k|v projection, rotary on q
+    and k (GPT-NeoX halves), as GTE's `qkv_proj`, NomicBERT's and ModernBERT's `Wqkv` lay them
+    out."""
     n = packed.shape[0]
     head_dim = packed.shape[1] // (3 * num_heads)
     q, k, v = packed.view(n, 3, num_heads, head_dim).unbind(dim=1)
     q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-    return bidirectional_attention(q, k, v, attn)
+    return bidirectional_attention(q, k, v, attn, window=window)
+
+
+class PackedRotaryAttention(nn.Module):
+    """`packed_rotary_attention` between the checkpoint's two projections, under its names:
+    the packed q|k|v (`qkv_name`) and the output (`out_name`). `window`: each token attends
+    within it (None: the whole sequence)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        names: tuple[str, str],  # (qkv_name, out_name)
+        biases: tuple[bool, bool],  # of the q|k|v and the output projection
+        window: int | None = None,
+    ):
+        super().__init__()
+        self.num_heads, self.window = num_heads, window
+        self.qkv_name, self.out_name = names
+        self.add_module(self.qkv_name, nn.Linear(hidden_size, 3 * hidden_size, bias=biases[0]))
+        self.add_module(self.out_name, nn.Linear(hidden_size, hidden_size, bias=biases[1]))
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden]
+        cos: torch.Tensor,  # [num_tokens, head_dim]
+        sin: torch.Tensor,
+        attn: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        qkv, out = getattr(self, self.qkv_name), getattr(self, self.out_name)
+        return out(packed_rotary_attention(qkv(x), cos, sin, attn, self.num_heads, self.window))
