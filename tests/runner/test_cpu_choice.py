@@ -65,6 +65,9 @@ def test_decide_is_a_pure_function_of_isa_and_measurement(isa: str) -> None:
         assert all(
             decide(isa, Measurement(dict(m.linear), dict(m.attention))) == choice for _ in "ab"
         )
+    # The measured cost of a group of lengths is what the grouping plans with.
+    m = Measurement({"blas": 1.0}, {"buckets": 1.0}, group_cost=1234.0)
+    assert decide(isa, m) == CpuChoice("blas", "buckets", group_cost=1234.0)
     # Attention within TIE of the grouped way keeps it; a way the machine lacks is not chosen.
     near = Measurement({"blas": 1.0}, {"padded": 1.0, "buckets": 1.0 + TIE / 2, "sequences": 2.0})
     assert decide(isa, near) == CpuChoice("blas", "buckets")

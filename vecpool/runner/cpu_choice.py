@@ -42,7 +42,12 @@ from torch import nn
 
 from vecpool.models.layers.attention import AttentionMetadata, flat_attention
 from vecpool.models.layers.basic import FusedProjections
-from vecpool.models.layers.cpu_attention import CPU_ATTENTION_MODES
+from vecpool.models.layers.cpu_attention import (
+    CPU_ATTENTION_MODES,
+    GROUP_COST_LOGITS,
+    bucket_plan,
+    bucketed_attention,
+)
 from vecpool.runner.compiled import repeated_blocks
 from vecpool.runner.cpu_linear import PackedLinear, can_pack
 
@@ -57,7 +62,7 @@ REPEATS = 5
 MIN_REPEATS = 2
 BUDGET_S = 1.0
 # The cache file's format; a file of another version is measured anew.
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 # Above this 1-minute load average per core the machine is busy: its measurement is not cached.
 BUSY_LOAD = 1.5
 # Measurements of a busy machine, kept for this process's later engines (by `machine_key`).
@@ -70,6 +75,8 @@ class CpuChoice:
 
     linear: str  # "onednn": prepacked oneDNN linears; "blas": `F.linear` (the BLAS GEMM)
     attention: str  # "padded", "buckets" or "sequences" (`cpu_attention.CPU_ATTENTION_MODES`)
+    # "buckets": what one more group of lengths costs, in logits of one head (`plan_buckets`)
+    group_cost: float = GROUP_COST_LOGITS
 
     def __post_init__(self) -> None:
         if self.linear not in LINEAR_KERNELS:
@@ -85,6 +92,9 @@ class Measurement:
 
     linear: dict[str, float]  # kernel -> seconds of the layer stack's linear shapes, once each
     attention: dict[str, float]  # way -> seconds of one mixed-length step's attention
+    # One group's fixed cost in logits of one head, from a group of 8 tokens against one of
+    # 4 x 128 (`_group_cost`); the attention probes' groups were planned with it.
+    group_cost: float = GROUP_COST_LOGITS
 
 
 @dataclass(frozen=True)
@@ -146,10 +156,12 @@ def decide(isa: str, measurement: Measurement | None) -> CpuChoice:
     nothing measured, the instruction set's defaults). Pure: same arguments, same choice."""
     linear = default_linear(isa)
     attention = "buckets"
+    group_cost: float = GROUP_COST_LOGITS
     if measurement is not None:
         linear = _fastest(measurement.linear, linear)
         attention = _fastest(measurement.attention, attention)
-    return CpuChoice(linear=linear, attention=attention)
+        group_cost = measurement.group_cost
+    return CpuChoice(linear=linear, attention=attention, group_cost=group_cost)
 
 
 def _fastest(seconds: dict[str, float], default: str) -> str:
@@ -211,6 +223,7 @@ def read_cached(key: str, path: Path | None = None) -> Measurement | None:
         return Measurement(
             linear={str(k): float(v) for k, v in entry["linear"].items()},
             attention={str(k): float(v) for k, v in entry["attention"].items()},
+            group_cost=float(entry["group_cost"]),
         )
     except (KeyError, TypeError, ValueError, AttributeError):
         return None
@@ -270,7 +283,8 @@ def choose(model: nn.Module, dtype: torch.dtype, *, causal: bool, max_len: int) 
     isa = cpu_isa()
     choice = decide(isa, measurement)
     logger.info(
-        "CPU %s (%s, %d threads): linears %s, attention %s (%s: linears %s; attention %s)",
+        "CPU %s (%s, %d threads): linears %s, attention %s (%s: linears %s; attention %s; "
+        "a group of lengths costs %.0f logits)",
         cpu_model_name(),
         isa,
         torch.get_num_threads(),
@@ -279,6 +293,7 @@ def choose(model: nn.Module, dtype: torch.dtype, *, causal: bool, max_len: int) 
         source,
         _ms(measurement.linear),
         _ms(measurement.attention),
+        measurement.group_cost,
     )
     return choice
 
@@ -292,9 +307,11 @@ def measure(model: nn.Module, shape: ProbeShape, dtype: torch.dtype) -> Measurem
     (where it serves `dtype`) and `F.linear`, and one mixed-length step's attention in each
     way, interleaved; the least of `REPEATS` runs of each."""
     with torch.inference_mode():
+        group_cost = _group_cost(shape, dtype)
         return Measurement(
             linear=_per_kernel(_time_interleaved(_linear_probes(model, shape, dtype))),
-            attention=_time_interleaved(_attention_probes(shape, dtype)),
+            attention=_time_interleaved(_attention_probes(shape, dtype, group_cost)),
+            group_cost=group_cost,
         )
 
 
@@ -365,15 +382,47 @@ def probe_lengths(max_len: int) -> list[int]:
     return [longest // 2, *short[:8], longest, *short[8:]]
 
 
-def _attention_probes(shape: ProbeShape, dtype: torch.dtype) -> dict[str, Callable[[], object]]:
+def _qkv(shape: ProbeShape, dtype: torch.dtype, tokens: int) -> tuple[torch.Tensor, ...]:
+    """q, k, v of `tokens` rows in a fused projection's layout (views of one tensor)."""
+    heads, kv_heads, dim = shape.heads, shape.kv_heads, shape.head_dim
+    gen = torch.Generator().manual_seed(0)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
+    return qkv.view(tokens, heads + 2 * kv_heads, dim).split([heads, kv_heads, kv_heads], 1)
+
+
+# The group cost's probes: one sequence this short (its cost is the group's fixed cost, nearly
+# all), and this many of this length (their logits' cost, nearly all).
+_SMALL_GROUP = 8
+_LARGE_GROUP = (4, 128)
+
+
+def _group_cost(shape: ProbeShape, dtype: torch.dtype) -> float:
+    """What one more group of lengths costs on this machine, in logits of one head: the time
+    of a group of one 8-token sequence over the time a logit takes in 4 sequences of 128."""
+    n, length = _LARGE_GROUP
+    small = [0, _SMALL_GROUP]
+    large = list(range(0, n * length + 1, length))
+    probes: dict[str, Callable[[], object]] = {}
+    for name, cu in (("small", small), ("large", large)):
+        q, k, v = _qkv(shape, dtype, cu[-1])
+        plan = bucket_plan(np.array(cu, dtype=np.int64), torch.device("cpu"))
+        probes[name] = functools.partial(
+            bucketed_attention, q, k, v, plan, causal=shape.causal, scale=1.0
+        )
+    seconds = _time_interleaved(probes)
+    logits = n * length**2 - _SMALL_GROUP**2
+    per_logit = max(seconds["large"] - seconds["small"], 1e-9) / logits
+    return float(min(max(seconds["small"] / per_logit, 64.0), 1e7))
+
+
+def _attention_probes(
+    shape: ProbeShape, dtype: torch.dtype, group_cost: float
+) -> dict[str, Callable[[], object]]:
     """Callables running one mixed step's attention (a fused q/k/v layout) in each way, the
     step's plan built anew each time as a step's first layer builds it."""
     lengths = probe_lengths(shape.max_len)
-    tokens = sum(lengths)
-    gen = torch.Generator().manual_seed(0)
-    heads, kv_heads, dim = shape.heads, shape.kv_heads, shape.head_dim
-    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
-    q, k, v = qkv.view(tokens, heads + 2 * kv_heads, dim).split([heads, kv_heads, kv_heads], 1)
+    q, k, v = _qkv(shape, dtype, sum(lengths))
+    dim = shape.head_dim
     cu = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=cu[1:])
     seq_ids = torch.from_numpy(np.repeat(np.arange(len(lengths)), lengths))
@@ -388,6 +437,7 @@ def _attention_probes(shape: ProbeShape, dtype: torch.dtype) -> dict[str, Callab
                 pos_in_seq=pos_in_seq,
                 use_varlen=False,
                 cpu_attention=mode,
+                cpu_group_cost=group_cost,
             )
             for _ in range(2):  # two layers of one step: the plan once, used twice
                 flat_attention(q, k, v, meta, causal=shape.causal, scale=dim**-0.5)

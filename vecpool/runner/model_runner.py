@@ -158,6 +158,7 @@ class ModelRunner:
         batch.attn.packed = batch.attn.max_seqlen <= self.packed_max_len
         if self.cpu_choice is not None:
             batch.attn.cpu_attention = self.cpu_choice.attention
+            batch.attn.cpu_group_cost = self.cpu_choice.group_cost
         vision = batch.image_rows.images if batch.image_rows is not None else None
         for images in (batch.images, vision):
             if images is None:

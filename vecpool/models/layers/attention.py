@@ -36,7 +36,7 @@ from vecpool.models.layers import (
     packed_attention,
     split_attention,
 )
-from vecpool.models.layers.cpu_attention import BucketPlan
+from vecpool.models.layers.cpu_attention import GROUP_COST_LOGITS, BucketPlan
 from vecpool.models.layers.cpu_attention import joint_rows as _joint_rows
 from vecpool.models.layers.kv_blocks import ChunkedKV
 
@@ -104,6 +104,8 @@ class AttentionMetadata:
     # How the CPU runs plain attention (`cpu_attention.CPU_ATTENTION_MODES`): the exact padded
     # layout, groups of similar lengths, or one sequence at a time (set by the model runner).
     cpu_attention: str = "padded"
+    # What one more group of lengths costs, in logits of one head (measured per machine).
+    cpu_group_cost: float = GROUP_COST_LOGITS
     # Padded-fallback masks, built at most once per (causal, window) per step.
     _masks: dict[tuple[bool, int | None], torch.Tensor] = field(default_factory=dict, repr=False)
     # Padded-fallback layouts of q, k and v, zeroed once per step and rewritten by every layer.
@@ -297,7 +299,7 @@ def _cpu_attention(
         return cpu_attention.sequence_attention(q, k, v, bounds, causal=causal, scale=scale)
     if meta._buckets is None:
         cu = meta.cu_seqlens.cpu().numpy().astype(np.int64)
-        meta._buckets = cpu_attention.bucket_plan(cu, q.device)
+        meta._buckets = cpu_attention.bucket_plan(cu, q.device, meta.cpu_group_cost)
     return cpu_attention.bucketed_attention(q, k, v, meta._buckets, causal=causal, scale=scale)
 
 

@@ -33,7 +33,9 @@ CPU_ATTENTION_MODES = ("padded", "buckets", "sequences")
 
 # One more group costs about as much as this many (query, key) logits of one head more: the
 # call, the gather of its rows and the kernel's set-up (about 10 us against 1.5 ns a logit on
-# a Xeon core, float32). Groups are only formed where they save more than that.
+# a quiet Xeon core, float32). Groups are only formed where they save more than that. An
+# engine measures its own (`cpu_choice`): threads waiting on each other on a busy machine
+# make a call cost many times more.
 GROUP_COST_LOGITS = 8192
 
 
