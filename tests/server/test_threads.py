@@ -31,15 +31,30 @@ from vecpool.tasks import PoolingParams
 
 @pytest.mark.parametrize(
     ("cores", "apis", "engines", "engine"),
-    [(2, 1, 1, 1), (4, 1, 1, 3), (16, 2, 2, 7), (16, 4, 3, 4), (2, 4, 1, 1), (3, 2, 2, 1)],
+    [(4, 1, 1, 3), (8, 2, 1, 6), (16, 2, 2, 7), (16, 4, 3, 4), (32, 8, 1, 24)],
 )
 def test_cpu_engines_share_the_cores_the_api_processes_leave(
     cores: int, apis: int, engines: int, engine: int
 ) -> None:
     budget = thread_budget(cpu=True, cores=cores, api_processes=apis, engines=engines)
     assert budget.engine == engine and budget.api == 1
-    if cores >= apis + engines:  # where the cores allow, the budget stays within them
-        assert engine * engines + apis <= cores
+    # The API processes' cores leave the engines at least three quarters of the machine, and
+    # the budget stays within the cores.
+    assert engine * engines + apis <= cores and cores - apis >= 0.75 * cores
+
+
+@pytest.mark.parametrize(
+    ("cores", "apis", "engines", "engine"),
+    [(2, 1, 1, 2), (3, 1, 1, 3), (2, 1, 2, 1), (4, 2, 1, 4), (2, 4, 1, 2), (3, 2, 2, 1)],
+)
+def test_on_a_small_machine_the_engines_share_every_core(
+    cores: int, apis: int, engines: int, engine: int
+) -> None:
+    # A core kept per API process would leave the engines under three quarters of the
+    # machine: they share all of it (at least one thread each), the API processes beside them.
+    budget = thread_budget(cpu=True, cores=cores, api_processes=apis, engines=engines)
+    assert budget.engine == engine and budget.api == 1
+    assert engine == max(1, cores // engines)
 
 
 def test_a_gpu_engine_keeps_torchs_threads() -> None:
@@ -128,8 +143,9 @@ def test_no_server_process_computes_with_more_threads_than_it_was_given(
     for pid, name in ((*engines, "vecpool-engine"), (*apis, "vecpool-api-0")):
         assert Path(f"/proc/{pid}/comm").read_text().strip() == name
     # The machine's compute threads as torch counts them (as the supervisor does), one API
-    # process: the engine has the rest.
-    given = {"engine": max(1, torch.get_num_threads() - 1), "api": 1}
+    # process: the engine has the rest, or every core on a small machine.
+    budget = thread_budget(cpu=True, cores=torch.get_num_threads(), api_processes=1, engines=1)
+    given = {"engine": budget.engine, "api": 1}
     for kind, group in (("engine", engines), ("api", apis)):
         for rs in group.values():
             start = rs[0]
