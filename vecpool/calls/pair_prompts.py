@@ -87,21 +87,26 @@ def template_inputs(
             "model's tokenizer.json"
         )
     queries: dict[int, SideText] = {}
-    inputs: list[Any] = []
-    image_sides: list[str | None] = []
-    suffix = list(template.suffix_ids)
+    pairs: list[tuple[SideText, SideText]] = []
     for i, (left, right) in enumerate(zip(pairing, rights, strict=True)):
         if left not in queries:
             queries[left] = read_side(lefts[left], i, "text_1", template)
         query, document = queries[left], read_side(right, i, "text_2", template)
-        text = template.format(query.text, document.text)
         for name, part in (("text_1", query.text), ("text_2", document.text)):
             try:
                 ctx.inputs.check_text_size(part, i)
                 check_unicode(part, i)
             except InputError as exc:
                 raise InputError(exc.reason, index=i, field=name) from None
-        ids = _ids(ctx, text, i)
+        pairs.append((query, document))
+    # Every pair's prompt tokenized in one call (indexed by pair, as its errors are).
+    texts = [template.format(query.text, document.text) for query, document in pairs]
+    all_ids = tokenizer.encode_ids(texts)
+    inputs: list[Any] = []
+    image_sides: list[str | None] = []
+    suffix = list(template.suffix_ids)
+    for i, ((query, document), array) in enumerate(zip(pairs, all_ids, strict=True)):
+        ids = [int(t) for t in array]
         over = limit is not None and len(ids) + len(suffix) > limit
         if over and limit is not None and document.plain is not None and not query.images:
             ids = _cut_document(ctx, template, query.text, document.plain, limit, side, i)
