@@ -416,9 +416,12 @@ def test_a_pooled_steps_replies_go_out_before_the_next_step_is_built(
 ) -> None:
     # Three calls of two inputs, two inputs a step: the second step's forward is queued, the
     # first step pools behind it, and its call's reply is sent before the third step is
-    # scheduled and built (not after, with the loop's own flush).
+    # scheduled and built (not after, with the loop's own flush). Run-ahead on, as the loop
+    # of a GPU engine runs (on the CPU it is off: the next test).
     engine = vecpool.Engine(tiny_bert[0], device="cpu", max_num_seqs=2)
     loop = EngineLoop(engine, EngineProcessConfig(address, 64, 0.0), metrics=None)
+    assert not engine.core.run_ahead
+    engine.core.run_ahead = True
     dealer = zmq.Context.instance().socket(zmq.DEALER)
     try:
         dealer.connect(address)
@@ -452,6 +455,56 @@ def test_a_pooled_steps_replies_go_out_before_the_next_step_is_built(
             loop._flush()
         sent = [e for e in events if e != ("flush", 0)]  # flushes with replies to send
         assert sent[:4] == [("prepare", 2), ("prepare", 2), ("flush", 1), ("prepare", 2)]
+        answered = []
+        while len(answered) < 3:
+            assert dealer.poll(30_000)
+            answered += [c.call_id for c in wire.replies.decode(dealer.recv()).calls]
+        assert answered == [0, 1, 2]
+    finally:
+        dealer.close(linger=0)
+        loop.close()
+
+
+def test_on_the_cpu_each_steps_replies_go_out_before_the_next_forward(
+    tiny_bert: tuple[Path, object], address: str
+) -> None:
+    # On the CPU the forward has run when it returns: the loop pools and answers each step
+    # before the next one's forward, rather than holding its replies behind that forward.
+    # Three calls of two inputs, two inputs a step: forward, reply, three times over.
+    engine = vecpool.Engine(tiny_bert[0], device="cpu", max_num_seqs=2)
+    loop = EngineLoop(engine, EngineProcessConfig(address, 64, 0.0), metrics=None)
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        dealer.connect(address)
+        events: list[str] = []
+        flush, forward = loop._flush, engine.core.model_runner.forward
+
+        def logged_flush() -> None:
+            replies = sum(len(c) for c in loop.outbox.values())
+            events.extend(["reply"] * replies)
+            flush()
+
+        def logged_forward(batch):  # type: ignore[no-untyped-def]
+            events.append("forward")
+            return forward(batch)
+
+        loop._flush = logged_flush  # type: ignore[method-assign]
+        engine.core.model_runner.forward = logged_forward  # type: ignore[method-assign]
+        for call_id in range(3):
+            prompts = random_prompts(99, [4, 5], seed=80 + call_id)
+            requests = [
+                PromptRequest(i, Prompt(np.array(p), None), PoolingParams())
+                for i, p in enumerate(prompts)
+            ]
+            dealer.send(wire.encoder.encode(wire.submit(call_id, requests)))
+        deadline = time.monotonic() + 30
+        while len(loop.calls) < 3:
+            assert time.monotonic() < deadline
+            loop._receive()
+        while engine.core.has_work():
+            loop._step()
+            loop._flush()
+        assert events == ["forward", "reply"] * 3
         answered = []
         while len(answered) < 3:
             assert dealer.poll(30_000)

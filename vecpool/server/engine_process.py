@@ -3,9 +3,10 @@
 Its loop is single-threaded, so nothing contends with the model for the interpreter: receive
 every message that arrived (ZeroMQ's own I/O thread, outside Python, buffers them while a step
 runs), step with everything queued, send each API process the calls that finished. A step
-takes what arrived once its forward is queued: with more to run, the next step is prepared
-and launched before this one is pooled, so that the device computes while the host pools,
-replies and receives (`EngineCore.step`). When the engine was idle and a call arrives, it
+takes what arrived once its forward is queued: with more to run on a GPU, the next step is
+prepared and launched before this one is pooled, so that the device computes while the host
+pools, replies and receives (`EngineCore.step`); on the CPU, where the forward has run when it
+returns, each step is pooled and answered before the next one's forward. When the engine was idle and a call arrives, it
 takes more while they keep coming, up to `batch_wait` seconds (or a step's worth) before it
 steps: a step that starts with one request runs with one request, while the others of a burst
 are a millisecond behind.
@@ -81,6 +82,11 @@ class EngineLoop:
         self.step_started = 0.0
         info = engine.info()
         self.step_tokens, self.step_requests = info.max_num_batched_tokens, info.max_num_seqs
+        # On the CPU a step's forward has run when it returns, and nothing computes while the
+        # host pools: pooling a step behind the next one's forward (run-ahead, which on a GPU
+        # keeps the device busy meanwhile) would only hold its replies back by that forward,
+        # and split a closed loop of clients into three groups of smaller steps, not two.
+        engine.core.run_ahead = engine.core.model_runner.device.type != "cpu"
 
     def run(self, parent: Connection | None = None) -> bool:
         """Serve until `parent` (a pipe whose other end the parent holds) closes (True), or
