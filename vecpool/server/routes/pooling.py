@@ -12,12 +12,7 @@ from starlette.responses import Response
 from vecpool import calls
 from vecpool.calls import EncodeOptions
 from vecpool.server.protocol import PoolingChatRequest, PoolingRequest, openapi_body
-from vecpool.server.routes.common import (
-    PER_TOKEN,
-    answer_vectors,
-    read_json,
-    validate,
-)
+from vecpool.server.routes.common import PER_TOKEN, answer_vectors, read_json, validate
 from vecpool.server.routes.embeddings import TextInputs
 from vecpool.server.state import get_state
 
