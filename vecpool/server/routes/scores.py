@@ -26,12 +26,7 @@ from starlette.responses import Response
 
 from vecpool import calls
 from vecpool.calls import ClassifyOptions, PreparedCall, RerankOptions, ScoreOptions
-from vecpool.server.codec import (
-    ImageItem,
-    PartsItem,
-    content_item,
-    engine_input,
-)
+from vecpool.server.codec import ImageItem, PartsItem, content_item, engine_input
 from vecpool.server.errors import ApiError, answered_as, infinity_error, side_errors
 from vecpool.server.protocol import (
     SCORE_SHAPES,
