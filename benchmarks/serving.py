@@ -105,9 +105,12 @@ class AdmissionWatch:
 
 
 class ServerProcess:
-    """`python -m vecpool serve` in its own process group, until `stop()`."""
+    """`python -m vecpool serve` in its own process group, until `stop()`; `env`: its
+    environment (default: this process's)."""
 
-    def __init__(self, model: Path, args: argparse.Namespace, log: Path):
+    def __init__(
+        self, model: Path, args: argparse.Namespace, log: Path, env: dict[str, str] | None = None
+    ):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "vecpool", "serve", str(model), "--port", str(self.port)]
@@ -118,7 +121,7 @@ class ServerProcess:
         self.log = log
         with log.open("wb") as out:
             self.process = subprocess.Popen(
-                cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+                cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env
             )
         self.command = cmd
 
