@@ -5,7 +5,10 @@ starts. On CUDA with a half dtype the work goes to `torch.nn.attention.varlen.va
 (FlashAttention), and an additive bias shared by every sequence to `biased_attention`'s kernel.
 Everywhere else — the CPU, float32, logit soft-capping, a bias per sequence — an exact fallback
 scatters the tokens into a padded `[num_seqs, max_len]` layout by index arithmetic, runs masked
-attention, and gathers the rows back.
+attention, and gathers the rows back. On the CPU a step's plain attention (no bias, soft-capping,
+window within a sequence, cached keys or batch-invariant mode) runs as the engine chose for the
+machine (`AttentionMetadata.cpu_attention`): padded so, by groups of similar lengths each padded
+to its own longest, or one sequence at a time (`cpu_attention.py`).
 
 A causal prompt longer than a step's token budget runs in chunks over several steps: each chunk
 attends to its own rows and to the keys and values its earlier chunks left in `KVBuffers`
