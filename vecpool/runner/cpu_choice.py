@@ -1,5 +1,5 @@
 """What the CPU path runs on this machine: the layer stack's linear kernel and how attention
-runs, chosen per machine and per model shape, measured where the instruction set does not say.
+runs, chosen per machine and per model shape from its instruction set and a short measurement.
 
 No CPU class serves as the model for the others. On a Zen 4 and a Xeon with AVX-512 the
 prepacked oneDNN linears (`cpu_linear.PackedLinear`) beat the BLAS GEMM behind `F.linear`; on
@@ -9,8 +9,10 @@ sequence at a time: `models/layers/cpu_attention.py`) trades a call's fixed cost
 wasted logits, which differs from CPU to CPU too.
 
 So an engine on the CPU measures both, once: each linear shape of its layer stack through
-both kernels, and one mixed-length step of its attention shape in each way, in interleaved
-repetitions (the least time of each kept: other work on the machine only adds time). The
+both kernels, what one more group of lengths costs in attention logits (the grouping plans
+with it), and one mixed-length step of its attention shape in each way, in interleaved
+repetitions (the least time of each kept: other work on the machine only adds time); about a
+second on a quiet 2-core machine for MiniLM, before the first step. The
 measurement is cached in the user's cache directory (`cpu_choice.json`), keyed by the CPU's
 model name, the instruction set torch dispatches to (`torch.backends.cpu.get_cpu_capability()`,
 which honours `ATEN_CPU_CAPABILITY`), the caps given to oneDNN and MKL
