@@ -11,8 +11,8 @@ wasted logits, which differs from CPU to CPU too.
 So an engine on the CPU measures both, once: each linear shape of its layer stack through
 both kernels, what one more group of lengths costs in attention logits (the grouping plans
 with it), and one mixed-length step of its attention shape in each way, in interleaved
-repetitions (the least time of each kept: other work on the machine only adds time); about a
-second on a quiet 2-core machine for MiniLM, before the first step. The
+repetitions (the least time of each kept: other work on the machine only adds time), before
+the first step (MiniLM: 7 to 15 s on a 2-core machine at a load average of 8 to 10). The
 measurement is cached in the user's cache directory (`cpu_choice.json`), keyed by the CPU's
 model name, the instruction set torch dispatches to (`torch.backends.cpu.get_cpu_capability()`,
 which honours `ATEN_CPU_CAPABILITY`), the caps given to oneDNN and MKL
