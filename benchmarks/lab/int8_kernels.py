@@ -256,7 +256,7 @@ def candidates(weight: Any, bias: Any) -> dict[str, Callable[[Any], Any]]:
         "int-mm": int_mm,
         "onednn-u8": onednn_u8,
         "fbgemm-u8": fbgemm_u8,
-        "vecpool-int8": Int8Linear(weight, bias, kernel="fbgemm", outlier=0),
+        "vecpool-int8": Int8Linear(weight, bias, kernel="fbgemm", outliers=[0]),
         "fbgemm-dynamic": lambda x: torch.ops.quantized.linear_dynamic(x, packed_dynamic, False),
     }
 

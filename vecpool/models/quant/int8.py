@@ -1,24 +1,33 @@
 """Int8 linears of the layer stack on the CPU: int8 weights, one scale per output channel;
-uint8 rows, one scale and one offset per row, computed as the rows come.
+uint8 rows, one scale and one offset per row, computed as the rows come; a few loud input
+channels in float32.
 
 A row `x` is stored as `q * scale + low`, `low` and `scale` its least value and its range over
-255 (`quantize.quantize_rows_u8`): the 256 steps span the row's own values. A GELU's output,
-which reaches -0.17 below and several units above, keeps a step half as fine again as the
-symmetric form (which spends half its steps on negative values it never takes), which on
-all-MiniLM-L6-v2 is the difference between a median cosine to float32 of 0.9957 and 0.9983.
-Rows are never scaled together, so a row's result does not depend on the other rows of its step.
+255 (`quantize.quantize_rows_u8`): the steps span the row's own values. A GELU's output, from
+-0.17 to several units, gets steps twice as fine as in the symmetric form (which spends half
+of them on negative values it never takes). Rows are never scaled together, so a row's result
+does not depend on the other rows of its step. BERT-family encoders carry one or two input
+channels tens of times louder than the rest (all-MiniLM-L6-v2: 28 against a median of 1.8),
+which would set every row's step: each linear keeps its loudest channels (`outliers`, found by
+one float32 calibration forward of fixed pseudo-random ids, `input_amax`) out of the int8
+product, in float32. All-MiniLM-L6-v2 over 310 texts, minimum / median cosine to float32:
+symmetric int8 rows 0.988 / 0.9957, these rows 0.9953 / 0.9983, and two loud channels kept
+0.9982 / 0.99951.
 
-The product of the uint8 rows and the int8 weights sums in int32, exactly, through FBGEMM
-(`quantized.linear_with_input_q_dq_qweight_dq_output_fp32`, the rows handed over as floats in
-[0, 255] with scale 1, which FBGEMM rounds as `torch.round` does), times each channel's scale:
-FBGEMM's kernels for AVX2 (no saturation: it widens to 16 bits before multiplying) and for
-AVX-512 VNNI. oneDNN's int8 product (`onednn.qlinear_pointwise`) is as fast on VNNI but on an
-AVX2 CPU without VNNI it is slower than float32 and saturates its 16-bit pair sums, and
-`torch._int_mm` is slower than float32 on both (`benchmarks/lab/int8_kernels.py`). Where torch
-has no FBGEMM (arm64 builds), the same integers go through `torch._int_mm`. Then, per row,
-`y * scale + low * weight_sums + bias` (`weight_sums`: each channel's dequantized weights
-summed, what the row's offset adds to it). Any kernel gives the same bits: the integer sums are
-exact and the rest is the same elementwise float32 arithmetic.
+The integer product sums in int32, exactly, through FBGEMM
+(`quantized.linear_with_input_q_dq_qweight_dq_output_fp32`, the rows handed over as floats
+holding the integers, scale 1), times each channel's scale; where torch has no FBGEMM (arm64
+builds), the same integers go through `torch._int_mm`. Then, elementwise, per row:
+`y * scale + low * weight_sums + loud @ outlier_weight + bias` (`weight_sums`: each channel's
+dequantized weights summed, what the row's offset adds to it). On VNNI CPUs (AVX-512 VNNI)
+FBGEMM multiplies with `vpdpbusd`, which sums in 32 bits. Without VNNI (AVX2, as AMD Zen 2 /
+3; AVX-512 before Cascade Lake) it multiplies with `vpmaddubsw`, which adds each pair of
+uint8 x int8 products in 16 bits, saturating: 255 * 127 * 2 does not fit. So the kernel is
+asked once (`full_range_exact`) and, where it saturates, the rows get 7 bits (0..127, and
+127 * 127 * 2 fits) and four loud channels are kept (0.9971 / 0.99914 on the same texts).
+oneDNN's int8 product (`onednn.qlinear_pointwise`) is as fast as FBGEMM on VNNI but slower than
+float32 without it (and saturates likewise); `torch._int_mm` is slower than float32 on both
+(`benchmarks/lab/int8_kernels.py`).
 """
 
 from __future__ import annotations
@@ -36,6 +45,9 @@ from vecpool.models.quant.quantize import OffsetRows, quantize_rows, quantize_ro
 # The integer products' kernels, by name: "fbgemm" where torch was built with it, else
 # "int_mm" (torch._int_mm on the rows shifted to int8).
 INT8_KERNELS = ("fbgemm", "int_mm")
+# Where the kernel's pair sums saturate: rows of 0..SAFE_ROW_LEVELS times weights of
+# +-SAFE_WEIGHT_MAX, two products of which fit 16 bits.
+SAFE_WEIGHT_MAX, SAFE_ROW_LEVELS = 127, 127
 # The token counts of the calibration forward's sequences (`input_amax`).
 CALIBRATION_LENGTHS = (16, 64, 128, 128)
 
@@ -70,8 +82,9 @@ class Int8Linear(nn.Module):
         bias: torch.Tensor | None,  # [N]
         sizes: list[int] | None = None,
         kernel: str | None = None,
-        outlier: int | None = None,
+        outliers: list[int] | None = None,
         weight_max: int | None = None,
+        row_levels: int | None = None,
     ):
         super().__init__()
         kernel = kernel or default_int8_kernel()
@@ -79,20 +92,20 @@ class Int8Linear(nn.Module):
             raise ValueError(f"int8 kernel {kernel!r} is not one of {INT8_KERNELS}")
         self.out_features, self.in_features = weight.shape
         weight32 = weight.detach().float()
-        # The input channel kept in float32 (None: none): its column leaves the int8 weight,
-        # and each row's value there leaves the row before it is quantized.
-        self.outlier = outlier
-        # [N] float32: the outlier channel's weights
-        self.outlier_weight = (
-            None
-            if outlier is None
-            else nn.Parameter(weight32[:, outlier].clone(), requires_grad=False)
+        # The input channels kept in float32: their columns leave the int8 weight, and each
+        # row's values there leave the row before it is quantized.
+        self.outliers = sorted(outliers or [])
+        self._outlier_index = torch.tensor(self.outliers, dtype=torch.long)  # [C]
+        # [C, N] float32: the outlier channels' weights
+        self.outlier_weight = nn.Parameter(
+            weight32[:, self.outliers].t().contiguous(), requires_grad=False
         )
-        if outlier is not None:
-            weight32 = weight32.clone()
-            weight32[:, outlier] = 0
+        if self.outliers:
+            weight32 = weight32.index_fill(1, self._outlier_index, 0)
         # 127, or 63 where the kernel's pair sums would saturate (`full_range_exact`)
-        self.weight_max = weight_max or (127 if full_range_exact(kernel) else 63)
+        exact = weight_max is not None or full_range_exact(kernel)
+        self.weight_max = weight_max or (127 if exact else SAFE_WEIGHT_MAX)
+        self.row_levels = row_levels or (255 if exact else SAFE_ROW_LEVELS)
         data, scale = quantize_rows(weight32, torch.int8, float(self.weight_max))
         self.sizes = sizes
         self.out_dtype = weight.dtype
@@ -147,10 +160,10 @@ class Int8Linear(nn.Module):
     def _linear(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         lead = x.shape[:-1]
         x = x.reshape(-1, self.in_features)
-        if self.outlier is not None:
-            outlier = x[:, self.outlier : self.outlier + 1].float()  # [M, 1]
-            x = x.index_fill(1, torch.tensor([self.outlier]), 0)
-        rows = quantize_rows_u8(x, as_float=self.kernel == "fbgemm")
+        if self.outliers:
+            loud = x[:, self._outlier_index].float()  # [M, C]
+            x = x.index_fill(1, self._outlier_index, 0)
+        rows = quantize_rows_u8(x, self.kernel == "fbgemm", float(self.row_levels))
         out = self.products(rows)
         # y * scale + low * weight_sums + bias: elementwise passes, each element computed the
         # same way wherever its row sits (a BLAS rank-2 update is not: one row takes another
@@ -160,8 +173,8 @@ class Int8Linear(nn.Module):
         else:
             out = out.mul_(rows.scale)
         out = out.addcmul_(rows.offset, self.weight_sums)
-        if self.outlier_weight is not None:
-            out = out.addcmul_(outlier, self.outlier_weight)
+        for c in range(len(self.outliers)):  # elementwise, as the rest (no BLAS row kernels)
+            out = out.addcmul_(loud[:, c : c + 1], self.outlier_weight[c])
         if self.bias is not None:
             out = out.add_(self.bias)
         return out.to(self.out_dtype).view(*lead, self.out_features)

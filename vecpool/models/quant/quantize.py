@@ -70,15 +70,17 @@ class OffsetRows(NamedTuple):
     offset: torch.Tensor  # [M, 1] float32: the row's least value
 
 
-def quantize_rows_u8(x: torch.Tensor, as_float: bool = False) -> OffsetRows:
-    """`[M, K]` rows -> each row's least value `low`, its range over 255 as the scale, and
-    `(x - low) / scale` rounded to nearest (ties to even): integers in [0, 255], as uint8 or,
-    with `as_float`, as float32 (what FBGEMM takes). A row of one value has scale
-    `MIN_AMAX / 255` and all zeros."""
+def quantize_rows_u8(
+    x: torch.Tensor, as_float: bool = False, levels: float = INT8_RANGE
+) -> OffsetRows:
+    """`[M, K]` rows -> each row's least value `low`, its range over `levels` (255, or 127 for
+    7-bit rows) as the scale, and `(x - low) / scale` rounded to nearest (ties to even):
+    integers in [0, levels], as uint8 or, with `as_float`, as float32 (what FBGEMM takes). A row
+    of one value has scale `MIN_AMAX / levels` and all zeros."""
     x32 = x.float()
     # amax and amin apart: two vectorized passes, several times faster than torch.aminmax's one
     low = x32.amin(dim=-1, keepdim=True)
-    scale = (x32.amax(dim=-1, keepdim=True) - low).clamp_(min=MIN_AMAX) / INT8_RANGE  # [M, 1]
+    scale = (x32.amax(dim=-1, keepdim=True) - low).clamp_(min=MIN_AMAX) / levels  # [M, 1]
     inverse = scale.reciprocal()
     # x / scale - low / scale in one pass; within [0, 255] up to an ulp, which rounding keeps
     scaled = torch.addcmul(-low * inverse, x32, inverse).round_()
