@@ -35,6 +35,22 @@ def arch_folder(
     return arch, save_hf_model(arch.hf_model(), tmp_path_factory.mktemp(f"chunked_{arch.name}"))
 
 
+@pytest.fixture(scope="module")
+def whole(arch_folder: tuple[Arch, Path]) -> tuple[vecpool.Engine, vecpool.Engine]:
+    """The architecture's engines that run every prompt whole (LAST, MEAN): the reference of
+    the module's tests, which only read from them."""
+    _, folder = arch_folder
+    return vecpool.Engine(folder, device="cpu"), vecpool.Engine(
+        folder, device="cpu", pooling="MEAN"
+    )
+
+
+@pytest.fixture(scope="module")
+def long_prompt_whole(whole: tuple[vecpool.Engine, vecpool.Engine]) -> dict[str, Any]:
+    """What the whole run gives the long prompt of `test_chunked_prompt_matches_whole`."""
+    return _outputs(*whole, random_prompts(VOCAB, [LONG], seed=21))
+
+
 def _outputs(engine: vecpool.Engine, mean: vecpool.Engine, inputs: list[Any]) -> dict[str, Any]:
     """LAST (the decoders' default), MEAN and ALL (per-token hidden states) of `inputs`."""
     return {
@@ -53,16 +69,16 @@ def _assert_outputs_close(got: dict[str, Any], want: dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize("budget", BUDGETS)
-def test_chunked_prompt_matches_whole(arch_folder: tuple[Arch, Path], budget: int) -> None:
+def test_chunked_prompt_matches_whole(
+    arch_folder: tuple[Arch, Path], long_prompt_whole: dict[str, Any], budget: int
+) -> None:
     _, folder = arch_folder
-    whole = vecpool.Engine(folder, device="cpu")
-    whole_mean = vecpool.Engine(folder, device="cpu", pooling="MEAN")
     chunked = vecpool.Engine(folder, device="cpu", max_num_batched_tokens=budget)
     chunked_mean = vecpool.Engine(
         folder, device="cpu", max_num_batched_tokens=budget, pooling="MEAN"
     )
     prompt = random_prompts(VOCAB, [LONG], seed=21)[0]
-    want = _outputs(whole, whole_mean, [prompt])
+    want = long_prompt_whole
     before = chunked.core.num_steps
     got = _outputs(chunked, chunked_mean, [prompt])
     # Each of the three calls ran the prompt in ceil(90 / budget) steps.
@@ -79,13 +95,13 @@ def test_chunked_prompt_matches_whole(arch_folder: tuple[Arch, Path], budget: in
 
 
 def test_chunks_share_steps_with_other_requests(
-    arch_folder: tuple[Arch, Path], monkeypatch: pytest.MonkeyPatch
+    arch_folder: tuple[Arch, Path],
+    whole: tuple[vecpool.Engine, vecpool.Engine],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Two long prompts (one as prompt embeds) and short ones in one call, budget 16: steps
     hold a chunk next to other requests, and every output is what the whole run gives."""
     _, folder = arch_folder
-    whole = vecpool.Engine(folder, device="cpu")
-    whole_mean = vecpool.Engine(folder, device="cpu", pooling="MEAN")
     chunked = vecpool.Engine(folder, device="cpu", max_num_batched_tokens=16)
     chunked_mean = vecpool.Engine(folder, device="cpu", max_num_batched_tokens=16, pooling="MEAN")
     prompts: list[Any] = random_prompts(VOCAB, [LONG, 5, 12, 3, 60, 9, 2], seed=22)
@@ -99,7 +115,7 @@ def test_chunks_share_steps_with_other_requests(
 
     monkeypatch.setattr(chunked.model_runner, "prepare", record)
     got = _outputs(chunked, chunked_mean, prompts)
-    _assert_outputs_close(got, _outputs(whole, whole_mean, prompts))
+    _assert_outputs_close(got, _outputs(*whole, prompts))
     # Some step ran a later chunk of a long prompt (start > 0) next to a whole short prompt.
     assert any(
         any(start > 0 for start, _ in step) and any(start == 0 and n < 16 for start, n in step)
