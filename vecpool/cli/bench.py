@@ -2,11 +2,14 @@
 
 Texts have log-uniformly spread lengths (many short, some long), as real traffic does; each
 timed run embeds all of them in one call after a warm-up, and the report gives the median.
+With `--quantization`, it also gives the least and the median cosine between the quantized
+vectors and those of the same model unquantized (a second engine, built after the timing).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -64,7 +67,7 @@ def run_bench(args: argparse.Namespace, engine: Engine | None = None) -> int:
     for _ in range(args.repeats):
         sync()
         start = time.perf_counter()
-        engine.embed(texts, **options, show_progress=False)
+        vectors = engine.embed(texts, **options, show_progress=False)
         sync()
         seconds.append(time.perf_counter() - start)
     median = statistics.median(seconds)
@@ -78,6 +81,11 @@ def run_bench(args: argparse.Namespace, engine: Engine | None = None) -> int:
         "inputs_per_s": len(texts) / median,
         "tokens_per_s": num_tokens / median,
     }
+    quantization = getattr(args, "quantization", None)
+    cosine = None if quantization is None else cosine_to_unquantized(args, texts, vectors)
+    if cosine is not None:
+        report["quantization"] = quantization
+        report["cosine_to_float32"] = cosine
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -89,4 +97,25 @@ def run_bench(args: argparse.Namespace, engine: Engine | None = None) -> int:
             + ", ".join(f"{s:.3f}" for s in seconds)
             + " s)"
         )
+        if cosine is not None:
+            print(
+                f"  {quantization}: cosine to the unquantized model's vectors "
+                f"min {cosine['min']:.5f}, median {cosine['median']:.5f} ({len(texts):,} inputs)"
+            )
     return 0
+
+
+def cosine_to_unquantized(
+    args: argparse.Namespace, texts: list[str], vectors: np.ndarray
+) -> dict[str, float]:
+    """The least and the median cosine between `vectors` (the quantized engine's, one per
+    text) and the same texts through an engine of the same options without quantization."""
+    from vecpool.api import Engine
+
+    reference_args = dataclasses.replace(EngineArgs.from_cli_args(args), quantization=None)
+    reference = Engine.from_args(reference_args).embed(
+        texts, **EmbedOptions(truncate_prompt_tokens=-1).keywords(), show_progress=False
+    )
+    a, b = np.asarray(vectors, dtype=np.float64), np.asarray(reference, dtype=np.float64)
+    cos = (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
+    return {"min": float(cos.min()), "median": float(np.median(cos))}
