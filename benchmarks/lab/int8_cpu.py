@@ -53,9 +53,10 @@ def bench_matmuls(rounds: int, m: int) -> list[dict[str, Any]]:
         x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen) * 0.05
         layer = Int8Linear(w, None, None)
         q = quantize_rows(x, torch.int8)
+        weight_t = layer.weight.t().contiguous()  # [K, N] int8: torch._int_mm's fastest layout
         fns = {
             "fp32": lambda x=x, w=w: F.linear(x, w),
-            "int_mm_only": lambda q=q, layer=layer: torch._int_mm(q.data, layer.weight_t),
+            "int_mm_only": lambda q=q, weight_t=weight_t: torch._int_mm(q.data, weight_t),
             "int8_layer": lambda x=x, layer=layer: layer(x),
         }
         row: dict[str, Any] = {"proj": name, "M": m, "K": k, "N": n}
