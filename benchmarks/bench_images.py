@@ -633,6 +633,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "dtype": args.dtype,
         "jpeg_size": args.size,
         "baseline_batch_size": args.batch_size,
+        "vlm_baseline_batch_size": args.vlm_batch_size,
         "threads": torch.get_num_threads(),
         "results": [],
     }
