@@ -16,9 +16,10 @@ work on the machine than wall time), next to an offline engine's CPU per input o
 queries.
 
 Each instruction set (`--isa`, default both) has a server and an offline engine of its own,
-started with `ONEDNN_MAX_CPU_ISA=AVX2`, `MKL_ENABLE_INSTRUCTIONS=AVX2` and
-`ATEN_CPU_CAPABILITY=avx2` in their environment for `avx2` (read when torch loads) and those
-unset for `native`, as `bench_cpu.py` runs them. A round runs, for each instruction set in an
+started with `bench_cpu.py`'s caps in their environment for `avx2` (`ONEDNN_MAX_CPU_ISA=AVX2`,
+`MKL_ENABLE_INSTRUCTIONS=AVX2`, `ATEN_CPU_CAPABILITY=avx2`, read when torch loads, and FBGEMM's)
+and those unset for `native`; the report keeps each one's caps, torch's instruction set and
+the offline engine's logged CPU choice. A round runs, for each instruction set in an
 order that rotates from round to round, the offline engine once and then each `--clients`
 count (a short warm-up, then `--n` requests); every round is kept with its caps, and the
 summary gives each figure's median over the rounds and the issue's targets: at the largest
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -41,7 +43,7 @@ from typing import IO, Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks import record
-from benchmarks.bench_cpu import CAP_NAMES, CAPS
+from benchmarks.bench_cpu import CAP_NAMES, CAPS, _Choices
 from benchmarks.serving import (
     ServerProcess,
     Workload,
@@ -109,11 +111,18 @@ def offline_child(model: Path, n: int) -> None:
     import vecpool
 
     texts = queries(model, n)
+    # What the engine logs of its CPU choice. The server's engine makes its own, the same one
+    # where the machine was quiet enough for the measurement to be cached.
+    choices = _Choices()
+    choice_logger = logging.getLogger("vecpool.runner.cpu_choice")
+    choice_logger.addHandler(choices)
+    choice_logger.setLevel(logging.INFO)
     engine = vecpool.Engine(model, device="cpu")
     engine.embed(texts[:256], show_progress=False)  # warm-up
     ready = {
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "threads": torch.get_num_threads(),
+        "cpu_choice": choices.lines,
     }
     print(json.dumps(ready), flush=True)
     for _ in sys.stdin:
