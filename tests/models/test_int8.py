@@ -64,6 +64,10 @@ def test_products_are_the_exact_integer_sums_scaled(kernel: str, k: int, n: int,
     # each converted to float32 once and times its channel's scale: bit-exact by construction.
     exact = (rows.data.long() @ qw.data.long().t()).float() * qw.scale.view(1, -1)
     assert torch.equal(layer.products(rows), exact)
+    if kernel == "fbgemm":  # the engine leaves the rounding to FBGEMM: it rounds as torch does
+        unrounded = quantize_rows_u8(x, as_float=True, rounded=False)
+        assert not torch.equal(unrounded.data, rows.data)
+        assert torch.equal(layer.products(unrounded), exact)
 
 
 @pytest.mark.parametrize("kernel", KERNELS)

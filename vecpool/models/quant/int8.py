@@ -160,20 +160,22 @@ class Int8Linear(nn.Module):
     def _linear(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         lead = x.shape[:-1]
         x = x.reshape(-1, self.in_features)
+        loud = x[:, self._outlier_index].float()  # [M, C]
         if self.outliers:
-            loud = x[:, self._outlier_index].float()  # [M, C]
             x = x.index_fill(1, self._outlier_index, 0)
-        rows = quantize_rows_u8(x, self.kernel == "fbgemm", float(self.row_levels))
+        # FBGEMM rounds float rows itself (to nearest, ties to even, as torch.round)
+        fbgemm = self.kernel == "fbgemm"
+        rows = quantize_rows_u8(x, fbgemm, float(self.row_levels), rounded=not fbgemm)
         out = self.products(rows)
-        # y * scale + low * weight_sums + bias: elementwise passes, each element computed the
-        # same way wherever its row sits (a BLAS rank-2 update is not: one row takes another
-        # kernel than many)
         if residual is not None:
             out = torch.addcmul(residual.reshape(out.shape).float(), out, rows.scale)
         else:
             out = out.mul_(rows.scale)
+        # + low * weight_sums + loud @ outlier_weight + bias, elementwise: each element
+        # computed the same way wherever its row sits (a BLAS product of [low, loud] is not:
+        # one row takes another kernel than many; oneDNN's was no faster)
         out = out.addcmul_(rows.offset, self.weight_sums)
-        for c in range(len(self.outliers)):  # elementwise, as the rest (no BLAS row kernels)
+        for c in range(len(self.outliers)):
             out = out.addcmul_(loud[:, c : c + 1], self.outlier_weight[c])
         if self.bias is not None:
             out = out.add_(self.bias)

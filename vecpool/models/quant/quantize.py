@@ -71,19 +71,22 @@ class OffsetRows(NamedTuple):
 
 
 def quantize_rows_u8(
-    x: torch.Tensor, as_float: bool = False, levels: float = INT8_RANGE
+    x: torch.Tensor, as_float: bool = False, levels: float = INT8_RANGE, rounded: bool = True
 ) -> OffsetRows:
     """`[M, K]` rows -> each row's least value `low`, its range over `levels` (255, or 127 for
     7-bit rows) as the scale, and `(x - low) / scale` rounded to nearest (ties to even):
     integers in [0, levels], as uint8 or, with `as_float`, as float32 (what FBGEMM takes). A row
-    of one value has scale `MIN_AMAX / levels` and all zeros."""
+    of one value has scale `MIN_AMAX / levels` and all zeros. `rounded=False` (with
+    `as_float`) leaves the rounding to the kernel that takes the rows (FBGEMM rounds alike)."""
     x32 = x.float()
     # amax and amin apart: two vectorized passes, several times faster than torch.aminmax's one
     low = x32.amin(dim=-1, keepdim=True)
     scale = (x32.amax(dim=-1, keepdim=True) - low).clamp_(min=MIN_AMAX) / levels  # [M, 1]
     inverse = scale.reciprocal()
     # x / scale - low / scale in one pass; within [0, 255] up to an ulp, which rounding keeps
-    scaled = torch.addcmul(-low * inverse, x32, inverse).round_()
+    scaled = torch.addcmul(-low * inverse, x32, inverse)
+    if rounded or not as_float:
+        scaled = scaled.round_()
     return OffsetRows(scaled if as_float else scaled.to(torch.uint8), scale, low)
 
 
