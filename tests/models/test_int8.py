@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -21,7 +22,20 @@ import torch
 import torch.nn.functional as F
 
 import vecpool
-from vecpool.models.quant.int8 import INT8_KERNELS, Int8Linear, default_int8_kernel
+from vecpool.models.loading.folder import ModelFolder
+from vecpool.models.loading.loader import load_model
+from vecpool.models.quant.int8 import (
+    INT8_KERNELS,
+    Int8Linear,
+    default_int8_kernel,
+    full_range_exact,
+)
+from vecpool.models.quant.linear import (
+    INT8_OUTLIERS,
+    INT8_OUTLIERS_7BIT,
+    _stack_linears,
+    quantize_model,
+)
 from vecpool.models.quant.quantize import dequantize_rows_u8, quantize_rows, quantize_rows_u8
 
 AVX2_CAPS = {
@@ -168,3 +182,19 @@ def test_default_model_meets_the_fidelity_floor(
         # 0.9985, median 0.99925.
         assert float(cos.min()) >= 0.995, (isa, float(cos.min()))
         assert float(np.median(cos)) >= 0.999, (isa, float(np.median(cos)))
+
+
+def test_calibration_keeps_the_loud_channel_in_float32(tiny_bert: tuple[Path, Any]) -> None:
+    model = load_model(ModelFolder.load(tiny_bert[0]), torch.device("cpu"), torch.float32, "auto")
+    norm = model.get_submodule("embeddings.LayerNorm")  # its output is layer 0's input
+    with torch.no_grad():
+        norm.weight[5] *= 40  # type: ignore[index,operator]  # channel 5, tens of times louder
+    qkv_column = next(_stack_linears(model))[2].weight[:, 5].clone()  # layer 0's q/k/v
+    assert quantize_model(model, "int8", torch.device("cpu")) == 2 * 4  # qkv, o, up, down
+    first = next(m for m in model.modules() if isinstance(m, Int8Linear))  # layer 0's q/k/v
+    # Two channels where the kernel sums 8-bit rows exactly, four with 7-bit rows.
+    count = INT8_OUTLIERS if full_range_exact(default_int8_kernel()) else INT8_OUTLIERS_7BIT
+    assert 5 in first.outliers and len(first.outliers) == count
+    # Its column is out of the int8 weight and in float32, whole.
+    assert not first.weight[:, 5].any()
+    assert torch.equal(first.outlier_weight[first.outliers.index(5)], qkv_column)

@@ -17,6 +17,7 @@ into `fp8_block.Fp8BlockLinear`, which takes the same norm folding.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from typing import ClassVar
 
@@ -41,6 +42,8 @@ from vecpool.models.quant.quantize import (
     bias_and_input_scale,
     quantize_rows,
 )
+
+logger = logging.getLogger(__name__)
 
 FP8_MIN_CAPABILITY = (8, 9)  # Ada and Hopper multiply FP8
 # torch._scaled_mm needs both dimensions of the weight to be multiples of 16.
@@ -344,12 +347,17 @@ def quantize_model(model: nn.Module, method: str, device: torch.device) -> int:
     outliers: list[list[int]] = [[] for _ in found]
     if method == "int8" and found:
         count = INT8_OUTLIERS if full_range_exact(default_int8_kernel()) else INT8_OUTLIERS_7BIT
-        amax = input_amax(
-            model,
-            [child for _, _, child in found],
-            int(getattr(model, "vocab_size")),  # noqa: B009 - every PoolingModel has them
-            int(getattr(model, "max_positions")),  # noqa: B009
-        )
+        try:
+            amax = input_amax(
+                model,
+                [child for _, _, child in found],
+                int(getattr(model, "vocab_size")),  # noqa: B009 - every PoolingModel has them
+                int(getattr(model, "max_positions")),  # noqa: B009
+            )
+        except (RuntimeError, TypeError, ValueError, IndexError) as err:
+            # A forward the calibration cannot drive from token ids alone: every channel int8.
+            logger.warning("int8: no calibration forward (%s); no channel kept in float32", err)
+            amax = [torch.zeros(0) for _ in found]
         outliers = [
             a.topk(min(count, a.numel())).indices.tolist() if a.numel() else [] for a in amax
         ]
