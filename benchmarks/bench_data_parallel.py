@@ -118,10 +118,10 @@ def run_embed(model: Path, texts: list[str], size: int, args: argparse.Namespace
     from vecpool.api import Engine, EngineArgs
     from vecpool.calls import EmbedOptions
     from vecpool.cli.corpus import Chunk
-    from vecpool.cli.parallel import LocalEmbedder, ProcessEmbedder
+    from vecpool.cli.parallel import EmbedJob, LocalEmbedder, ProcessEmbedder
 
     engine_args = EngineArgs(model, device=args.device, dtype=args.dtype)
-    options = EmbedOptions(truncate_prompt_tokens=-1)  # `vecpool embed --truncate`
+    job = EmbedJob(EmbedOptions(truncate_prompt_tokens=-1), "line")  # `vecpool embed --truncate`
     chunks = [
         Chunk(texts[i : i + args.chunk_size], list(range(i, i + args.chunk_size)))
         for i in range(0, len(texts), args.chunk_size)
@@ -129,9 +129,9 @@ def run_embed(model: Path, texts: list[str], size: int, args: argparse.Namespace
     start = time.perf_counter()
     embedder: LocalEmbedder | ProcessEmbedder
     if size == 1:
-        embedder = LocalEmbedder(Engine.from_args(engine_args), options, "line")
+        embedder = LocalEmbedder(Engine.from_args(engine_args), job)
     else:
-        embedder = ProcessEmbedder(engine_args, options, size, "line")
+        embedder = ProcessEmbedder(engine_args, job, size)
     load_seconds = time.perf_counter() - start
     try:
         passes = []
