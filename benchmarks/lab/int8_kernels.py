@@ -77,7 +77,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.child:
         print(json.dumps(measure(args)))
         return {}
-    report: dict[str, Any] = {"argv": sys.argv[1:], "isa": {}}
+    # The load average around the run: the machine may be shared (timings then move).
+    report: dict[str, Any] = {"argv": sys.argv[1:], "load_average_at_start": os.getloadavg()}
+    report["isa"] = {}
     for isa in args.isa:
         child = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--output"]
         if args.output is not None:
@@ -92,6 +94,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ).stdout
         report["isa"][isa] = {"caps": CAPS[isa], **json.loads(out.strip().splitlines()[-1])}
         print_table(isa, report["isa"][isa])
+    report["load_average_at_end"] = os.getloadavg()
     if args.output is not None:
         args.output.write_text(json.dumps(report, indent=2) + "\n")
     return report
