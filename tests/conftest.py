@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import signal
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,10 @@ def pytest_configure(config: pytest.Config) -> None:
     # depend on it are compared with a stated tolerance). Two threads otherwise.
     threads = os.environ.get("OMP_NUM_THREADS")
     torch.set_num_threads(int(threads) if threads else 2)
+    # The CPU path's per-machine choice (`vecpool.runner.cpu_choice`) is measured once per
+    # model shape and cached: in a folder of the run's own (its subprocesses inherit it), not
+    # the user's cache, so that a run neither reads a choice made elsewhere nor leaves one.
+    os.environ.setdefault("VECPOOL_CACHE_DIR", tempfile.mkdtemp(prefix="vecpool-tests-"))
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

@@ -1,7 +1,8 @@
 """The CPU's packed linears: every linear of the layer stack is replaced, each computes what
-`F.linear` does (float32 to the reordering tolerance; bfloat16 to its own precision), the engine
-packs them by default on the CPU and computes what unpacked linears compute, and prompt embeds
-stay bit-exact with ids."""
+`F.linear` does (float32 to the reordering tolerance; bfloat16 to its own precision), an engine
+whose CPU choice is oneDNN packs them and computes what unpacked linears compute, and prompt
+embeds stay bit-exact with ids. The engines here are given that choice (`onednn_choice`): which
+kernel a machine measures as faster is `cpu_choice`'s concern (tests/runner/test_cpu_choice.py)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,16 @@ from tests.helpers import (
 )
 from tests.runner.conftest import VOCAB
 from vecpool.models.layers.basic import FusedProjections, activation, linear_residual
+from vecpool.runner import cpu_choice
 from vecpool.runner.cpu_linear import FUSED_ACTIVATIONS, PackedLinear, can_pack
+
+
+@pytest.fixture(autouse=True)
+def onednn_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every engine of this module runs oneDNN's linears, whatever this machine measures."""
+    monkeypatch.setattr(
+        cpu_choice, "choose", lambda *args, **kwargs: cpu_choice.CpuChoice("onednn", "buckets")
+    )
 
 
 @pytest.mark.parametrize("rows", [1, 7, 300])

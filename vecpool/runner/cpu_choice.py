@@ -26,13 +26,14 @@ elsewhere; attention by groups).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
 import os
 import platform
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -65,10 +66,6 @@ MIN_REPEATS = 2
 BUDGET_S = 1.0
 # The cache file's format; a file of another version is measured anew.
 CACHE_VERSION = 2
-# Above this 1-minute load average per core the machine is busy: its measurement is not cached.
-BUSY_LOAD = 1.5
-# Measurements of a busy machine, kept for this process's later engines (by `machine_key`).
-_measured_here: dict[str, Measurement] = {}
 
 
 @dataclass(frozen=True)
@@ -245,6 +242,29 @@ def write_cached(key: str, measurement: Measurement, path: Path | None = None) -
         logger.warning("could not cache the CPU measurement in %s: %s", path, e)
 
 
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on `path`'s lock file (`<name>.lock`), where the platform has
+    `fcntl`; without it, or where the folder cannot be written, go on unlocked."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: concurrent first loads may each measure
+        yield
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(path.with_name(f"{path.name}.lock"), "a")  # noqa: SIM115 - held below
+    except OSError:
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def _read_cache(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())
@@ -258,30 +278,28 @@ def _read_cache(path: Path) -> dict[str, Any]:
 
 def choose(model: nn.Module, dtype: torch.dtype, *, causal: bool, max_len: int) -> CpuChoice:
     """This machine's choice for `model` (its repeated blocks' shape) in `dtype`: from the
-    cached measurement, else measured now. Logged once, at load.
+    cached measurement, else measured now and cached. Logged once, at load.
 
-    A measurement is cached only when the machine was not busy while it ran (a load average
-    under `BUSY_LOAD` runnable tasks a core): other work inflates some probes more than others
-    and would fix a wrong choice for good. A busy machine's measurement serves this process's
-    engines of that shape and is taken again by the next process."""
+    The first measurement of a machine and shape stands: every later process reads it, so the
+    same machine makes the same choice, and a result computed again (a resumed `vecpool embed`,
+    a second server process) is the same to the bit. Processes that load the same shape at
+    once measure one at a time under a lock on the cache file: the first measures and writes,
+    the others read what it wrote. A measurement taken on a busy machine may fix a choice that
+    is not the fastest (never an inexact one: every choice is within float32 rounding of the
+    others); deleting the cache file has the next load measure again."""
     shape = ProbeShape.of(model, causal=causal, max_len=max_len)
     key = machine_key(shape, dtype)
-    measurement = read_cached(key) or _measured_here.get(key)
+    path = cache_path()
+    measurement = read_cached(key, path)
     source = "cached measurement"
-    if key in _measured_here:
-        source = "measured earlier in this process, not cached: the machine was busy"
     if measurement is None:
-        start = time.perf_counter()
-        measurement = measure(model, shape, dtype)
-        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-        busy = load > BUSY_LOAD * (os.cpu_count() or 1)
-        if busy:
-            _measured_here[key] = measurement
-        else:
-            write_cached(key, measurement)
-        source = f"measured in {time.perf_counter() - start:.2f} s" + (
-            f", not cached: load average {load:.1f} (busy)" if busy else ""
-        )
+        with _locked(path):
+            measurement = read_cached(key, path)  # another process may have measured it
+            if measurement is None:
+                start = time.perf_counter()
+                measurement = measure(model, shape, dtype)
+                write_cached(key, measurement, path)
+                source = f"measured in {time.perf_counter() - start:.2f} s"
     isa = cpu_isa()
     choice = decide(isa, measurement)
     logger.info(
