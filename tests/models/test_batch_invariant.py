@@ -214,14 +214,18 @@ def test_real_minilm_on_two_threads(default_model_dir: Path) -> None:
     words = "the quick brown fox jumps over a lazy dog while seven wizards box".split()
     gen = random.Random(0)
     texts = [" ".join(gen.choices(words, k=n)) for n in (1, 2, 3, 7, 30, 90, 200, 15, 60, 120)]
+    threads = torch.get_num_threads()
     torch.set_num_threads(2)
-    engine = vecpool.Engine(device="cpu", batch_invariant=True)
-    alone = [engine.embed([t])[0] for t in texts]
-    for call in range(3):
-        order = list(range(len(texts)))
-        gen.shuffle(order)
-        mixed = engine.embed([texts[i] for i in order])
-        assert all(np.array_equal(mixed[j], alone[i]) for j, i in enumerate(order)), call
+    try:
+        engine = vecpool.Engine(device="cpu", batch_invariant=True)
+        alone = [engine.embed([t])[0] for t in texts]
+        for call in range(3):
+            order = list(range(len(texts)))
+            gen.shuffle(order)
+            mixed = engine.embed([texts[i] for i in order])
+            assert all(np.array_equal(mixed[j], alone[i]) for j, i in enumerate(order)), call
+    finally:  # the suite's thread count for the tests after this one
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("fn", [F.gelu, F.silu, torch.tanh, torch.exp, torch.cos])
