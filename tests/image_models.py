@@ -58,7 +58,8 @@ def _tokenizer(family: TinyFamily) -> Tokenizer:
 
 
 @torch.no_grad()
-def _randomize(model: Any, seed: int) -> Any:
+def randomize(model: Any, seed: int = 0) -> Any:
+    """`model`'s parameters drawn anew from `seed`: noise of 0.2, norm weights about 1; eval mode."""
     gen = torch.Generator().manual_seed(seed)
     for name, param in model.named_parameters():
         noise = torch.randn(param.shape, generator=gen) * 0.2
@@ -109,7 +110,7 @@ def save_tiny_dual_encoder(path: Path, family: TinyFamily = CLIP, seed: int = 0)
             size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}
         )
     config._attn_implementation = "eager"
-    _randomize(model, seed)
+    randomize(model, seed)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(path), safe_serialization=True)
     processor.save_pretrained(str(path))

@@ -22,6 +22,8 @@ from tokenizers import AddedToken, Regex, Tokenizer, models, pre_tokenizers
 
 import vecpool
 from tests.helpers import assert_rel_close
+from tests.image_models import randomize
+from tests.models.test_qwen2_vl import tiny_image_processor, tiny_qwen2_vl_config
 from vecpool.errors import InputError
 from vecpool.inputs.prompts import TextOptions
 
@@ -55,46 +57,10 @@ def retrieval_tokenizer(specials: list[str], words: list[str]) -> Tokenizer:
     return tokenizer
 
 
-def randomize(model: Any, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=gen) * 0.2
-            param.copy_(noise + 1.0 if "norm" in name and name.endswith("weight") else noise)
-    model.eval()
-
-
 def save_tiny_colqwen2(path: Path) -> tuple[Any, Any]:
     """A tiny ColQwen2 folder at `path` (weights, processor, tokenizer); transformers' model
     (fp32, eager attention) and processor read back from it."""
-    text = dict(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=40,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        rms_norm_eps=1e-6,
-        max_position_embeddings=512,
-        rope_parameters={"type": "mrope", "mrope_section": [2, 1, 1], "rope_theta": 10000.0},
-    )
-    vision = dict(
-        depth=2,
-        embed_dim=16,
-        hidden_size=32,
-        num_heads=2,
-        patch_size=PATCH,
-        spatial_merge_size=MERGE,
-        temporal_patch_size=2,
-    )
-    vlm = transformers.Qwen2VLConfig(
-        text_config=text,
-        vision_config=vision,
-        image_token_id=IMAGE_TOKEN,
-        video_token_id=SPECIALS.index("<|video_pad|>"),
-        vision_start_token_id=SPECIALS.index("<|vision_start|>"),
-        vision_end_token_id=SPECIALS.index("<|vision_end|>"),
-    )
+    vlm = tiny_qwen2_vl_config(SPECIALS)
     model = transformers.ColQwen2ForRetrieval(
         transformers.ColQwen2Config(vlm_config=vlm, embedding_dim=DIM)
     )
@@ -105,15 +71,9 @@ def save_tiny_colqwen2(path: Path) -> tuple[Any, Any]:
         pad_token="<|endoftext|>",
         eos_token="<|im_end|>",
     )
-    images = transformers.Qwen2VLImageProcessorPil(
-        patch_size=PATCH,
-        merge_size=MERGE,
-        temporal_patch_size=2,
-        size={"shortest_edge": 8 * 8 * 4, "longest_edge": 8 * 8 * 24},
-    )
-    transformers.ColQwen2Processor(image_processor=images, tokenizer=tokenizer).save_pretrained(
-        str(path)
-    )
+    transformers.ColQwen2Processor(
+        image_processor=tiny_image_processor(), tokenizer=tokenizer
+    ).save_pretrained(str(path))
     hf = transformers.ColQwen2ForRetrieval.from_pretrained(str(path), attn_implementation="eager")
     return hf.eval(), transformers.ColQwen2Processor.from_pretrained(str(path))
 

@@ -28,7 +28,15 @@ from torch import nn
 
 import vecpool
 from tests.helpers import assert_rel_close
-from tests.models.test_qwen2_vl import MERGE, PATCH, SPECIALS, hf_processor, sample_images
+from tests.image_models import randomize
+from tests.models.test_qwen2_vl import (
+    MERGE,
+    SPECIALS,
+    hf_processor,
+    sample_images,
+    tiny_image_processor,
+    tiny_qwen2_vl_config,
+)
 from vecpool.errors import InputError
 
 WORDS = "<unk> ** Document **: Query a photo of cat dog red house on the".split()
@@ -66,54 +74,16 @@ class PublishedJinaVL(transformers.Qwen2VLForConditionalGeneration):
 
 def save_tiny_jina_vl(path: Path) -> PublishedJinaVL:
     """A tiny jina-reranker-m0 folder at `path` (fp32), and the reference on its weights."""
-    text = dict(
-        vocab_size=128,  # the score token, 100, inside it
-        hidden_size=32,
-        intermediate_size=40,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        rms_norm_eps=1e-6,
-        max_position_embeddings=512,
-        rope_parameters={"type": "mrope", "mrope_section": [2, 1, 1], "rope_theta": 10000.0},
-    )
-    vision = dict(
-        depth=2,
-        embed_dim=16,
-        hidden_size=32,
-        num_heads=2,
-        patch_size=PATCH,
-        spatial_merge_size=MERGE,
-        temporal_patch_size=2,
-    )
-    config = transformers.Qwen2VLConfig(
-        text_config=text,
-        vision_config=vision,
-        image_token_id=IMAGE_TOKEN,
-        video_token_id=SPECIALS.index("<|video_pad|>"),
-        vision_start_token_id=SPECIALS.index("<|vision_start|>"),
-        vision_end_token_id=SPECIALS.index("<|vision_end|>"),
-    )
+    config = tiny_qwen2_vl_config(SPECIALS, vocab_size=128)  # the score token, 100, inside
     model = PublishedJinaVL(config)
     config._attn_implementation = "eager"
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=gen) * 0.2
-            param.copy_(noise + 1.0 if "norm" in name and name.endswith("weight") else noise)
-    model.eval()
+    randomize(model)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(path), safe_serialization=True)
     saved = json.loads((path / "config.json").read_text())
     saved["architectures"] = ["JinaVLForRanking"]
     (path / "config.json").write_text(json.dumps(saved))
-    processor = transformers.Qwen2VLImageProcessorPil(
-        patch_size=PATCH,
-        merge_size=MERGE,
-        temporal_patch_size=2,
-        size={"shortest_edge": 8 * 8 * 4, "longest_edge": 8 * 8 * 24},
-    )
-    processor.save_pretrained(str(path))
+    tiny_image_processor().save_pretrained(str(path))
     _tokenizer().save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
     return model

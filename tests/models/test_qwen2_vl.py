@@ -27,7 +27,7 @@ from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
 import vecpool
 from tests.helpers import assert_rel_close
-from tests.image_models import save_tiny_dual_encoder
+from tests.image_models import randomize, save_tiny_dual_encoder
 from vecpool.errors import InputError
 from vecpool.inputs.image_processing import load_image_processor
 from vecpool.inputs.pixels import ImageSpan
@@ -78,12 +78,10 @@ def _tokenizer() -> Tokenizer:
 IMAGE_TOKEN = SPECIALS.index("<|image_pad|>")
 
 
-def save_tiny_qwen2_vl(path: Path, qwen2_5: bool, *, template: bool = True) -> Any:
-    """A complete tiny Qwen2-VL (or Qwen2.5-VL) folder at `path`; the transformers model
-    (fp32, eager attention) with the same weights."""
-    tokenizer = _tokenizer()
-    text = dict(
-        vocab_size=64,
+def tiny_text_config(vocab_size: int = 64) -> dict[str, Any]:
+    """The tiny language model of every Qwen2-VL-based test folder (M-RoPE in three sections)."""
+    return dict(
+        vocab_size=vocab_size,
         hidden_size=32,
         intermediate_size=40,
         num_hidden_layers=2,
@@ -93,12 +91,50 @@ def save_tiny_qwen2_vl(path: Path, qwen2_5: bool, *, template: bool = True) -> A
         max_position_embeddings=512,
         rope_parameters={"type": "mrope", "mrope_section": [2, 1, 1], "rope_theta": 10000.0},
     )
-    tokens = dict(
-        image_token_id=IMAGE_TOKEN,
-        video_token_id=SPECIALS.index("<|video_pad|>"),
-        vision_start_token_id=SPECIALS.index("<|vision_start|>"),
-        vision_end_token_id=SPECIALS.index("<|vision_end|>"),
+
+
+def vision_token_ids(specials: list[str]) -> dict[str, int]:
+    """The config's image, video and vision start / end token ids in a `specials` vocabulary."""
+    return dict(
+        image_token_id=specials.index("<|image_pad|>"),
+        video_token_id=specials.index("<|video_pad|>"),
+        vision_start_token_id=specials.index("<|vision_start|>"),
+        vision_end_token_id=specials.index("<|vision_end|>"),
     )
+
+
+def tiny_qwen2_vl_config(specials: list[str], vocab_size: int = 64) -> Any:
+    """A tiny `Qwen2VLConfig`: `tiny_text_config` and a two-block tower of width 16."""
+    vision = dict(
+        depth=2,
+        embed_dim=16,
+        hidden_size=32,
+        num_heads=2,
+        patch_size=PATCH,
+        spatial_merge_size=MERGE,
+        temporal_patch_size=2,
+    )
+    return transformers.Qwen2VLConfig(
+        text_config=tiny_text_config(vocab_size), vision_config=vision, **vision_token_ids(specials)
+    )
+
+
+def tiny_image_processor() -> Any:
+    """transformers' Qwen2-VL image processor at the tiny tower's patch and merge sizes."""
+    return transformers.Qwen2VLImageProcessorPil(
+        patch_size=PATCH,
+        merge_size=MERGE,
+        temporal_patch_size=2,
+        size={"shortest_edge": 8 * 8 * 4, "longest_edge": 8 * 8 * 24},
+    )
+
+
+def save_tiny_qwen2_vl(path: Path, qwen2_5: bool, *, template: bool = True) -> Any:
+    """A complete tiny Qwen2-VL (or Qwen2.5-VL) folder at `path`; the transformers model
+    (fp32, eager attention) with the same weights."""
+    tokenizer = _tokenizer()
+    text = tiny_text_config()
+    tokens = vision_token_ids(SPECIALS)
     geometry = dict(patch_size=PATCH, spatial_merge_size=MERGE, temporal_patch_size=2)
     if qwen2_5:
         # Windows of 2x2 merge blocks (16 pixels), the second block attending to the whole image.
@@ -117,25 +153,13 @@ def save_tiny_qwen2_vl(path: Path, qwen2_5: bool, *, template: bool = True) -> A
         )
         model: Any = transformers.Qwen2_5_VLForConditionalGeneration(config)
     else:
-        vision = dict(depth=2, embed_dim=16, hidden_size=32, num_heads=2, **geometry)
-        config = transformers.Qwen2VLConfig(text_config=text, vision_config=vision, **tokens)
+        config = tiny_qwen2_vl_config(SPECIALS)
         model = transformers.Qwen2VLForConditionalGeneration(config)
     config._attn_implementation = "eager"
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=gen) * 0.2
-            param.copy_(noise + 1.0 if "norm" in name and name.endswith("weight") else noise)
-    model.eval()
+    randomize(model)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(path), safe_serialization=True)
-    processor = transformers.Qwen2VLImageProcessorPil(
-        patch_size=PATCH,
-        merge_size=MERGE,
-        temporal_patch_size=2,
-        size={"shortest_edge": 8 * 8 * 4, "longest_edge": 8 * 8 * 24},
-    )
-    processor.save_pretrained(str(path))
+    tiny_image_processor().save_pretrained(str(path))
     tokenizer.save(str(path / "tokenizer.json"))
     tokenizer_config: dict[str, Any] = {"eos_token": "<|im_end|>"}
     if template:
