@@ -36,6 +36,16 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     signal.signal(signal.SIGTERM, StopOnSigterm(session))
 
 
+@pytest.fixture(autouse=True)
+def _torch_threads_kept() -> Iterator[None]:
+    """torch's thread count as it was before each test (a benchmark's `main` run in process
+    may set its own): the tests after it, and the servers they size from it, see the suite's."""
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     return vecpool.api.default_model_path()
