@@ -13,9 +13,11 @@ and prompt embeds == ids under FP8.
     quantized beforehand, the same with the rows quantized by the one-pass kernel, by torch
     ops (what separate kernels cost), and fused with the producer (RMSNorm for q/k/v and
     gate/up, SiLU * up for down) against the bf16 producer + `F.linear`.
-(c) **engine**: bench_gpu.py's random-weight folders and workloads (queries, passages), an
-    engine in bf16 and one with `quantization="fp8"`, both with the engine's defaults (compiled,
-    CUDA graphs); tokens/s each round and the median; the minimum cosine of the FP8 embeddings
+(c) **engine**: bench_gpu.py's random-weight folders and workloads (queries, passages, and a
+    quarter of the queries 16 per call: steps of ~200 rows), an engine in bf16, one with
+    `quantization="fp8"` (FP8 where `runner/fp8_choice.py` measured it faster, by step size;
+    each form's threshold recorded under `fp8_from`) and one FP8 at every step, all with the
+    engine's defaults (compiled, CUDA graphs); tokens/s each round and the median; the minimum cosine of the FP8 embeddings
     to the bf16 ones over every input, and, on the first `--fp32-inputs` inputs, of bf16 and
     FP8 to a float32 engine (eager): a random-weight network far from float32 in bf16 already
     amplifies rounding, whatever rounds.
@@ -29,6 +31,7 @@ if any check failed or anything raised.
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 import tempfile
@@ -52,6 +55,9 @@ MIN_COSINE = 0.999  # the issue's bar for FP8 against bf16
 
 
 STEPS = ("kernels", "matmul", "engine")
+# The engines of (c): bf16; FP8 where it was measured faster, by step size; FP8 at every step.
+SYSTEMS = {"bf16": None, "fp8": "fp8", "fp8_every_step": "fp8"}
+SMALL_CALL = 16  # the inputs of one call in the workload of small steps
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -252,6 +258,7 @@ def bench_engines(
     import tokenizers
 
     import vecpool
+    from vecpool.runner import fp8_choice
 
     tokenizer = tokenizers.Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
     n_rounds = 1 if args.quick else max(3, args.rounds)
@@ -260,17 +267,24 @@ def bench_engines(
         workloads = {
             w: make_inputs(tokenizer, workload_lengths(w, n))[1] for w in ("queries", "passages")
         }
+        workloads["queries_in_16s"] = workloads["queries"][: n // 4]
         with tempfile.TemporaryDirectory() as tmp:
             started = time.perf_counter()
             folder = write_folder(SHAPES[model], Path(tmp), tokenizer_dir, "cuda")
             print(f"{model}: folder written in {time.perf_counter() - started:.0f} s", flush=True)
             outputs: dict[str, dict[str, np.ndarray]] = {}
-            for quantization in (None, "fp8"):
-                system = quantization or "bf16"
+            for system, quantization in SYSTEMS.items():
                 started = time.perf_counter()
+                # "fp8_every_step": FP8 at every step size, the choice by step size off.
+                fp8_choice.MEASURED = system != "fp8_every_step"
                 engine = vecpool.Engine(
                     folder, device="cuda", dtype="bfloat16", quantization=quantization
                 )
+                if quantization:
+                    forms = fp8_choice.layer_forms(engine.model)
+                    report.setdefault("fp8_from", {})[f"{model} {system}"] = {
+                        str(form): site.layer.fp8_from for form, site in forms.items()
+                    }
                 engine.embed(workloads["passages"][:512], show_progress=False)  # compile, graphs
                 print(
                     f"{model} {system}: engine ready in {time.perf_counter() - started:.0f} s",
@@ -279,11 +293,21 @@ def bench_engines(
                 outputs[system] = {}
                 for name, ids in workloads.items():
                     tokens = sum(map(len, ids))
+                    # "queries_in_16s": one call per 16 queries, steps of ~200 rows.
+                    per_call = SMALL_CALL if name == "queries_in_16s" else len(ids)
                     raw = []
                     for _ in range(n_rounds):
                         torch.cuda.synchronize()
                         t0 = time.perf_counter()
-                        out = engine.embed(ids, truncate_prompt_tokens=-1, show_progress=False)
+                        parts = [
+                            engine.embed(
+                                ids[i : i + per_call],
+                                truncate_prompt_tokens=-1,
+                                show_progress=False,
+                            )
+                            for i in range(0, len(ids), per_call)
+                        ]
+                        out = np.concatenate([np.asarray(p) for p in parts])
                         torch.cuda.synchronize()
                         raw.append(tokens / (time.perf_counter() - t0))
                     outputs[system][name] = np.asarray(out, dtype=np.float32)
@@ -304,16 +328,19 @@ def bench_engines(
                     )
                     save()
                 if quantization == "fp8":
-                    report["exactness"][model] = exactness(engine, workloads["passages"][:64])
-                    if not report["exactness"][model]["ok"]:
-                        report["failures"].append(f"{model}: fp8 prompt embeds differ from ids")
+                    checked = exactness(engine, workloads["passages"][:64])
+                    report["exactness"][f"{model} {system}"] = checked
+                    if not checked["ok"]:
+                        report["failures"].append(
+                            f"{model} {system}: prompt embeds differ from ids"
+                        )
                 del engine
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
             if args.fp32_inputs:
                 outputs["fp32"] = float32_outputs(folder, workloads, args.fp32_inputs)
-            for name in workloads:
-                a, b = outputs["bf16"][name], outputs["fp8"][name]
+            for name, fp8 in itertools.product(workloads, ("fp8", "fp8_every_step")):
+                a, b = outputs["bf16"][name], outputs[fp8][name]
                 cos = np.sum(a * b, axis=1) / (
                     np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1)
                 )
@@ -323,17 +350,18 @@ def bench_engines(
                         for r in report["engine"]
                         if r["model"] == model and r["system"] == s and r["workload"] == name
                     )
-                    for s in ("bf16", "fp8")
+                    for s in ("bf16", fp8)
                 }
                 summary = {
                     "model": model,
                     "workload": name,
-                    "speedup": speed["fp8"] / speed["bf16"],
+                    "system": fp8,
+                    "speedup": speed[fp8] / speed["bf16"],
                     "min_cosine": float(cos.min()),
                     "median_cosine": float(np.median(cos)),
                     "inputs": len(cos),
                 }
-                if "fp32" in outputs:
+                if "fp32" in outputs and name in outputs["fp32"]:
                     k = len(outputs["fp32"][name])
                     ref = outputs["fp32"][name]
                     summary["vs_fp32_inputs"] = k

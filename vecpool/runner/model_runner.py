@@ -16,7 +16,8 @@ from vecpool.models.layers import packed_attention
 from vecpool.models.layers.attention import cached_step, varlen_available
 from vecpool.models.layers.invariant import InvariantFunctions, make_batch_invariant
 from vecpool.models.layers.kv_blocks import BlockPool
-from vecpool.runner import cpu_choice
+from vecpool.models.quant.linear import has_fp8_layers
+from vecpool.runner import cpu_choice, fp8_choice
 from vecpool.runner.batch import FlatBatch, build_flat_batch
 from vecpool.runner.compiled import compile_blocks
 from vecpool.runner.cpu_linear import can_pack, pack_linears
@@ -70,6 +71,11 @@ class ModelRunner:
             and compile_backend is None
             else None
         )
+        # Which steps of each FP8 layer multiply in FP8, by row count, measured on the device
+        # (fp8_choice.py); before compiling and recording graphs, which fix each step's path.
+        if device.type == "cuda" and has_fp8_layers(model):
+            with self.on_device(), torch.inference_mode():
+                fp8_choice.choose(model, device, max_step_tokens or max_seqs * max_model_len)
         if batch_invariant:  # before compiling: the compiled blocks call the invariant products
             make_batch_invariant(model)
         self.compiled = compile_backend is not None

@@ -166,6 +166,11 @@ class Fp8Linear(nn.Module):
         # torch._scaled_mm (else the FP8 values are multiplied in float32 and scaled).
         self.kernels = False
         self.scaled_mm = False
+        # Steps of fewer rows than this multiply in `out_dtype`, by `dense_weight`, where FP8
+        # was measured slower (`dense_below`; 0: every step in FP8).
+        self.fp8_from = 0
+        self.dense_weight: torch.Tensor | None  # [N, K] out_dtype, where fp8_from > 0
+        self.register_buffer("dense_weight", None, persistent=False)
 
     @classmethod
     def from_weight(
@@ -223,9 +228,26 @@ class Fp8Linear(nn.Module):
             )
         self.weight_scale = nn.Parameter(scale.contiguous(), requires_grad=False)
 
+    def dense_below(self, rows: int) -> None:
+        """Multiply steps of fewer than `rows` rows in `out_dtype`, by the FP8 weights
+        dequantized once (the same weights, the rows unquantized); 0: every step in FP8."""
+        self.fp8_from = rows
+        self.dense_weight = (
+            (self.weight.float() * self.weight_scale.view(-1, 1)).to(self.out_dtype)
+            if rows > 0
+            else None
+        )
+
+    def _dense(self, x: torch.Tensor) -> bool:
+        """Whether a step of `x`'s rows multiplies in `out_dtype` (under torch.compile a guard
+        on the row count; in a CUDA graph, fixed by the graph's token bucket)."""
+        return x.shape[:-1].numel() < self.fp8_from
+
     def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor | tuple[torch.Tensor, ...]:
         if isinstance(x, QuantizedRows):
             out = self._matmul(x)
+        elif self._dense(x):
+            out = F.linear(x.to(self.out_dtype), self.dense_weight)  # type: ignore[arg-type]  # set with fp8_from
         else:
             lead = x.shape[:-1]
             out = self._matmul(_fp8_rows(x.reshape(-1, x.shape[-1]), self.kernels))
@@ -239,6 +261,8 @@ class Fp8Linear(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """This layer of `norm(x)`, the norm writing FP8 rows and their scales directly (the
         `fp8_kernels` RMSNorm on CUDA)."""
+        if self._dense(x):
+            return self(norm(x))
         if self.kernels:
             n = norm
             rows = QuantizedRows(*torch.ops.vecpool.fp8_rms_norm(x, n.weight, n.eps, n.unit_offset))
@@ -251,7 +275,7 @@ class Fp8Linear(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | tuple[torch.Tensor, ...]]:
         """(`residual + delta`, this layer of its norm), on CUDA from one kernel that writes
         the sum, the FP8 rows and their scales."""
-        if not self.kernels:
+        if not self.kernels or self._dense(residual):
             total = residual + delta
             return total, self.norm_forward(total, norm)
         n = norm
@@ -262,6 +286,9 @@ class Fp8Linear(nn.Module):
 
     def silu_mul_forward(self, gate_up: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """This layer of SiLU(gate) * up, which the `fp8_silu_mul` op writes as FP8 rows."""
+        if self._dense(gate_up):
+            gate, up = gate_up.chunk(2, dim=-1)
+            return self(F.silu(gate) * up)
         return self(QuantizedRows(*torch.ops.vecpool.fp8_silu_mul(gate_up)))
 
     def _matmul(self, rows: QuantizedRows) -> torch.Tensor:  # [M, N] in out_dtype
