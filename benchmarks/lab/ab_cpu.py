@@ -3,7 +3,8 @@
     python benchmarks/lab/ab_cpu.py --variant base --variant budget=1024 ... [--rounds 5]
 
 A variant is `name` or `name=value`, applied by `VARIANTS` below to a freshly built engine
-(float32, the packaged MiniLM, bench_cpu.py's workloads). Prints each variant's median wall and
+(float32, the packaged MiniLM, bench_cpu.py's workloads); a name starting `int8` builds it with
+`quantization="int8"`, and `st=32` is sentence-transformers `encode` at that batch size. Prints each variant's median wall and
 process CPU seconds per workload with its median speed-up over the first variant, and the
 largest absolute difference of its vectors from the first variant's. On a shared machine the
 CPU seconds of one thread (`--threads 1`) are the steadier measure of a kernel change.
@@ -26,15 +27,20 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from benchmarks.bench_gpu import vecpool_runner
+from benchmarks.bench_gpu import st_runner, vecpool_runner
 from benchmarks.record import git_commit
 from benchmarks.workloads import make_inputs, workload_lengths
 
 
 def build(folder: Path, variant: str) -> Callable[[list[str], list[list[int]]], np.ndarray]:
     name, _, value = variant.partition("=")
+    if name == "st":
+        return st_runner(folder, "cpu", torch.float32, int(value))[0]
     budget = int(value) if name == "budget" else None
-    run, engine = vecpool_runner(folder, "cpu", "float32", text=True, compile=None, budget=budget)
+    quantization = "int8" if name.startswith("int8") else None
+    run, engine = vecpool_runner(
+        folder, "cpu", "float32", text=True, compile=None, budget=budget, quantization=quantization
+    )
     apply = VARIANTS.get(name)
     if apply is not None:
         apply(engine, value)
@@ -73,8 +79,42 @@ def _three_copies(engine: Any, value: str) -> None:
     `_joint_rows` is switched off around this variant's runs only (see `build`)."""
 
 
+def _int8_seven_pass(engine: Any, value: str) -> None:
+    """int8 with the epilogue of one elementwise pass per term (scale, offset, each loud
+    channel, bias), as before the terms became one small product."""
+    import types
+
+    from vecpool.models.quant.int8 import Int8Linear
+    from vecpool.models.quant.quantize import quantize_rows_u8
+
+    def linear(self: Any, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x = x.reshape(-1, self.in_features)
+        loud = x[:, self._outlier_index].float()
+        if self.outliers:
+            x = x.index_fill(1, self._outlier_index, 0)
+        fbgemm = self.kernel == "fbgemm"
+        rows = quantize_rows_u8(x, fbgemm, float(self.row_levels), rounded=not fbgemm)
+        out = self.products(rows)
+        if residual is not None:
+            out = torch.addcmul(residual.reshape(out.shape).float(), out, rows.scale)
+        else:
+            out = out.mul_(rows.scale)
+        out = out.addcmul_(rows.offset, self.weight_sums)
+        for c in range(len(self.outliers)):
+            out = out.addcmul_(loud[:, c : c + 1], self.outlier_weight[c])
+        if self.bias is not None:
+            out = out.add_(self.bias)
+        return out.view(*lead, self.out_features)
+
+    for m in _model(engine).modules():
+        if isinstance(m, Int8Linear):
+            m._linear = types.MethodType(linear, m)  # type: ignore[method-assign]
+
+
 VARIANTS: dict[str, Callable[[Any, str], None]] = {
     "unfused": _unfused,
+    "int8_seven_pass": _int8_seven_pass,
     "three_copies": _three_copies,
 }
 

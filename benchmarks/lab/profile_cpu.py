@@ -2,6 +2,9 @@
 sentence-transformers' `encode` on bench_cpu.py's workloads (the packaged MiniLM, float32).
 
     python benchmarks/lab/profile_cpu.py [--workload queries|passages] [--rows 25]
+        [--systems vecpool vecpool-int8 st-32]
+
+Under an AVX2 cap, set bench_cpu.py's caps (`ONEDNN_MAX_CPU_ISA=AVX2` ...) in its environment.
 
 Prints, for each system, the wall time of one profiled call and the operators that took the
 most self CPU time.
@@ -42,8 +45,17 @@ def main(argv: list[str] | None = None) -> None:
     num = args.num or (1024 if args.workload == "queries" else 256)
     texts, ids = make_inputs(tokenizer, workload_lengths(args.workload, num))
     for system in args.systems:
-        if system == "vecpool":
-            run, _ = vecpool_runner(folder, "cpu", "float32", text=True, compile=None, budget=None)
+        if system in ("vecpool", "vecpool-int8"):
+            quantization = "int8" if system == "vecpool-int8" else None
+            run, _ = vecpool_runner(
+                folder,
+                "cpu",
+                "float32",
+                text=True,
+                compile=None,
+                budget=None,
+                quantization=quantization,
+            )
         else:
             run, _ = st_runner(folder, "cpu", torch.float32, int(system.removeprefix("st-")))
         run(texts, ids)  # warm-up

@@ -17,9 +17,12 @@ symmetric int8 rows 0.988 / 0.9957, these rows 0.9953 / 0.9983, and four loud ch
 The integer product sums in int32, exactly, through FBGEMM
 (`quantized.linear_with_input_q_dq_qweight_dq_output_fp32`, the rows handed over as floats
 holding the integers, scale 1), times each channel's scale; where torch has no FBGEMM (arm64
-builds), the same integers go through `torch._int_mm`. Then, elementwise, per row:
+builds), the same integers go through `torch._int_mm`. Then, per row:
 `y * scale + low * weight_sums + loud @ outlier_weight + bias` (`weight_sums`: each channel's
-dequantized weights summed, what the row's offset adds to it). On VNNI CPUs (AVX-512 VNNI)
+dequantized weights summed, what the row's offset adds to it), the last three terms as one
+product of `[low, loud, 1]` by the stacked `[weight_sums; outlier_weight; bias]`, then one
+pass adding `y * scale`: two passes over the output where one per term took seven
+(`benchmarks/lab/ab_cpu.py --variant int8 --variant int8_seven_pass`). On VNNI CPUs (AVX-512 VNNI)
 FBGEMM multiplies with `vpdpbusd`, which sums in 32 bits. Without VNNI (AVX2, as AMD Zen 2 /
 3; AVX-512 before Cascade Lake) it multiplies with `vpmaddubsw`, which adds each pair of
 uint8 x int8 products in 16 bits, saturating: 255 * 127 * 2 does not fit. So the kernel is
@@ -120,6 +123,10 @@ class Int8Linear(nn.Module):
         self.bias = (
             None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
         )
+        # [2 + C, N] float32 (no bias: [1 + C, N]): what each row's offset, loud channels and
+        # a one multiply, stacked, so that one small product computes the per-row terms.
+        terms = [self.weight_sums[None], self.outlier_weight]
+        self._epilogue = torch.cat(terms if self.bias is None else [*terms, self.bias[None]])
         # The weight laid out for the kernel, once (not parameters: never saved or moved).
         if kernel == "int_mm":
             self._weight_t = data.t().contiguous()  # [K, N] int8
@@ -167,20 +174,25 @@ class Int8Linear(nn.Module):
         # FBGEMM rounds float rows itself (to nearest, ties to even, as torch.round)
         fbgemm = self.kernel == "fbgemm"
         rows = quantize_rows_u8(x, fbgemm, float(self.row_levels), rounded=not fbgemm)
-        out = self.products(rows)
+        products = self.products(rows)
+        # low * weight_sums + loud @ outlier_weight + bias (+ residual) as one product of
+        # [low, loud, 1] ([M, 2 + C]) by `_epilogue`, then + products * scale: two passes over
+        # the output where one per term took seven. A row's terms are summed in the order
+        # the BLAS kernel takes, which may differ between one row and many (float32's last
+        # place of the terms); everything else is per row.
+        factors = [rows.offset, loud] if self.bias is None else [rows.offset, loud, ones(x)]
+        left = torch.cat(factors, dim=1)
         if residual is not None:
-            out = torch.addcmul(residual.reshape(out.shape).float(), out, rows.scale)
+            out = torch.addmm(residual.reshape(products.shape).float(), left, self._epilogue)
         else:
-            out = out.mul_(rows.scale)
-        # + low * weight_sums + loud @ outlier_weight + bias, elementwise: each element
-        # computed the same way wherever its row sits (a BLAS product of [low, loud] is not:
-        # one row takes another kernel than many; oneDNN's was no faster)
-        out = out.addcmul_(rows.offset, self.weight_sums)
-        for c in range(len(self.outliers)):
-            out = out.addcmul_(loud[:, c : c + 1], self.outlier_weight[c])
-        if self.bias is not None:
-            out = out.add_(self.bias)
+            out = torch.mm(left, self._epilogue)
+        out = out.addcmul_(products, rows.scale)
         return out.to(self.out_dtype).view(*lead, self.out_features)
+
+
+def ones(x: torch.Tensor) -> torch.Tensor:  # [M, 1] float32
+    """A column of ones, one per row of `x` (the bias's factor in the epilogue product)."""
+    return torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device)
 
 
 def input_amax(
