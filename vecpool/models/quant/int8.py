@@ -169,11 +169,21 @@ class Int8Linear(nn.Module):
         lead = x.shape[:-1]
         x = x.reshape(-1, self.in_features)
         loud = x[:, self._outlier_index].float()  # [M, C]
-        if self.outliers:
-            x = x.index_fill(1, self._outlier_index, 0)
         # FBGEMM rounds float rows itself (to nearest, ties to even, as torch.round)
         fbgemm = self.kernel == "fbgemm"
-        rows = quantize_rows_u8(x, fbgemm, float(self.row_levels), rounded=not fbgemm)
+        # The loud channels leave the rows (zeros) before they are quantized. Where the input
+        # may be written (float32, no autograd), zeroed in place and given back after: M x C
+        # elements each way, not a copy of the whole input.
+        in_place = bool(self.outliers) and x.dtype == torch.float32 and not x.requires_grad
+        if in_place:
+            x.index_fill_(1, self._outlier_index, 0)
+        elif self.outliers:
+            x = x.index_fill(1, self._outlier_index, 0)
+        try:
+            rows = quantize_rows_u8(x, fbgemm, float(self.row_levels), rounded=not fbgemm)
+        finally:
+            if in_place:
+                x.index_copy_(1, self._outlier_index, loud)
         products = self.products(rows)
         # low * weight_sums + loud @ outlier_weight + bias (+ residual) as one product of
         # [low, loud, 1] ([M, 2 + C]) by `_epilogue`, then + products * scale: two passes over
