@@ -26,7 +26,9 @@ budgets.
 MFU = (2 x non-embedding parameters x tokens + attention FLOPs) / seconds / ceiling, where the
 attention FLOPs are 4 x heads x head_dim x layers x (L(L+1)/2 causal, L^2 bidirectional) per
 input, and the ceiling is a large bf16 (fp32 on the CPU) matrix product measured in the same
-run. Every system is warmed up on the first inputs, then timed `--repeats` times on the whole
+run. Every system is warmed up on the whole workload once (untimed: a first round at full size
+took sentence-transformers 3-6x its later ones, and a median of three would keep a half-warm
+round; `--warmup N` warms on the first N inputs instead), then timed `--repeats` times on the whole
 workload; the report keeps every timing and the medians, and peak device memory of each.
 
 `--http` adds the HTTP path on the passages workload (report key `http`): the model served by
@@ -237,13 +239,13 @@ def measure(
     workloads: list[str],
     repeats: int,
     device: torch.device,
-    warmup: int,
+    warmup: int | None,
 ) -> dict[str, Any]:
     """Warm up, then time `run` on every workload; timings, outputs, peak memory."""
     out: dict[str, Any] = {}
     for w in workloads:
         texts, ids, _ = inputs[w]
-        run(texts[:warmup], ids[:warmup])
+        run(texts[:warmup], ids[:warmup])  # None: the whole workload
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         # Every system alike, as `vecpool serve` does once started: the collector's full
@@ -310,7 +312,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--n", type=int, default=4096, help="inputs per workload")
     parser.add_argument("--repeats", type=int, default=record.MIN_ROUNDS, help="timed rounds")
     parser.add_argument("--baseline-repeats", type=int, help="for st-* and hf-padded")
-    parser.add_argument("--warmup", type=int, default=512, help="inputs of the warm-up call")
+    parser.add_argument(
+        "--warmup", type=int, help="inputs of the warm-up call (default: the whole workload)"
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, else float32")
     parser.add_argument("--hf-batch-size", type=int, default=128)
