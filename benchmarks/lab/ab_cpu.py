@@ -4,7 +4,8 @@
 
 A variant is `name` or `name=value`, applied by `VARIANTS` below to a freshly built engine
 (float32, the packaged MiniLM, bench_cpu.py's workloads); a name starting `int8` builds it with
-`quantization="int8"` (`int8_before`: its former arithmetic, for an A/B), and `st=32` is
+`quantization="int8"` (`int8_before`: its former arithmetic, for an A/B; `int8_budget=N`: a
+step budget of N tokens), and `st=32` is
 sentence-transformers `encode` at that batch size. Prints each variant's median wall and
 process CPU seconds per workload with its median speed-up over the first variant, and the
 largest absolute difference of its vectors from the first variant's. On a shared machine the
@@ -37,7 +38,7 @@ def build(folder: Path, variant: str) -> Callable[[list[str], list[list[int]]], 
     name, _, value = variant.partition("=")
     if name == "st":
         return st_runner(folder, "cpu", torch.float32, int(value))[0]
-    budget = int(value) if name == "budget" else None
+    budget = int(value) if name in ("budget", "int8_budget") else None
     quantization = "int8" if name.startswith("int8") else None
     run, engine = vecpool_runner(
         folder, "cpu", "float32", text=True, compile=None, budget=budget, quantization=quantization

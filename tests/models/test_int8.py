@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import vecpool
+from vecpool.api.args import EngineArgs
 from vecpool.models.loading.folder import ModelFolder
 from vecpool.models.loading.loader import load_model
 from vecpool.models.quant.int8 import (
@@ -136,6 +137,18 @@ def test_a_row_does_not_depend_on_the_others(kernel: str) -> None:
     # loops of torch's elementwise kernels (where a thread's range ends inside a row) are not
     # promised to round alike, so the check allows float32's last place.
     torch.testing.assert_close(alone, together, rtol=2e-7, atol=1e-6)
+
+
+def test_int8_steps_default_to_half_the_float32_budget() -> None:
+    cpu = torch.device("cpu")
+
+    def budget(**kwargs: Any) -> int:
+        args = EngineArgs(**kwargs)
+        return args.scheduler_config(cpu, 256, causal=False).max_num_batched_tokens
+
+    assert budget() == 4096
+    assert budget(quantization="int8") == 2048
+    assert budget(quantization="int8", max_num_batched_tokens=8192) == 8192
 
 
 def fidelity_texts(model_dir: Path) -> list[str]:
