@@ -17,6 +17,7 @@ import pytest
 import vecpool
 from tests.test_inputs_batch import limits
 from vecpool.api.args import EngineArgs
+from vecpool.api.running import PIPELINE_CHUNK, PIPELINE_FIRST_CHUNK
 from vecpool.errors import InputError
 from vecpool.inputs.prompts import InputProcessor, TextOptions, TextTokenizer
 from vecpool.inputs.tokenizer_pool import PROCESS_MIN_CHARS, TokenizerPool, default_size
@@ -130,7 +131,12 @@ def test_engine_tokenizes_large_calls_in_its_children(minilm: vecpool.Engine) ->
     assert pool is not None
     pool.start()
     assert pool.wait_ready(60)
-    batch = texts(700, seed=3)
+    # Over PIPELINE_CHUNK texts: run in two chunks (128, 392), each over PROCESS_MIN_CHARS.
+    batch = texts(520, seed=3)
+    assert (
+        len(batch) > PIPELINE_CHUNK
+        and sum(map(len, batch[:PIPELINE_FIRST_CHUNK])) > PROCESS_MIN_CHARS
+    )
     ids = [p.token_ids for p in minilm.inputs.process(batch, TextOptions())]
     sent = []
     original = pool.encode_ids
