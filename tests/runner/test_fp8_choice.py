@@ -15,9 +15,8 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-import transformers
 
-from tests.helpers import save_hf_model
+from tests.models.test_quant import _qwen3 as tiny_qwen3
 from vecpool.models.layers.basic import RMSNorm
 from vecpool.models.loading.folder import ModelFolder
 from vecpool.models.loading.loader import load_model
@@ -98,19 +97,8 @@ def test_dense_steps_of_the_fused_producers(
 
 @pytest.fixture(scope="module")
 def qwen3_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    torch.manual_seed(0)
-    cfg = transformers.Qwen3Config(
-        vocab_size=101,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=128,
-    )
-    hf = transformers.Qwen3Model(cfg).eval()
-    return save_hf_model(hf, tmp_path_factory.mktemp("fp8_choice") / "qwen3")
+    """test_quant's random 2-layer Qwen3 (hidden 32, 4 heads of 16, 2 key-value heads, MLP 48)."""
+    return tiny_qwen3(tmp_path_factory.mktemp("fp8_choice"))[0]
 
 
 def _fp8_model(folder: Path, monkeypatch: pytest.MonkeyPatch) -> torch.nn.Module:
