@@ -26,14 +26,13 @@ elsewhere; attention by groups).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import logging
 import os
 import platform
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -51,6 +50,7 @@ from vecpool.models.layers.cpu_attention import (
     bucket_plan,
     bucketed_attention,
 )
+from vecpool.runner import choice_cache
 from vecpool.runner.compiled import repeated_blocks
 from vecpool.runner.cpu_linear import PackedLinear, can_pack
 
@@ -206,16 +206,10 @@ def cpu_model_name() -> str:
 def cache_path() -> Path:
     """`$VECPOOL_CACHE_DIR/cpu_choice.json`, else under `$XDG_CACHE_HOME/vecpool` (by default
     `~/.cache/vecpool`)."""
-    folder = os.environ.get("VECPOOL_CACHE_DIR")
-    if folder:
-        return Path(folder) / "cpu_choice.json"
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "vecpool" / "cpu_choice.json"
+    return choice_cache.cache_path("cpu_choice")
 
 
-def read_cached(key: str, path: Path | None = None) -> Measurement | None:
-    """The measurement cached under `key`; None if none (or the file is unreadable)."""
-    entry = _read_cache(path or cache_path()).get(key)
+def _parse(entry: Any) -> Measurement | None:
     if not isinstance(entry, dict):
         return None
     try:
@@ -228,52 +222,14 @@ def read_cached(key: str, path: Path | None = None) -> Measurement | None:
         return None
 
 
+def read_cached(key: str, path: Path | None = None) -> Measurement | None:
+    """The measurement cached under `key`; None if none (or the file is unreadable)."""
+    return _parse(choice_cache.read_entries(path or cache_path(), CACHE_VERSION).get(key))
+
+
 def write_cached(key: str, measurement: Measurement, path: Path | None = None) -> None:
     """Add `measurement` under `key` (the file replaced whole: readers never see half)."""
-    path = path or cache_path()
-    entries = _read_cache(path)
-    entries[key] = asdict(measurement)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        partial.write_text(json.dumps({"version": CACHE_VERSION, "entries": entries}, indent=1))
-        partial.replace(path)
-    except OSError as e:  # a read-only home: measured again at the next load
-        logger.warning("could not cache the CPU measurement in %s: %s", path, e)
-
-
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    """Hold an exclusive lock on `path`'s lock file (`<name>.lock`), where the platform has
-    `fcntl`; without it, or where the folder cannot be written, go on unlocked."""
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: concurrent first loads may each measure
-        yield
-        return
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        handle = open(path.with_name(f"{path.name}.lock"), "a")  # noqa: SIM115 - held below
-    except OSError:
-        yield
-        return
-    with handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def _read_cache(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    if not isinstance(data, dict) or data.get("version") != CACHE_VERSION:
-        return {}
-    entries = data.get("entries")
-    return entries if isinstance(entries, dict) else {}
+    choice_cache.write_entry(path or cache_path(), CACHE_VERSION, key, asdict(measurement))
 
 
 def choose(model: nn.Module, dtype: torch.dtype, *, causal: bool, max_len: int) -> CpuChoice:
@@ -289,17 +245,16 @@ def choose(model: nn.Module, dtype: torch.dtype, *, causal: bool, max_len: int) 
     others); deleting the cache file has the next load measure again."""
     shape = ProbeShape.of(model, causal=causal, max_len=max_len)
     key = machine_key(shape, dtype)
-    path = cache_path()
-    measurement = read_cached(key, path)
-    source = "cached measurement"
-    if measurement is None:
-        with _locked(path):
-            measurement = read_cached(key, path)  # another process may have measured it
-            if measurement is None:
-                start = time.perf_counter()
-                measurement = measure(model, shape, dtype)
-                write_cached(key, measurement, path)
-                source = f"measured in {time.perf_counter() - start:.2f} s"
+    start = time.perf_counter()
+    measurement, cached = choice_cache.measured_once(
+        cache_path(),
+        CACHE_VERSION,
+        key,
+        _parse,
+        lambda: measure(model, shape, dtype),
+        asdict,
+    )
+    source = "cached measurement" if cached else f"measured in {time.perf_counter() - start:.2f} s"
     isa = cpu_isa()
     choice = decide(isa, measurement)
     logger.info(
