@@ -21,9 +21,8 @@ objects are unfrozen at exit, so that the interpreter's last collection still fi
 from __future__ import annotations
 
 import atexit
-import functools
 import gc
-from collections.abc import Mapping
+import sys
 
 # False: nothing is frozen (the baseline `benchmarks/lab/gc_stalls.py` measures against).
 FREEZE = True
@@ -34,20 +33,11 @@ _frames_at_freeze: int | None = None
 
 
 def _compiled_frames() -> int:
-    """How many frames torch.compile has compiled in this process (0 where torch does not
-    count them)."""
-    counters = _dynamo_counters()
+    """How many frames torch.compile has compiled in this process: 0 while nothing has loaded
+    its machinery (importing it for the count would cost a process about a second)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    counters = getattr(utils, "counters", None)
     return 0 if counters is None else int(counters["frames"]["total"])
-
-
-@functools.cache
-def _dynamo_counters() -> Mapping[str, Mapping[str, int]] | None:
-    """torch.compile's counters (one mapping, updated and cleared in place), looked up once."""
-    try:
-        from torch._dynamo.utils import counters
-    except ImportError:
-        return None
-    return counters
 
 
 def freeze() -> None:

@@ -306,7 +306,10 @@ def _cpu_attention(
     return cpu_attention.bucketed_attention(q, k, v, meta._buckets, causal=causal, scale=scale)
 
 
-@torch.compiler.disable
+# Not traced by torch.compile, as `torch.compiler.disable` would have it (one graph break at the
+# call); torch's lazy form, because the decorator itself imports torch._dynamo (about a second at
+# every process start, which a process that never compiles need not pay).
+@torch._disable_dynamo
 def _cached_attention(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from fnmatch import fnmatchcase
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
+from torch.overrides import TorchFunctionMode
 from tqdm.auto import tqdm
 
 from vecpool.config import MODEL_IMPLS
@@ -20,6 +23,25 @@ from vecpool.models.quant.linear import finish_fp8, restore_fp8_dtypes
 from vecpool.models.quant.quant_checkpoint import fp8_checkpoint_layers
 
 _MAX_NAMES = 10
+
+
+class _SkipInit(TorchFunctionMode):
+    """The initializers of `torch.nn.init` return their tensor untouched: on the meta device
+    they have nothing to fill, and their meta implementations import torch._dynamo (about a
+    second at each process start) for nothing."""
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: object,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return args[0] if args else (kwargs or {})["tensor"]
+        return func(*args, **(kwargs or {}))
+
+
 # Weights at least this large load with a progress bar.
 PROGRESS_BYTES = 1 << 30
 
@@ -41,7 +63,7 @@ def load_model(
     hf = folder.hf_config
     if cls.shape_keys:
         hf = {**hf, "checkpoint_shapes": checkpoint_shapes(files, cls.shape_keys)}
-    with torch.device("meta"):
+    with torch.device("meta"), _SkipInit():
         model = cls.from_hf_config(hf)
     stored = _stored_tensors(files)
     fp8_layers = fp8_checkpoint_layers(
