@@ -74,7 +74,9 @@ def _set(vary: str, value: float, engine: vecpool.Engine, pools: dict[float, Any
     elif vary == "first-alone":
         vecpool.api.running.PIPELINE_FIRST_ALONE = bool(value)
     elif vary == "wordpiece":
-        vecpool.inputs.tokenizer.WORDPIECE_MIN_CHARS = _WORDPIECE_MIN_CHARS if value else sys.maxsize
+        vecpool.inputs.tokenizer.WORDPIECE_MIN_CHARS = (
+            _WORDPIECE_MIN_CHARS if value else sys.maxsize
+        )
     elif vary == "pack-ids":
         vecpool.inputs.arrays.PACK_ID_LISTS = bool(value)
     elif vary == "first-chunk":

@@ -350,7 +350,8 @@ class EngineParts:
             image_processor_dir=self.image_processor_dir,
             media_policy=self.inputs.images.policy if self.inputs.images is not None else None,
             pair_template=self.model.pair_template if self.score_mode == "cross_encoder" else None,
-            vision_language=self.inputs.images is not None and self.inputs.images.vision is not None,
+            vision_language=self.inputs.images is not None
+            and self.inputs.images.vision is not None,
         )
 
     def _opt_in_tasks(self, args: EngineArgs) -> dict[str, str]:
