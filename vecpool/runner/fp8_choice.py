@@ -261,15 +261,6 @@ def _capture(way: Callable[[], object], device: torch.device, repeats: int) -> t
     return graph
 
 
-def describe(chosen: dict[LayerForm, int]) -> str:
-    """One line of what `choose` chose, for logs and benchmarks."""
-    parts = []
-    for form, start in chosen.items():
-        where = "FP8" if start == 0 else "bf16" if start == NEVER else f"FP8 from {start} rows"
-        parts.append(f"{form}: {where}")
-    return "; ".join(parts)
-
-
 def reset_dense(model: nn.Module) -> None:
     """Every FP8 layer back to FP8 at every step size (the dequantized weights dropped)."""
     for module in model.modules():
