@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -65,6 +66,17 @@ def hf_last_hidden(hf_model: Any, ids: list[int], **kwargs: Any) -> np.ndarray:
     if hidden is None:
         hidden = out.hidden_states[-1]
     return hidden[0].float().numpy()
+
+
+def padded_cpu_attention(engine: vecpool.Engine) -> vecpool.Engine:
+    """`engine` with its CPU attention in the padded layout, which compiled blocks run: an
+    eager engine compared bit for bit with compiled blocks must run it too. The way its machine
+    measured (`cpu_choice`: by groups of lengths or by sequence; a loaded machine picks the
+    latter) is the same attention within an ulp, in another kernel blocking, not bit for bit."""
+    runner = engine.model_runner
+    if runner.cpu_choice is not None:
+        runner.cpu_choice = dataclasses.replace(runner.cpu_choice, attention="padded")
+    return engine
 
 
 def engine_hidden(engine: vecpool.Engine, inputs: list[Any]) -> list[np.ndarray]:

@@ -20,7 +20,7 @@ import torch
 
 import vecpool
 from tests.engine.test_prefix_cache import QWEN3, _shared
-from tests.helpers import REORDERED_RTOL, assert_rel_close, save_hf_model
+from tests.helpers import REORDERED_RTOL, assert_rel_close, padded_cpu_attention, save_hf_model
 from vecpool.engine.prefix_cache import BLOCK_SIZE as B
 from vecpool.models.layers import attention, split_attention
 from vecpool.runner.compiled import compile_blocks
@@ -155,7 +155,7 @@ def test_compiled_layers_read_shared_prefixes_without_graph_breaks(
     options: dict[str, Any] = dict(
         device="cpu", pooling="LAST", enable_prefix_caching=True, compile=False
     )
-    eager = vecpool.Engine(folder, **options)
+    eager = padded_cpu_attention(vecpool.Engine(folder, **options))
     compiled = vecpool.Engine(folder, **options)
     compile_blocks(compiled.model, backend="eager")
     torch._dynamo.reset()

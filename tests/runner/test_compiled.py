@@ -16,9 +16,15 @@ import pytest
 import torch
 
 import vecpool
-from tests.helpers import REORDERED_RTOL, assert_rel_close, engine_hidden, random_prompts
+from tests.helpers import (
+    REORDERED_RTOL,
+    assert_rel_close,
+    engine_hidden,
+    padded_cpu_attention,
+    random_prompts,
+)
 from tests.runner.conftest import VOCAB
-from vecpool.runner import model_runner
+from vecpool.runner import cpu_choice, model_runner
 from vecpool.runner.compiled import compile_blocks, compile_by_default, repeated_blocks
 
 
@@ -54,9 +60,18 @@ def _steps_against_eager(
         yield prompts, expected, as_ids, as_embeds
 
 
-def test_compiled_blocks_match_eager_and_keep_embeds_bit_exact(qwen3_folder: Path) -> None:
-    eager = vecpool.Engine(qwen3_folder, device="cpu", compile=False)
+@pytest.mark.parametrize("measured", ["buckets", "sequences"])
+def test_compiled_blocks_match_eager_and_keep_embeds_bit_exact(
+    qwen3_folder: Path, monkeypatch: pytest.MonkeyPatch, measured: str
+) -> None:
+    """Whatever attention the machine measured as fastest (a loaded one picks "sequences"),
+    compiled blocks compute what the eager engine does in the layout they run (padded)."""
+    monkeypatch.setattr(
+        model_runner.cpu_choice, "choose", lambda *a, **k: cpu_choice.CpuChoice("blas", measured)
+    )
+    eager = padded_cpu_attention(vecpool.Engine(qwen3_folder, device="cpu", compile=False))
     compiled = vecpool.Engine(qwen3_folder, device="cpu", compile=False)
+    assert compiled.model_runner.cpu_choice.attention == measured
     assert compile_blocks(compiled.model, backend="eager") == 3
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()  # graphs compiled by earlier tests count there too
@@ -104,7 +119,7 @@ def test_each_engine_keeps_its_own_compiled_code(qwen3_folder: Path) -> None:
     still computes what an eager engine does."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list as entries
 
-    eager = vecpool.Engine(qwen3_folder, device="cpu", compile=False)
+    eager = padded_cpu_attention(vecpool.Engine(qwen3_folder, device="cpu", compile=False))
     engines = [vecpool.Engine(qwen3_folder, device="cpu", compile=False) for _ in range(2)]
     torch._dynamo.reset()
     for engine in engines:
@@ -131,7 +146,9 @@ def test_compiled_blocks_run_chunked_prompts(qwen3_folder: Path) -> None:
     `vecpool::cached_attention` op: no graph break, one graph per block for chunked steps
     (and one for whole ones), no recompiles from step to step; results stay bit-exact with the
     eager model's."""
-    eager = vecpool.Engine(qwen3_folder, device="cpu", compile=False, max_num_batched_tokens=16)
+    eager = padded_cpu_attention(
+        vecpool.Engine(qwen3_folder, device="cpu", compile=False, max_num_batched_tokens=16)
+    )
     compiled = vecpool.Engine(qwen3_folder, device="cpu", compile=False, max_num_batched_tokens=16)
     compile_blocks(compiled.model, backend="eager")
     torch._dynamo.reset()
@@ -205,7 +222,7 @@ def test_compiled_cuda_ops_path_matches_eager_and_keeps_embeds_bit_exact(
     vocab = VOCAB if model == "qwen3" else 99
     # Plain linears, as on CUDA (on the CPU the engine packs them for oneDNN).
     monkeypatch.setattr(model_runner, "can_pack", lambda *_: False)
-    eager = vecpool.Engine(folder, device="cpu", compile=False)
+    eager = padded_cpu_attention(vecpool.Engine(folder, device="cpu", compile=False))
     compiled = vecpool.Engine(folder, device="cpu", compile=False)
     traced_ops: set[str] = set()
     aot_eager = torch._dynamo.lookup_backend("aot_eager")
