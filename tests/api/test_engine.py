@@ -252,6 +252,19 @@ def test_large_calls_are_pipelined_in_chunks(tiny_bert_engine, monkeypatch) -> N
     assert not engine.core.has_work()
 
 
+def test_chunk_starts_by_count_and_by_weight(monkeypatch) -> None:
+    monkeypatch.setattr(vecpool.api.running, "PIPELINE_CHUNK", 8)
+    monkeypatch.setattr(vecpool.api.running, "PIPELINE_FIRST_CHUNK", 3)
+    starts = vecpool.api.running.chunk_starts
+    assert starts(8) == [0] and starts(0) == [0]
+    assert starts(20) == [0, 3, 11, 19]
+    assert starts(20, np.ones(20, dtype=np.int64)) == [0, 3, 11, 19]
+    # An input heavier than a whole chunk is a chunk of its own; lighter ones fill up to it.
+    weights = np.array([5, 1, 1, 9, 4, 4, 1, 2, 3], dtype=np.int64)
+    assert starts(9, weights) == [0, 1, 3, 4, 6]
+    assert starts(3, np.array([2, 2, 2], dtype=np.int64)) == [0]
+
+
 class _LaterFuture(Future):  # type: ignore[type-arg]
     """A worker's result that reports itself ready only once `ready` is set."""
 

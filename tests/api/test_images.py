@@ -53,6 +53,36 @@ def test_texts_and_images_mixed_equal_transformers(dual: Any) -> None:
     assert_rel_close(engine.embed(TEXTS), out[[0, 2, 5]])
 
 
+def test_a_large_call_of_images_runs_in_chunks_of_fewer_inputs(
+    dual: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An image counts as `PIPELINE_IMAGE_WEIGHT` texts in a chunk's size: a call of images is
+    prepared (read) a few images at a time while the device runs the ones before; texts keep
+    their chunks. The chunks' results are those of one call (same rows in another batching,
+    the tolerance of the module)."""
+    engine, _, _ = dual
+    images = sample_images(3)
+    items = [TEXTS[i % 3] if i % 4 == 3 else images[i % 3] for i in range(10)]
+    whole = engine.embed(items)
+    monkeypatch.setattr(vecpool.api.running, "PIPELINE_CHUNK", 8)
+    monkeypatch.setattr(vecpool.api.running, "PIPELINE_FIRST_CHUNK", 4)
+    monkeypatch.setattr(vecpool.api.engine, "PIPELINE_IMAGE_WEIGHT", 2)
+    sizes: list[int] = []
+    prepare = vecpool.api.running.calls.prepare_encode
+
+    def counted(ctx, items, options):  # type: ignore[no-untyped-def]
+        sizes.append(len(items))
+        return prepare(ctx, items, options)
+
+    monkeypatch.setattr(vecpool.api.running.calls, "prepare_encode", counted)
+    assert_rel_close(engine.embed(items), whole)
+    # weights 2 2 | 2 1 2 2 | 2 1 2 2: a first chunk of weight <= 4, then <= 8
+    assert sizes == [2, 4, 4]
+    sizes.clear()
+    engine.embed([*TEXTS, *TEXTS, *TEXTS])  # nine texts: by count, as in a text model
+    assert sizes == [4, 5]
+
+
 def test_every_image_form_gives_the_same_vector(dual: Any) -> None:
     engine, hf, path = dual
     (image,) = sample_images(1)

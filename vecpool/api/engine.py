@@ -14,7 +14,7 @@ from vecpool import calls
 from vecpool.api.args import DEFAULT_MODEL_PACKAGE, EngineArgs
 from vecpool.api.build import EngineParts, default_model_path
 from vecpool.api.outputs import PoolingOutput, PreparedCall, outcome
-from vecpool.api.running import EngineRunner
+from vecpool.api.running import PIPELINE_IMAGE_WEIGHT, EngineRunner
 from vecpool.calls import SparseResult, postprocess
 from vecpool.calls import windowed as windowed_embed
 from vecpool.calls.info import EngineInfo
@@ -28,6 +28,7 @@ from vecpool.calls.options import (
 )
 from vecpool.config import LLMRerankerConfig
 from vecpool.errors import InputError
+from vecpool.inputs.input_forms import holds_images
 from vecpool.inputs.prompts import TruncationSide
 
 __all__ = [
@@ -255,7 +256,14 @@ class Engine(EngineRunner):
         def prepare(start: int, stop: int) -> PreparedCall[list[np.ndarray]]:
             return calls.prepare_encode(self.context, calls.InputList(items[start:stop]), options)
 
-        self.run_in_chunks(len(items), prepare, take, show_progress, options.task)
+        weights = None  # each input one text, unless the model reads images
+        if self.context.inputs.images is not None:
+            weights = np.fromiter(
+                (PIPELINE_IMAGE_WEIGHT if holds_images(item) else 1 for item in items),
+                np.int64,
+                len(items),
+            )
+        self.run_in_chunks(len(items), prepare, take, show_progress, options.task, weights)
 
     def prepare_encode(
         self,

@@ -50,6 +50,12 @@ PIPELINE_FIRST_CHUNK = 128
 # chunk did not engage on the H200, `ahead_adaptive_h200.json`: the chunk that missed the
 # steps was mostly ready by the time the last of them had pooled.)
 PIPELINE_AHEAD = 2
+# An input with images counts as this many texts in a chunk's size: reading a page (decoding,
+# resizing, cutting it into patch rows: tens of milliseconds of a core) costs the host hundreds
+# of short texts, and its steps keep the device busy as long. So a call of pages starts the
+# device after its first 4 pages rather than after all of them (64 pages: the device waited
+# for the whole call's reading), and later chunks of 16 pages are read while it runs.
+PIPELINE_IMAGE_WEIGHT = 32
 # True: the chunks after the first are started only once the first step's forward is queued.
 # Begun at once, the worker's Python takes turns for the interpreter lock with the engine
 # thread scheduling and building that step (4,096 passages from ids on the CPU: the first
@@ -139,9 +145,11 @@ class EngineRunner(EngineParts):
         take: Callable[[int, list[np.ndarray]], object],  # (first input, a chunk's results)
         show_progress: bool | None,
         desc: str,
+        weights: np.ndarray | None = None,  # [total] int64: texts each input counts as
     ) -> None:
         """Run a call of `total` inputs, its results to `take`: prepared and run at once up to
-        `PIPELINE_CHUNK` inputs. A larger call runs chunk by chunk, the next chunk prepared on
+        `PIPELINE_CHUNK` inputs (counted by `weights`, each 1 if None: `chunk_starts`). A
+        larger call runs chunk by chunk, the next chunk prepared on
         a worker thread (its texts tokenized by the `TokenizerPool`, if any) while the device
         runs the ones already queued. A chunk that is ready joins the queue as soon as a step's
         forward is queued (`EngineCore.step`'s `receive`), so that the next step is prepared,
@@ -149,7 +157,8 @@ class EngineRunner(EngineParts):
         chunk. Each chunk's results go to `take`, in order, as soon as the chunk is done.
         Errors name the input's index in the whole call; a failure cancels the call's queued
         requests."""
-        if total <= PIPELINE_CHUNK:
+        starts = chunk_starts(total, weights)
+        if len(starts) == 1:
             take(0, self.run(prepare(0, total), show_progress=show_progress, desc=desc))
             return
         chunks: list[tuple[int, PreparedCall[list[np.ndarray]], list[Request]]] = []
@@ -159,7 +168,6 @@ class EngineRunner(EngineParts):
             done[0] += 1
 
         show = show_progress if show_progress is not None else total >= PROGRESS_THRESHOLD
-        starts = [0, *range(PIPELINE_FIRST_CHUNK, total, PIPELINE_CHUNK)]
         stops = [*starts[1:], total]
         with (
             ThreadPoolExecutor(1, thread_name_prefix="vecpool-inputs") as worker,
@@ -242,6 +250,28 @@ class EngineRunner(EngineParts):
                     logger.exception("running out a failed call's requests raised")
                 raise
         heap.freeze_if_compiled()  # what compiling made lives as long as the engine
+
+
+def chunk_starts(total: int, weights: np.ndarray | None = None) -> list[int]:
+    """Where each chunk of a call of `total` inputs starts: one chunk up to `PIPELINE_CHUNK`
+    inputs in all, else a first of `PIPELINE_FIRST_CHUNK` and the others of `PIPELINE_CHUNK`,
+    an input counting as its weight (`weights[i]` texts; each at least one input a chunk)."""
+    if weights is None:
+        if total <= PIPELINE_CHUNK:
+            return [0]
+        return [0, *range(PIPELINE_FIRST_CHUNK, total, PIPELINE_CHUNK)]
+    ends = np.cumsum(weights)  # [total]: the weight up to and including each input
+    if total == 0 or ends[-1] <= PIPELINE_CHUNK:
+        return [0]
+    starts, bound = [0], PIPELINE_FIRST_CHUNK
+    while True:
+        before = int(ends[starts[-1] - 1]) if starts[-1] else 0
+        # The chunk ends after the last input within its bound (at least one input).
+        stop = max(int(np.searchsorted(ends, before + bound, side="right")), starts[-1] + 1)
+        if stop >= total:
+            return starts
+        starts.append(stop)
+        bound = PIPELINE_CHUNK
 
 
 def _shifted(error: InputError, offset: int) -> InputError:

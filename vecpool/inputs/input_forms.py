@@ -49,6 +49,15 @@ def input_kind(item: Any, index: int) -> str:
     return classify(item, index)[0]
 
 
+def holds_images(item: Any) -> bool:
+    """Whether an input is an image or a prompt with images (a malformed one: False, its
+    error is raised where the input is read)."""
+    try:
+        return input_kind(item, 0) in ("image", "vision", "parts")
+    except InputError:
+        return False
+
+
 def classify(item: Any, index: int) -> tuple[str, Any]:
     """(kind, value) of one input: kind is "text", "pair", "token_ids", "prompt_embeds",
     "image" (see `vecpool.inputs.images.is_image` for the forms an image takes), "vision" or
