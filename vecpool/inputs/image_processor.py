@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 from PIL import Image
 
 from vecpool.errors import InputError
-from vecpool.inputs.pixels import ImagePixels
+from vecpool.inputs.pixels import ImagePixels, PixelTable
 
 # An image is resized whole before a center crop takes the middle: with a shortest-edge size,
 # one of extreme aspect ratio (1 x 100,000 pixels) would be resized to billions of pixels.
@@ -23,6 +24,10 @@ MAX_RESIZED_PIXELS = 1 << 25
 @dataclass(frozen=True, eq=False)
 class ImageProcessor:
     """A checkpoint's image preprocessing; `__call__` turns a PIL image into patch rows.
+
+    The image travels in the compact form (`ImagePixels.table` set): its 8-bit codes, laid
+    out as the float rows are without the frame copies, and the table that makes the rows; a
+    processor that pads after normalizing hands over the float rows themselves.
 
     Layout of `ImagePixels.patches` (float32, `[num_patches, 3 * patch_size**2]`):
 
@@ -68,6 +73,19 @@ class ImageProcessor:
         """Values of one patch row."""
         return 3 * self.temporal_patch_size * self.patch_size**2
 
+    @cached_property
+    def table(self) -> PixelTable:
+        """What turns this processor's codes into its float rows (see the class docstring for
+        the rows' layouts: the channel is a row's last axis for SigLIP2, its first elsewhere)."""
+        channel = np.arange(3, dtype=np.uint8)
+        per_channel = self.patch_size**2
+        channels = (
+            np.tile(channel, per_channel)
+            if self.kind == "siglip2"
+            else np.repeat(channel, per_channel)
+        )
+        return PixelTable(self.values, channels, self.temporal_patch_size)
+
     def __call__(self, image: Image.Image) -> ImagePixels:
         """`image` preprocessed and cut into patch rows (see the class docstring)."""
         rgb = _to_rgb(image, self.convert_rgb)
@@ -80,19 +98,20 @@ class ImageProcessor:
         pixels = np.asarray(rgb)  # [height, width, 3] uint8
         if self.crop is not None:
             pixels = _center_crop(pixels, *self.crop)
-        floats = self._lookup(pixels)
-        if self.pad is not None:
-            floats = _pad(floats, *self.pad)
+        # [height, width, 3]: the codes; floats where the processor pads with zeros after
+        # normalizing (a zero is no code's value)
+        plane = pixels if self.pad is None else _pad(self._lookup(pixels), *self.pad)
         p = self.patch_size
-        rows, cols = floats.shape[0] // p, floats.shape[1] // p
+        rows, cols = plane.shape[0] // p, plane.shape[1] // p
         if rows == 0 or cols == 0:
             raise InputError(
-                f"the processed image of {floats.shape[1]}x{floats.shape[0]} pixels is smaller "
+                f"the processed image of {plane.shape[1]}x{plane.shape[0]} pixels is smaller "
                 f"than one {p}x{p} patch"
             )
-        patches = floats[: rows * p, : cols * p].reshape(rows, p, cols, p, 3)
+        patches = plane[: rows * p, : cols * p].reshape(rows, p, cols, p, 3)
         patches = patches.transpose(0, 2, 4, 1, 3).reshape(rows * cols, 3 * p * p)
-        return ImagePixels(np.ascontiguousarray(patches), (rows, cols))
+        table = None if self.pad is not None else self.table
+        return ImagePixels(np.ascontiguousarray(patches), (rows, cols), table)
 
     def _naflex(self, rgb: Image.Image) -> ImagePixels:
         p = self.patch_size
@@ -104,15 +123,14 @@ class ImageProcessor:
                 f"an image of {rgb.width}x{rgb.height} pixels does not divide into {p}x{p} "
                 "patches, and the model's processor does not resize (do_resize is false)"
             )
-        floats = self._lookup(np.asarray(rgb))
         rows, cols = rgb.height // p, rgb.width // p
-        patches = floats.reshape(rows, p, cols, p, 3).transpose(0, 2, 1, 3, 4)
+        patches = np.asarray(rgb).reshape(rows, p, cols, p, 3).transpose(0, 2, 1, 3, 4)
         return ImagePixels(
-            np.ascontiguousarray(patches.reshape(rows * cols, p * p * 3)), (rows, cols)
+            np.ascontiguousarray(patches.reshape(rows * cols, p * p * 3)), (rows, cols), self.table
         )
 
     def _qwen2_vl(self, rgb: Image.Image) -> ImagePixels:
-        p, m, frames = self.patch_size, self.merge_size, self.temporal_patch_size
+        p, m = self.patch_size, self.merge_size
         factor = p * m
         if self.resize:
             target = smart_resize(rgb.height, rgb.width, factor, self.min_pixels, self.max_pixels)
@@ -123,16 +141,14 @@ class ImageProcessor:
                 f"{factor}x{factor} pixels, and the model's processor does not resize (do_resize "
                 "is false)"
             )
-        floats = self._lookup(np.asarray(rgb))  # [height, width, 3]
+        codes = np.asarray(rgb)  # [height, width, 3] uint8
         rows, cols = rgb.height // p, rgb.width // p
         # (block row, y in block, y in patch, block column, x in block, x in patch, channel)
-        blocks = floats.reshape(rows // m, m, p, cols // m, m, p, 3)
-        # -> (block row, block column, y in block, x in block, channel, y in patch, x in patch)
-        blocks = blocks.transpose(0, 3, 1, 4, 6, 2, 5).reshape(rows * cols, 3, 1, p * p)
-        patches = np.broadcast_to(blocks, (rows * cols, 3, frames, p * p))
-        return ImagePixels(
-            np.ascontiguousarray(patches).reshape(rows * cols, 3 * frames * p * p), (rows, cols)
-        )
+        blocks = codes.reshape(rows // m, m, p, cols // m, m, p, 3)
+        # -> (block row, block column, y in block, x in block, channel, y in patch, x in patch);
+        # the table repeats each channel's block over the `temporal_patch_size` frames.
+        blocks = blocks.transpose(0, 3, 1, 4, 6, 2, 5).reshape(rows * cols, 3 * p * p)
+        return ImagePixels(np.ascontiguousarray(blocks), (rows, cols), self.table)
 
     def _lookup(self, pixels: np.ndarray) -> np.ndarray:
         """[height, width, 3] uint8 -> [height, width, 3] float32, rescaled and normalized."""

@@ -18,6 +18,7 @@ from vecpool.config import ListwiseRerankerConfig, PairTemplate
 from vecpool.models.layers.attention import AttentionMetadata
 
 if TYPE_CHECKING:
+    from vecpool.inputs.pixels import PixelTable
     from vecpool.models.loading.folder import ModelFolder
 
 
@@ -45,7 +46,9 @@ class ImageBatch:
     model (Qwen2-VL) gives each image the rows of its placeholder tokens: the model runner
     writes its `vision_rows` there, into the input embeddings, before the language model."""
 
-    pixel_values: torch.Tensor  # [num_patches, patch_dim] model dtype
+    # [num_patches, patch_dim] model dtype. As the flat batch builds it, until the model
+    # runner's lookup: float32 rows, or with `table` the [num_patches, code_dim] uint8 codes.
+    pixel_values: torch.Tensor
     cu_patches: torch.Tensor  # [num_images + 1] int32: where each image's patches start
     max_patches: int  # the most patches of one image
     grids: list[tuple[int, int]]  # [num_images] (rows, columns) of patches
@@ -53,6 +56,9 @@ class ImageBatch:
     # vision-language model's images, whose rows the model runner places (a chunk may hold
     # part of an image's placeholders)
     rows: torch.Tensor
+    # What turns `pixel_values`' codes into rows; None once the model runner has (or for
+    # float rows). A model never sees it set.
+    table: PixelTable | None = None
 
     @property
     def num_images(self) -> int:

@@ -177,7 +177,7 @@ def build_flat_batch(
             starts=starts_device,
         ),
         has_token_ids=[c.prompt.token_ids is not None for c in chunks],
-        images=_image_batch([p for p, _ in images], np.array([r for _, r in images]), device)
+        images=image_batch([p for p, _ in images], np.array([r for _, r in images]), device)
         if images
         else None,
         image_rows=vision.build(device) if vision.used else None,
@@ -203,23 +203,45 @@ def _mrope_positions(
     return out
 
 
-def _image_batch(
+def image_batch(
     pixels: list[ImagePixels],
     rows: np.ndarray,  # [num_rows] int64: the batch rows the model fills from them
     device: torch.device,
 ) -> ImageBatch:
-    """The images, flat: their patch rows concatenated (float32 here; the model runner casts
-    them to the model dtype), with where each starts and the batch rows it fills."""
+    """The images, flat: their patch rows concatenated, with where each starts and the batch
+    rows it fills. When every image is in the compact form of one table, the rows are their
+    uint8 codes and the table (the model runner looks them up on the device); otherwise
+    float32 rows for all (the model runner casts them to the model dtype)."""
     counts = np.fromiter((p.num_patches for p in pixels), np.int64, len(pixels))
-    values = torch.from_numpy(np.concatenate([p.patches for p in pixels]))
+    table = pixels[0].table
+    if table is not None and all(p.table == table for p in pixels[1:]):
+        values = _upload_rows([p.data for p in pixels], torch.uint8, device)
+    else:
+        table = None
+        values = _upload_rows([p.patches for p in pixels], torch.float32, device)
     cu_patches, rows_device = upload([_cumsum0(counts), rows.astype(np.int64)], device)
     return ImageBatch(
-        pixel_values=values.to(device, non_blocking=True),
+        pixel_values=values,
         cu_patches=cu_patches.to(torch.int32),
         max_patches=int(counts.max()),
         grids=[p.grid for p in pixels],
         rows=rows_device,
+        table=table,
     )
+
+
+def _upload_rows(
+    parts: list[np.ndarray],  # each [n_i, width] of `dtype`
+    dtype: torch.dtype,  # theirs
+    device: torch.device,
+) -> torch.Tensor:  # [sum n_i, width] on `device`
+    """Arrays of rows concatenated on `device`, in one copy that, on CUDA, goes through
+    page-locked memory (as `upload`'s): queued behind the running step, not waited for."""
+    width = parts[0].shape[1]
+    total = sum(p.shape[0] for p in parts)
+    host = torch.empty((total, width), dtype=dtype, pin_memory=device.type == "cuda")
+    np.concatenate(parts, out=host.numpy())
+    return host.to(device, non_blocking=True)
 
 
 class _ImageRowsPlan:
@@ -278,7 +300,7 @@ class _ImageRowsPlan:
         out = StepImageRows(keep=self.keep, reads=self.reads, done=self.done)
         if self.pixels:
             no_rows = np.zeros(0, dtype=np.int64)
-            out.images = _image_batch(self.pixels, no_rows, device)
+            out.images = image_batch(self.pixels, no_rows, device)
             out.fill_rows, out.take = upload(
                 [np.concatenate(self.fill), np.concatenate(self.take)], device
             )

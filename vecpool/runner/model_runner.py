@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 
+import numpy as np
 import torch
 
 from vecpool.errors import EngineError
@@ -18,12 +19,13 @@ from vecpool.models.layers.invariant import InvariantFunctions, make_batch_invar
 from vecpool.models.layers.kv_blocks import BlockPool
 from vecpool.models.quant.linear import has_fp8_layers
 from vecpool.runner import cpu_choice, fp8_choice
-from vecpool.runner.batch import FlatBatch, build_flat_batch
+from vecpool.runner.batch import FlatBatch, build_flat_batch, image_batch
 from vecpool.runner.compiled import compile_blocks
 from vecpool.runner.cpu_linear import can_pack, pack_linears
 from vecpool.runner.graphs import StepGraphs, graph_max_tokens
 from vecpool.runner.image_rows import KeptImageRows
 from vecpool.runner.kv_cache import KVCache
+from vecpool.runner.pixel_tables import PixelTables
 from vecpool.runner.step import StepInput
 
 
@@ -92,6 +94,7 @@ class ModelRunner:
         chunks = model.is_causal and model.step_optimizations
         self.kv_cache: KVCache | None = KVCache() if chunks else None
         self.kept_image_rows = KeptImageRows()
+        self.pixel_tables = PixelTables(device, dtype)  # images' value tables, on the device
         self.block_pool = block_pool if chunks else None
         # Without a CUDA device, graphs=True runs the same padded shapes as plain forwards.
         # Its buffers are inference tensors, as every step's are: compiled blocks guard on
@@ -139,15 +142,9 @@ class ModelRunner:
         image's placeholder tokens, its vision tower run on the image alone. Sent back as the
         image's precomputed rows (`vecpool.inputs.vision_prompts`), they give what the image
         gives, bit for bit."""
-        patches = torch.from_numpy(pixels.patches).to(self.device, self.dtype)
-        images = ImageBatch(
-            pixel_values=patches,
-            cu_patches=torch.tensor([0, pixels.num_patches], dtype=torch.int32, device=self.device),
-            max_patches=pixels.num_patches,
-            grids=[pixels.grid],
-            rows=torch.zeros(0, dtype=torch.int64, device=self.device),
-        )
+        images = image_batch([pixels], np.zeros(0, dtype=np.int64), self.device)
         with self.on_device():
+            self._look_up(images)  # as a step's images are
             return self._vision_rows(images).cpu()
 
     def prepare(self, step: StepInput) -> FlatBatch:
@@ -171,10 +168,19 @@ class ModelRunner:
                 continue
             if not self.model.image_patch_dim:
                 raise EngineError("a step holds an image, but this model has no image tower")
-            images.pixel_values = images.pixel_values.to(self.dtype)
+            self._look_up(images)
         if batch.prompt_embeds is not None:  # image rows given as float32 join in the model dtype
             batch.prompt_embeds = batch.prompt_embeds.to(self.dtype)
         return batch
+
+    def _look_up(self, images: ImageBatch) -> None:
+        """`images.pixel_values` made the rows the model reads, in the model dtype: the
+        codes looked up on the device (`PixelTables`), or the float32 rows cast."""
+        if images.table is None:
+            images.pixel_values = images.pixel_values.to(self.dtype)
+        else:
+            images.pixel_values = self.pixel_tables.rows(images.pixel_values, images.table)
+            images.table = None
 
     def release(self, request_ids: list[str]) -> None:
         """Free the cached keys and values, and the kept image rows, of requests that are

@@ -13,7 +13,7 @@ import numpy as np
 
 from vecpool.calls.outputs import PoolingOutput, PromptRequest
 from vecpool.errors import EngineError, InputError, RequestFailedError, VecpoolError
-from vecpool.inputs.pixels import ImagePixels, ImageSpan
+from vecpool.inputs.pixels import ImagePixels, ImageSpan, PixelTable
 from vecpool.inputs.prompts import Prompt
 from vecpool.tasks import PoolingParams
 
@@ -24,15 +24,26 @@ _ERRORS: dict[str, type[VecpoolError]] = {
 }
 
 
+class WireImage(msgspec.Struct, array_like=True):
+    """One image's patch rows (`ImagePixels`): float32 little-endian `[rows * cols, width]`,
+    or the compact form, uint8 codes `[rows * cols, width]` with their table (`PixelTable`:
+    float32 little-endian `[3, 256]` values, uint8 `[width]` channels, frames)."""
+
+    grid: tuple[int, int]
+    data: bytes
+    values: bytes | None = None  # None: `data` is float rows
+    channels: bytes | None = None
+    frames: int = 1
+
+
 class WireSpan(msgspec.Struct, array_like=True):
     """One image of a vision-language prompt (`ImageSpan`): its placeholder run and grid, and
-    its patch rows (float32 `[rows * cols, patch_dim]`) or its precomputed rows (float32
-    `[num_tokens, hidden]`), little-endian."""
+    its patch rows or its precomputed rows (float32 `[num_tokens, hidden]`, little-endian)."""
 
     start: int
     num_tokens: int
     grid: tuple[int, int]
-    pixels: bytes | None
+    pixels: WireImage | None
     rows: bytes | None
 
 
@@ -48,9 +59,7 @@ class WireRequest(msgspec.Struct, array_like=True):
     embeds_dtype: str | None
     embeds_shape: tuple[int, int] | None
     num_attended: int | None
-    # An image input: its patch rows, float32 little-endian [rows * cols, patch_dim], and its grid.
-    image: bytes | None = None
-    image_grid: tuple[int, int] | None = None
+    image: WireImage | None = None  # an image input's patch rows
     # A vision-language prompt's images, and its [3, num_tokens] int64 M-RoPE positions.
     spans: list[WireSpan] | None = None
     mrope_positions: bytes | None = None
@@ -137,10 +146,7 @@ def submit(call_id: int, requests: list[PromptRequest]) -> Submit:
                 embeds_dtype=None if embeds is None else embeds.dtype.name,
                 embeds_shape=None if embeds is None else (embeds.shape[0], embeds.shape[1]),
                 num_attended=p.num_attended,
-                image=None
-                if p.image is None
-                else np.ascontiguousarray(p.image.patches, "<f4").tobytes(),
-                image_grid=None if p.image is None else p.image.grid,
+                image=None if p.image is None else _wire_image(p.image),
                 spans=[_wire_span(span) for span in p.images] if p.images else None,
                 mrope_positions=_array_bytes(p.mrope_positions),
             )
@@ -151,25 +157,21 @@ def submit(call_id: int, requests: list[PromptRequest]) -> Submit:
 def prompt_requests(message: Submit) -> list[PromptRequest]:
     """The requests of a `Submit`, as the API process prepared them."""
     out = []
+    tables: dict[bytes, PixelTable] = {}  # a call's images share their processor's table
     for w in message.requests:
         embeds = None
         if w.embeds is not None:
             assert w.embeds_dtype is not None and w.embeds_shape is not None
             dtype = np.dtype(w.embeds_dtype).newbyteorder("<")
             embeds = np.frombuffer(bytearray(w.embeds), dtype=dtype).reshape(w.embeds_shape)
-        image = None
-        if w.image is not None:
-            assert w.image_grid is not None
-            patches = np.frombuffer(bytearray(w.image), dtype="<f4")
-            rows, cols = w.image_grid
-            image = ImagePixels(patches.reshape(rows * cols, -1), (rows, cols))
+        image = None if w.image is None else _image(w.image, tables)
         prompt = Prompt(
             token_ids=_array(w.token_ids),
             prompt_embeds=embeds,
             token_type_ids=_array(w.token_type_ids),
             num_attended=w.num_attended,
             image=image,
-            images=tuple(_span(span) for span in w.spans or ()),
+            images=tuple(_span(span, tables) for span in w.spans or ()),
             mrope_positions=_positions(w.mrope_positions),
         )
         out.append(PromptRequest(w.index, prompt, message.params[w.params]))
@@ -185,18 +187,47 @@ def _wire_span(span: ImageSpan) -> WireSpan:
     def f32(array: np.ndarray | None) -> bytes | None:
         return None if array is None else np.ascontiguousarray(array, "<f4").tobytes()
 
-    pixels = None if span.pixels is None else span.pixels.patches
-    return WireSpan(span.start, span.num_tokens, span.grid, f32(pixels), f32(span.rows))
+    pixels = None if span.pixels is None else _wire_image(span.pixels)
+    return WireSpan(span.start, span.num_tokens, span.grid, pixels, f32(span.rows))
 
 
-def _span(w: WireSpan) -> ImageSpan:
-    pixels = rows = None
-    if w.pixels is not None:
-        patches = np.frombuffer(bytearray(w.pixels), dtype="<f4")
-        pixels = ImagePixels(patches.reshape(w.grid[0] * w.grid[1], -1), w.grid)
+def _span(w: WireSpan, tables: dict[bytes, PixelTable]) -> ImageSpan:
+    pixels = None if w.pixels is None else _image(w.pixels, tables)
+    rows = None
     if w.rows is not None:
         rows = np.frombuffer(bytearray(w.rows), dtype="<f4").reshape(w.num_tokens, -1)
     return ImageSpan(w.start, w.num_tokens, w.grid, pixels, rows)
+
+
+def _wire_image(pixels: ImagePixels) -> WireImage:
+    table = pixels.table
+    if table is None:
+        return WireImage(pixels.grid, np.ascontiguousarray(pixels.data, "<f4").tobytes())
+    return WireImage(
+        pixels.grid,
+        np.ascontiguousarray(pixels.data).tobytes(),
+        np.ascontiguousarray(table.values, "<f4").tobytes(),
+        table.channels.tobytes(),
+        table.frames,
+    )
+
+
+def _image(w: WireImage, tables: dict[bytes, PixelTable]) -> ImagePixels:
+    """The `ImagePixels` of `w`; its table, when it has one, the same object as an equal one
+    in `tables` (which it joins otherwise)."""
+    num_patches = w.grid[0] * w.grid[1]
+    if w.values is None:
+        patches = np.frombuffer(bytearray(w.data), dtype="<f4")
+        return ImagePixels(patches.reshape(num_patches, -1), w.grid)
+    assert w.channels is not None
+    key = w.values + w.channels + w.frames.to_bytes(4, "little")
+    table = tables.get(key)
+    if table is None:
+        values = np.frombuffer(bytearray(w.values), dtype="<f4").reshape(3, 256)
+        channels = np.frombuffer(bytearray(w.channels), dtype=np.uint8)
+        table = tables[key] = PixelTable(values.astype(np.float32), channels, w.frames)
+    codes = np.frombuffer(bytearray(w.data), dtype=np.uint8)
+    return ImagePixels(codes.reshape(num_patches, -1), w.grid, table)
 
 
 def _float_bytes(array: np.ndarray) -> bytes:
