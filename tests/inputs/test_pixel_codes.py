@@ -11,6 +11,7 @@ as the processor computed them before the compact form.
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -199,6 +200,8 @@ def test_the_wire_carries_the_compact_form() -> None:
     _assert_same_pixels(got_spans[0].pixels, compact)
     _assert_same_pixels(got_spans[1].pixels, floats)
     assert got_spans[1].pixels.table is None
+    # Pickled (as Ray moves inputs), the compact form stays compact and equal.
+    _assert_same_pixels(pickle.loads(pickle.dumps(compact)), compact)
     # Codes travel, not floats: 1 byte a value instead of 4, and no frame copies (the table,
     # 3 KB, rides along).
     compact_bytes = len(wire.encoder.encode(wire._wire_image(compact)))

@@ -2,7 +2,9 @@
 
 The model-free side (`vecpool.inputs.media`, `vecpool.inputs.image_processing`) decodes an image
 and preprocesses it as the checkpoint's Hugging Face image processor does, then cuts it into the
-patch rows the model's patch embedding reads. The engine sees only these arrays.
+patch rows the model's patch embedding reads. The engine sees only these arrays: the float32
+rows, or (what the processor makes) their 8-bit codes and the table that turns the codes into
+the rows, which the engine looks up on its device.
 """
 
 from __future__ import annotations
