@@ -232,7 +232,7 @@ def image_batch(
 
 def _upload_rows(
     parts: list[np.ndarray],  # each [n_i, width] of `dtype`
-    dtype: torch.dtype,  # theirs
+    dtype: torch.dtype,  # the parts' dtype
     device: torch.device,
 ) -> torch.Tensor:  # [sum n_i, width] on `device`
     """Arrays of rows concatenated on `device`, in one copy that, on CUDA, goes through
