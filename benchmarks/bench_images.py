@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report = {
         **record.header(
             "bench_images.py",
-            sys.argv if argv is None else argv,
+            sys.argv[1:] if argv is None else argv,
             device=args.device,
             commit=args.commit,
         ),
