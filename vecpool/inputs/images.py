@@ -86,7 +86,7 @@ class ImageReader:
         from PIL import Image
 
         pixels = self.processor(Image.new("RGB", (37, 23), (120, 60, 30)))
-        width = pixels.patches.shape[1]
+        width = pixels.patch_dim
         if width != patch_dim or (grid is not None and pixels.grid != grid):
             rows, cols = pixels.grid
             raise ConfigError(
