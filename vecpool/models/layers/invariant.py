@@ -43,6 +43,18 @@ from vecpool.models.layers.basic import FusedProjections
 CPU_ROW_TILE = 64
 # Block sizes of the Triton kernel: fixed, so that no launch depends on M.
 _BLOCK_M, _BLOCK_N, _BLOCK_K, _GROUP_M = 128, 128, 64, 8
+# The kernel's launch: blocks (M, N, K), the group of M blocks that share weight blocks, warps,
+# pipeline stages, and whether the weight's tile is read along K (its rows, as stored) and
+# transposed in registers rather than read across them. Fixed: no launch depends on M.
+TRITON_CONFIG: dict[str, int | bool] = dict(
+    BLOCK_M=_BLOCK_M,
+    BLOCK_N=_BLOCK_N,
+    BLOCK_K=_BLOCK_K,
+    GROUP_M=_GROUP_M,
+    num_warps=8,
+    num_stages=3,
+    W_ROWS=False,
+)
 
 
 def tiled_linear(
@@ -113,6 +125,7 @@ def _triton_kernel() -> Any | None:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         GROUP_M: tl.constexpr,
+        W_ROWS: tl.constexpr,
     ):
         # Grouped block order (neighbouring programs share weight blocks in L2); the order in
         # which blocks run does not change any block's sums.
@@ -135,11 +148,20 @@ def _triton_kernel() -> Any | None:
                 mask=(rm[:, None] < M) & (kk[None, :] < K),
                 other=0.0,
             )
-            b = tl.load(
-                w_ptr + rn[None, :] * stride_wn + kk[:, None] * stride_wk,
-                mask=(rn[None, :] < N) & (kk[:, None] < K),
-                other=0.0,
-            )
+            if W_ROWS:  # [BLOCK_N, BLOCK_K] along the weight's rows, then transposed
+                b = tl.trans(
+                    tl.load(
+                        w_ptr + rn[:, None] * stride_wn + kk[None, :] * stride_wk,
+                        mask=(rn[:, None] < N) & (kk[None, :] < K),
+                        other=0.0,
+                    )
+                )
+            else:
+                b = tl.load(
+                    w_ptr + rn[None, :] * stride_wn + kk[:, None] * stride_wk,
+                    mask=(rn[None, :] < N) & (kk[:, None] < K),
+                    other=0.0,
+                )
             if IEEE:  # noqa: SIM108 - float32 inputs: full precision, as cuBLAS by default
                 acc = tl.dot(a, b, acc, input_precision="ieee")
             else:
@@ -152,11 +174,17 @@ def _triton_kernel() -> Any | None:
             mask=(rm[:, None] < M) & (rn[None, :] < N),
         )
 
-    def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def launch(
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        config: dict[str, int | bool] | None = None,  # None: `TRITON_CONFIG`
+    ) -> torch.Tensor:
+        config = TRITON_CONFIG if config is None else config
         m, k = x.shape
         n = weight.shape[0]
         out = x.new_empty((m, n))
-        grid = (triton.cdiv(m, _BLOCK_M) * triton.cdiv(n, _BLOCK_N),)
+        grid = (triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]),)
         kernel[grid](
             x,
             weight,
@@ -173,12 +201,7 @@ def _triton_kernel() -> Any | None:
             out.stride(1),
             HAS_BIAS=bias is not None,
             IEEE=x.dtype == torch.float32,
-            BLOCK_M=_BLOCK_M,
-            BLOCK_N=_BLOCK_N,
-            BLOCK_K=_BLOCK_K,
-            GROUP_M=_GROUP_M,
-            num_warps=8,
-            num_stages=3,
+            **config,
         )
         return out
 
@@ -186,14 +209,17 @@ def _triton_kernel() -> Any | None:
 
 
 def triton_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: dict[str, int | bool] | None = None,  # the launch; None: `TRITON_CONFIG`
 ) -> torch.Tensor:
     """`F.linear` of `[M, K]` rows by the fixed-block Triton kernel (float32 sums, the result
     in `x`'s dtype). Raises `RuntimeError` where Triton is not installed."""
     launch = _triton_kernel()
     if launch is None:
         raise RuntimeError("the Triton matmul needs the triton package")
-    out: torch.Tensor = launch(x, weight, bias)
+    out: torch.Tensor = launch(x, weight, bias, config)
     return out
 
 
