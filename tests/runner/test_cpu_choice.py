@@ -191,6 +191,44 @@ def test_every_choice_matches_transformers_and_is_logged_once(
             assert_rel_close(ours, ref, rtol=REORDERED_RTOL)
 
 
+def test_a_choice_measured_on_a_busy_machine_is_a_warning_naming_the_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The load average per core is recorded with the measurement and logged; above
+    `BUSY_LOAD` the log is a warning that names the file to delete for a new measurement. The
+    choice itself stands (the same machine makes the same choice in every process)."""
+    folder, _ = _bert_folder(tmp_path)
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("VECPOOL_CACHE_DIR", str(cache))
+    cores = os.cpu_count() or 1
+    monkeypatch.setattr(os, "getloadavg", lambda: (3.0 * cores, 0.0, 0.0))
+    with caplog.at_level(logging.INFO, logger="vecpool.runner.cpu_choice"):
+        busy = vecpool.Engine(folder, device="cpu").model_runner.cpu_choice
+    (record,) = [r for r in caplog.records if r.name == "vecpool.runner.cpu_choice"]
+    assert record.levelno == logging.WARNING
+    assert "at a load of 3.00 per core" in record.getMessage()
+    assert f"delete {cache / 'cpu_choice.json'}" in record.getMessage()
+    (key,) = json.loads((cache / "cpu_choice.json").read_text())["entries"]
+    measured = cpu_choice.read_cached(key)
+    assert measured is not None and measured.load_per_core == 3.0
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="vecpool.runner.cpu_choice"):
+        again = vecpool.Engine(folder, device="cpu").model_runner.cpu_choice
+    assert again == busy  # read back, not measured again
+    assert caplog.records[-1].levelno == logging.WARNING
+    assert "cached measurement at a load of 3.00" in caplog.records[-1].getMessage()
+    # An entry written before the load was recorded reads as one of unknown load: no warning.
+    entries = json.loads((cache / "cpu_choice.json").read_text())
+    del entries["entries"][key]["load_per_core"]
+    (cache / "cpu_choice.json").write_text(json.dumps(entries))
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="vecpool.runner.cpu_choice"):
+        assert vecpool.Engine(folder, device="cpu").model_runner.cpu_choice == busy
+    assert caplog.records[-1].levelno == logging.INFO
+    assert "at a load" not in caplog.records[-1].getMessage()
+
+
 @pytest.mark.parametrize("mode", CPU_ATTENTION_MODES)
 def test_causal_grouped_query_attention_matches_transformers(
     mode: str, qwen3_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch

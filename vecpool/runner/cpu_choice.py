@@ -66,6 +66,10 @@ MIN_REPEATS = 2
 BUDGET_S = 1.0
 # The cache file's format; a file of another version is measured anew.
 CACHE_VERSION = 2
+# A measurement taken at a load average above this per core is logged as a warning, with how
+# to have it taken again: on a busy 2-core machine per-sequence attention timed 1.15 s against
+# 0.013 s quiet, and the padded layout won a choice that buckets win by 5x when quiet.
+BUSY_LOAD = 1.0
 
 
 @dataclass(frozen=True)
@@ -94,6 +98,9 @@ class Measurement:
     # One group's fixed cost in logits of one head, from a group of 8 tokens against one of
     # 4 x 128 (`_group_cost`); the attention probes' groups were planned with it.
     group_cost: float = GROUP_COST_LOGITS
+    # The machine's 1-minute load average per core when measured (None: not known): above
+    # `BUSY_LOAD`, other work took turns with the probes, the many-call ways most.
+    load_per_core: float | None = None
 
 
 @dataclass(frozen=True)
@@ -217,6 +224,9 @@ def _parse(entry: Any) -> Measurement | None:
             linear={str(k): float(v) for k, v in entry["linear"].items()},
             attention={str(k): float(v) for k, v in entry["attention"].items()},
             group_cost=float(entry["group_cost"]),
+            load_per_core=None
+            if entry.get("load_per_core") is None
+            else float(entry["load_per_core"]),
         )
     except (KeyError, TypeError, ValueError, AttributeError):
         return None
@@ -255,11 +265,16 @@ def choose(model: nn.Module, dtype: torch.dtype, *, causal: bool, max_len: int) 
         asdict,
     )
     source = "cached measurement" if cached else f"measured in {time.perf_counter() - start:.2f} s"
+    load = measurement.load_per_core
+    if load is not None:
+        source += f" at a load of {load:.2f} per core"
     isa = cpu_isa()
     choice = decide(isa, measurement)
-    logger.info(
+    busy = load is not None and load > BUSY_LOAD
+    logger.log(
+        logging.WARNING if busy else logging.INFO,
         "CPU %s (%s, %d threads): linears %s, attention %s (%s: linears %s; attention %s; "
-        "a group of lengths costs %.0f logits)",
+        "a group of lengths costs %.0f logits)%s",
         cpu_model_name(),
         isa,
         torch.get_num_threads(),
@@ -269,8 +284,20 @@ def choose(model: nn.Module, dtype: torch.dtype, *, causal: bool, max_len: int) 
         _ms(measurement.linear),
         _ms(measurement.attention),
         measurement.group_cost,
+        f". Measured on a busy machine, it may not be the fastest here: delete {cache_path()} "
+        "to have the next load measure again"
+        if busy
+        else "",
     )
     return choice
+
+
+def load_per_core() -> float | None:
+    """The 1-minute load average per CPU core; None where the platform has none."""
+    try:
+        return os.getloadavg()[0] / (os.cpu_count() or 1)
+    except (AttributeError, OSError):
+        return None
 
 
 def _ms(seconds: dict[str, float]) -> str:
@@ -287,6 +314,7 @@ def measure(model: nn.Module, shape: ProbeShape, dtype: torch.dtype) -> Measurem
             linear=_per_kernel(_time_interleaved(_linear_probes(model, shape, dtype))),
             attention=_time_interleaved(_attention_probes(shape, dtype, group_cost)),
             group_cost=group_cost,
+            load_per_core=load_per_core(),
         )
 
 
