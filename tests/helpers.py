@@ -114,6 +114,24 @@ def run_interpreted(script: str, *args: str) -> Any:
     return json.loads(done.stdout.splitlines()[-1])
 
 
+def pipeline_chunks(monkeypatch: pytest.MonkeyPatch, first: int, chunk: int) -> list[int]:
+    """The sizes of the chunks the engines' calls are prepared in from now on, in order, with a
+    first chunk of `first` and later ones of `chunk` (texts, or their weight)."""
+    import vecpool.api.running as running
+
+    monkeypatch.setattr(running, "PIPELINE_CHUNK", chunk)
+    monkeypatch.setattr(running, "PIPELINE_FIRST_CHUNK", first)
+    sizes: list[int] = []
+    prepare = running.calls.prepare_encode
+
+    def counted(ctx: Any, items: Any, options: Any) -> Any:
+        sizes.append(len(items))
+        return prepare(ctx, items, options)
+
+    monkeypatch.setattr(running.calls, "prepare_encode", counted)
+    return sizes
+
+
 def batch_sizes_of(monkeypatch: pytest.MonkeyPatch, cls: type, method: str) -> list[int]:
     """The sizes of the batches `cls.method` is called with from now on (its first argument
     after `self`), in order; the method still runs."""

@@ -16,7 +16,7 @@ from sentence_transformers import SentenceTransformer
 
 import vecpool
 from tests.conftest import make_st_folder
-from tests.helpers import random_prompts
+from tests.helpers import pipeline_chunks, random_prompts
 from vecpool.config import SchedulerConfig
 from vecpool.engine.request import Request
 from vecpool.engine.scheduler import Scheduler
@@ -211,16 +211,7 @@ def test_large_calls_are_pipelined_in_chunks(tiny_bert_engine, monkeypatch) -> N
     engine = tiny_bert_engine
     prompts = random_prompts(99, [3 + (i * 7) % 40 for i in range(11)], seed=50)
     whole = engine.embed(prompts)
-    monkeypatch.setattr(vecpool.api.running, "PIPELINE_CHUNK", 3)
-    monkeypatch.setattr(vecpool.api.running, "PIPELINE_FIRST_CHUNK", 2)
-    sizes: list[int] = []
-    prepare = vecpool.api.running.calls.prepare_encode
-
-    def counted(ctx, items, options):  # type: ignore[no-untyped-def]
-        sizes.append(len(items))
-        return prepare(ctx, items, options)
-
-    monkeypatch.setattr(vecpool.api.running.calls, "prepare_encode", counted)
+    sizes = pipeline_chunks(monkeypatch, first=2, chunk=3)
     assert np.abs(engine.embed(prompts) - whole).max() <= 1e-6
     assert sizes == [2, 3, 3, 3]  # a smaller first chunk: the device starts sooner
     # Matryoshka dimensions: each chunk's rows stacked into the call's result, cut alike.

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import vecpool
-from tests.helpers import assert_rel_close
+from tests.helpers import assert_rel_close, pipeline_chunks
 from tests.image_models import (
     CLIP,
     SIGLIP,
@@ -64,17 +64,8 @@ def test_a_large_call_of_images_runs_in_chunks_of_fewer_inputs(
     images = sample_images(3)
     items = [TEXTS[i % 3] if i % 4 == 3 else images[i % 3] for i in range(10)]
     whole = engine.embed(items)
-    monkeypatch.setattr(vecpool.api.running, "PIPELINE_CHUNK", 8)
-    monkeypatch.setattr(vecpool.api.running, "PIPELINE_FIRST_CHUNK", 4)
     monkeypatch.setattr(vecpool.api.engine, "PIPELINE_IMAGE_WEIGHT", 2)
-    sizes: list[int] = []
-    prepare = vecpool.api.running.calls.prepare_encode
-
-    def counted(ctx, items, options):  # type: ignore[no-untyped-def]
-        sizes.append(len(items))
-        return prepare(ctx, items, options)
-
-    monkeypatch.setattr(vecpool.api.running.calls, "prepare_encode", counted)
+    sizes = pipeline_chunks(monkeypatch, first=4, chunk=8)
     assert_rel_close(engine.embed(items), whole)
     # weights 2 2 | 2 1 2 2 | 2 1 2 2: a first chunk of weight <= 4, then <= 8
     assert sizes == [2, 4, 4]
