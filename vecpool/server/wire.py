@@ -220,12 +220,10 @@ def _image(w: WireImage, tables: dict[bytes, PixelTable]) -> ImagePixels:
         patches = np.frombuffer(bytearray(w.data), dtype="<f4")
         return ImagePixels(patches.reshape(num_patches, -1), w.grid)
     assert w.channels is not None
-    key = w.values + w.channels + w.frames.to_bytes(4, "little")
-    table = tables.get(key)
-    if table is None:
-        values = np.frombuffer(bytearray(w.values), dtype="<f4").reshape(3, 256)
-        channels = np.frombuffer(bytearray(w.channels), dtype=np.uint8)
-        table = tables[key] = PixelTable(values.astype(np.float32), channels, w.frames)
+    values = np.frombuffer(bytearray(w.values), dtype="<f4").reshape(3, 256)
+    channels = np.frombuffer(bytearray(w.channels), dtype=np.uint8)
+    read = PixelTable(values.astype(np.float32), channels, w.frames)
+    table = tables.setdefault(read.key, read)
     codes = np.frombuffer(bytearray(w.data), dtype=np.uint8)
     return ImagePixels(codes.reshape(num_patches, -1), w.grid, table)
 

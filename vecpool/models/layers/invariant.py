@@ -41,16 +41,14 @@ from vecpool.models.layers.basic import FusedProjections
 # Rows of one tile on the CPU path: small enough that padding a step costs little, large enough
 # that each product is a real matrix product (MKL's kernels for one to three rows differ).
 CPU_ROW_TILE = 64
-# Block sizes of the Triton kernel: fixed, so that no launch depends on M.
-_BLOCK_M, _BLOCK_N, _BLOCK_K, _GROUP_M = 128, 128, 64, 8
-# The kernel's launch: blocks (M, N, K), the group of M blocks that share weight blocks, warps,
+# The Triton kernel's launch: blocks (M, N, K), the group of M blocks that share weight blocks, warps,
 # pipeline stages, and whether the weight's tile is read along K (its rows, as stored) and
 # transposed in registers rather than read across them. Fixed: no launch depends on M.
 TRITON_CONFIG: dict[str, int | bool] = dict(
-    BLOCK_M=_BLOCK_M,
-    BLOCK_N=_BLOCK_N,
-    BLOCK_K=_BLOCK_K,
-    GROUP_M=_GROUP_M,
+    BLOCK_M=128,
+    BLOCK_N=128,
+    BLOCK_K=64,
+    GROUP_M=8,
     num_warps=8,
     num_stages=3,
     W_ROWS=False,
